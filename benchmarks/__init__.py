@@ -1,0 +1,1 @@
+"""Benchmarks of every kernel against its peers: ``python -m benchmarks``."""

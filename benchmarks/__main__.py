@@ -1,0 +1,104 @@
+"""python -m benchmarks [--quick] [--suite NAME]: every kernel against its peers on this GPU.
+
+Writes benchmarks/results/<arch>/<suite>.json (rows: suite, case, impl, ms, gbps or
+tflops, device, date) and a PNG plot beside it, and prints a table. Without a GPU it
+says so and compiles every kernel configuration with fake tensors instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import sys
+import time
+
+from .suites import SUITES
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def _table(rows):
+    ours = {r["case"]: r for r in rows if r["impl"] == "ours"}
+    lines = [f"{'suite':18} {'case':34} {'impl':14} {'ms':>9} {'GB/s|TF/s':>10} {'ours x':>7}"]
+    for r in rows:
+        rate = r.get("gbps", r.get("tflops"))
+        o = ours.get(r["case"])
+        speedup = f"{r['ms'] / o['ms']:.2f}" if o and r["impl"] != "ours" else ""
+        lines.append(f"{r['suite']:18} {r['case']:34} {r['impl']:14} {r['ms']:9.4f} {rate:10.1f} {speedup:>7}")
+    return "\n".join(lines)
+
+
+def _plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    key = "gbps" if "gbps" in rows[0] else "tflops"
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(cases)), 4))
+    w = 0.8 / len(impls)
+    for i, impl in enumerate(impls):
+        vals = [next((r[key] for r in rows if r["case"] == c and r["impl"] == impl), 0) for c in cases]
+        ax.bar([j + i * w for j in range(len(cases))], vals, w, label=impl)
+    ax.set_xticks([j + 0.4 - w / 2 for j in range(len(cases))])
+    ax.set_xticklabels(cases, rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("GB/s" if key == "gbps" else "TFLOP/s")
+    ax.set_title(f"{rows[0]['suite']} on {rows[0]['device']}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a few cases per suite")
+    ap.add_argument("--suite", action="append", choices=SUITES, help="run only this suite (repeatable)")
+    ap.add_argument("--out", default=RESULTS, help="results root (default: benchmarks/results)")
+    args = ap.parse_args(argv)
+    suites = args.suite or list(SUITES)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("No CUDA GPU here: nothing can be timed. Compiling every kernel configuration")
+        print("with fake tensors for sm_90a instead (the check CI runs).")
+        for name in suites:
+            mod = importlib.import_module(f"benchmarks.suites.{name}")
+            t0 = time.time()
+            n = mod.compile_only("sm_90a")
+            print(f"  {name}: {n} configurations compiled in {time.time() - t0:.1f} s")
+        return 0
+
+    from ops._compile import device_arch
+
+    from .arch import settings as arch_settings
+
+    arch = device_arch(torch.cuda.current_device())
+    settings = arch_settings(arch)
+    device = torch.cuda.get_device_name()
+    date = datetime.date.today().isoformat()
+    out_dir = os.path.join(args.out, settings.NAME)
+    os.makedirs(out_dir, exist_ok=True)
+    print(f"{device} ({arch}), torch {torch.__version__}")
+    for name in suites:
+        mod = importlib.import_module(f"benchmarks.suites.{name}")
+        rows = mod.run(settings, args.quick)
+        for r in rows:
+            r.update(device=device, date=date)
+        path = os.path.join(out_dir, f"{name}{'.quick' if args.quick else ''}.json")
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+        _plot(rows, path[:-5] + ".png")
+        print(_table(rows))
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

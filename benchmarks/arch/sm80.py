@@ -1,0 +1,6 @@
+"""A100 (sm_80) and the default for other archs: the same sizes, the peers that run there."""
+
+NAME = "sm80"
+PEERS = ("torch", "torch.compile", "quack", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn")
+
+from .sm90 import DROPOUT_BIAS_BWD  # noqa: E402,F401  same problem sizes

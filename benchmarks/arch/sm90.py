@@ -1,0 +1,24 @@
+"""H100 / H200 (sm_90): which peers exist here and the problem sizes of each suite."""
+
+NAME = "sm90"
+PEERS = ("torch", "torch.compile", "quack", "fa4", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn")
+
+DROPOUT_BIAS_BWD = {
+    # (rows, N), dtype name, activation
+    "full": [
+        ((16384, 4096), "float32", None),
+        ((16384, 4096), "bfloat16", None),
+        ((65536, 1024), "float32", None),
+        ((65536, 1024), "bfloat16", None),
+        ((8192, 1024), "float32", None),
+        ((8192, 1024), "bfloat16", None),
+        ((16384, 4096), "bfloat16", "gelu"),
+        ((16384, 4096), "bfloat16", "relu"),
+        ((8192, 1000), "bfloat16", None),
+    ],
+    "quick": [
+        ((16384, 4096), "float32", None),
+        ((16384, 4096), "bfloat16", None),
+        ((8192, 1024), "bfloat16", None),
+    ],
+}

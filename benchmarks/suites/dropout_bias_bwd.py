@@ -1,0 +1,80 @@
+"""Suite dropout_bias_bwd: the fused dropout + bias (+ activation) backward.
+
+Peers in the same run: torch eager and torch.compile of the same math (fp32 compute,
+outputs in dY's dtype), and a device copy moving the same number of bytes.
+Bytes counted: dY, mask, (x), dX once each; bias terms are negligible.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NAME = "dropout_bias_bwd"
+
+
+def _case_name(shape, dtype, act):
+    return f"{shape[0]}x{shape[1]}:{dtype}" + (f":{act}" if act else "")
+
+
+def run(settings, quick: bool):
+    import ops
+    from ops.reference import dropout_bias_backward_ref, dropout_bias_backward_torch
+
+    from ..timing import bench_ms, copy_ms
+
+    rows_out = []
+    p = 0.1
+    for shape, dtype_name, act in settings.DROPOUT_BIAS_BWD["quick" if quick else "full"]:
+        dtype = getattr(torch, dtype_name)
+        r, n = shape
+        dy = torch.randn(r, n, device="cuda", dtype=dtype)
+        mask = torch.rand(r, n, device="cuda") >= p
+        x = bias = None
+        if act:
+            x = torch.randn(r, n, device="cuda", dtype=dtype)
+            bias = torch.randn(n, device="cuda", dtype=dtype)
+        esize = dy.element_size()
+        nbytes = r * n * (2 * esize + 1 + (esize if act else 0))
+
+        # correctness first, on these inputs
+        gi, gb = ops.dropout_bias_backward(dy, mask, p, x, bias, act)
+        ref_dx, ref_db = dropout_bias_backward_ref(dy, mask, p, x, bias, act)
+        err_dx = ((gi.double() - ref_dx).norm() / ref_dx.norm()).item()
+        err_db = ((gb.double() - ref_db).norm() / ref_db.norm()).item()
+        if not (err_dx < 1e-2 and err_db < 1e-2):
+            raise RuntimeError(f"{_case_name(shape, dtype_name, act)}: wrong result, rel err dX {err_dx} dBias {err_db}")
+
+        torch._dynamo.reset()  # a fresh graph per case: no recompile limit, no guards shared
+        compiled_torch = torch.compile(dropout_bias_backward_torch, dynamic=False)
+        impls = {
+            "ours": lambda: ops.dropout_bias_backward(dy, mask, p, x, bias, act),
+            "torch": lambda: dropout_bias_backward_torch(dy, mask, p, x, bias, act),
+            "torch.compile": lambda: compiled_torch(dy, mask, p, x, bias, act),
+        }
+        case = _case_name(shape, dtype_name, act)
+        for impl, fn in impls.items():
+            ms = bench_ms(fn)
+            rows_out.append({"suite": NAME, "case": case, "impl": impl, "ms": ms, "gbps": nbytes / ms / 1e6})
+        ms = copy_ms(nbytes)
+        rows_out.append({"suite": NAME, "case": case, "impl": "copy", "ms": ms, "gbps": nbytes / ms / 1e6})
+        del dy, mask, x, bias, gi, gb, ref_dx, ref_db
+        torch.cuda.empty_cache()
+    return rows_out
+
+
+def compile_only(arch: str):
+    """Compile every configuration of the kernel for ``arch`` with fake tensors."""
+    import cutlass
+
+    from cute_kernels.common.activation import ACTIVATIONS
+    from ops.dropout_bias import compiled
+
+    n = 0
+    for dtype in (cutlass.Float32, cutlass.Float16, cutlass.BFloat16):
+        for act in (None,) + ACTIVATIONS:
+            vec = 128 // dtype.width
+            while vec >= 1:
+                compiled(dtype, dtype, act, vec, arch)
+                n += 1
+                vec //= 2
+    return n

@@ -1,0 +1,47 @@
+"""Timing on the device: medians of CUDA-event timings, L2 flushed between runs."""
+
+from __future__ import annotations
+
+import torch
+
+
+def bench_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median milliseconds of ``fn()`` (triton.testing.do_bench: warm-up, L2 flush, events)."""
+    try:
+        from triton.testing import do_bench
+    except ImportError:  # pragma: no cover - triton ships with CUDA torch
+        return _bench_events(fn, warmup_ms, rep_ms)
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def _bench_events(fn, warmup_ms, rep_ms):
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    spent = 0.0
+    while spent < rep_ms or len(times) < 5:
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+        spent += times[-1]
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_ms(nbytes: int) -> float:
+    """Median time of a device-to-device copy moving ``nbytes`` in all (half read, half written)."""
+    n = max(1, nbytes // 2)
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    return bench_ms(lambda: dst.copy_(src))
+
+
+def copy_ceiling_gbps(nbytes: int = 2 << 30) -> float:
+    """GB/s (read + write) of a large device-to-device copy: the memory-bound ceiling."""
+    return nbytes / copy_ms(nbytes) / 1e6

@@ -1,0 +1,1 @@
+"""Device code: one kernel family per module, one kernel class per file."""

@@ -1,0 +1,1 @@
+"""Device functions and kernels shared by several kernel families."""

@@ -1,0 +1,89 @@
+"""Tiles of the fused dropout + bias backward (seed: LightSeq ``ls_dropout_bias_bwd``).
+
+The seed uses a (8 x 128) thread block, one column per thread and a serial walk over
+rows. We keep the idea (threads walk rows, accumulating column sums in registers) but
+give every thread a 128-bit vector of columns, so each warp moves 512 contiguous bytes
+of dY per row, and split the rows over several CTAs per column tile whose per-column
+partials the last-arriving CTA sums in a fixed order (``common/column_partials``).
+
+| dtype | vector (elems) | threads (rows x cols) | CTA tile (rows x cols) | rows in flight / thread |
+|-------|----------------|-----------------------|------------------------|-------------------------|
+| fp32  | 4              | 16 x 32               | 16 x 128               | 8                       |
+| fp16  | 8              | 16 x 32               | 16 x 256               | 8                       |
+| bf16  | 8              | 16 x 32               | 16 x 256               | 8                       |
+
+Chosen on the H100 (benchmarks/notes/dropout_bias_bwd.md): 8 rows in flight and
+16 x 32 threads beat 4 and 8 x 32 by 3-5% at 16384 x 4096 bf16.
+
+N (or a stride or an address) not a multiple of the vector falls back to the widest
+vector that divides it, down to one element, so no access straddles a row end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .spec import TiledCopySpec
+
+MAX_VECTOR_BITS = 128
+THREADS = (16, 32)  # (rows, cols) of threads in a CTA
+ROWS_IN_FLIGHT = 8  # row blocks loaded before the first use (memory-level parallelism)
+CTAS_PER_SM = 4  # target residency when sizing the grid over row chunks
+MIN_ROWS_PER_CTA = 256  # below this a CTA's fixed cost (partials, reduction) dominates
+
+
+@dataclass(frozen=True)
+class DropoutBiasBwdTiles:
+    elem_bits: int
+    vec: int
+    threads: tuple = THREADS
+    rows_in_flight: int = ROWS_IN_FLIGHT
+
+    @property
+    def num_threads(self) -> int:
+        return self.threads[0] * self.threads[1]
+
+    @property
+    def tile(self) -> tuple:
+        return (self.threads[0], self.threads[1] * self.vec)
+
+    def gmem_copy(self) -> TiledCopySpec:
+        """dY / x / dX: one 128-bit (or narrower) vector per thread per row."""
+        return TiledCopySpec(self.threads, (1, self.vec), self.elem_bits)
+
+    def gmem_copy_mask(self) -> TiledCopySpec:
+        """The keep mask (one byte per element) with the same thread/value layout."""
+        return TiledCopySpec(self.threads, (1, self.vec), 8)
+
+    def col_tiles(self, n: int) -> int:
+        return -(-n // self.tile[1])
+
+
+def tiles(elem_bits: int, vec: int, arch: str = "sm_90a") -> DropoutBiasBwdTiles:
+    """Tiles for ``elem_bits``-bit elements moved ``vec`` at a time on ``arch``.
+
+    ``vec`` is the widest vector (at most 128 bits) that the row length, the strides
+    and the addresses allow; the host finds it. sm_80 and sm_90 use the same tiles:
+    a pure streaming kernel is served best on both by 128-bit accesses and enough
+    rows in flight.
+    """
+    del arch
+    if vec < 1 or vec & (vec - 1) or vec * elem_bits > MAX_VECTOR_BITS:
+        raise ValueError(f"vector of {vec} x {elem_bits} bits is not a legal access")
+    return DropoutBiasBwdTiles(elem_bits=elem_bits, vec=vec)
+
+
+def row_chunks(rows: int, n: int, tiles_: DropoutBiasBwdTiles, num_sms: int) -> tuple:
+    """(chunks, row blocks per chunk): how the rows of a column tile split over CTAs.
+
+    Enough CTAs to keep ``CTAS_PER_SM`` resident per SM, each with at least
+    ``MIN_ROWS_PER_CTA`` rows, a whole number of ``rows_in_flight`` batches, and none
+    empty. ``chunks`` is also the leading dim of the fp32 partials.
+    """
+    tile_m, tile_n = tiles_.tile
+    col_tiles = tiles_.col_tiles(n)
+    row_blocks = max(1, -(-rows // tile_m))
+    target = max(1, (num_sms * CTAS_PER_SM) // col_tiles)
+    per_chunk = max(-(-MIN_ROWS_PER_CTA // tile_m), -(-row_blocks // target))
+    per_chunk = -(-per_chunk // tiles_.rows_in_flight) * tiles_.rows_in_flight
+    return -(-row_blocks // per_chunk), per_chunk

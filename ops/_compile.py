@@ -1,0 +1,147 @@
+"""Compile once per configuration, call through TVM-FFI.
+
+Kernels are traced against fake tensors whose sizes and strides are symbolic, so a
+configuration (dtypes, flags, vector width, arch) compiles once and serves every
+shape. Compiled functions live in an in-process cache; the DSL's own disk cache
+(``CUTE_DSL_CACHE_DIR``, set below unless the user chose one) spares a second process
+the MLIR/ptxas work.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from typing import Callable, Dict, Hashable, Optional, Sequence
+
+os.environ.setdefault(
+    "CUTE_DSL_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "cute_kernels", "dsl")
+)
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+import torch  # noqa: E402
+
+TORCH_TO_CUTE = {
+    torch.float32: cutlass.Float32,
+    torch.float16: cutlass.Float16,
+    torch.bfloat16: cutlass.BFloat16,
+    torch.uint8: cutlass.Uint8,
+    torch.int32: cutlass.Int32,
+}
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def cute_dtype(dtype: torch.dtype):
+    return TORCH_TO_CUTE[dtype]
+
+
+def arch_of(capability: Sequence[int]) -> str:
+    """The DSL target for a compute capability; sm_90 gets 'a' for wgmma/setmaxnreg."""
+    major, minor = capability
+    suffix = "a" if major in (9, 10) and minor == 0 else ""
+    return f"sm_{major}{minor}{suffix}"
+
+
+@functools.lru_cache(maxsize=None)
+def device_arch(index: int) -> str:
+    return arch_of(torch.cuda.get_device_capability(index))
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def fake_tensor(dtype, shape, vec: int = 1, leading_dim: Optional[int] = -1):
+    """A fake tensor of symbolic sizes/strides; strides divisible by ``vec`` elements.
+
+    ``shape`` entries may be ints or ``cute.sym_int()``; the leading (contiguous) dim
+    has stride 1, every other stride is a symbolic int64 (tensors over 2^31 elements).
+    """
+    rank = len(shape)
+    if leading_dim is not None and leading_dim < 0:
+        leading_dim += rank
+    stride = tuple(1 if i == leading_dim else cute.sym_int64(divisibility=vec) for i in range(rank))
+    align = max(1, vec * dtype.width // 8)
+    return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
+
+
+def fake_stream():
+    """The stream argument: at call time TVM-FFI passes torch's current stream."""
+    return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def compile_kernel(fn: Callable, *args, arch: str):
+    return cute.compile(fn, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
+
+
+class CompileCache:
+    """Per-process cache of compiled functions, keyed by configuration."""
+
+    def __init__(self, name: str, build: Callable[..., Callable]):
+        self.name = name
+        self._build = build
+        self._fns: Dict[Hashable, Callable] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, *key):
+        fn = self._fns.get(key)
+        if fn is None:
+            with self._lock:
+                fn = self._fns.get(key)
+                if fn is None:
+                    fn = self._build(*key)
+                    self._fns[key] = fn
+        return fn
+
+    def __len__(self):
+        return len(self._fns)
+
+    def clear(self):
+        self._fns.clear()
+
+
+_counters: Dict[tuple, torch.Tensor] = {}
+
+
+def ticket_counters(device: torch.device, count: int) -> torch.Tensor:
+    """``count`` zeroed int32 counters that kernels take tickets from and leave zeroed.
+
+    One buffer per (device, stream): launches on one stream run in order, so each
+    finds the counters zero again. During CUDA-graph capture a fresh zeroed buffer is
+    made instead, its memset captured with the graph.
+    """
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(count, dtype=torch.int32, device=device)
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    buf = _counters.get(key)
+    if buf is None or buf.numel() < count:
+        buf = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+        _counters[key] = buf
+    return buf
+
+
+def max_vector_elems(max_bits: int, *operands) -> int:
+    """Widest vector (elements, power of two, <= max_bits) that every operand allows.
+
+    Each operand is ``(tensor, elems)``: a vector of v elements of this tensor is legal
+    when its row length, every non-unit stride and its address are multiples of v.
+    The element counts of all operands move together (the kernel uses one vector
+    length), so v is limited by the widest element type.
+    """
+    widest = max(t.element_size() for t, _ in operands)
+    v = max(1, max_bits // (8 * widest))
+    while v > 1:
+        ok = True
+        for t, n in operands:
+            if n % v or t.data_ptr() % (v * t.element_size()):
+                ok = False
+                break
+            if any(s % v for s, d in zip(t.stride()[:-1], t.shape[:-1]) if d > 1):
+                ok = False
+                break
+        if ok:
+            break
+        v //= 2
+    return v

@@ -1,0 +1,277 @@
+"""Torch face of the fused dropout + bias (+ activation) backward.
+
+``dropout_bias_backward`` is the kernel as a registered custom op; ``bias_dropout`` is
+the training op y = dropout(act(x + bias)) whose forward runs in torch (keeping the
+keep-mask as bool) and whose backward is our kernel; ``BiasDropout`` wraps it as a
+module.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from cute_kernels.common.activation import ACTIVATIONS
+from layouts import dropout_bias as tiling
+
+from . import _compile as cc
+from ._validate import (
+    check_cuda,
+    check_dtype,
+    check_probability,
+    check_same_device,
+    check_shape,
+    rows_view,
+)
+
+_MAX_VECTOR_BITS = tiling.MAX_VECTOR_BITS
+
+
+def _build(dtype, dbias_dtype, activation, vec, arch):
+    import cutlass
+    import cutlass.cute as cute
+
+    from cute_kernels.dropout_bias import DropoutBiasBwd
+
+    t = tiling.tiles(dtype.width, vec, arch)
+    rows, n, chunks = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    with_act = activation is not None
+    return cc.compile_kernel(
+        DropoutBiasBwd(dtype, dbias_dtype, activation, t),
+        cc.fake_tensor(dtype, (rows, n), vec),  # dY
+        cc.fake_tensor(cutlass.Uint8, (rows, n), vec),  # mask
+        cc.fake_tensor(dtype, (rows, n), vec) if with_act else None,  # x
+        cc.fake_tensor(dtype, (n,), vec) if with_act else None,  # bias
+        cc.fake_tensor(dtype, (rows, n), vec),  # dX
+        cc.fake_tensor(cutlass.Float32, (chunks, n), 1),  # partials
+        cc.fake_tensor(cutlass.Int32, (cute.sym_int(),), 1),  # ticket counters
+        cc.fake_tensor(dbias_dtype, (n,), 1),  # dBias
+        cutlass.Float32(1.0),
+        cutlass.Int32(1),
+        cc.fake_stream(),
+        arch=arch,
+    )
+
+
+compiled = cc.CompileCache("dropout_bias_bwd", _build)
+
+
+def _validate(grad_out, mask, p, x, bias, activation):
+    check_cuda("grad_out", grad_out)
+    check_dtype("grad_out", grad_out, cc.FLOAT_DTYPES)
+    if grad_out.dim() < 1:
+        raise ValueError("grad_out must have at least one dimension [..., N]")
+    check_same_device("mask", mask, grad_out)
+    check_dtype("mask", mask, (torch.bool, torch.uint8))
+    check_shape("mask", mask, grad_out.shape)
+    check_probability("p", p)
+    if activation is not None and activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
+    n = grad_out.shape[-1]
+    if activation is not None:
+        if x is None or bias is None:
+            raise ValueError(f"activation={activation!r} needs the pre-activation input x and bias")
+        check_same_device("x", x, grad_out)
+        check_shape("x", x, grad_out.shape)
+        if x.dtype != grad_out.dtype:
+            raise TypeError(f"x must have grad_out's dtype {grad_out.dtype}, got {x.dtype}")
+    elif x is not None:
+        raise ValueError("x is only used with an activation; pass activation= or drop x")
+    if bias is not None:
+        check_same_device("bias", bias, grad_out)
+        check_shape("bias", bias, (n,))
+        check_dtype("bias", bias, cc.FLOAT_DTYPES)
+        if activation is not None and bias.dtype != grad_out.dtype:
+            raise TypeError(
+                f"with an activation, bias must have grad_out's dtype {grad_out.dtype}, got {bias.dtype}"
+            )
+
+
+def _dbias_dtype(grad_out: Tensor, bias: Optional[Tensor]) -> torch.dtype:
+    return bias.dtype if bias is not None else grad_out.dtype
+
+
+def launch(
+    grad_out: Tensor,
+    mask: Tensor,
+    p: float,
+    x: Optional[Tensor],
+    bias: Optional[Tensor],
+    activation: Optional[str],
+    grad_in: Tensor,
+    grad_bias: Tensor,
+) -> None:
+    """Run the kernel into preallocated grad_in (grad_out's shape) and grad_bias ([N])."""
+    n = grad_out.shape[-1]
+    if grad_out.numel() == 0:
+        grad_bias.zero_()
+        return
+    dy = rows_view("grad_out", grad_out)
+    m = rows_view("mask", mask if mask.dtype == torch.uint8 else mask.view(torch.uint8))
+    dx = rows_view("grad_in", grad_in)
+    operands = [(dy, n), (m, n), (dx, n)]
+    xs = bs = None
+    if activation is not None:
+        xs = rows_view("x", x)
+        bs = bias if bias.stride(0) == 1 else bias.contiguous()
+        operands += [(xs, n), (bs.view(1, n), n)]
+    vec = cc.max_vector_elems(_MAX_VECTOR_BITS, *operands)
+    dev = grad_out.device.index if grad_out.device.index is not None else torch.cuda.current_device()
+    arch = cc.device_arch(dev)
+    t = tiling.tiles(8 * grad_out.element_size(), vec, arch)
+    chunks, per_chunk = tiling.row_chunks(dy.shape[0], n, t, cc.num_sms(dev))
+    partials = torch.empty((chunks, n), dtype=torch.float32, device=grad_out.device)
+    counters = cc.ticket_counters(grad_out.device, t.col_tiles(n))
+    fn = compiled(cc.cute_dtype(grad_out.dtype), cc.cute_dtype(grad_bias.dtype), activation, vec, arch)
+    fn(dy, m, xs, bs, dx, partials, counters, grad_bias, 1.0 / (1.0 - p), per_chunk)
+
+
+@torch.library.custom_op("cute_kernels::dropout_bias_backward", mutates_args=(), device_types="cuda")
+def _dropout_bias_backward(
+    grad_out: Tensor,
+    mask: Tensor,
+    p: float,
+    x: Optional[Tensor],
+    bias: Optional[Tensor],
+    activation: Optional[str],
+) -> Tuple[Tensor, Tensor]:
+    grad_in = torch.empty_like(grad_out, memory_format=torch.contiguous_format)
+    grad_bias = torch.empty(grad_out.shape[-1], dtype=_dbias_dtype(grad_out, bias), device=grad_out.device)
+    launch(grad_out, mask, p, x, bias, activation, grad_in, grad_bias)
+    return grad_in, grad_bias
+
+
+@_dropout_bias_backward.register_fake
+def _(grad_out, mask, p, x, bias, activation):
+    n = grad_out.shape[-1]
+    return (
+        torch.empty_like(grad_out, memory_format=torch.contiguous_format),
+        grad_out.new_empty((n,), dtype=_dbias_dtype(grad_out, bias)),
+    )
+
+
+def dropout_bias_backward(
+    grad_out: Tensor,
+    mask: Tensor,
+    p: float,
+    x: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    activation: Optional[str] = None,
+) -> Tuple[Tensor, Tensor]:
+    """Gradients of y = dropout(act(x + bias)) with a saved keep-mask.
+
+    Args:
+        grad_out: dY, [..., N], fp32/fp16/bf16, CUDA.
+        mask: keep-mask of dY's shape, bool or uint8 (nonzero = kept).
+        p: the drop probability used in the forward, 0 <= p < 1.
+        x: the pre-activation input (activation only), dY's shape and dtype.
+        bias: [N]; required with an activation, otherwise it only sets grad_bias's dtype.
+        activation: None, "relu", "gelu" (tanh approximation) or "gelu_erf".
+
+    Returns:
+        (grad_in, grad_bias): dX = dY * mask / (1 - p) [* act'(x + bias)], of dY's
+        shape and dtype; dBias = dX summed over all leading dims, accumulated in fp32,
+        in bias's dtype (dY's without bias). Deterministic.
+    """
+    _validate(grad_out, mask, p, x, bias, activation)
+    return _dropout_bias_backward(grad_out, mask, float(p), x, bias, activation)
+
+
+# --- the training op: forward in torch, backward through the kernel ---------------
+
+
+def _act_forward(z: Tensor, activation: Optional[str]) -> Tensor:
+    if activation is None:
+        return z
+    if activation == "relu":
+        return torch.relu(z)
+    if activation == "gelu":
+        return torch.nn.functional.gelu(z, approximate="tanh")
+    return torch.nn.functional.gelu(z)
+
+
+@torch.library.custom_op("cute_kernels::bias_dropout_forward", mutates_args=(), device_types="cuda")
+def _bias_dropout_forward(x: Tensor, bias: Tensor, p: float, activation: Optional[str]) -> Tuple[Tensor, Tensor]:
+    a = _act_forward(x + bias, activation)
+    mask = torch.rand(a.shape, device=a.device, dtype=torch.float32) >= p
+    y = a * mask * (1.0 / (1.0 - p))
+    return y.to(x.dtype), mask
+
+
+@_bias_dropout_forward.register_fake
+def _(x, bias, p, activation):
+    return torch.empty_like(x), torch.empty(x.shape, dtype=torch.bool, device=x.device)
+
+
+def _bias_dropout_setup(ctx, inputs, output):
+    x, bias, p, activation = inputs
+    _, mask = output
+    ctx.p = p
+    ctx.activation = activation
+    ctx.bias_dtype = bias.dtype
+    if activation is None:
+        ctx.save_for_backward(mask)
+    else:
+        ctx.save_for_backward(mask, x, bias)
+
+
+def _bias_dropout_backward(ctx, grad_y, grad_mask):
+    del grad_mask
+    if ctx.activation is None:
+        (mask,) = ctx.saved_tensors
+        x = bias = None
+    else:
+        mask, x, bias = ctx.saved_tensors
+    # dY arriving from autograd may be any view: the kernel wants rows it can flatten.
+    grad_y = grad_y.contiguous()
+    grad_x, grad_bias = _dropout_bias_backward(grad_y, mask, ctx.p, x, bias, ctx.activation)
+    return grad_x, grad_bias.to(ctx.bias_dtype), None, None
+
+
+torch.library.register_autograd(
+    "cute_kernels::bias_dropout_forward", _bias_dropout_backward, setup_context=_bias_dropout_setup
+)
+
+
+def bias_dropout(
+    x: Tensor,
+    bias: Tensor,
+    p: float,
+    activation: Optional[str] = None,
+    training: bool = True,
+) -> Tensor:
+    """y = dropout(act(x + bias), p); in training the backward runs our fused kernel."""
+    check_cuda("x", x)
+    check_dtype("x", x, cc.FLOAT_DTYPES)
+    check_same_device("bias", bias, x)
+    check_shape("bias", bias, (x.shape[-1],))
+    check_probability("p", p)
+    if activation is not None and activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
+    if bias.dtype != x.dtype:
+        raise TypeError(f"bias must have x's dtype {x.dtype}, got {bias.dtype}")
+    if not training:
+        return _act_forward(x + bias, activation)
+    y, _ = _bias_dropout_forward(x, bias, float(p), activation)
+    return y
+
+
+class BiasDropout(torch.nn.Module):
+    """``dropout(act(x + bias))`` with a learnt bias of size ``features``."""
+
+    def __init__(self, features: int, p: float = 0.1, activation: Optional[str] = None, device=None, dtype=None):
+        super().__init__()
+        check_probability("p", p)
+        if activation is not None and activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
+        self.p = p
+        self.activation = activation
+        self.bias = torch.nn.Parameter(torch.zeros(features, device=device, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return bias_dropout(x, self.bias, self.p, self.activation, self.training)
+
+    def extra_repr(self) -> str:
+        return f"features={self.bias.numel()}, p={self.p}, activation={self.activation}"
