@@ -30,6 +30,9 @@ THREADS = (16, 32)  # (rows, cols) of threads in a CTA
 ROWS_IN_FLIGHT = 8  # row blocks loaded before the first use (memory-level parallelism)
 CTAS_PER_SM = 4  # target residency when sizing the grid over row chunks
 MIN_ROWS_PER_CTA = 256  # below this a CTA's fixed cost (partials, reduction) dominates
+# Cache hints: every byte is touched once, so nothing is worth keeping in L1.
+LOAD_HINTS = dict(op="universal")
+STORE_HINTS = dict(op="universal")
 
 
 @dataclass(frozen=True)
@@ -47,13 +50,21 @@ class DropoutBiasBwdTiles:
     def tile(self) -> tuple:
         return (self.threads[0], self.threads[1] * self.vec)
 
-    def gmem_copy(self) -> TiledCopySpec:
-        """dY / x / dX: one 128-bit (or narrower) vector per thread per row."""
-        return TiledCopySpec(self.threads, (1, self.vec), self.elem_bits)
+    def gmem_load(self) -> TiledCopySpec:
+        """dY / x: one 128-bit (or narrower) vector per thread per row, read once."""
+        return TiledCopySpec(self.threads, (1, self.vec), self.elem_bits, **LOAD_HINTS)
 
-    def gmem_copy_mask(self) -> TiledCopySpec:
+    def gmem_load_mask(self) -> TiledCopySpec:
         """The keep mask (one byte per element) with the same thread/value layout."""
-        return TiledCopySpec(self.threads, (1, self.vec), 8)
+        return TiledCopySpec(self.threads, (1, self.vec), 8, **LOAD_HINTS)
+
+    # the names the layouts catalogue uses (one copy layout serves dY, x and dX)
+    gmem_copy = gmem_load
+    gmem_copy_mask = gmem_load_mask
+
+    def gmem_store(self) -> TiledCopySpec:
+        """dX, the same thread/value layout as the loads."""
+        return TiledCopySpec(self.threads, (1, self.vec), self.elem_bits, **STORE_HINTS)
 
     def col_tiles(self, n: int) -> int:
         return -(-n // self.tile[1])

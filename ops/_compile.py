@@ -21,6 +21,7 @@ os.environ.setdefault(
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 import torch  # noqa: E402
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode  # noqa: E402
 
 TORCH_TO_CUTE = {
     torch.float32: cutlass.Float32,
@@ -70,6 +71,20 @@ def fake_tensor(dtype, shape, vec: int = 1, leading_dim: Optional[int] = -1):
 def fake_stream():
     """The stream argument: at call time TVM-FFI passes torch's current stream."""
     return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def eager(t: torch.Tensor) -> bool:
+    """True when a call may skip the torch.library dispatch (about 40 us of host time).
+
+    Only plain tensors outside torch.compile tracing and outside any dispatch mode
+    (FakeTensorMode, make_fx, ...) take the direct path; everything else goes through
+    the registered custom op, so graphs still see it.
+    """
+    return (
+        type(t) is torch.Tensor
+        and not torch.compiler.is_compiling()
+        and _current_dispatch_mode() is None
+    )
 
 
 def compile_kernel(fn: Callable, *args, arch: str):

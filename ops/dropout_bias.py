@@ -93,6 +93,51 @@ def _dbias_dtype(grad_out: Tensor, bias: Optional[Tensor]) -> torch.dtype:
     return bias.dtype if bias is not None else grad_out.dtype
 
 
+class _Plan:
+    """What a call's metadata decides: vector width, grid split, the compiled function."""
+
+    __slots__ = ("rows", "n", "fn", "chunks", "per_chunk", "col_tiles", "plain_views")
+
+    def __init__(self, grad_out, mask, x, bias, activation, grad_in, grad_bias):
+        n = grad_out.shape[-1]
+        dy = rows_view("grad_out", grad_out)
+        m = rows_view("mask", mask)
+        dx = rows_view("grad_in", grad_in)
+        operands = [(dy, n), (m, n), (dx, n)]
+        if activation is not None:
+            operands += [(rows_view("x", x), n), (bias.view(1, n), n)]
+        vec = cc.max_vector_elems(_MAX_VECTOR_BITS, *operands)
+        dev = grad_out.device.index
+        arch = cc.device_arch(dev)
+        t = tiling.tiles(8 * grad_out.element_size(), vec, arch)
+        self.rows, self.n = dy.shape
+        self.chunks, self.per_chunk = tiling.row_chunks(self.rows, n, t, cc.num_sms(dev))
+        self.col_tiles = t.col_tiles(n)
+        self.fn = compiled(cc.cute_dtype(grad_out.dtype), cc.cute_dtype(grad_bias.dtype), activation, vec, arch)
+        # whether t.view(rows, n) already gives the strides the kernel was planned with
+        self.plain_views = all(
+            t.view(self.rows, n).stride() == v.stride() for t, v in ((grad_out, dy), (mask, m), (grad_in, dx))
+        ) and (x is None or x.view(self.rows, n).stride() == rows_view("x", x).stride())
+
+
+_plans: dict = {}
+
+
+def _plan(grad_out, mask, x, bias, activation, grad_in, grad_bias) -> _Plan:
+    """Plans are cached by the metadata they depend on: a repeated call is a dict lookup."""
+    key = (
+        grad_out.shape, grad_out.stride(), grad_out.dtype, grad_out.device,
+        mask.stride(), grad_in.stride(), grad_bias.dtype, activation,
+        None if x is None else x.stride(), None if bias is None else bias.stride(),
+        grad_out.data_ptr() & 15, mask.data_ptr() & 15, grad_in.data_ptr() & 15,
+        0 if x is None else x.data_ptr() & 15, 0 if bias is None else bias.data_ptr() & 15,
+    )  # fmt: skip
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = _Plan(grad_out, mask, x, bias, activation, grad_in, grad_bias)
+    return plan
+
+
 def launch(
     grad_out: Tensor,
     mask: Tensor,
@@ -104,28 +149,32 @@ def launch(
     grad_bias: Tensor,
 ) -> None:
     """Run the kernel into preallocated grad_in (grad_out's shape) and grad_bias ([N])."""
-    n = grad_out.shape[-1]
     if grad_out.numel() == 0:
         grad_bias.zero_()
         return
-    dy = rows_view("grad_out", grad_out)
-    m = rows_view("mask", mask if mask.dtype == torch.uint8 else mask.view(torch.uint8))
-    dx = rows_view("grad_in", grad_in)
-    operands = [(dy, n), (m, n), (dx, n)]
-    xs = bs = None
-    if activation is not None:
-        xs = rows_view("x", x)
-        bs = bias if bias.stride(0) == 1 else bias.contiguous()
-        operands += [(xs, n), (bs.view(1, n), n)]
-    vec = cc.max_vector_elems(_MAX_VECTOR_BITS, *operands)
-    dev = grad_out.device.index if grad_out.device.index is not None else torch.cuda.current_device()
-    arch = cc.device_arch(dev)
-    t = tiling.tiles(8 * grad_out.element_size(), vec, arch)
-    chunks, per_chunk = tiling.row_chunks(dy.shape[0], n, t, cc.num_sms(dev))
-    partials = torch.empty((chunks, n), dtype=torch.float32, device=grad_out.device)
-    counters = cc.ticket_counters(grad_out.device, t.col_tiles(n))
-    fn = compiled(cc.cute_dtype(grad_out.dtype), cc.cute_dtype(grad_bias.dtype), activation, vec, arch)
-    fn(dy, m, xs, bs, dx, partials, counters, grad_bias, 1.0 / (1.0 - p), per_chunk)
+    if mask.dtype != torch.uint8:
+        mask = mask.view(torch.uint8)
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
+    plan = _plan(grad_out, mask, x, bias, activation, grad_in, grad_bias)
+    shape = (plan.rows, plan.n)
+    if plan.plain_views:
+        dy, m, dx = grad_out.view(shape), mask.view(shape), grad_in.view(shape)
+        xs = None if x is None else x.view(shape)
+    else:
+        dy, m, dx = rows_view("grad_out", grad_out), rows_view("mask", mask), rows_view("grad_in", grad_in)
+        xs = None if x is None else rows_view("x", x)
+    partials = torch.empty((plan.chunks, plan.n), dtype=torch.float32, device=grad_out.device)
+    counters = cc.ticket_counters(grad_out.device, plan.col_tiles)
+    plan.fn(dy, m, xs, bias if activation is not None else None, dx, partials, counters, grad_bias,
+            1.0 / (1.0 - p), plan.per_chunk)  # fmt: skip
+
+
+def _dropout_bias_backward_impl(grad_out, mask, p, x, bias, activation):
+    grad_in = torch.empty_like(grad_out, memory_format=torch.contiguous_format)
+    grad_bias = torch.empty(grad_out.shape[-1], dtype=_dbias_dtype(grad_out, bias), device=grad_out.device)
+    launch(grad_out, mask, p, x, bias, activation, grad_in, grad_bias)
+    return grad_in, grad_bias
 
 
 @torch.library.custom_op("cute_kernels::dropout_bias_backward", mutates_args=(), device_types="cuda")
@@ -137,10 +186,7 @@ def _dropout_bias_backward(
     bias: Optional[Tensor],
     activation: Optional[str],
 ) -> Tuple[Tensor, Tensor]:
-    grad_in = torch.empty_like(grad_out, memory_format=torch.contiguous_format)
-    grad_bias = torch.empty(grad_out.shape[-1], dtype=_dbias_dtype(grad_out, bias), device=grad_out.device)
-    launch(grad_out, mask, p, x, bias, activation, grad_in, grad_bias)
-    return grad_in, grad_bias
+    return _dropout_bias_backward_impl(grad_out, mask, p, x, bias, activation)
 
 
 @_dropout_bias_backward.register_fake
@@ -176,6 +222,8 @@ def dropout_bias_backward(
         in bias's dtype (dY's without bias). Deterministic.
     """
     _validate(grad_out, mask, p, x, bias, activation)
+    if cc.eager(grad_out):
+        return _dropout_bias_backward_impl(grad_out, mask, float(p), x, bias, activation)
     return _dropout_bias_backward(grad_out, mask, float(p), x, bias, activation)
 
 
@@ -226,7 +274,10 @@ def _bias_dropout_backward(ctx, grad_y, grad_mask):
         mask, x, bias = ctx.saved_tensors
     # dY arriving from autograd may be any view: the kernel wants rows it can flatten.
     grad_y = grad_y.contiguous()
-    grad_x, grad_bias = _dropout_bias_backward(grad_y, mask, ctx.p, x, bias, ctx.activation)
+    if cc.eager(grad_y):
+        grad_x, grad_bias = _dropout_bias_backward_impl(grad_y, mask, ctx.p, x, bias, ctx.activation)
+    else:
+        grad_x, grad_bias = _dropout_bias_backward(grad_y, mask, ctx.p, x, bias, ctx.activation)
     return grad_x, grad_bias.to(ctx.bias_dtype), None, None
 
 

@@ -55,12 +55,14 @@ class DropoutBiasBwd:
         blocks_per_chunk: Int32,
         stream: cuda.CUstream,
     ):
-        copy = self.tiles.gmem_copy().build(self.dtype)
-        copy_mask = self.tiles.gmem_copy_mask().build(cutlass.Uint8)
+        copy = self.tiles.gmem_load().build(self.dtype)
+        copy_mask = self.tiles.gmem_load_mask().build(cutlass.Uint8)
+        copy_out = self.tiles.gmem_store().build(self.dtype)
         tile_n = self.tiles.tile[1]
         self.kernel(
-            mDY, mMask, mX, mBias, mDX, mPartial, mCounter, mDBias, scale, blocks_per_chunk, copy, copy_mask
-        ).launch(
+            mDY, mMask, mX, mBias, mDX, mPartial, mCounter, mDBias, scale, blocks_per_chunk,
+            copy, copy_mask, copy_out,
+        ).launch(  # fmt: skip
             grid=[cute.ceil_div(mDY.shape[1], tile_n), mPartial.shape[0], 1],
             block=[self.tiles.num_threads, 1, 1],
             stream=stream,
@@ -81,6 +83,7 @@ class DropoutBiasBwd:
         blocks_per_chunk: Int32,
         copy: cute.TiledCopy,
         copy_mask: cute.TiledCopy,
+        copy_out: cute.TiledCopy,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         col_tile, chunk, _ = cute.arch.block_idx()
@@ -98,7 +101,7 @@ class DropoutBiasBwd:
         thr_mask = copy_mask.get_slice(tidx)
         tDYg = thr.partition_S(gDY)  # (CPY, 1, 1, row blocks)
         tMg = thr_mask.partition_S(gMask)
-        tDXg = thr.partition_D(gDX)
+        tDXg = copy_out.get_slice(tidx).partition_D(gDX)
         tRC = thr.partition_S(cRC)
         row0, col = tRC[0, 0, 0, 0]  # this thread's row in a block, first column
         col_ok = col < n  # the vector divides N: the whole vector is in or out
@@ -139,7 +142,7 @@ class DropoutBiasBwd:
                         rX[i] = cute.make_rmem_tensor_like(tXg[None, 0, 0, 0])
                         cute.copy(copy, tXg[None, 0, 0, rb + i], rX[i])
                 for i in cutlass.range_constexpr(in_flight):
-                    self.grad_block(rDY[i], rM[i], rX[i], rBias, scale, acc, copy, tDXg[None, 0, 0, rb + i])
+                    self.grad_block(rDY[i], rM[i], rX[i], rBias, scale, acc, copy_out, tDXg[None, 0, 0, rb + i])
             # The rest of the chunk, one row block at a time, rows guarded.
             for rb in cutlass.range(batched_end, rb_end):
                 if rb * tile[0] + row0 < rows:
@@ -151,7 +154,7 @@ class DropoutBiasBwd:
                     if const_expr(self.activation is not None):
                         rX = cute.make_rmem_tensor_like(tXg[None, 0, 0, 0])
                         cute.copy(copy, tXg[None, 0, 0, rb], rX)
-                    self.grad_block(rDY, rM, rX, rBias, scale, acc, copy, tDXg[None, 0, 0, rb])
+                    self.grad_block(rDY, rM, rX, rBias, scale, acc, copy_out, tDXg[None, 0, 0, rb])
 
         # dBias: fold the CTA's row-threads through shared memory (the seed's tile[8][129]
         # step), then the last CTA of this column tile adds all chunks' partials.
