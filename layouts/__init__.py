@@ -1,5 +1,6 @@
 """Every tile layout, swizzle, tiled copy and tiled MMA our kernels use, per architecture."""
 
+from .catalogue import get, names
 from .spec import TiledCopySpec
 
-__all__ = ["TiledCopySpec"]
+__all__ = ["TiledCopySpec", "get", "names"]

@@ -79,6 +79,9 @@ def _validate(grad_out, mask, p, x, bias, activation):
             raise TypeError(f"x must have grad_out's dtype {grad_out.dtype}, got {x.dtype}")
     elif x is not None:
         raise ValueError("x is only used with an activation; pass activation= or drop x")
+    for name, t in (("grad_out", grad_out), ("mask", mask), ("x", x)):
+        if t is not None:
+            rows_view(name, t)  # raises for layouts that cannot be read as [rows, N]
     if bias is not None:
         check_same_device("bias", bias, grad_out)
         check_shape("bias", bias, (n,))
@@ -87,6 +90,27 @@ def _validate(grad_out, mask, p, x, bias, activation):
             raise TypeError(
                 f"with an activation, bias must have grad_out's dtype {grad_out.dtype}, got {bias.dtype}"
             )
+
+
+_validated: set = set()
+
+
+def _meta(t):
+    return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
+
+
+def _validate_cached(grad_out, mask, p, x, bias, activation):
+    """The full checks once per metadata signature; afterwards only p (host time matters)."""
+    try:
+        key = (_meta(grad_out), _meta(mask), _meta(x), _meta(bias), activation)
+    except AttributeError:  # not tensors: let the full checks name the argument
+        key = None
+    if key is None or key not in _validated:
+        _validate(grad_out, mask, p, x, bias, activation)
+        if key is not None:
+            _validated.add(key)
+    else:
+        check_probability("p", p)
 
 
 def _dbias_dtype(grad_out: Tensor, bias: Optional[Tensor]) -> torch.dtype:
@@ -221,7 +245,7 @@ def dropout_bias_backward(
         shape and dtype; dBias = dX summed over all leading dims, accumulated in fp32,
         in bias's dtype (dY's without bias). Deterministic.
     """
-    _validate(grad_out, mask, p, x, bias, activation)
+    _validate_cached(grad_out, mask, p, x, bias, activation)
     if cc.eager(grad_out):
         return _dropout_bias_backward_impl(grad_out, mask, float(p), x, bias, activation)
     return _dropout_bias_backward(grad_out, mask, float(p), x, bias, activation)

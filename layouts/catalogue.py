@@ -1,0 +1,266 @@
+"""The catalogue: every layout our kernels use, by name, plus reference entries.
+
+Names read ``<kernel>.<arch>.<dtype>.<what>`` (``dropout_bias_bwd.sm90.bf16.gmem_dy``)
+or ``reference.<...>`` for textbook layouts the known-answer tests pin down. The
+kernel entries are built from the same functions the kernels call
+(``dropout_bias.tiles(...)``), so what is drawn and analysed here is what runs.
+
+An entry gives its pure-Python form (``layouts.algebra``) for analysis and pictures,
+and ``build()``, the DSL object, to be called inside a ``@cute.jit`` function.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from . import dropout_bias
+from .algebra import (
+    AnyLayout,
+    ComposedLayout,
+    Layout,
+    LdMatrixAtom,
+    MmaAtom,
+    Swizzle,
+    TVLayout,
+    sm75_ldmatrix_x4,
+    sm80_mma_16x8x16,
+)
+from .spec import TiledCopySpec
+
+DTYPES = {"fp32": 32, "fp16": 16, "bf16": 16, "u8": 8}
+ARCHS = {"sm80": "sm_80", "sm90": "sm_90a"}
+
+
+def cute_dtype(name: str):
+    import cutlass
+
+    return {"fp32": cutlass.Float32, "fp16": cutlass.Float16, "bf16": cutlass.BFloat16, "u8": cutlass.Uint8}[name]
+
+
+def _dsl_layout(layout: Layout):
+    import cutlass.cute as cute
+
+    return cute.make_layout(layout.shape, stride=layout.stride)
+
+
+@dataclass(frozen=True)
+class LayoutEntry:
+    """A plain layout over a 2-D shape (index per coordinate)."""
+
+    name: str
+    description: str
+    layout: Layout
+    kind = "layout"
+
+    @property
+    def tile(self) -> Tuple[int, int]:
+        return self.layout.shape
+
+    def build(self):
+        return _dsl_layout(self.layout)
+
+
+@dataclass(frozen=True)
+class SmemEntry:
+    """A shared-memory tile layout (element offsets, possibly swizzled).
+
+    ``accesses`` names the copy/ldmatrix entries whose bank conflicts against this
+    layout the analysis reports.
+    """
+
+    name: str
+    description: str
+    layout: AnyLayout
+    dtype: str
+    accesses: Tuple[str, ...] = ()
+    kind = "smem"
+
+    @property
+    def elem_bits(self) -> int:
+        return DTYPES[self.dtype]
+
+    @property
+    def tile(self) -> Tuple[int, int]:
+        return self.layout.shape
+
+    def build(self):
+        import cutlass.cute as cute
+
+        if isinstance(self.layout, ComposedLayout):
+            sw = self.layout.swizzle
+            return cute.make_composed_layout(
+                cute.make_swizzle(sw.bits, sw.base, sw.shift), self.layout.offset, _dsl_layout(self.layout.layout)
+            )
+        return _dsl_layout(self.layout)
+
+
+@dataclass(frozen=True)
+class CopyEntry:
+    """A tiled copy (``TiledCopySpec``) between registers and ``memory`` ("gmem"/"smem").
+
+    Global copies are analysed for coalescing; shared ones for bank conflicts
+    against each of ``smem_layouts``.
+    """
+
+    name: str
+    description: str
+    spec: TiledCopySpec
+    dtype: str
+    memory: str = "gmem"
+    smem_layouts: Tuple[str, ...] = ()
+    kind = "copy"
+    access_kind = "vector"
+
+    @property
+    def elem_bits(self) -> int:
+        return self.spec.elem_bits
+
+    @property
+    def tile(self) -> Tuple[int, int]:
+        return self.spec.tiler
+
+    def tv(self) -> TVLayout:
+        return self.spec.tv_layout()
+
+    def src_tv(self) -> TVLayout:
+        return self.tv()
+
+    def dst_tv(self) -> TVLayout:
+        return self.tv()
+
+    def access_tv(self) -> TVLayout:
+        return self.tv()
+
+    def build(self):
+        return self.spec.build(cute_dtype(self.dtype))
+
+
+@dataclass(frozen=True)
+class LdMatrixEntry:
+    """``ldmatrix`` feeding an MMA operand: source rows (smem) and destination fragment."""
+
+    name: str
+    description: str
+    atom: LdMatrixAtom
+    dtype: str
+    smem_layouts: Tuple[str, ...] = ()
+    kind = "ldmatrix"
+    access_kind = "ldmatrix"
+
+    @property
+    def elem_bits(self) -> int:
+        return DTYPES[self.dtype]
+
+    @property
+    def tile(self) -> Tuple[int, int]:
+        return self.atom.src.tile
+
+    def src_tv(self) -> TVLayout:
+        return self.atom.src
+
+    def dst_tv(self) -> TVLayout:
+        return self.atom.dst
+
+    def access_tv(self) -> TVLayout:
+        return self.atom.src
+
+    def build(self):
+        """The ldmatrix tiled copy for the A operand of the SM80 16x8x16 MMA."""
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass.cute.nvgpu import warp
+
+        dt = cute_dtype(self.dtype)
+        mma = cute.make_tiled_mma(warp.MmaF16BF16Op(dt, cutlass.Float32, (16, 8, 16)))
+        atom = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, self.atom.num_matrices), dt)
+        return cute.make_tiled_copy_A(atom, mma)
+
+
+@dataclass(frozen=True)
+class MmaEntry:
+    """A warp MMA atom; its A (M x K), B (N x K) and C (M x N) fragments."""
+
+    name: str
+    description: str
+    atom: MmaAtom
+    dtype: str
+    acc_dtype: str = "fp32"
+    kind = "mma"
+
+    @property
+    def tile(self) -> Tuple[int, int]:
+        return self.atom.c.tile
+
+    def build(self):
+        import cutlass.cute as cute
+        from cutlass.cute.nvgpu import warp
+
+        op = warp.MmaF16BF16Op(cute_dtype(self.dtype), cute_dtype(self.acc_dtype), self.atom.shape_mnk)
+        return cute.make_tiled_mma(op)
+
+
+_REGISTRY: Dict[str, object] = {}
+
+
+def register(entry) -> None:
+    if entry.name in _REGISTRY:
+        raise ValueError(f"{entry.name} is already registered")
+    _REGISTRY[entry.name] = entry
+
+
+def get(name: str):
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        close = difflib.get_close_matches(name, _REGISTRY, n=3)
+        raise KeyError(f"no layout {name!r}" + (f"; did you mean {close}?" if close else "")) from None
+
+
+def names(prefix: Optional[str] = None) -> List[str]:
+    return sorted(n for n in _REGISTRY if prefix is None or n.startswith(prefix))
+
+
+# ------------------------------------------------------------------ kernel entries
+
+
+def _register_dropout_bias() -> None:
+    for arch_key, arch in ARCHS.items():
+        for dtype in ("bf16", "fp16", "fp32"):
+            bits = DTYPES[dtype]
+            t = dropout_bias.tiles(bits, dropout_bias.MAX_VECTOR_BITS // bits, arch)
+            base = f"dropout_bias_bwd.{arch_key}.{dtype}"
+            register(CopyEntry(f"{base}.gmem_dy", f"dY / x global load, {t.vec} x {dtype} per thread",
+                               t.gmem_load(), dtype))
+            register(CopyEntry(f"{base}.gmem_mask", f"keep-mask global load (bytes), {t.vec} per thread",
+                               t.gmem_load_mask(), "u8"))
+            register(CopyEntry(f"{base}.gmem_dx", f"dX global store, {t.vec} x {dtype} per thread",
+                               t.gmem_store(), dtype))
+
+
+# --------------------------------------------------------------- reference entries
+
+SMEM_64 = ("reference.smem.fp16_64x64.unswizzled", "reference.smem.fp16_64x64.swizzle333")
+ACCESSES_64 = ("reference.sm80.ldmatrix_x4", "reference.sm80.cp_async_128b.fp16_16x64")
+
+
+def _register_reference() -> None:
+    register(LayoutEntry("reference.rowmajor_8x8", "row-major 8x8: (8,8):(8,1)", Layout((8, 8), (8, 1))))
+    register(MmaEntry("reference.sm80.mma_16x8x16.f16", "mma.sync.m16n8k16 f16 inputs, f32 accumulators",
+                      sm80_mma_16x8x16(), "fp16"))
+    register(LdMatrixEntry("reference.sm80.ldmatrix_x4",
+                           "ldmatrix.x4 (4 8x8 b16 matrices) loading the 16x16 A operand of the 16x8x16 MMA",
+                           sm75_ldmatrix_x4(), "fp16", SMEM_64))
+    register(CopyEntry("reference.sm80.cp_async_128b.fp16_16x64",
+                       "cp.async of a 16x64 fp16 tile, 128 threads x 8 elements (row-major threads)",
+                       TiledCopySpec((16, 8), (1, 8), 16, op="cp.async"), "fp16", "smem", SMEM_64))
+    row_major = Layout((64, 64), (64, 1))
+    register(SmemEntry(SMEM_64[0], "64x64 fp16, row-major, 128-byte rows, no swizzle", row_major, "fp16",
+                       ACCESSES_64))
+    register(SmemEntry(SMEM_64[1], "64x64 fp16, row-major with Swizzle<3,3,3> (16-byte chunk ^= row % 8)",
+                       ComposedLayout(Swizzle(3, 3, 3), row_major), "fp16", ACCESSES_64))
+
+
+_register_dropout_bias()
+_register_reference()
