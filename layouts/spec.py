@@ -8,7 +8,7 @@ CPU without tracing a kernel; ``build()`` turns it into the CuTe DSL object insi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 
 _EVICT = {"normal": "EVICT_NORMAL", "first": "EVICT_FIRST", "last": "EVICT_LAST", "no_allocate": "NO_ALLOCATE"}
@@ -84,3 +84,77 @@ class TiledCopySpec:
         thr = cute.make_ordered_layout(self.thr_shape, order=self.thr_order)
         val = cute.make_layout(self.val_shape)
         return cute.make_tiled_copy_tv(atom, thr, val)
+
+
+@dataclass(frozen=True)
+class SmemLayoutSpec:
+    """A shared-memory tile: a swizzled (rows x cols) row-major atom tiled over ``shape``.
+
+    ``swizzle`` is CuTe's Swizzle<B, M, S> on element offsets; (3, 3, 3) on 16-bit
+    elements permutes the 16-byte chunks of 8 consecutive 128-byte rows, so a column
+    of 8 rows read or written by 8 threads hits 8 different bank groups.
+    """
+
+    atom: Tuple[int, int]
+    swizzle: Optional[Tuple[int, int, int]]  # None: a plain row-major tile, rows padded by ``pad``
+    shape: Tuple[int, int]
+    elem_bits: int
+    pad: int = 0
+
+    def __post_init__(self):
+        if self.shape[0] % self.atom[0] or self.shape[1] % self.atom[1]:
+            raise ValueError(f"atom {self.atom} does not tile {self.shape}")
+
+    @property
+    def bytes(self) -> int:
+        return self.shape[0] * (self.shape[1] + self.pad) * self.elem_bits // 8
+
+    def layout(self):
+        """The pure-Python form (``layouts.algebra``): the swizzle over the tiled atom."""
+        from .algebra import ComposedLayout, Swizzle, blocked_product, make_layout
+
+        if self.swizzle is None:
+            return make_layout(self.shape, (self.shape[1] + self.pad, 1))
+        rows, cols = self.atom
+        atom = make_layout((rows, cols), (cols, 1))
+        tiled = blocked_product(atom, make_layout((self.shape[0] // rows, self.shape[1] // cols)))
+        return ComposedLayout(Swizzle(*self.swizzle), tiled)
+
+    def build(self, dtype):
+        import cutlass.cute as cute
+
+        if dtype.width != self.elem_bits:
+            raise ValueError(f"spec is for {self.elem_bits}-bit elements, got {dtype}")
+        if self.swizzle is None:
+            return cute.make_layout(self.shape, stride=(self.shape[1] + self.pad, 1))
+        rows, cols = self.atom
+        atom = cute.make_composed_layout(
+            cute.make_swizzle(*self.swizzle), 0, cute.make_layout((rows, cols), stride=(cols, 1))
+        )
+        return cute.tile_to_shape(atom, self.shape, (0, 1))
+
+
+@dataclass(frozen=True)
+class TiledMmaSpec:
+    """A tiled warp MMA (sm80 ``mma.sync`` m16n8k16, fp32 accumulators).
+
+    ``atom_layout`` places warps over (M, N, K); ``permutation`` is the tile the warps
+    cover together. Kernels that only need the accumulator's thread/value layout (to
+    partition a tile the way an MMA would hold it) build it without running an MMA.
+    """
+
+    atom_layout: Tuple[int, int, int]
+    permutation: Tuple[int, int, int]
+    shape_mnk: Tuple[int, int, int] = (16, 8, 16)
+
+    @property
+    def num_threads(self) -> int:
+        m, n, k = self.atom_layout
+        return 32 * m * n * k
+
+    def build(self, ab_dtype):
+        import cutlass
+        import cutlass.cute as cute
+
+        op = cute.nvgpu.warp.MmaF16BF16Op(ab_dtype, cutlass.Float32, self.shape_mnk)
+        return cute.make_tiled_mma(op, self.atom_layout, permutation_mnk=self.permutation)

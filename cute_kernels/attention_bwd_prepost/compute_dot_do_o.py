@@ -1,0 +1,123 @@
+"""compute_dot_do_o (flash-attention backward preprocess), after PyTorch's
+``flash_bwd_preprocess_kernel.h``.
+
+    Δ[b, h, i] = scale * Σ_d dO[b, i, h, d] * O[b, i, h, d]     (fp32)
+
+One CTA per (tiles_per_cta x kBlockM rows, batch, head). Each thread loads its vectors of O and dO
+(GmemTiledCopydO, rows past the sequence and columns past the head dim read as
+zeros), multiplies, sums its columns, and the threads of a row finish the sum with a
+shuffle-xor butterfly (``Allreduce<THREADS_PER_ROW>``). Rows from the sequence end to
+seqlen_q_rounded get Δ = 0. With ``clear_dq_accum`` the same launch zeroes the CTA's
+rows of the fp32 dQ accumulator (``Clear_dQaccum``).
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cuda.bindings.driver as cuda
+from cutlass import Float32, Int32, const_expr
+
+from layouts.attention_bwd_prepost import VARLEN_ACCUM_PAD, PrepostTiles
+
+from .seqlen import block_coords, seq_rows
+from .tile_io import clear_tile, load_tile
+
+
+class ComputeDotDoO:
+    """Configuration: element dtype of O/dO, tiles, variable length, fused dQaccum clear."""
+
+    def __init__(self, dtype, tiles: PrepostTiles, varlen: bool, clear_dq_accum: bool):
+        if dtype.width != tiles.elem_bits:
+            raise ValueError(f"tiles are for {tiles.elem_bits}-bit elements, dtype is {dtype}")
+        self.dtype = dtype
+        self.tiles = tiles
+        self.varlen = varlen
+        self.clear_dq_accum = clear_dq_accum
+
+    @cute.jit
+    def __call__(
+        self,
+        mO: cute.Tensor,  # [B, S, H, D] or [total_q, H, D]
+        mdO: cute.Tensor,  # same shape as mO
+        mDelta: cute.Tensor,  # [B, H, seqlen_q_rounded] fp32
+        mdQaccum: cute.Tensor,  # [B, seqlen_q_rounded, H, kHeadDim] or [total_q + 128 B, H, kHeadDim]; or None
+        mCuSeqlens: cute.Tensor,  # [B + 1] int32 (varlen) or None
+        scale: Float32,
+        num_m_blocks: Int32,  # CTAs along the rows: ceil(rows / (kBlockM * tiles_per_cta))
+        stream: cuda.CUstream,
+    ):
+        copy = self.tiles.gmem_tiled_copy_do(load=True).build(self.dtype)
+        copy_acc = self.tiles.gmem_tiled_copy_dq_accum().build(Float32)
+        self.kernel(mO, mdO, mDelta, mdQaccum, mCuSeqlens, scale, copy, copy_acc).launch(
+            grid=self.tiles.grid(num_m_blocks, mDelta.shape[0], mDelta.shape[1]),
+            block=[self.tiles.num_threads, 1, 1],
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mO: cute.Tensor,
+        mdO: cute.Tensor,
+        mDelta: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mCuSeqlens: cute.Tensor,
+        scale: Float32,
+        copy: cute.TiledCopy,
+        copy_acc: cute.TiledCopy,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        group, bidb, bidh = block_coords(self.tiles, mDelta.shape[1])
+        tile = self.tiles.tile
+        block_m = tile[0]
+        n = self.tiles.tiles_per_cta
+        delta_rows = mDelta.shape[2]  # seqlen_q_rounded
+
+        mO_b, seqlen = seq_rows(mO, mCuSeqlens, bidb, bidh)
+        mdO_b, _ = seq_rows(mdO, mCuSeqlens, bidb, bidh)
+        head_dim = mO_b.shape[1]
+        thr = copy.get_slice(tidx)
+        tOc = thr.partition_S(cute.make_identity_tensor(tile))
+        gDelta = mDelta[bidb, bidh, None]
+
+        # The CTA's ``n`` row blocks, software-pipelined: block j + 1's loads are issued
+        # before block j is reduced (two register buffers). Rows past the sequence load
+        # as zeros, so every row below seqlen_q_rounded gets its Δ (0 past the end).
+        tOg = [thr.partition_S(cute.local_tile(mO_b, tile, (group * n + j, 0))) for j in range(n)]
+        tdOg = [thr.partition_S(cute.local_tile(mdO_b, tile, (group * n + j, 0))) for j in range(n)]
+        bufs = [(cute.make_rmem_tensor_like(tOg[0]), cute.make_rmem_tensor_like(tdOg[0])) for _ in range(min(n, 2))]
+        load_tile(copy, tOg[0], bufs[0][0], tOc, seqlen - group * n * block_m, head_dim)
+        load_tile(copy, tdOg[0], bufs[0][1], tOc, seqlen - group * n * block_m, head_dim)
+        for j in cutlass.range_constexpr(n):
+            row0 = (group * n + j) * block_m
+            if const_expr(j + 1 < n):
+                nxt = bufs[(j + 1) % 2]
+                load_tile(copy, tOg[j + 1], nxt[0], tOc, seqlen - row0 - block_m, head_dim)
+                load_tile(copy, tdOg[j + 1], nxt[1], tOc, seqlen - row0 - block_m, head_dim)
+            tOr, tdOr = bufs[j % 2]
+            # dot_do_o: this thread's columns, then the row's threads
+            prod = tOr.load().to(Float32) * tdOr.load().to(Float32)
+            rSum = cute.make_rmem_tensor(cute.size(tOr, mode=[1]), Float32)
+            rSum.store(prod.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=(0, None, 1)))
+            tpr = self.tiles.threads_per_row
+            for m in cutlass.range_constexpr(cute.size(rSum)):
+                v = rSum[m]
+                for i in cutlass.range_constexpr(int(math.log2(tpr))):
+                    v = v + cute.arch.shuffle_sync_bfly(v, offset=1 << i)
+                rSum[m] = v * scale
+            if tOc[0, 0, 0][1] == 0:  # the first thread of each row writes it
+                for m in cutlass.range_constexpr(cute.size(rSum)):
+                    r = row0 + tOc[0, m, 0][0]
+                    if r < delta_rows:
+                        gDelta[r] = rSum[m]
+
+        if const_expr(self.clear_dq_accum):
+            mAcc_b, _ = seq_rows(mdQaccum, mCuSeqlens, bidb, bidh, VARLEN_ACCUM_PAD if self.varlen else 0)
+            acc_rows = seqlen + VARLEN_ACCUM_PAD if const_expr(self.varlen) else mdQaccum.shape[1]
+            thr_acc = copy_acc.get_slice(tidx)
+            tAc = thr_acc.partition_D(cute.make_identity_tensor(tile))
+            for j in cutlass.range_constexpr(n):
+                m_block = group * n + j
+                tAg = thr_acc.partition_D(cute.local_tile(mAcc_b, tile, (m_block, 0)))
+                clear_tile(copy_acc, tAg, tAc, acc_rows - m_block * block_m)
