@@ -1,5 +1,21 @@
 """The torch face: validated, torch.library-registered ops and autograd modules."""
 
+from .attention_bwd_prepost import (
+    attention_bwd_clear_dkv_accum,
+    attention_bwd_compute_delta,
+    attention_bwd_convert_dkv,
+    attention_bwd_convert_dq,
+    attention_bwd_preprocess,
+)
 from .dropout_bias import BiasDropout, bias_dropout, dropout_bias_backward
 
-__all__ = ["BiasDropout", "bias_dropout", "dropout_bias_backward"]
+__all__ = [
+    "BiasDropout",
+    "attention_bwd_clear_dkv_accum",
+    "attention_bwd_compute_delta",
+    "attention_bwd_convert_dkv",
+    "attention_bwd_convert_dq",
+    "attention_bwd_preprocess",
+    "bias_dropout",
+    "dropout_bias_backward",
+]

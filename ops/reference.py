@@ -46,3 +46,114 @@ def dropout_bias_backward_torch(grad_out, mask, p, x=None, bias=None, activation
     if activation is not None:
         g = g * activation_grad_ref(x.float() + bias.float(), activation)
     return g.to(grad_out.dtype), g.reshape(-1, g.shape[-1]).sum(0).to(grad_out.dtype)
+
+
+# ------------------------------------------------------- attention backward pre/post
+
+
+def _round128(s: int) -> int:
+    return -(-max(int(s), 1) // 128) * 128
+
+
+def _seq_bounds(cu_seqlens: Tensor):
+    """[(start, length)] of each packed sequence."""
+    cu = cu_seqlens.tolist()
+    return [(cu[b], cu[b + 1] - cu[b]) for b in range(len(cu) - 1)]
+
+
+def attention_delta_ref(
+    out: Tensor,
+    grad_out: Tensor,
+    scale: float = 1.0,
+    cu_seqlens_q: Optional[Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    rounded: bool = True,
+) -> Tensor:
+    """Δ = scale * rowsum(out * grad_out) in fp64, [batch, heads, seqlen], zero past each sequence.
+
+    ``rounded``: seqlen is round_up(max seqlen, 128) (attention_bwd_preprocess's Δ), else the
+    max seqlen itself (attention_bwd_compute_delta's). Inputs [B, S, H, D], or packed
+    [total, H, D] with ``cu_seqlens_q`` and ``max_seqlen_q``.
+    """
+    rows = scale * (out.double() * grad_out.double()).sum(-1)  # [B, S, H] or [total, H]
+    if cu_seqlens_q is None:
+        seqs = [r.t() for r in rows]  # [H, S] each
+        s = out.shape[1]
+    else:
+        seqs = [rows[start : start + n].t() for start, n in _seq_bounds(cu_seqlens_q)]
+        s = int(max_seqlen_q)
+    delta = rows.new_zeros((len(seqs), out.shape[-2], _round128(s) if rounded else s))
+    for b, d in enumerate(seqs):
+        delta[b, :, : d.shape[1]] = d
+    return delta
+
+
+def attention_delta_torch(out: Tensor, grad_out: Tensor) -> Tensor:
+    """What a torch user writes (the eager / torch.compile peer): fp32 rowsum, [B, S, H]."""
+    return (out.float() * grad_out.float()).sum(-1)
+
+
+def convert_dq_ref(
+    dq_accum: Tensor,
+    softmax_scale: float,
+    *,
+    head_dim: int,
+    seqlen_q: Optional[int] = None,
+    cu_seqlens_q: Optional[Tensor] = None,
+    p_dropout: float = 0.0,
+) -> Tensor:
+    """dQ in fp64: the split partials summed, scaled by softmax_scale / (1 - p_dropout).
+
+    ``dq_accum``: [(nsplits,) B, S_r, H, D_r] -> [B, seqlen_q, H, head_dim]; with
+    ``cu_seqlens_q`` [(nsplits,) total_q + 128 B, H, D_r] -> [total_q, H, head_dim], sequence
+    b's rows starting at cu_seqlens_q[b] + 128 b.
+    """
+    acc = dq_accum.double()
+    if acc.dim() == (3 if cu_seqlens_q is not None else 4):
+        acc = acc.unsqueeze(0)
+    acc = acc.sum(0) * (softmax_scale / (1.0 - p_dropout))
+    if cu_seqlens_q is None:
+        return acc[:, :seqlen_q, :, :head_dim]
+    parts = [acc[start + 128 * b : start + 128 * b + n] for b, (start, n) in enumerate(_seq_bounds(cu_seqlens_q))]
+    return torch.cat(parts)[..., :head_dim]
+
+
+def convert_dq_torch(dq_accum: Tensor, softmax_scale: float, seqlen_q: int, head_dim: int, dtype=torch.bfloat16) -> Tensor:
+    """What a torch user writes for convert_dq ([nsplits, B, S_r, H, D_r] in): the benchmark peer."""
+    return (dq_accum.sum(0)[:, :seqlen_q, :, :head_dim] * softmax_scale).to(dtype)
+
+
+def convert_dkv_ref(
+    dk_accum: Tensor,
+    dv_accum: Tensor,
+    softmax_scale: float,
+    *,
+    head_dim: int,
+    seqlen_k: int,
+    cu_seqlens_k: Optional[Tensor] = None,
+    p_dropout: float = 0.0,
+) -> Tuple[Tensor, Tensor]:
+    """(dK, dV) in fp64 from [B, H_k, S_k_r, D_r] accumulators.
+
+    dK = dk_accum * softmax_scale / (1 - p), dV = dv_accum / (1 - p); [B, seqlen_k, H_k,
+    head_dim], or with ``cu_seqlens_k`` packed [seqlen_k (= total_k), H_k, head_dim] where
+    sequence b's row j is accumulator row (b, :, j).
+    """
+    rp = 1.0 / (1.0 - p_dropout)
+
+    def convert(acc, scale):
+        acc = acc.double()[..., :head_dim] * scale
+        if cu_seqlens_k is None:
+            return acc[:, :, :seqlen_k].transpose(1, 2)
+        parts = [acc[b, :, :n].transpose(0, 1) for b, (_, n) in enumerate(_seq_bounds(cu_seqlens_k))]
+        return torch.cat(parts)
+
+    return convert(dk_accum, softmax_scale * rp), convert(dv_accum, rp)
+
+
+def convert_dkv_torch(dk_accum: Tensor, dv_accum: Tensor, softmax_scale: float, seqlen_k: int, head_dim: int, dtype=torch.bfloat16):
+    """What a torch user writes for convert_dkv (the benchmark peer)."""
+    fmt = torch.contiguous_format  # [B, S, H, D] in memory, as ours
+    dk = (dk_accum[:, :, :seqlen_k, :head_dim] * softmax_scale).transpose(1, 2).to(dtype, memory_format=fmt)
+    dv = dv_accum[:, :, :seqlen_k, :head_dim].transpose(1, 2).to(dtype, memory_format=fmt)
+    return dk, dv

@@ -1,0 +1,707 @@
+"""Torch face of the attention-backward pre/post-processing kernels.
+
+Tensors follow flash-attention's conventions:
+
+* ``out``, ``grad_out`` (and the dQ / dK / dV outputs): [batch, seqlen, heads, head_dim]
+  with any strides whose last is 1 (so [batch, heads, seqlen, head_dim] tensors pass as
+  ``.transpose(1, 2)`` views), or packed [total, heads, head_dim] with ``cu_seqlens``
+  (int32 [batch + 1], sequence b is rows cu_seqlens[b] .. cu_seqlens[b + 1]) and the
+  longest sequence length ``max_seqlen``;
+* Δ: [batch, heads, seqlen_rounded] fp32, seqlen_rounded = round_up(max seqlen, 128);
+* the dQ accumulator: [(nsplits,) batch, seqlen_rounded, heads, head_dim_rounded] fp32,
+  or [(nsplits,) total_q + 128 * batch, heads, head_dim_rounded] with variable lengths;
+* dK / dV accumulators: [batch, heads_k, seqlen_k_rounded, head_dim_rounded] fp32.
+
+head_dim_rounded = round_up(head_dim, 32); head dims 1..256. ``cu_seqlens`` must be
+non-decreasing, start at 0 and end at ``total``, and ``max_seqlen`` must bound every
+sequence: reading them back to check would cost a device synchronisation per call.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from layouts import attention_bwd_prepost as tiling
+
+from . import _compile as cc
+from ._validate import check_cuda, check_dtype, check_same_device, check_tensor
+
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+OUTPUT_DTYPES = (torch.float16, torch.bfloat16)
+
+seqlen_rounded = tiling.seqlen_rounded
+head_dim_rounded = tiling.head_dim_rounded
+
+
+# ----------------------------------------------------------------------------- compile
+
+
+def _fake_seq(dtype, varlen, head_dim_static, vec):
+    """A fake [B, S, H, D] or [total, H, D] tensor (sizes and strides symbolic)."""
+    import cutlass.cute as cute
+
+    d = head_dim_static if head_dim_static is not None else cute.sym_int()
+    shape = (cute.sym_int(), cute.sym_int(), d) if varlen else (cute.sym_int(), cute.sym_int(), cute.sym_int(), d)
+    return cc.fake_tensor(dtype, shape, vec)
+
+
+def _fake_cu(varlen):
+    import cutlass
+    import cutlass.cute as cute
+
+    return cc.fake_tensor(cutlass.Int32, (cute.sym_int(),), 1) if varlen else None
+
+
+def _build_preprocess(dtype, head_dim_tile, vec, varlen, clear_dq_accum, arch):
+    import cutlass
+    import cutlass.cute as cute
+
+    from cute_kernels.attention_bwd_prepost import ComputeDotDoO
+
+    t = tiling.preprocess_tiles(dtype.width, head_dim_tile, vec, arch)
+    s = cute.sym_int
+    acc = None
+    if clear_dq_accum:
+        acc_shape = (s(), s(), t.head_dim) if varlen else (s(), s(), s(), t.head_dim)
+        acc = cc.fake_tensor(cutlass.Float32, acc_shape, 4)
+    return cc.compile_kernel(
+        ComputeDotDoO(dtype, t, varlen, clear_dq_accum),
+        _fake_seq(dtype, varlen, None, vec),
+        _fake_seq(dtype, varlen, None, vec),
+        cc.fake_tensor(cutlass.Float32, (s(), s(), s()), 1),
+        acc,
+        _fake_cu(varlen),
+        cutlass.Float32(1.0),
+        cutlass.Int32(1),
+        cc.fake_stream(),
+        arch=arch,
+    )
+
+
+def _build_compute_delta(dtype, head_dim_tile, vec, varlen, arch):
+    import cutlass
+    import cutlass.cute as cute
+
+    from cute_kernels.attention_bwd_prepost import ComputeDelta
+
+    t = tiling.compute_delta_tiles(dtype.width, head_dim_tile, vec, arch)
+    s = cute.sym_int
+    return cc.compile_kernel(
+        ComputeDelta(dtype, t),
+        _fake_seq(dtype, varlen, None, vec),
+        _fake_seq(dtype, varlen, None, vec),
+        cc.fake_tensor(cutlass.Float32, (s(), s(), s()), 1),
+        _fake_cu(varlen),
+        cc.fake_stream(),
+        arch=arch,
+    )
+
+
+def _build_convert_dq(dtype, head_dim_tile, vec, varlen, arch):
+    import cutlass
+    import cutlass.cute as cute
+
+    from cute_kernels.attention_bwd_prepost import ConvertDQ
+
+    t = tiling.postprocess_tiles(dtype.width, head_dim_tile, vec, arch)
+    s = cute.sym_int
+    acc_shape = (s(), s(), s(), t.head_dim) if varlen else (s(), s(), s(), s(), t.head_dim)
+    return cc.compile_kernel(
+        ConvertDQ(dtype, t, varlen),
+        cc.fake_tensor(cutlass.Float32, acc_shape, 4),
+        _fake_seq(dtype, varlen, None, vec),
+        _fake_cu(varlen),
+        cutlass.Float32(1.0),
+        cutlass.Int32(1),
+        cutlass.Int32(1),
+        cc.fake_stream(),
+        arch=arch,
+    )
+
+
+def _build_convert_dkv(dtype, head_dim_tile, vec, varlen, arch):
+    import cutlass
+    import cutlass.cute as cute
+
+    from cute_kernels.attention_bwd_prepost import ConvertDKV
+
+    t = tiling.postprocess_tiles(dtype.width, head_dim_tile, vec, arch)
+    s = cute.sym_int
+    acc = cc.fake_tensor(cutlass.Float32, (s(), s(), s(), t.head_dim), 4)
+    return cc.compile_kernel(
+        ConvertDKV(dtype, t, varlen),
+        acc,
+        acc,
+        _fake_seq(dtype, varlen, None, vec),
+        _fake_seq(dtype, varlen, None, vec),
+        _fake_cu(varlen),
+        cutlass.Float32(1.0),
+        cutlass.Float32(1.0),
+        cutlass.Int32(1),
+        cc.fake_stream(),
+        arch=arch,
+    )
+
+
+def _build_clear_dkv_accum(head_dim_tile, arch):
+    import cutlass
+    import cutlass.cute as cute
+
+    from cute_kernels.attention_bwd_prepost import ClearDKVAccum
+
+    t = tiling.postprocess_tiles(16, head_dim_tile, 8, arch)
+    s = cute.sym_int
+    acc = cc.fake_tensor(cutlass.Float32, (s(), s(), s(), t.head_dim), 4)
+    return cc.compile_kernel(ClearDKVAccum(t), acc, acc, cc.fake_stream(), arch=arch)
+
+
+compiled_preprocess = cc.CompileCache("compute_dot_do_o", _build_preprocess)
+compiled_compute_delta = cc.CompileCache("compute_delta", _build_compute_delta)
+compiled_convert_dq = cc.CompileCache("convert_dq", _build_convert_dq)
+compiled_convert_dkv = cc.CompileCache("convert_dkv", _build_convert_dkv)
+compiled_clear_dkv_accum = cc.CompileCache("clear_dkv_accum", _build_clear_dkv_accum)
+
+
+# -------------------------------------------------------------------------- validation
+
+
+_validated: set = set()
+
+
+def _validate_once(parts, check):
+    """Run ``check`` once per metadata signature of ``parts`` (host time matters here).
+
+    Tensors enter the key by type, shape, strides, dtype and device, everything else by
+    value; unhashable or unexpected arguments always get the full check, and so does a
+    trace (torch.compile runs the checks once per graph anyway).
+    """
+    if torch.compiler.is_compiling():
+        check()
+        return
+    try:
+        key = tuple((type(p), p.shape, p.stride(), p.dtype, p.device) if isinstance(p, Tensor) else (type(p), p) for p in parts)
+        hash(key)
+    except Exception:
+        key = None
+    if key is None or key not in _validated:
+        check()
+        if key is not None:
+            _validated.add(key)
+
+
+def _check_float(name, x):
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(float(x)):
+        raise TypeError(f"{name} must be a finite float, got {x!r}")
+
+
+def _check_int(name, x, low=0):
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    if int(x) < low:
+        raise ValueError(f"{name} must be >= {low}, got {x}")
+
+
+def _check_dropout(p):
+    _check_float("p_dropout", p)
+    if not 0.0 <= float(p) < 1.0:
+        raise ValueError(f"p_dropout must be in [0, 1), got {p}")
+
+
+def _check_last_contiguous(name, t):
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim (stride {t.stride(-1)}); pass {name}.contiguous()")
+
+
+def _check_cu_seqlens(name, cu, ref):
+    check_same_device(name, cu, ref)
+    if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be a 1-D int32 tensor [batch + 1], got {cu.dtype} {tuple(cu.shape)}")
+    if cu.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_seq_pair(a_name, a, b_name, b, cu_seqlens, max_seqlen, dtypes=INPUT_DTYPES):
+    """out / grad_out style inputs: same shape/dtype/device, [B,S,H,D] or [total,H,D] + cu_seqlens."""
+    check_cuda(a_name, a)
+    check_dtype(a_name, a, dtypes)
+    check_same_device(b_name, b, a)
+    if b.dtype != a.dtype:
+        raise TypeError(f"{b_name} must have {a_name}'s dtype {a.dtype}, got {b.dtype}")
+    if b.shape != a.shape:
+        raise ValueError(f"{b_name} must have {a_name}'s shape {tuple(a.shape)}, got {tuple(b.shape)}")
+    if cu_seqlens is None:
+        if a.dim() != 4:
+            raise ValueError(f"{a_name} must be [batch, seqlen, heads, head_dim], got shape {tuple(a.shape)}")
+        if max_seqlen is not None:
+            raise ValueError("max_seqlen is only used with cu_seqlens")
+    else:
+        if a.dim() != 3:
+            raise ValueError(f"with cu_seqlens, {a_name} must be [total, heads, head_dim], got shape {tuple(a.shape)}")
+        _check_cu_seqlens("cu_seqlens", cu_seqlens, a)
+        if max_seqlen is None:
+            raise ValueError("cu_seqlens needs max_seqlen (the longest sequence), which sizes the grid")
+        _check_int("max_seqlen", max_seqlen)
+    d = a.shape[-1]
+    if not 1 <= d <= tiling.MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {tiling.MAX_HEAD_DIM}], got {d}")
+    _check_last_contiguous(a_name, a)
+    _check_last_contiguous(b_name, b)
+
+
+def _check_accum(name, t, rank_options, head_dim):
+    check_cuda(name, t)
+    if t.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32, got {t.dtype}")
+    if t.dim() not in rank_options:
+        raise ValueError(f"{name} must have {' or '.join(map(str, rank_options))} dims, got shape {tuple(t.shape)}")
+    dr = head_dim_rounded(head_dim)
+    if t.shape[-1] != dr:
+        raise ValueError(f"{name}'s last dim must be head_dim rounded up to 32 = {dr}, got {t.shape[-1]}")
+    _check_last_contiguous(name, t)
+    if any(s % 4 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
+        raise ValueError(f"{name}'s strides must be multiples of 4 elements (16 bytes)")
+
+
+def _check_aligned(name, t):
+    """Accumulators are moved 16 bytes at a time. Checked at launch: a traced graph has no addresses."""
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name} must be 16-byte aligned (data_ptr % 16 == {t.data_ptr() % 16})")
+
+
+def _batch(x: Tensor, cu_seqlens: Optional[Tensor]) -> int:
+    return x.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+
+
+def _max_seqlen(x: Tensor, cu_seqlens, max_seqlen) -> int:
+    return x.shape[1] if cu_seqlens is None else int(max_seqlen)
+
+
+def _vec(*tensors) -> int:
+    d = tensors[0].shape[-1]
+    return cc.max_vector_elems(tiling.MAX_VECTOR_BITS, *((t, d) for t in tensors))
+
+
+# ----------------------------------------------------------------------- preprocessing
+
+
+def dq_accum_shape(batch, seqlen_q, heads, head_dim, *, varlen=False, nsplits=None):
+    """Shape of the fp32 dQ accumulator; ``seqlen_q`` is total_q with ``varlen``."""
+    dr = head_dim_rounded(head_dim)
+    rows = seqlen_q + tiling.VARLEN_ACCUM_PAD * batch if varlen else None
+    shape = (rows, heads, dr) if varlen else (batch, seqlen_rounded(seqlen_q), heads, dr)
+    return shape if nsplits is None else (nsplits,) + shape
+
+
+def dkv_accum_shape(batch, heads_k, max_seqlen_k, head_dim):
+    return (batch, heads_k, seqlen_rounded(max_seqlen_k), head_dim_rounded(head_dim))
+
+
+def _meta(t):
+    """What a launch plan depends on: shape, strides, dtype, device, 16-byte misalignment."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
+
+
+_plans: dict = {}
+
+
+def _cached_plan(key, make):
+    """Launch plans (compiled function, grid) by metadata: a repeated call is a dict lookup."""
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = make()
+    return plan
+
+
+def launch_preprocess(out, grad_out, delta, dq_accum, scale, cu_seqlens_q, max_seqlen_q):
+    """compute_dot_do_o into preallocated Δ (and dQ accumulator to clear, or None)."""
+    key = ("pre", _meta(out), _meta(grad_out), _meta(delta), _meta(dq_accum), cu_seqlens_q is None, max_seqlen_q)
+    plan = _cached_plan(key, lambda: _plan_preprocess(out, grad_out, delta, dq_accum, cu_seqlens_q, max_seqlen_q))
+    if plan is None:
+        if delta.numel():
+            delta.zero_()
+        return
+    fn, num_m_blocks = plan
+    if num_m_blocks:
+        fn(out, grad_out, delta, dq_accum, cu_seqlens_q, float(scale), num_m_blocks)
+
+
+def _plan_preprocess(out, grad_out, delta, dq_accum, cu_seqlens_q, max_seqlen_q):
+    if dq_accum is not None:
+        _check_aligned("dq_accum", dq_accum)
+    if out.numel() == 0 and dq_accum is None:
+        return None  # Δ is all zeros
+    d = out.shape[-1]
+    vec = _vec(out, grad_out)
+    dev = out.device.index
+    arch = cc.device_arch(dev)
+    varlen = cu_seqlens_q is not None
+    t = tiling.preprocess_tiles(8 * out.element_size(), d, vec, arch)
+    rows = delta.shape[2]
+    if dq_accum is not None and varlen:
+        rows = max(rows, int(max_seqlen_q) + tiling.VARLEN_ACCUM_PAD)
+    num_m_blocks = t.ctas_along_rows(rows)
+    if delta.shape[0] == 0 or delta.shape[1] == 0:
+        num_m_blocks = 0
+    fn = compiled_preprocess(cc.cute_dtype(out.dtype), t.head_dim, vec, varlen, dq_accum is not None, arch)
+    return fn, num_m_blocks
+
+
+def _preprocess_impl(out, grad_out, scale, cu_seqlens_q, max_seqlen_q, zero_dq_accum):
+    b = _batch(out, cu_seqlens_q)
+    h, d = out.shape[-2], out.shape[-1]
+    s_r = seqlen_rounded(_max_seqlen(out, cu_seqlens_q, max_seqlen_q))
+    delta = torch.empty((b, h, s_r), dtype=torch.float32, device=out.device)
+    dq_accum = None
+    if zero_dq_accum:
+        varlen = cu_seqlens_q is not None
+        dq_accum = torch.empty(
+            dq_accum_shape(b, out.shape[0] if varlen else out.shape[1], h, d, varlen=varlen),
+            dtype=torch.float32, device=out.device,
+        )  # fmt: skip
+    launch_preprocess(out, grad_out, delta, dq_accum, scale, cu_seqlens_q, max_seqlen_q)
+    if dq_accum is None:
+        dq_accum = delta.new_empty((0,))
+    return delta, dq_accum
+
+
+@torch.library.custom_op("cute_kernels::attention_bwd_preprocess", mutates_args=())
+def _preprocess_op(
+    out: Tensor, grad_out: Tensor, scale: float, cu_seqlens_q: Optional[Tensor],
+    max_seqlen_q: Optional[int], zero_dq_accum: bool,
+) -> Tuple[Tensor, Tensor]:  # fmt: skip
+    return _preprocess_impl(out, grad_out, scale, cu_seqlens_q, max_seqlen_q, zero_dq_accum)
+
+
+@_preprocess_op.register_fake
+def _(out, grad_out, scale, cu_seqlens_q, max_seqlen_q, zero_dq_accum):
+    b = _batch(out, cu_seqlens_q)
+    h, d = out.shape[-2], out.shape[-1]
+    s_r = seqlen_rounded(_max_seqlen(out, cu_seqlens_q, max_seqlen_q))
+    delta = out.new_empty((b, h, s_r), dtype=torch.float32)
+    if not zero_dq_accum:
+        return delta, out.new_empty((0,), dtype=torch.float32)
+    varlen = cu_seqlens_q is not None
+    shape = dq_accum_shape(b, out.shape[0] if varlen else out.shape[1], h, d, varlen=varlen)
+    return delta, out.new_empty(shape, dtype=torch.float32)
+
+
+def attention_bwd_preprocess(
+    out: Tensor,
+    grad_out: Tensor,
+    *,
+    scale: float = 1.0,
+    cu_seqlens_q: Optional[Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    zero_dq_accum: bool = False,
+):
+    """Δ = scale * rowsum(grad_out * out) in fp32, [batch, heads, seqlen_q_rounded].
+
+    ``scale`` is the keep probability 1 - p when the forward used dropout (flash-
+    attention's convention), else 1. Rows past a sequence's end read as zero. With
+    ``zero_dq_accum`` the same launch also returns a zeroed fp32 dQ accumulator
+    (``dq_accum_shape``) and the result is ``(delta, dq_accum)``.
+    """
+    _validate_once(
+        ("pre", out, grad_out, cu_seqlens_q, max_seqlen_q),
+        lambda: _check_seq_pair("out", out, "grad_out", grad_out, cu_seqlens_q, max_seqlen_q),
+    )
+    _check_float("scale", scale)
+    if cc.eager(out):
+        delta, dq_accum = _preprocess_impl(out, grad_out, float(scale), cu_seqlens_q, max_seqlen_q, bool(zero_dq_accum))
+    else:
+        delta, dq_accum = _preprocess_op(out, grad_out, float(scale), cu_seqlens_q, max_seqlen_q, bool(zero_dq_accum))
+    return (delta, dq_accum) if zero_dq_accum else delta
+
+
+# -------------------------------------------------------------------- compute_delta
+
+
+def _compute_delta_impl(out, grad_out, cu_seqlens_q, max_seqlen_q):
+    b = _batch(out, cu_seqlens_q)
+    h = out.shape[-2]
+    s = _max_seqlen(out, cu_seqlens_q, max_seqlen_q)
+    varlen = cu_seqlens_q is not None
+    # packed sequences shorter than max_seqlen leave rows unwritten: start from zeros
+    delta = (torch.zeros if varlen else torch.empty)((b, h, s), dtype=torch.float32, device=out.device)
+    if delta.numel() == 0 or out.numel() == 0:
+        return delta.zero_()
+    vec = _vec(out, grad_out)
+    arch = cc.device_arch(out.device.index)
+    fn = compiled_compute_delta(cc.cute_dtype(out.dtype), head_dim_rounded(out.shape[-1]), vec, varlen, arch)
+    fn(grad_out, out, delta, cu_seqlens_q)
+    return delta
+
+
+@torch.library.custom_op("cute_kernels::attention_bwd_compute_delta", mutates_args=())
+def _compute_delta_op(out: Tensor, grad_out: Tensor, cu_seqlens_q: Optional[Tensor], max_seqlen_q: Optional[int]) -> Tensor:
+    return _compute_delta_impl(out, grad_out, cu_seqlens_q, max_seqlen_q)
+
+
+@_compute_delta_op.register_fake
+def _(out, grad_out, cu_seqlens_q, max_seqlen_q):
+    s = _max_seqlen(out, cu_seqlens_q, max_seqlen_q)
+    return out.new_empty((_batch(out, cu_seqlens_q), out.shape[-2], s), dtype=torch.float32)
+
+
+def attention_bwd_compute_delta(
+    out: Tensor, grad_out: Tensor, *, cu_seqlens_q: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None
+) -> Tensor:
+    """The mem-eff kernel's Δ = rowsum(grad_out * out), [batch, heads, seqlen] fp32 (no rounding)."""
+    _check_seq_pair("out", out, "grad_out", grad_out, cu_seqlens_q, max_seqlen_q)
+    if cc.eager(out):
+        return _compute_delta_impl(out, grad_out, cu_seqlens_q, max_seqlen_q)
+    return _compute_delta_op(out, grad_out, cu_seqlens_q, max_seqlen_q)
+
+
+# -------------------------------------------------------------------------- convert_dq
+
+
+def launch_convert_dq(dq_accum, dq, scale, cu_seqlens_q, max_seqlen_q=None):
+    """convert_dq into a preallocated dq; ``dq_accum`` has a leading split dim."""
+    key = ("dq", _meta(dq_accum), _meta(dq), cu_seqlens_q is None, max_seqlen_q)
+    plan = _cached_plan(key, lambda: _plan_convert_dq(dq_accum, dq, cu_seqlens_q, max_seqlen_q))
+    if plan is not None:
+        fn, batch, num_m_blocks = plan
+        fn(dq_accum, dq, cu_seqlens_q, float(scale), batch, num_m_blocks)
+
+
+def _plan_convert_dq(dq_accum, dq, cu_seqlens_q, max_seqlen_q):
+    if dq.numel() == 0:
+        return None
+    _check_aligned("dq_accum", dq_accum)
+    d = dq.shape[-1]
+    vec = _vec(dq)
+    arch = cc.device_arch(dq.device.index)
+    varlen = cu_seqlens_q is not None
+    t = tiling.postprocess_tiles(8 * dq.element_size(), d, vec, arch)
+    batch = _batch(dq, cu_seqlens_q)
+    rows = dq.shape[1] if not varlen else (max_seqlen_q if max_seqlen_q is not None else dq.shape[0])
+    num_m_blocks = -(-rows // t.block_m)
+    if batch == 0 or num_m_blocks == 0:
+        return None
+    return compiled_convert_dq(cc.cute_dtype(dq.dtype), t.head_dim, vec, varlen, arch), batch, num_m_blocks
+
+
+def _convert_dq_impl(dq_accum, softmax_scale, head_dim, seqlen_q, cu_seqlens_q, max_seqlen_q, p_dropout, dtype):
+    varlen = cu_seqlens_q is not None
+    acc = dq_accum if dq_accum.dim() == (4 if varlen else 5) else dq_accum.unsqueeze(0)
+    if varlen:
+        b = cu_seqlens_q.numel() - 1
+        shape = (acc.shape[1] - tiling.VARLEN_ACCUM_PAD * b, acc.shape[2], head_dim)
+    else:
+        shape = (acc.shape[1], seqlen_q, acc.shape[3], head_dim)
+    dq = torch.empty(shape, dtype=dtype, device=dq_accum.device)
+    if acc.shape[0] == 0:
+        return dq.zero_()
+    launch_convert_dq(acc, dq, softmax_scale / (1.0 - p_dropout), cu_seqlens_q, max_seqlen_q)
+    return dq
+
+
+@torch.library.custom_op("cute_kernels::attention_bwd_convert_dq", mutates_args=())
+def _convert_dq_op(
+    dq_accum: Tensor, softmax_scale: float, head_dim: int, seqlen_q: Optional[int], cu_seqlens_q: Optional[Tensor],
+    max_seqlen_q: Optional[int], p_dropout: float, dtype: torch.dtype,
+) -> Tensor:  # fmt: skip
+    return _convert_dq_impl(dq_accum, softmax_scale, head_dim, seqlen_q, cu_seqlens_q, max_seqlen_q, p_dropout, dtype)
+
+
+@_convert_dq_op.register_fake
+def _(dq_accum, softmax_scale, head_dim, seqlen_q, cu_seqlens_q, max_seqlen_q, p_dropout, dtype):
+    varlen = cu_seqlens_q is not None
+    acc = dq_accum if dq_accum.dim() == (4 if varlen else 5) else dq_accum.unsqueeze(0)
+    if varlen:
+        shape = (acc.shape[1] - tiling.VARLEN_ACCUM_PAD * (cu_seqlens_q.shape[0] - 1), acc.shape[2], head_dim)
+    else:
+        shape = (acc.shape[1], seqlen_q, acc.shape[3], head_dim)
+    return dq_accum.new_empty(shape, dtype=dtype)
+
+
+def attention_bwd_convert_dq(
+    dq_accum: Tensor,
+    softmax_scale: float,
+    *,
+    head_dim: int,
+    seqlen_q: Optional[int] = None,
+    cu_seqlens_q: Optional[Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    p_dropout: float = 0.0,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
+    """dQ = (sum of the split partials) * softmax_scale / (1 - p_dropout), in ``dtype``.
+
+    ``dq_accum``: [(nsplits,) batch, seqlen_q_rounded, heads, head_dim_rounded] fp32
+    (then ``seqlen_q`` is required), or with ``cu_seqlens_q``/``max_seqlen_q``
+    [(nsplits,) total_q + 128 * batch, heads, head_dim_rounded]. Returns
+    [batch, seqlen_q, heads, head_dim] or [total_q, heads, head_dim].
+    """
+    _validate_once(
+        ("dq", dq_accum, head_dim, seqlen_q, cu_seqlens_q, max_seqlen_q, dtype),
+        lambda: _check_convert_dq(dq_accum, head_dim, seqlen_q, cu_seqlens_q, max_seqlen_q, dtype),
+    )
+    _check_float("softmax_scale", softmax_scale)
+    _check_dropout(p_dropout)
+    args = (dq_accum, float(softmax_scale), int(head_dim), seqlen_q, cu_seqlens_q, max_seqlen_q, float(p_dropout), dtype)
+    if cc.eager(dq_accum):
+        return _convert_dq_impl(*args)
+    return _convert_dq_op(*args)
+
+
+def _check_convert_dq(dq_accum, head_dim, seqlen_q, cu_seqlens_q, max_seqlen_q, dtype):
+    varlen = cu_seqlens_q is not None
+    _check_accum("dq_accum", dq_accum, (3, 4) if varlen else (4, 5), _checked_head_dim(head_dim))
+    if dtype not in OUTPUT_DTYPES:
+        raise TypeError(f"dtype must be float16 or bfloat16, got {dtype}")
+    if varlen:
+        _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, dq_accum)
+        if seqlen_q is not None:
+            raise ValueError("with cu_seqlens_q the sequence lengths come from it; drop seqlen_q")
+        if max_seqlen_q is None:
+            raise ValueError("cu_seqlens_q needs max_seqlen_q")
+        _check_int("max_seqlen_q", max_seqlen_q)
+        b = cu_seqlens_q.numel() - 1
+        if dq_accum.shape[-3] < tiling.VARLEN_ACCUM_PAD * b:
+            raise ValueError(f"dq_accum must have total_q + 128 * batch rows, got {dq_accum.shape[-3]} for batch {b}")
+    else:
+        if max_seqlen_q is not None:
+            raise ValueError("max_seqlen_q is only used with cu_seqlens_q")
+        if seqlen_q is None:
+            raise ValueError("seqlen_q is required without cu_seqlens_q (dq_accum's rows are rounded up)")
+        _check_int("seqlen_q", seqlen_q)
+        if dq_accum.shape[-3] < seqlen_rounded(seqlen_q):
+            raise ValueError(f"dq_accum needs round_up(seqlen_q, 128) = {seqlen_rounded(seqlen_q)} rows, got {dq_accum.shape[-3]}")
+
+
+def _checked_head_dim(head_dim):
+    _check_int("head_dim", head_dim, low=1)
+    if head_dim > tiling.MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {tiling.MAX_HEAD_DIM}], got {head_dim}")
+    return int(head_dim)
+
+
+# ------------------------------------------------------------------------- convert_dkv
+
+
+def launch_convert_dkv(dk_accum, dv_accum, dk, dv, scale_k, scale_v, cu_seqlens_k):
+    if dk.numel() == 0:
+        return
+    _check_aligned("dk_accum", dk_accum)
+    _check_aligned("dv_accum", dv_accum)
+    vec = _vec(dk, dv)
+    arch = cc.device_arch(dk.device.index)
+    varlen = cu_seqlens_k is not None
+    t = tiling.postprocess_tiles(8 * dk.element_size(), dk.shape[-1], vec, arch)
+    num_n_blocks = -(-dk_accum.shape[2] // t.block_m)
+    if dk_accum.shape[0] == 0 or dk_accum.shape[1] == 0 or num_n_blocks == 0:
+        return
+    fn = compiled_convert_dkv(cc.cute_dtype(dk.dtype), t.head_dim, vec, varlen, arch)
+    fn(dk_accum, dv_accum, dk, dv, cu_seqlens_k, float(scale_k), float(scale_v), num_n_blocks)
+
+
+def _convert_dkv_impl(dk_accum, dv_accum, softmax_scale, head_dim, seqlen_k, cu_seqlens_k, p_dropout, dtype):
+    b, hk = dk_accum.shape[0], dk_accum.shape[1]
+    shape = (seqlen_k, hk, head_dim) if cu_seqlens_k is not None else (b, seqlen_k, hk, head_dim)
+    dk = torch.empty(shape, dtype=dtype, device=dk_accum.device)
+    dv = torch.empty(shape, dtype=dtype, device=dk_accum.device)
+    rp = 1.0 / (1.0 - p_dropout)
+    launch_convert_dkv(dk_accum, dv_accum, dk, dv, softmax_scale * rp, rp, cu_seqlens_k)
+    return dk, dv
+
+
+@torch.library.custom_op("cute_kernels::attention_bwd_convert_dkv", mutates_args=())
+def _convert_dkv_op(
+    dk_accum: Tensor, dv_accum: Tensor, softmax_scale: float, head_dim: int, seqlen_k: int,
+    cu_seqlens_k: Optional[Tensor], p_dropout: float, dtype: torch.dtype,
+) -> Tuple[Tensor, Tensor]:  # fmt: skip
+    return _convert_dkv_impl(dk_accum, dv_accum, softmax_scale, head_dim, seqlen_k, cu_seqlens_k, p_dropout, dtype)
+
+
+@_convert_dkv_op.register_fake
+def _(dk_accum, dv_accum, softmax_scale, head_dim, seqlen_k, cu_seqlens_k, p_dropout, dtype):
+    b, hk = dk_accum.shape[0], dk_accum.shape[1]
+    shape = (seqlen_k, hk, head_dim) if cu_seqlens_k is not None else (b, seqlen_k, hk, head_dim)
+    return dk_accum.new_empty(shape, dtype=dtype), dk_accum.new_empty(shape, dtype=dtype)
+
+
+def attention_bwd_convert_dkv(
+    dk_accum: Tensor,
+    dv_accum: Tensor,
+    softmax_scale: float,
+    *,
+    head_dim: int,
+    seqlen_k: int,
+    cu_seqlens_k: Optional[Tensor] = None,
+    p_dropout: float = 0.0,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Tuple[Tensor, Tensor]:
+    """dK = dk_accum * softmax_scale / (1 - p), dV = dv_accum / (1 - p), in ``dtype``.
+
+    Accumulators: [batch, heads_k, seqlen_k_rounded, head_dim_rounded] fp32. Returns
+    [batch, seqlen_k, heads_k, head_dim], or with ``cu_seqlens_k`` [seqlen_k, heads_k,
+    head_dim] where ``seqlen_k`` is then the total key count (and seqlen_k_rounded must
+    cover the longest sequence).
+    """
+    _check_accum("dk_accum", dk_accum, (4,), _checked_head_dim(head_dim))
+    _check_accum("dv_accum", dv_accum, (4,), head_dim)
+    check_same_device("dv_accum", dv_accum, dk_accum)
+    if dv_accum.shape != dk_accum.shape:
+        raise ValueError(f"dv_accum must have dk_accum's shape {tuple(dk_accum.shape)}, got {tuple(dv_accum.shape)}")
+    if dtype not in OUTPUT_DTYPES:
+        raise TypeError(f"dtype must be float16 or bfloat16, got {dtype}")
+    _check_float("softmax_scale", softmax_scale)
+    _check_dropout(p_dropout)
+    _check_int("seqlen_k", seqlen_k)
+    if cu_seqlens_k is not None:
+        _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, dk_accum)
+        if cu_seqlens_k.numel() - 1 != dk_accum.shape[0]:
+            raise ValueError(f"cu_seqlens_k has {cu_seqlens_k.numel() - 1} sequences, dk_accum {dk_accum.shape[0]}")
+    elif dk_accum.shape[2] < seqlen_rounded(seqlen_k):
+        raise ValueError(f"dk_accum needs round_up(seqlen_k, 128) = {seqlen_rounded(seqlen_k)} rows, got {dk_accum.shape[2]}")
+    args = (dk_accum, dv_accum, float(softmax_scale), int(head_dim), int(seqlen_k), cu_seqlens_k, float(p_dropout), dtype)
+    if cc.eager(dk_accum):
+        return _convert_dkv_impl(*args)
+    return _convert_dkv_op(*args)
+
+
+# --------------------------------------------------------------------- clear_dkv_accum
+
+
+def launch_clear_dkv_accum(dk_accum, dv_accum):
+    if dk_accum.numel() == 0:
+        return
+    _check_aligned("dk_accum", dk_accum)
+    _check_aligned("dv_accum", dv_accum)
+    arch = cc.device_arch(dk_accum.device.index)
+    fn = compiled_clear_dkv_accum(dk_accum.shape[-1], arch)
+    fn(dk_accum, dv_accum)
+
+
+@torch.library.custom_op("cute_kernels::attention_bwd_clear_dkv_accum", mutates_args=("dk_accum", "dv_accum"))
+def _clear_dkv_accum_op(dk_accum: Tensor, dv_accum: Tensor) -> None:
+    launch_clear_dkv_accum(dk_accum, dv_accum)
+
+
+@_clear_dkv_accum_op.register_fake
+def _(dk_accum, dv_accum):
+    return None
+
+
+def attention_bwd_clear_dkv_accum(dk_accum: Tensor, dv_accum: Tensor) -> None:
+    """Zero both fp32 [batch, heads_k, seqlen_k_rounded, head_dim_rounded] accumulators in place."""
+    check_tensor("dk_accum", dk_accum)
+    d = dk_accum.shape[-1] if dk_accum.dim() else 0
+    if d % tiling.HEAD_DIM_ROUND or not 0 < d <= tiling.MAX_HEAD_DIM:
+        raise ValueError(f"dk_accum's last dim must be a multiple of 32 in [32, 256], got {d}")
+    _check_accum("dk_accum", dk_accum, (4,), d)
+    _check_accum("dv_accum", dv_accum, (4,), d)
+    check_same_device("dv_accum", dv_accum, dk_accum)
+    if dv_accum.shape != dk_accum.shape:
+        raise ValueError(f"dv_accum must have dk_accum's shape {tuple(dk_accum.shape)}, got {tuple(dv_accum.shape)}")
+    if cc.eager(dk_accum):
+        launch_clear_dkv_accum(dk_accum, dv_accum)
+    else:
+        _clear_dkv_accum_op(dk_accum, dv_accum)
