@@ -3,4 +3,4 @@
 NAME = "sm80"
 PEERS = ("torch", "torch.compile", "quack", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn")
 
-from .sm90 import DROPOUT_BIAS_BWD  # noqa: E402,F401  same problem sizes
+from .sm90 import ATTN_BWD_POSTPROCESS, ATTN_BWD_PREPROCESS, DROPOUT_BIAS_BWD  # noqa: E402,F401  same problem sizes

@@ -22,3 +22,28 @@ DROPOUT_BIAS_BWD = {
         ((8192, 1024), "bfloat16", None),
     ],
 }
+
+ATTN_BWD_PREPROCESS = {
+    # (batch, heads, seqlen, head_dim), dtype name; O and dO [B, S, H, D] contiguous
+    "full": [
+        ((4, 16, 4096, 128), "bfloat16"),
+        ((8, 16, 2048, 64), "bfloat16"),
+        ((1, 32, 16384, 128), "bfloat16"),
+    ],
+    "quick": [
+        ((4, 16, 4096, 128), "bfloat16"),
+    ],
+}
+
+ATTN_BWD_POSTPROCESS = {
+    # (batch, heads, seqlen, head_dim), dtype name, dQ accumulator split counts
+    # (each shape also gets one convert_dkv case)
+    "full": [
+        ((4, 16, 4096, 128), "bfloat16", (1, 4)),
+        ((8, 16, 2048, 64), "bfloat16", (1, 4)),
+        ((1, 32, 16384, 128), "bfloat16", (1, 4)),
+    ],
+    "quick": [
+        ((4, 16, 4096, 128), "bfloat16", (1, 4)),
+    ],
+}

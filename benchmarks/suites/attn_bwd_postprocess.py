@@ -1,0 +1,142 @@
+"""Suite attn_bwd_postprocess: the attention backward's fp32 accumulators -> bf16 gradients.
+
+Cases ``BxHxSxD:bf16:nsplitsN``: convert_dq of N split partials [N, B, S_r, H, D_r]
+-> dQ [B, S, H, D]; impls ``ours`` (attention_bwd_convert_dq), ``torch`` / ``torch.compile``
+(convert_dq_torch: sum, slice, scale, cast), ``copy`` (a device copy of the same bytes).
+Cases ``BxHxSxD:bf16:dkv``: convert_dkv of [B, H, S_r, D_r] accumulators -> dK, dV
+[B, S, H, D]; impls ``ours:convert_dkv``, ``torch`` (convert_dkv_torch), ``copy``.
+Bytes counted: the used rows and columns of the accumulators read once (B S H D x 4 per
+accumulator or split), the outputs written once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NAME = "attn_bwd_postprocess"
+
+DTYPES = ("Float16", "BFloat16")
+HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)  # the widest vector (8)
+# (head dim, vector) of odd head dims: outputs are allocated contiguous, so the head
+# dim alone sets the vector
+NARROW = ((1, 1), (33, 1), (98, 2), (100, 4), (255, 1))
+SOFTMAX_SCALE = 0.08838834764831845  # 1 / sqrt(128)
+
+
+def configurations():
+    """(cutlass dtype name, padded head dim, vector, varlen): convert_dq and convert_dkv each."""
+    from layouts.attention_bwd_prepost import head_dim_rounded
+
+    pairs = [(d, 8) for d in HEAD_DIMS] + list(NARROW)
+    return [
+        (dtype, head_dim_rounded(d), vec, varlen)
+        for dtype in DTYPES
+        for d, vec in pairs
+        for varlen in (False, True)
+    ]
+
+
+def clear_configurations():
+    """Padded head dims of clear_dkv_accum (its only compile key besides the arch)."""
+    return HEAD_DIMS
+
+
+SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+
+
+def _case_name(shape, dtype, tag):
+    return "x".join(map(str, shape)) + f":{SHORT[dtype]}:{tag}"
+
+
+def _check(name, got, ref):
+    err = ((got.double() - ref).norm() / ref.norm()).item()
+    if got.isnan().any() or not err < 1e-2:
+        raise RuntimeError(f"{name}: wrong result, rel err {err}")
+
+
+def run(settings, quick: bool):
+    from ops.attention_bwd_prepost import (
+        attention_bwd_convert_dkv,
+        attention_bwd_convert_dq,
+        dkv_accum_shape,
+        dq_accum_shape,
+    )
+    from ops.reference import (
+        convert_dkv_ref,
+        convert_dkv_torch,
+        convert_dq_ref,
+        convert_dq_torch,
+    )
+
+    from ..timing import bench_ms, copy_ms
+
+    rows_out = []
+    scale = SOFTMAX_SCALE
+    for shape, dtype_name, nsplits_list in settings.ATTN_BWD_POSTPROCESS["quick" if quick else "full"]:
+        b, h, s, d = shape
+        dtype = getattr(torch, dtype_name)
+        esize = torch.empty((), dtype=dtype).element_size()
+        used = b * s * h * d  # elements of one accumulator (or split) that reach the output
+
+        for nsplits in nsplits_list:
+            case = _case_name(shape, dtype_name, f"nsplits{nsplits}")
+            acc = torch.randn(dq_accum_shape(b, s, h, d, nsplits=nsplits), device="cuda")
+            nbytes = used * (4 * nsplits + esize)
+            got = attention_bwd_convert_dq(acc, scale, head_dim=d, seqlen_q=s, dtype=dtype)
+            _check(case, got, convert_dq_ref(acc, scale, head_dim=d, seqlen_q=s))
+            del got
+
+            torch._dynamo.reset()  # a fresh graph per case: no recompile limit, no guards shared
+            compiled_torch = torch.compile(convert_dq_torch, dynamic=False)
+            impls = {
+                "ours": lambda: attention_bwd_convert_dq(acc, scale, head_dim=d, seqlen_q=s, dtype=dtype),
+                "torch": lambda: convert_dq_torch(acc, scale, s, d, dtype),
+                "torch.compile": lambda: compiled_torch(acc, scale, s, d, dtype),
+            }
+            for impl, fn in impls.items():
+                ms = bench_ms(fn)
+                rows_out.append({"suite": NAME, "case": case, "impl": impl, "ms": ms, "gbps": nbytes / ms / 1e6})
+            ms = copy_ms(nbytes)
+            rows_out.append({"suite": NAME, "case": case, "impl": "copy", "ms": ms, "gbps": nbytes / ms / 1e6})
+
+        case = _case_name(shape, dtype_name, "dkv")
+        dk_acc = torch.randn(dkv_accum_shape(b, h, s, d), device="cuda")
+        dv_acc = torch.randn(dkv_accum_shape(b, h, s, d), device="cuda")
+        nbytes = 2 * used * (4 + esize)
+        dk, dv = attention_bwd_convert_dkv(dk_acc, dv_acc, scale, head_dim=d, seqlen_k=s, dtype=dtype)
+        ref_dk, ref_dv = convert_dkv_ref(dk_acc, dv_acc, scale, head_dim=d, seqlen_k=s)
+        _check(f"{case} dK", dk, ref_dk)
+        _check(f"{case} dV", dv, ref_dv)
+        del dk, dv, ref_dk, ref_dv
+        impls = {
+            "ours:convert_dkv": lambda: attention_bwd_convert_dkv(dk_acc, dv_acc, scale, head_dim=d, seqlen_k=s, dtype=dtype),
+            "torch": lambda: convert_dkv_torch(dk_acc, dv_acc, scale, s, d, dtype),
+        }
+        for impl, fn in impls.items():
+            ms = bench_ms(fn)
+            rows_out.append({"suite": NAME, "case": case, "impl": impl, "ms": ms, "gbps": nbytes / ms / 1e6})
+        ms = copy_ms(nbytes)
+        rows_out.append({"suite": NAME, "case": case, "impl": "copy", "ms": ms, "gbps": nbytes / ms / 1e6})
+    return rows_out
+
+
+def compile_only(arch: str):
+    """Compile every configuration of ``configurations()`` (and the accumulator clears) for ``arch``."""
+    import cutlass
+
+    from ops.attention_bwd_prepost import (
+        compiled_clear_dkv_accum,
+        compiled_convert_dkv,
+        compiled_convert_dq,
+    )
+
+    n = 0
+    for dtype_name, head_dim, vec, varlen in configurations():
+        dtype = getattr(cutlass, dtype_name)
+        compiled_convert_dq(dtype, head_dim, vec, varlen, arch)
+        compiled_convert_dkv(dtype, head_dim, vec, varlen, arch)
+        n += 2
+    for head_dim in clear_configurations():
+        compiled_clear_dkv_accum(head_dim, arch)
+        n += 1
+    return n
