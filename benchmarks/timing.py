@@ -45,3 +45,19 @@ def copy_ms(nbytes: int) -> float:
 def copy_ceiling_gbps(nbytes: int = 2 << 30) -> float:
     """GB/s (read + write) of a large device-to-device copy: the memory-bound ceiling."""
     return nbytes / copy_ms(nbytes) / 1e6
+
+
+def time_case(suite: str, case: str, impls: dict, copy_bytes: int) -> list:
+    """Result rows for one case: each impl timed, then a device copy of ``copy_bytes``.
+
+    ``impls`` maps impl name -> ``fn`` or ``(fn, bytes)`` (bytes default ``copy_bytes``);
+    GB/s is bytes moved per second.
+    """
+    rows = []
+    for impl, spec in impls.items():
+        fn, nbytes = spec if isinstance(spec, tuple) else (spec, copy_bytes)
+        ms = bench_ms(fn)
+        rows.append({"suite": suite, "case": case, "impl": impl, "ms": ms, "gbps": nbytes / ms / 1e6})
+    ms = copy_ms(copy_bytes)
+    rows.append({"suite": suite, "case": case, "impl": "copy", "ms": ms, "gbps": copy_bytes / ms / 1e6})
+    return rows

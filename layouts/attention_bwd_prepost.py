@@ -9,6 +9,7 @@ Seeds: PyTorch's ``flash_bwd_preprocess_kernel.h`` (``compute_dot_do_o``,
 | GmemTiledCopydO        | O / dO tile -> registers (also dQ/dK/dV out) | (threads/TPR x TPR) threads, (1 x vec) values  |
 | GmemTiledCopydQaccum   | fp32 accumulator tile <-> registers          | (threads/TPRa x TPRa) threads, (1 x 4) values  |
 | TiledMmadQ / TiledMmadKV | the accumulator's MMA fragment layout      | sm80 m16n8k16, warps (W_M x W_N x 1)           |
+| accumulator read       | fp32 partials -> fragment                    | make_tiled_copy_C(64-bit atom, TiledMmadQ)     |
 | SmemCopyAtomdQ         | fragment -> smem, 2 elements per store        | make_tiled_copy_C(32-bit atom, TiledMmadQ)     |
 | SmemLayoutdQ / dKV     | the staging tile                             | Swizzle<3,3,3> (8 x 64) atoms (32-col: <2,3,3>) |
 
@@ -158,6 +159,10 @@ class PrepostTiles:
         k = 64 if self.head_dim % 64 == 0 else 32
         swizzle = (3, 3, 3) if k == 64 else (2, 3, 3)
         return SmemLayoutSpec((8, k), swizzle, self.tile, self.elem_bits)
+
+    def accum_copy_bits(self) -> int:
+        """The fp32 accumulator read in the MMA fragment's layout: a pair of columns, 64 bits."""
+        return 64
 
     def smem_copy_atom_dq_bits(self) -> int:
         """SmemCopyAtomdQ: one fragment pair (2 elements) per shared store."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Sequence
 
@@ -42,6 +43,43 @@ def check_probability(name: str, p) -> None:
         raise TypeError(f"{name} must be a float, got {type(p).__name__}")
     if not (0.0 <= float(p) < 1.0):
         raise ValueError(f"{name} must be in [0, 1), got {p}")
+
+
+def check_float(name: str, x) -> None:
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(float(x)):
+        raise TypeError(f"{name} must be a finite float, got {x!r}")
+
+
+def check_int(name: str, x, low: int = 0) -> None:
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    if int(x) < low:
+        raise ValueError(f"{name} must be >= {low}, got {x}")
+
+
+_validated: set = set()
+
+
+def validate_once(parts, check) -> None:
+    """Run ``check`` once per metadata signature of ``parts`` (host time matters).
+
+    Tensors enter the key by type, shape, strides, dtype and device, everything else by
+    type and value; unhashable arguments always get the full check, and so does a
+    trace (torch.compile runs the checks once per graph anyway; Dynamo cannot hash).
+    Checks of per-call values (scales, probabilities) belong outside ``check``.
+    """
+    if torch.compiler.is_compiling():
+        check()
+        return
+    key = tuple((type(p), p.shape, p.stride(), p.dtype, p.device) if isinstance(p, Tensor) else (type(p), p) for p in parts)
+    try:
+        known = key in _validated
+    except TypeError:  # an unhashable argument: let the full check name it
+        check()
+        return
+    if not known:
+        check()
+        _validated.add(key)
 
 
 def rows_view(name: str, t: Tensor) -> Tensor:

@@ -19,8 +19,6 @@ sequence: reading them back to check would cost a device synchronisation per cal
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Optional, Tuple
 
 import torch
@@ -29,7 +27,16 @@ from torch import Tensor
 from layouts import attention_bwd_prepost as tiling
 
 from . import _compile as cc
-from ._validate import check_cuda, check_dtype, check_same_device, check_tensor
+from ._validate import (
+    check_cuda,
+    check_dtype,
+    check_float,
+    check_int,
+    check_probability,
+    check_same_device,
+    check_tensor,
+    validate_once,
+)
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 OUTPUT_DTYPES = (torch.float16, torch.bfloat16)
@@ -170,48 +177,6 @@ compiled_clear_dkv_accum = cc.CompileCache("clear_dkv_accum", _build_clear_dkv_a
 # -------------------------------------------------------------------------- validation
 
 
-_validated: set = set()
-
-
-def _validate_once(parts, check):
-    """Run ``check`` once per metadata signature of ``parts`` (host time matters here).
-
-    Tensors enter the key by type, shape, strides, dtype and device, everything else by
-    value; unhashable or unexpected arguments always get the full check, and so does a
-    trace (torch.compile runs the checks once per graph anyway).
-    """
-    if torch.compiler.is_compiling():
-        check()
-        return
-    try:
-        key = tuple((type(p), p.shape, p.stride(), p.dtype, p.device) if isinstance(p, Tensor) else (type(p), p) for p in parts)
-        hash(key)
-    except Exception:
-        key = None
-    if key is None or key not in _validated:
-        check()
-        if key is not None:
-            _validated.add(key)
-
-
-def _check_float(name, x):
-    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(float(x)):
-        raise TypeError(f"{name} must be a finite float, got {x!r}")
-
-
-def _check_int(name, x, low=0):
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-    if int(x) < low:
-        raise ValueError(f"{name} must be >= {low}, got {x}")
-
-
-def _check_dropout(p):
-    _check_float("p_dropout", p)
-    if not 0.0 <= float(p) < 1.0:
-        raise ValueError(f"p_dropout must be in [0, 1), got {p}")
-
-
 def _check_last_contiguous(name, t):
     if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dim (stride {t.stride(-1)}); pass {name}.contiguous()")
@@ -245,7 +210,7 @@ def _check_seq_pair(a_name, a, b_name, b, cu_seqlens, max_seqlen, dtypes=INPUT_D
         _check_cu_seqlens("cu_seqlens", cu_seqlens, a)
         if max_seqlen is None:
             raise ValueError("cu_seqlens needs max_seqlen (the longest sequence), which sizes the grid")
-        _check_int("max_seqlen", max_seqlen)
+        check_int("max_seqlen", max_seqlen)
     d = a.shape[-1]
     if not 1 <= d <= tiling.MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be in [1, {tiling.MAX_HEAD_DIM}], got {d}")
@@ -406,11 +371,11 @@ def attention_bwd_preprocess(
     ``zero_dq_accum`` the same launch also returns a zeroed fp32 dQ accumulator
     (``dq_accum_shape``) and the result is ``(delta, dq_accum)``.
     """
-    _validate_once(
+    validate_once(
         ("pre", out, grad_out, cu_seqlens_q, max_seqlen_q),
         lambda: _check_seq_pair("out", out, "grad_out", grad_out, cu_seqlens_q, max_seqlen_q),
     )
-    _check_float("scale", scale)
+    check_float("scale", scale)
     if cc.eager(out):
         delta, dq_accum = _preprocess_impl(out, grad_out, float(scale), cu_seqlens_q, max_seqlen_q, bool(zero_dq_accum))
     else:
@@ -430,9 +395,11 @@ def _compute_delta_impl(out, grad_out, cu_seqlens_q, max_seqlen_q):
     delta = (torch.zeros if varlen else torch.empty)((b, h, s), dtype=torch.float32, device=out.device)
     if delta.numel() == 0 or out.numel() == 0:
         return delta.zero_()
-    vec = _vec(out, grad_out)
-    arch = cc.device_arch(out.device.index)
-    fn = compiled_compute_delta(cc.cute_dtype(out.dtype), head_dim_rounded(out.shape[-1]), vec, varlen, arch)
+    key = ("delta", _meta(out), _meta(grad_out), varlen)
+    fn = _cached_plan(key, lambda: compiled_compute_delta(
+        cc.cute_dtype(out.dtype), head_dim_rounded(out.shape[-1]), _vec(out, grad_out), varlen,
+        cc.device_arch(out.device.index),
+    ))  # fmt: skip
     fn(grad_out, out, delta, cu_seqlens_q)
     return delta
 
@@ -452,7 +419,10 @@ def attention_bwd_compute_delta(
     out: Tensor, grad_out: Tensor, *, cu_seqlens_q: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None
 ) -> Tensor:
     """The mem-eff kernel's Δ = rowsum(grad_out * out), [batch, heads, seqlen] fp32 (no rounding)."""
-    _check_seq_pair("out", out, "grad_out", grad_out, cu_seqlens_q, max_seqlen_q)
+    validate_once(
+        ("delta", out, grad_out, cu_seqlens_q, max_seqlen_q),
+        lambda: _check_seq_pair("out", out, "grad_out", grad_out, cu_seqlens_q, max_seqlen_q),
+    )
     if cc.eager(out):
         return _compute_delta_impl(out, grad_out, cu_seqlens_q, max_seqlen_q)
     return _compute_delta_op(out, grad_out, cu_seqlens_q, max_seqlen_q)
@@ -539,12 +509,12 @@ def attention_bwd_convert_dq(
     [(nsplits,) total_q + 128 * batch, heads, head_dim_rounded]. Returns
     [batch, seqlen_q, heads, head_dim] or [total_q, heads, head_dim].
     """
-    _validate_once(
+    validate_once(
         ("dq", dq_accum, head_dim, seqlen_q, cu_seqlens_q, max_seqlen_q, dtype),
         lambda: _check_convert_dq(dq_accum, head_dim, seqlen_q, cu_seqlens_q, max_seqlen_q, dtype),
     )
-    _check_float("softmax_scale", softmax_scale)
-    _check_dropout(p_dropout)
+    check_float("softmax_scale", softmax_scale)
+    check_probability("p_dropout", p_dropout)
     args = (dq_accum, float(softmax_scale), int(head_dim), seqlen_q, cu_seqlens_q, max_seqlen_q, float(p_dropout), dtype)
     if cc.eager(dq_accum):
         return _convert_dq_impl(*args)
@@ -562,7 +532,7 @@ def _check_convert_dq(dq_accum, head_dim, seqlen_q, cu_seqlens_q, max_seqlen_q, 
             raise ValueError("with cu_seqlens_q the sequence lengths come from it; drop seqlen_q")
         if max_seqlen_q is None:
             raise ValueError("cu_seqlens_q needs max_seqlen_q")
-        _check_int("max_seqlen_q", max_seqlen_q)
+        check_int("max_seqlen_q", max_seqlen_q)
         b = cu_seqlens_q.numel() - 1
         if dq_accum.shape[-3] < tiling.VARLEN_ACCUM_PAD * b:
             raise ValueError(f"dq_accum must have total_q + 128 * batch rows, got {dq_accum.shape[-3]} for batch {b}")
@@ -571,13 +541,13 @@ def _check_convert_dq(dq_accum, head_dim, seqlen_q, cu_seqlens_q, max_seqlen_q, 
             raise ValueError("max_seqlen_q is only used with cu_seqlens_q")
         if seqlen_q is None:
             raise ValueError("seqlen_q is required without cu_seqlens_q (dq_accum's rows are rounded up)")
-        _check_int("seqlen_q", seqlen_q)
+        check_int("seqlen_q", seqlen_q)
         if dq_accum.shape[-3] < seqlen_rounded(seqlen_q):
             raise ValueError(f"dq_accum needs round_up(seqlen_q, 128) = {seqlen_rounded(seqlen_q)} rows, got {dq_accum.shape[-3]}")
 
 
 def _checked_head_dim(head_dim):
-    _check_int("head_dim", head_dim, low=1)
+    check_int("head_dim", head_dim, low=1)
     if head_dim > tiling.MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be in [1, {tiling.MAX_HEAD_DIM}], got {head_dim}")
     return int(head_dim)
@@ -587,8 +557,16 @@ def _checked_head_dim(head_dim):
 
 
 def launch_convert_dkv(dk_accum, dv_accum, dk, dv, scale_k, scale_v, cu_seqlens_k):
+    key = ("dkv", _meta(dk_accum), _meta(dv_accum), _meta(dk), _meta(dv), cu_seqlens_k is None)
+    plan = _cached_plan(key, lambda: _plan_convert_dkv(dk_accum, dv_accum, dk, dv, cu_seqlens_k))
+    if plan is not None:
+        fn, num_n_blocks = plan
+        fn(dk_accum, dv_accum, dk, dv, cu_seqlens_k, float(scale_k), float(scale_v), num_n_blocks)
+
+
+def _plan_convert_dkv(dk_accum, dv_accum, dk, dv, cu_seqlens_k):
     if dk.numel() == 0:
-        return
+        return None
     _check_aligned("dk_accum", dk_accum)
     _check_aligned("dv_accum", dv_accum)
     vec = _vec(dk, dv)
@@ -597,9 +575,8 @@ def launch_convert_dkv(dk_accum, dv_accum, dk, dv, scale_k, scale_v, cu_seqlens_
     t = tiling.postprocess_tiles(8 * dk.element_size(), dk.shape[-1], vec, arch)
     num_n_blocks = -(-dk_accum.shape[2] // t.block_m)
     if dk_accum.shape[0] == 0 or dk_accum.shape[1] == 0 or num_n_blocks == 0:
-        return
-    fn = compiled_convert_dkv(cc.cute_dtype(dk.dtype), t.head_dim, vec, varlen, arch)
-    fn(dk_accum, dv_accum, dk, dv, cu_seqlens_k, float(scale_k), float(scale_v), num_n_blocks)
+        return None
+    return compiled_convert_dkv(cc.cute_dtype(dk.dtype), t.head_dim, vec, varlen, arch), num_n_blocks
 
 
 def _convert_dkv_impl(dk_accum, dv_accum, softmax_scale, head_dim, seqlen_k, cu_seqlens_k, p_dropout, dtype):
@@ -645,6 +622,19 @@ def attention_bwd_convert_dkv(
     head_dim] where ``seqlen_k`` is then the total key count (and seqlen_k_rounded must
     cover the longest sequence).
     """
+    validate_once(
+        ("dkv", dk_accum, dv_accum, head_dim, seqlen_k, cu_seqlens_k, dtype),
+        lambda: _check_convert_dkv(dk_accum, dv_accum, head_dim, seqlen_k, cu_seqlens_k, dtype),
+    )
+    check_float("softmax_scale", softmax_scale)
+    check_probability("p_dropout", p_dropout)
+    args = (dk_accum, dv_accum, float(softmax_scale), int(head_dim), int(seqlen_k), cu_seqlens_k, float(p_dropout), dtype)
+    if cc.eager(dk_accum):
+        return _convert_dkv_impl(*args)
+    return _convert_dkv_op(*args)
+
+
+def _check_convert_dkv(dk_accum, dv_accum, head_dim, seqlen_k, cu_seqlens_k, dtype):
     _check_accum("dk_accum", dk_accum, (4,), _checked_head_dim(head_dim))
     _check_accum("dv_accum", dv_accum, (4,), head_dim)
     check_same_device("dv_accum", dv_accum, dk_accum)
@@ -652,32 +642,31 @@ def attention_bwd_convert_dkv(
         raise ValueError(f"dv_accum must have dk_accum's shape {tuple(dk_accum.shape)}, got {tuple(dv_accum.shape)}")
     if dtype not in OUTPUT_DTYPES:
         raise TypeError(f"dtype must be float16 or bfloat16, got {dtype}")
-    _check_float("softmax_scale", softmax_scale)
-    _check_dropout(p_dropout)
-    _check_int("seqlen_k", seqlen_k)
+    check_int("seqlen_k", seqlen_k)
     if cu_seqlens_k is not None:
         _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, dk_accum)
         if cu_seqlens_k.numel() - 1 != dk_accum.shape[0]:
             raise ValueError(f"cu_seqlens_k has {cu_seqlens_k.numel() - 1} sequences, dk_accum {dk_accum.shape[0]}")
     elif dk_accum.shape[2] < seqlen_rounded(seqlen_k):
         raise ValueError(f"dk_accum needs round_up(seqlen_k, 128) = {seqlen_rounded(seqlen_k)} rows, got {dk_accum.shape[2]}")
-    args = (dk_accum, dv_accum, float(softmax_scale), int(head_dim), int(seqlen_k), cu_seqlens_k, float(p_dropout), dtype)
-    if cc.eager(dk_accum):
-        return _convert_dkv_impl(*args)
-    return _convert_dkv_op(*args)
 
 
 # --------------------------------------------------------------------- clear_dkv_accum
 
 
 def launch_clear_dkv_accum(dk_accum, dv_accum):
+    key = ("clear", _meta(dk_accum), _meta(dv_accum))
+    fn = _cached_plan(key, lambda: _plan_clear_dkv_accum(dk_accum, dv_accum))
+    if fn is not None:
+        fn(dk_accum, dv_accum)
+
+
+def _plan_clear_dkv_accum(dk_accum, dv_accum):
     if dk_accum.numel() == 0:
-        return
+        return None
     _check_aligned("dk_accum", dk_accum)
     _check_aligned("dv_accum", dv_accum)
-    arch = cc.device_arch(dk_accum.device.index)
-    fn = compiled_clear_dkv_accum(dk_accum.shape[-1], arch)
-    fn(dk_accum, dv_accum)
+    return compiled_clear_dkv_accum(dk_accum.shape[-1], cc.device_arch(dk_accum.device.index))
 
 
 @torch.library.custom_op("cute_kernels::attention_bwd_clear_dkv_accum", mutates_args=("dk_accum", "dv_accum"))
@@ -692,6 +681,14 @@ def _(dk_accum, dv_accum):
 
 def attention_bwd_clear_dkv_accum(dk_accum: Tensor, dv_accum: Tensor) -> None:
     """Zero both fp32 [batch, heads_k, seqlen_k_rounded, head_dim_rounded] accumulators in place."""
+    validate_once(("clear", dk_accum, dv_accum), lambda: _check_clear_dkv_accum(dk_accum, dv_accum))
+    if cc.eager(dk_accum):
+        launch_clear_dkv_accum(dk_accum, dv_accum)
+    else:
+        _clear_dkv_accum_op(dk_accum, dv_accum)
+
+
+def _check_clear_dkv_accum(dk_accum, dv_accum):
     check_tensor("dk_accum", dk_accum)
     d = dk_accum.shape[-1] if dk_accum.dim() else 0
     if d % tiling.HEAD_DIM_ROUND or not 0 < d <= tiling.MAX_HEAD_DIM:
@@ -701,7 +698,3 @@ def attention_bwd_clear_dkv_accum(dk_accum: Tensor, dv_accum: Tensor) -> None:
     check_same_device("dv_accum", dv_accum, dk_accum)
     if dv_accum.shape != dk_accum.shape:
         raise ValueError(f"dv_accum must have dk_accum's shape {tuple(dk_accum.shape)}, got {tuple(dv_accum.shape)}")
-    if cc.eager(dk_accum):
-        launch_clear_dkv_accum(dk_accum, dv_accum)
-    else:
-        _clear_dkv_accum_op(dk_accum, dv_accum)

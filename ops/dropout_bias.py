@@ -24,6 +24,7 @@ from ._validate import (
     check_same_device,
     check_shape,
     rows_view,
+    validate_once,
 )
 
 _MAX_VECTOR_BITS = tiling.MAX_VECTOR_BITS
@@ -92,25 +93,13 @@ def _validate(grad_out, mask, p, x, bias, activation):
             )
 
 
-_validated: set = set()
-
-
-def _meta(t):
-    return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
-
-
 def _validate_cached(grad_out, mask, p, x, bias, activation):
-    """The full checks once per metadata signature; afterwards only p (host time matters)."""
-    try:
-        key = (_meta(grad_out), _meta(mask), _meta(x), _meta(bias), activation)
-    except AttributeError:  # not tensors: let the full checks name the argument
-        key = None
-    if key is None or key not in _validated:
-        _validate(grad_out, mask, p, x, bias, activation)
-        if key is not None:
-            _validated.add(key)
-    else:
-        check_probability("p", p)
+    """The full checks once per metadata signature; p (a per-call value) every call."""
+    validate_once(
+        ("dropout_bias", grad_out, mask, x, bias, activation),
+        lambda: _validate(grad_out, mask, p, x, bias, activation),
+    )
+    check_probability("p", p)
 
 
 def _dbias_dtype(grad_out: Tensor, bias: Optional[Tensor]) -> torch.dtype:

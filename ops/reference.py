@@ -8,6 +8,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from layouts.attention_bwd_prepost import VARLEN_ACCUM_PAD, seqlen_rounded
+
 
 def activation_grad_ref(z: Tensor, activation: Optional[str]) -> Tensor:
     """act'(z) in z's dtype (pass fp64 for a reference)."""
@@ -51,10 +53,6 @@ def dropout_bias_backward_torch(grad_out, mask, p, x=None, bias=None, activation
 # ------------------------------------------------------- attention backward pre/post
 
 
-def _round128(s: int) -> int:
-    return -(-max(int(s), 1) // 128) * 128
-
-
 def _seq_bounds(cu_seqlens: Tensor):
     """[(start, length)] of each packed sequence."""
     cu = cu_seqlens.tolist()
@@ -82,7 +80,7 @@ def attention_delta_ref(
     else:
         seqs = [rows[start : start + n].t() for start, n in _seq_bounds(cu_seqlens_q)]
         s = int(max_seqlen_q)
-    delta = rows.new_zeros((len(seqs), out.shape[-2], _round128(s) if rounded else s))
+    delta = rows.new_zeros((len(seqs), out.shape[-2], seqlen_rounded(s) if rounded else s))
     for b, d in enumerate(seqs):
         delta[b, :, : d.shape[1]] = d
     return delta
@@ -114,7 +112,7 @@ def convert_dq_ref(
     acc = acc.sum(0) * (softmax_scale / (1.0 - p_dropout))
     if cu_seqlens_q is None:
         return acc[:, :seqlen_q, :, :head_dim]
-    parts = [acc[start + 128 * b : start + 128 * b + n] for b, (start, n) in enumerate(_seq_bounds(cu_seqlens_q))]
+    parts = [acc[start + VARLEN_ACCUM_PAD * b : start + VARLEN_ACCUM_PAD * b + n] for b, (start, n) in enumerate(_seq_bounds(cu_seqlens_q))]
     return torch.cat(parts)[..., :head_dim]
 
 

@@ -68,7 +68,7 @@ def run(settings, quick: bool):
         convert_dq_torch,
     )
 
-    from ..timing import bench_ms, copy_ms
+    from ..timing import time_case
 
     rows_out = []
     scale = SOFTMAX_SCALE
@@ -93,11 +93,7 @@ def run(settings, quick: bool):
                 "torch": lambda: convert_dq_torch(acc, scale, s, d, dtype),
                 "torch.compile": lambda: compiled_torch(acc, scale, s, d, dtype),
             }
-            for impl, fn in impls.items():
-                ms = bench_ms(fn)
-                rows_out.append({"suite": NAME, "case": case, "impl": impl, "ms": ms, "gbps": nbytes / ms / 1e6})
-            ms = copy_ms(nbytes)
-            rows_out.append({"suite": NAME, "case": case, "impl": "copy", "ms": ms, "gbps": nbytes / ms / 1e6})
+            rows_out += time_case(NAME, case, impls, nbytes)
 
         case = _case_name(shape, dtype_name, "dkv")
         dk_acc = torch.randn(dkv_accum_shape(b, h, s, d), device="cuda")
@@ -112,11 +108,7 @@ def run(settings, quick: bool):
             "ours:convert_dkv": lambda: attention_bwd_convert_dkv(dk_acc, dv_acc, scale, head_dim=d, seqlen_k=s, dtype=dtype),
             "torch": lambda: convert_dkv_torch(dk_acc, dv_acc, scale, s, d, dtype),
         }
-        for impl, fn in impls.items():
-            ms = bench_ms(fn)
-            rows_out.append({"suite": NAME, "case": case, "impl": impl, "ms": ms, "gbps": nbytes / ms / 1e6})
-        ms = copy_ms(nbytes)
-        rows_out.append({"suite": NAME, "case": case, "impl": "copy", "ms": ms, "gbps": nbytes / ms / 1e6})
+        rows_out += time_case(NAME, case, impls, nbytes)
     return rows_out
 
 

@@ -60,7 +60,7 @@ def run(settings, quick: bool):
     )
     from ops.reference import attention_delta_ref, attention_delta_torch
 
-    from ..timing import bench_ms, copy_ms
+    from ..timing import time_case
 
     rows_out = []
     for shape, dtype_name in settings.ATTN_BWD_PREPROCESS["quick" if quick else "full"]:
@@ -91,11 +91,7 @@ def run(settings, quick: bool):
             "torch": (lambda: attention_delta_torch(out, grad_out), nbytes),
             "torch.compile": (lambda: compiled_torch(out, grad_out), nbytes),
         }
-        for impl, (fn, n) in impls.items():
-            ms = bench_ms(fn)
-            rows_out.append({"suite": NAME, "case": case, "impl": impl, "ms": ms, "gbps": n / ms / 1e6})
-        ms = copy_ms(nbytes)
-        rows_out.append({"suite": NAME, "case": case, "impl": "copy", "ms": ms, "gbps": nbytes / ms / 1e6})
+        rows_out += time_case(NAME, case, impls, nbytes)
     return rows_out
 
 

@@ -20,7 +20,7 @@ def run(settings, quick: bool):
     import ops
     from ops.reference import dropout_bias_backward_ref, dropout_bias_backward_torch
 
-    from ..timing import bench_ms, copy_ms
+    from ..timing import time_case
 
     rows_out = []
     p = 0.1
@@ -51,12 +51,7 @@ def run(settings, quick: bool):
             "torch": lambda: dropout_bias_backward_torch(dy, mask, p, x, bias, act),
             "torch.compile": lambda: compiled_torch(dy, mask, p, x, bias, act),
         }
-        case = _case_name(shape, dtype_name, act)
-        for impl, fn in impls.items():
-            ms = bench_ms(fn)
-            rows_out.append({"suite": NAME, "case": case, "impl": impl, "ms": ms, "gbps": nbytes / ms / 1e6})
-        ms = copy_ms(nbytes)
-        rows_out.append({"suite": NAME, "case": case, "impl": "copy", "ms": ms, "gbps": nbytes / ms / 1e6})
+        rows_out += time_case(NAME, _case_name(shape, dtype_name, act), impls, nbytes)
     return rows_out
 
 

@@ -11,8 +11,6 @@ with a shuffle-xor. ``ComputeDelta`` launches it on its own, one CTA per
 (query block, head, batch).
 """
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
@@ -21,6 +19,7 @@ from cutlass import Float32, const_expr
 from layouts.attention_bwd_prepost import ComputeDeltaTiles
 
 from .seqlen import seq_rows
+from .tile_io import row_allreduce_sum
 
 
 @cute.jit
@@ -62,8 +61,7 @@ def compute_delta(tiles: cutlass.Constexpr, copy, mGradOutput, mOutput, mDelta, 
         st = it % stages
         prod = frag_output[st].load().to(Float32) * frag_grad_output[st].load().to(Float32)
         delta = delta + prod.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
-    for i in cutlass.range_constexpr(int(math.log2(tiles.threads_per_line))):  # between the row's workers
-        delta = delta + cute.arch.shuffle_sync_bfly(delta, offset=1 << i)
+    delta = row_allreduce_sum(delta, tiles.threads_per_line)  # between the row's workers
     if row_pred:
         if tC[0, 0, 0][1] == 0:
             mDelta[query_start + lane_row] = delta

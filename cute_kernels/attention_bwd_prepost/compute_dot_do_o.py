@@ -11,8 +11,6 @@ seqlen_q_rounded get Δ = 0. With ``clear_dq_accum`` the same launch zeroes the 
 rows of the fp32 dQ accumulator (``Clear_dQaccum``).
 """
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
@@ -21,7 +19,7 @@ from cutlass import Float32, Int32, const_expr
 from layouts.attention_bwd_prepost import VARLEN_ACCUM_PAD, PrepostTiles
 
 from .seqlen import block_coords, seq_rows
-from .tile_io import clear_tile, load_tile
+from .tile_io import clear_tile, load_tile, row_allreduce_sum
 
 
 class ComputeDotDoO:
@@ -100,12 +98,8 @@ class ComputeDotDoO:
             prod = tOr.load().to(Float32) * tdOr.load().to(Float32)
             rSum = cute.make_rmem_tensor(cute.size(tOr, mode=[1]), Float32)
             rSum.store(prod.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=(0, None, 1)))
-            tpr = self.tiles.threads_per_row
             for m in cutlass.range_constexpr(cute.size(rSum)):
-                v = rSum[m]
-                for i in cutlass.range_constexpr(int(math.log2(tpr))):
-                    v = v + cute.arch.shuffle_sync_bfly(v, offset=1 << i)
-                rSum[m] = v * scale
+                rSum[m] = row_allreduce_sum(rSum[m], self.tiles.threads_per_row) * scale
             if tOc[0, 0, 0][1] == 0:  # the first thread of each row writes it
                 for m in cutlass.range_constexpr(cute.size(rSum)):
                     r = row0 + tOc[0, m, 0][0]

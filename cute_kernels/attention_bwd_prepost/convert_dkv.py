@@ -74,7 +74,7 @@ class ConvertDKV:
 
         if row0 < seqlen:
             tiled_mma = self.tiles.tiled_mma().build(self.dtype)
-            acc_copy = accum_copy(tiled_mma)
+            acc_copy = accum_copy(tiled_mma, self.tiles.accum_copy_bits())
             acc_thr = acc_copy.get_slice(tidx)
             tKg = acc_thr.partition_S(cute.local_tile(mdKaccum[bidb, bidh, None, None], tile, (n_block, 0)))
             tVg = acc_thr.partition_S(cute.local_tile(mdVaccum[bidb, bidh, None, None], tile, (n_block, 0)))

@@ -68,7 +68,7 @@ class ConvertDQ:
 
         if row0 < seqlen:
             tiled_mma = self.tiles.tiled_mma().build(self.dtype)
-            acc_copy = accum_copy(tiled_mma)
+            acc_copy = accum_copy(tiled_mma, self.tiles.accum_copy_bits())
             acc_thr = acc_copy.get_slice(tidx)
             tAg0 = acc_thr.partition_S(cute.local_tile(self._split_rows(mdQaccum, mCuSeqlens, 0, bidb, bidh), tile, (m_block, 0)))
             acc = cute.make_rmem_tensor_like(tAg0, Float32)
