@@ -72,7 +72,7 @@ class TiledCopySpec:
         if self.op == "universal":
             op = nv.CopyUniversalOp()
         elif self.op == "cp.async":
-            op = cpasync.CopyG2SOp()
+            op = cpasync.CopyG2SOp(cache_mode=getattr(cpasync.LoadCacheMode, self.load_cache.upper()))
         elif self.op in ("g2r", "r2g"):
             op = nv.CopyG2ROp() if self.op == "g2r" else nv.CopyR2GOp()
             attrs["l1c_evict_priority"] = getattr(nv.CacheEvictionPriority, _EVICT[self.l1_evict])

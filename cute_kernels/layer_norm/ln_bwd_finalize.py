@@ -1,0 +1,92 @@
+"""Reduction of the per-CTA column partials into dgamma / dbeta (Apex ``ln_bwd_finalize_kernel``).
+
+Apex has each warp sum a strided set of partial rows, then transposes through shared
+memory so that one warp reduces one column with shuffles. We keep the two stages but
+let each thread own a ``vec``-wide fp32 slice of columns: the (row threads x column
+threads) CTA walks the partial rows with 128-bit coalesced loads, several rows in
+flight per thread, then folds its row threads through shared memory in a fixed order
+(deterministic) and converts to the weight dtype.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cuda.bindings.driver as cuda
+from cutlass import Float32, const_expr
+
+from layouts.layer_norm import LnBwdFinalizeTiles
+
+ROWS_UNROLL = 4  # partial rows loaded per thread before they are added
+
+
+class LnBwdFinalize:
+    """Configuration: tiles, which of dgamma / dbeta; outputs take their tensors' dtypes."""
+
+    def __init__(self, tiles: LnBwdFinalizeTiles, has_gamma: bool, has_beta: bool):
+        self.tiles = tiles
+        self.has_gamma = has_gamma
+        self.has_beta = has_beta
+
+    @cute.jit
+    def __call__(
+        self,
+        mDGammaPart: cute.Tensor,  # [ctas_per_col, N] fp32 (None without weight)
+        mDBetaPart: cute.Tensor,  # [ctas_per_col, N] fp32 (None without bias)
+        mDGamma: cute.Tensor,  # [N]
+        mDBeta: cute.Tensor,  # [N]
+        stream: cuda.CUstream,
+    ):
+        mRef = mDGammaPart if const_expr(self.has_gamma) else mDBetaPart
+        self.kernel(mDGammaPart, mDBetaPart, mDGamma, mDBeta).launch(
+            grid=[cute.ceil_div(mRef.shape[1], self.tiles.tile_n), 1, 1],
+            block=[self.tiles.num_threads, 1, 1],
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, mDGammaPart: cute.Tensor, mDBetaPart: cute.Tensor, mDGamma: cute.Tensor, mDBeta: cute.Tensor):
+        t = self.tiles
+        row_threads, col_threads = t.threads
+        vec, tile_n = t.vec, t.tile_n
+        tidx, _, _ = cute.arch.thread_idx()
+        col_tile, _, _ = cute.arch.block_idx()
+        ty = tidx // col_threads
+        tx = tidx % col_threads
+        pairs = []
+        if const_expr(self.has_gamma):
+            pairs.append((mDGammaPart, mDGamma))
+        if const_expr(self.has_beta):
+            pairs.append((mDBetaPart, mDBeta))
+        num_rows, n = pairs[0][0].shape
+        vcol = col_tile * col_threads + tx  # this thread's vector of columns
+        col_ok = vcol * vec < n
+
+        smem = cutlass.memory.SmemAllocator()
+        for mPart, mOut in pairs:
+            acc = cute.make_rmem_tensor(cute.make_layout(vec), Float32)
+            acc.fill(0.0)
+            if col_ok:
+                # rows ty, ty + R, ty + 2R, ...: ROWS_UNROLL loads issued before the adds
+                full = (num_rows // (row_threads * ROWS_UNROLL)) * (row_threads * ROWS_UNROLL)
+                for r0 in cutlass.range(ty, full, row_threads * ROWS_UNROLL, unroll=1):
+                    parts = [cute.make_rmem_tensor(cute.make_layout(vec), Float32) for _ in range(ROWS_UNROLL)]
+                    for u in cutlass.range_constexpr(ROWS_UNROLL):
+                        cute.autovec_copy(cute.local_tile(mPart[r0 + u * row_threads, None], (vec,), (vcol,)), parts[u])
+                    for u in cutlass.range_constexpr(ROWS_UNROLL):
+                        acc.store(acc.load() + parts[u].load())
+                for r in cutlass.range(full + ty, num_rows, row_threads, unroll=1):
+                    part = cute.make_rmem_tensor(cute.make_layout(vec), Float32)
+                    cute.autovec_copy(cute.local_tile(mPart[r, None], (vec,), (vcol,)), part)
+                    acc.store(acc.load() + part.load())
+            sAcc = smem.allocate_tensor(
+                Float32, cute.make_ordered_layout((row_threads, tile_n), order=(1, 0)), byte_alignment=16
+            )
+            cute.autovec_copy(acc, cute.local_tile(sAcc[ty, None], (vec,), (tx,)))
+            cute.arch.sync_threads()
+            for j in cutlass.range_constexpr(-(-tile_n // t.num_threads)):
+                c = tidx + j * t.num_threads
+                gcol = col_tile * tile_n + c
+                if c < tile_n and gcol < n:
+                    total = sAcc[0, c]
+                    for r in cutlass.range_constexpr(1, row_threads):
+                        total = total + sAcc[r, c]
+                    mOut[gcol] = total.to(mOut.element_type)
