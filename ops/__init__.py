@@ -8,9 +8,12 @@ from .attention_bwd_prepost import (
     attention_bwd_preprocess,
 )
 from .dropout_bias import BiasDropout, bias_dropout, dropout_bias_backward
+from .norm import LayerNorm, RMSNorm, layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
 
 __all__ = [
     "BiasDropout",
+    "LayerNorm",
+    "RMSNorm",
     "attention_bwd_clear_dkv_accum",
     "attention_bwd_compute_delta",
     "attention_bwd_convert_dkv",
@@ -18,4 +21,8 @@ __all__ = [
     "attention_bwd_preprocess",
     "bias_dropout",
     "dropout_bias_backward",
+    "layer_norm",
+    "layer_norm_backward",
+    "rms_norm",
+    "rms_norm_backward",
 ]

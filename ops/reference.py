@@ -155,3 +155,26 @@ def convert_dkv_torch(dk_accum: Tensor, dv_accum: Tensor, softmax_scale: float, 
     dk = (dk_accum[:, :, :seqlen_k, :head_dim] * softmax_scale).transpose(1, 2).to(dtype, memory_format=fmt)
     dv = dv_accum[:, :, :seqlen_k, :head_dim].transpose(1, 2).to(dtype, memory_format=fmt)
     return dk, dv
+
+
+def norm_backward_ref(
+    grad_out: Tensor,
+    x: Tensor,
+    weight: Optional[Tensor],
+    mean: Optional[Tensor],
+    rstd: Tensor,
+    has_bias: bool,
+) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """LayerNorm (mean given) / RMSNorm (mean None) backward in fp64 from the saved statistics."""
+    n = x.shape[-1]
+    x64, dz = x.double().reshape(-1, n), grad_out.double().reshape(-1, n)
+    rs = rstd.double().reshape(-1, 1)
+    y = (x64 if mean is None else x64 - mean.double().reshape(-1, 1)) * rs
+    dy = dz * weight.double() if weight is not None else dz
+    dx = dy - (dy * y).mean(-1, keepdim=True) * y
+    if mean is not None:
+        dx = dx - dy.mean(-1, keepdim=True)
+    dx = (dx * rs).reshape(x.shape)
+    dw = (dz * y).sum(0) if weight is not None else None
+    db = dz.sum(0) if has_bias else None
+    return dx, dw, db

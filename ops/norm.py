@@ -1,0 +1,417 @@
+"""Torch face of the LayerNorm / RMSNorm backward.
+
+``layer_norm_backward`` / ``rms_norm_backward`` are the kernels as registered custom
+ops; ``layer_norm`` / ``rms_norm`` are autograd ops whose forward is torch's
+(``aten.native_layer_norm`` / ``aten._fused_rms_norm``, which return the saved
+statistics) and whose backward is ours; ``LayerNorm`` / ``RMSNorm`` are drop-in
+subclasses of ``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm`` (same parameters, same
+state_dict keys).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from layouts import layer_norm as tiling
+
+from . import _compile as cc
+from ._validate import check_cuda, check_dtype, check_float, check_same_device, check_tensor, rows_view, validate_once
+
+_MAX_VECTOR_BITS = tiling.MAX_VECTOR_BITS
+
+
+def _build(in_dtype, out_dtype, w_dtype, tiles, is_rms, has_gamma, has_dbeta, arch):
+    import cutlass
+    import cutlass.cute as cute
+
+    from cute_kernels.layer_norm import LnBwd
+
+    vec = tiles.vec
+    rows, n, ctas = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    f32 = cutlass.Float32
+    return cc.compile_kernel(
+        LnBwd(in_dtype, out_dtype, w_dtype, tiles, is_rms, has_gamma, has_dbeta),
+        cc.fake_tensor(in_dtype, (rows, n), vec),  # x
+        cc.fake_tensor(out_dtype, (rows, n), vec),  # dz
+        cc.fake_tensor(w_dtype, (n,), vec) if has_gamma else None,  # gamma
+        None if is_rms else cc.fake_tensor(f32, (rows,), 1),  # mean
+        cc.fake_tensor(f32, (rows,), 1),  # rstd
+        cc.fake_tensor(in_dtype, (rows, n), vec),  # dx
+        cc.fake_tensor(f32, (ctas, n), vec) if has_gamma else None,  # dgamma partials
+        cc.fake_tensor(f32, (ctas, n), vec) if has_dbeta else None,  # dbeta partials
+        cutlass.Int32(1),
+        cc.fake_stream(),
+        arch=arch,
+    )
+
+
+def _build_finalize(w_dtype, b_dtype, ftiles, has_gamma, has_beta, arch):
+    import cutlass
+    import cutlass.cute as cute
+
+    from cute_kernels.layer_norm import LnBwdFinalize
+
+    ctas, n = cute.sym_int(), cute.sym_int()
+    vec = ftiles.vec
+    f32 = cutlass.Float32
+    return cc.compile_kernel(
+        LnBwdFinalize(ftiles, has_gamma, has_beta),
+        cc.fake_tensor(f32, (ctas, n), vec) if has_gamma else None,
+        cc.fake_tensor(f32, (ctas, n), vec) if has_beta else None,
+        cc.fake_tensor(w_dtype, (n,), 1) if has_gamma else None,
+        cc.fake_tensor(b_dtype, (n,), 1) if has_beta else None,
+        cc.fake_stream(),
+        arch=arch,
+    )
+
+
+compiled = cc.CompileCache("ln_bwd", _build)
+compiled_finalize = cc.CompileCache("ln_bwd_finalize", _build_finalize)
+
+
+def _stat_view(name: str, s: Tensor, rows: int) -> Tensor:
+    """mean / rstd as a contiguous fp32 [rows] vector (aten keeps a trailing 1)."""
+    if s.numel() != rows:
+        raise ValueError(f"{name} must have one value per row ({rows}), got shape {tuple(s.shape)}")
+    v = s.reshape(rows)
+    return v if v.stride(0) == 1 or rows <= 1 else v.contiguous()
+
+
+def _validate(grad_out, x, weight, mean, rstd, bias):
+    check_cuda("x", x)
+    check_dtype("x", x, cc.FLOAT_DTYPES)
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension [..., N]")
+    n = x.shape[-1]
+    if n < 1:
+        raise ValueError("x must have a last dimension N >= 1")
+    check_same_device("grad_out", grad_out, x)
+    check_dtype("grad_out", grad_out, cc.FLOAT_DTYPES)
+    if tuple(grad_out.shape) != tuple(x.shape):
+        raise ValueError(f"grad_out must have x's shape {tuple(x.shape)}, got {tuple(grad_out.shape)}")
+    rows = x.numel() // n
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None:
+            check_same_device(name, t, x)
+            check_dtype(name, t, cc.FLOAT_DTYPES)
+            if tuple(t.shape) != (n,):
+                raise ValueError(f"{name} must have shape ({n},) (x's last dim), got {tuple(t.shape)}")
+    for name, s in (("mean", mean), ("rstd", rstd)):
+        if s is None:
+            continue
+        check_same_device(name, s, x)
+        if s.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32 (the forward's statistics), got {s.dtype}")
+        _stat_view(name, s, rows)
+    for name, t in (("x", x), ("grad_out", grad_out)):
+        rows_view(name, t)
+
+
+def _validate_cached(grad_out, x, weight, mean, rstd, bias, is_rms):
+    for name, t in (("grad_out", grad_out), ("x", x), ("rstd", rstd)):
+        check_tensor(name, t)
+    if not is_rms:
+        check_tensor("mean", mean)
+    validate_once(("ln_bwd", grad_out, x, weight, mean, rstd, bias), lambda: _validate(grad_out, x, weight, mean, rstd, bias))
+
+
+class _Plan:
+    """What a call's metadata decides: tiles, grid, the compiled functions."""
+
+    __slots__ = ("rows", "n", "fn", "finalize", "ctas_per_col")
+
+    def __init__(self, grad_out, x, weight, bias, is_rms, dx):
+        n = x.shape[-1]
+        xs, dzs, dxs = rows_view("x", x), rows_view("grad_out", grad_out), rows_view("grad_in", dx)
+        vec = cc.max_vector_elems(_MAX_VECTOR_BITS, (xs, n), (dzs, n), (dxs, n))
+        if weight is not None:  # the weight is read as vec-element chunks too
+            while vec > 1 and weight.data_ptr() % (vec * weight.element_size()):
+                vec //= 2
+        dev = x.device.index
+        arch = cc.device_arch(dev)
+        has_gamma, has_dbeta = weight is not None, bias is not None
+        in_dt, out_dt = cc.cute_dtype(x.dtype), cc.cute_dtype(grad_out.dtype)
+        w_dt = cc.cute_dtype(weight.dtype if has_gamma else x.dtype)
+        t = tiling.ln_bwd_tiles(
+            n, in_dt.width, out_dt.width, w_dt.width, vec, arch, num_partials=max(1, int(has_gamma) + int(has_dbeta))
+        )
+        self.rows, self.n = xs.shape
+        self.ctas_per_col = tiling.ctas_per_col(self.rows, t, cc.num_sms(dev))
+        self.fn = compiled(in_dt, out_dt, w_dt, t, is_rms, has_gamma, has_dbeta, arch)
+        self.finalize = None
+        if has_gamma or has_dbeta:
+            b_dt = cc.cute_dtype(bias.dtype if has_dbeta else x.dtype)
+            self.finalize = compiled_finalize(w_dt, b_dt, tiling.finalize_tiles(n), has_gamma, has_dbeta, arch)
+
+
+_plans: dict = {}
+
+
+def _plan(grad_out, x, weight, bias, is_rms, dx) -> _Plan:
+    key = (
+        x.shape, x.stride(), x.dtype, x.device, grad_out.stride(), grad_out.dtype, dx.stride(), is_rms,
+        None if weight is None else (weight.dtype, weight.data_ptr() & 15),
+        None if bias is None else bias.dtype,
+        x.data_ptr() & 15, grad_out.data_ptr() & 15, dx.data_ptr() & 15,
+    )  # fmt: skip
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = _Plan(grad_out, x, weight, bias, is_rms, dx)
+    return plan
+
+
+def launch(grad_out, x, weight, mean, rstd, bias, is_rms, dx, dweight, dbias) -> None:
+    """Run the kernels into preallocated dx (x's shape), dweight and dbias ([N] or None)."""
+    if x.numel() == 0:
+        for g in (dweight, dbias):
+            if g is not None:
+                g.zero_()
+        return
+    if weight is not None and weight.stride(0) != 1:
+        weight = weight.contiguous()
+    plan = _plan(grad_out, x, weight, bias, is_rms, dx)
+    rows, n = plan.rows, plan.n
+    xs, dzs, dxs = rows_view("x", x), rows_view("grad_out", grad_out), rows_view("grad_in", dx)
+    rs = _stat_view("rstd", rstd, rows)
+    mu = None if is_rms else _stat_view("mean", mean, rows)
+    part_g = part_b = None
+    if weight is not None:
+        part_g = torch.empty((plan.ctas_per_col, n), dtype=torch.float32, device=x.device)
+    if bias is not None:
+        part_b = torch.empty((plan.ctas_per_col, n), dtype=torch.float32, device=x.device)
+    plan.fn(xs, dzs, weight, mu, rs, dxs, part_g, part_b, plan.ctas_per_col)
+    if plan.finalize is not None:
+        plan.finalize(part_g, part_b, dweight, dbias)
+
+
+def _outputs(grad_out, x, weight, bias):
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    n = x.shape[-1]
+    # absent gradients are returned as empty tensors by the custom op (None outside it)
+    dweight = torch.empty(n if weight is not None else 0, dtype=weight.dtype if weight is not None else x.dtype, device=x.device)
+    dbias = torch.empty(n if bias is not None else 0, dtype=bias.dtype if bias is not None else x.dtype, device=x.device)
+    return dx, dweight, dbias
+
+
+def _norm_backward_impl(grad_out, x, weight, mean, rstd, bias, is_rms):
+    dx, dweight, dbias = _outputs(grad_out, x, weight, bias)
+    launch(grad_out, x, weight, mean, rstd, bias, is_rms, dx,
+           dweight if weight is not None else None, dbias if bias is not None else None)  # fmt: skip
+    return dx, dweight, dbias
+
+
+@torch.library.custom_op("cute_kernels::norm_backward", mutates_args=(), device_types="cuda")
+def _norm_backward(
+    grad_out: Tensor,
+    x: Tensor,
+    weight: Optional[Tensor],
+    mean: Optional[Tensor],
+    rstd: Tensor,
+    bias: Optional[Tensor],
+    is_rms: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    return _norm_backward_impl(grad_out, x, weight, mean, rstd, bias, is_rms)
+
+
+@_norm_backward.register_fake
+def _(grad_out, x, weight, mean, rstd, bias, is_rms):
+    return _outputs(grad_out, x, weight, bias)
+
+
+def _norm_backward_call(grad_out, x, weight, mean, rstd, bias, is_rms):
+    if cc.eager(x):
+        dx, dw, db = _norm_backward_impl(grad_out, x, weight, mean, rstd, bias, is_rms)
+    else:
+        dx, dw, db = _norm_backward(grad_out, x, weight, mean, rstd, bias, is_rms)
+    return dx, dw if weight is not None else None, db if bias is not None else None
+
+
+def layer_norm_backward(
+    grad_out: Tensor,
+    x: Tensor,
+    weight: Optional[Tensor],
+    mean: Tensor,
+    rstd: Tensor,
+    bias: Optional[Tensor] = None,
+) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """Gradients of z = (x - mean) * rstd * weight + bias over the last dim N.
+
+    Args:
+        grad_out: dz, x's shape, fp32/fp16/bf16 (may differ from x's dtype).
+        x: the forward's input [..., N], fp32/fp16/bf16, CUDA.
+        weight: gamma [N] (any float dtype) or None (no affine weight).
+        mean, rstd: the forward's fp32 statistics, one per row ([...] or [..., 1]).
+        bias: beta [N] or None; only its presence and dtype matter (dbias is wanted).
+
+    Returns:
+        (dx, dweight, dbias): dx in x's dtype; dweight / dbias in the weight's / bias's
+        dtype, accumulated in fp32, deterministic; None where weight / bias is None.
+    """
+    _validate_cached(grad_out, x, weight, mean, rstd, bias, False)
+    return _norm_backward_call(grad_out, x, weight, mean, rstd, bias, False)
+
+
+def rms_norm_backward(
+    grad_out: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """Gradients of z = x * rstd * weight over the last dim (``layer_norm_backward`` without the mean)."""
+    _validate_cached(grad_out, x, weight, None, rstd, None, True)
+    dx, dw, _ = _norm_backward_call(grad_out, x, weight, None, rstd, None, True)
+    return dx, dw
+
+
+# --- the training ops: forward in torch, backward through the kernels -------------
+
+
+def _stats_fp32(x32: Tensor, eps: float, is_rms: bool):
+    if is_rms:
+        return None, torch.rsqrt(x32.square().mean(-1) + eps)
+    var, mean = torch.var_mean(x32, -1, correction=0)
+    return mean, torch.rsqrt(var + eps)
+
+
+@torch.library.custom_op("cute_kernels::norm_forward", mutates_args=(), device_types="cuda")
+def _norm_forward(
+    x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, is_rms: bool
+) -> Tuple[Tensor, Tensor, Tensor]:
+    n = x.shape[-1]
+    same = all(t is None or t.dtype == x.dtype for t in (weight, bias))
+    if same and not is_rms:
+        out, mean, rstd = torch.ops.aten.native_layer_norm(x, [n], weight, bias, eps)
+        if mean.dtype == torch.float32:
+            return out, mean.reshape(x.shape[:-1]), rstd.reshape(x.shape[:-1])
+    if same and is_rms:
+        out, rstd = torch.ops.aten._fused_rms_norm(x, [n], weight, eps)
+        if rstd.dtype == torch.float32:
+            return out, x.new_empty((0,), dtype=torch.float32), rstd.reshape(x.shape[:-1])
+    # mixed dtypes (e.g. bf16 x with fp32 weight): the whole forward in fp32
+    x32 = x.float()
+    mean, rstd = _stats_fp32(x32, eps, is_rms)
+    y = (x32 if mean is None else x32 - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    mean = x.new_empty((0,), dtype=torch.float32) if mean is None else mean
+    return y.to(x.dtype), mean, rstd
+
+
+@_norm_forward.register_fake
+def _(x, weight, bias, eps, is_rms):
+    stats = x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return torch.empty_like(x), x.new_empty((0,), dtype=torch.float32) if is_rms else stats.clone(), stats
+
+
+def _norm_setup(ctx, inputs, output):
+    x, weight, bias, eps, is_rms = inputs
+    _, mean, rstd = output
+    ctx.is_rms = is_rms
+    ctx.has_weight = weight is not None
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(x, weight, bias, mean, rstd)
+
+
+def _norm_autograd_backward(ctx, grad_y, grad_mean, grad_rstd):
+    del grad_mean, grad_rstd
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    # dz from autograd may be any view: the kernel wants rows it can flatten
+    grad_y = grad_y.contiguous()
+    dx, dw, db = _norm_backward_call(grad_y, x, weight, None if ctx.is_rms else mean, rstd, bias, ctx.is_rms)
+    return dx, dw, db, None, None
+
+
+torch.library.register_autograd("cute_kernels::norm_forward", _norm_autograd_backward, setup_context=_norm_setup)
+
+
+def _flatten_normalized(x: Tensor, normalized_shape: Sequence[int], weight, bias):
+    """x [..., *normalized_shape] -> [..., prod]; weight / bias flattened alike."""
+    k = len(normalized_shape)
+    if tuple(x.shape[x.dim() - k:]) != tuple(normalized_shape) or x.dim() < k:
+        raise ValueError(f"x of shape {tuple(x.shape)} does not end with normalized_shape {tuple(normalized_shape)}")
+    n = math.prod(normalized_shape)
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and tuple(t.shape) != tuple(normalized_shape):
+            raise ValueError(f"{name} must have shape {tuple(normalized_shape)}, got {tuple(t.shape)}")
+    flat = lambda t: None if t is None else t.reshape(n)  # noqa: E731
+    return x.reshape(*x.shape[: x.dim() - k], n), flat(weight), flat(bias)
+
+
+def _check_norm_inputs(x, weight, bias, eps):
+    check_cuda("x", x)
+    check_dtype("x", x, cc.FLOAT_DTYPES)
+    check_float("eps", eps)
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None:
+            check_same_device(name, t, x)
+            check_dtype(name, t, cc.FLOAT_DTYPES)
+
+
+def layer_norm(
+    x: Tensor,
+    normalized_shape: Union[int, Sequence[int], None] = None,
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    eps: float = 1e-5,
+) -> Tensor:
+    """``F.layer_norm`` with our backward; ``normalized_shape`` defaults to x's last dim."""
+    if normalized_shape is None:
+        normalized_shape = (x.shape[-1],)
+    elif isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    _check_norm_inputs(x, weight, bias, eps)
+    shape = x.shape
+    xf, wf, bf = _flatten_normalized(x, normalized_shape, weight, bias)
+    y, _, _ = _norm_forward(xf, wf, bf, float(eps), False)
+    return y.reshape(shape)
+
+
+def rms_norm(
+    x: Tensor,
+    normalized_shape: Union[int, Sequence[int], None] = None,
+    weight: Optional[Tensor] = None,
+    eps: Optional[float] = None,
+) -> Tensor:
+    """``F.rms_norm`` with our backward; ``eps`` None means ``torch.finfo(x.dtype).eps`` as torch."""
+    if normalized_shape is None:
+        normalized_shape = (x.shape[-1],)
+    elif isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    _check_norm_inputs(x, weight, None, eps)
+    shape = x.shape
+    xf, wf, _ = _flatten_normalized(x, normalized_shape, weight, None)
+    y, _, _ = _norm_forward(xf, wf, None, float(eps), True)
+    return y.reshape(shape)
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    """``torch.nn.LayerNorm`` whose backward runs our kernels on CUDA tensors."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.device.type != "cuda":
+            return super().forward(x)
+        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` whose backward runs our kernels on CUDA tensors."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.device.type != "cuda":
+            return super().forward(x)
+        return rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+
+__all__: List[str] = [
+    "LayerNorm",
+    "RMSNorm",
+    "layer_norm",
+    "layer_norm_backward",
+    "rms_norm",
+    "rms_norm_backward",
+]
