@@ -23,6 +23,21 @@ DROPOUT_BIAS_BWD = {
     ],
 }
 
+LAYER_NORM_BWD = {
+    # (rows, N), dtype name of x and dz (weight and bias fp32, as quack takes them)
+    "full": [
+        ((16384, 4096), "bfloat16"),
+        ((8192, 8192), "bfloat16"),
+        ((32768, 1024), "bfloat16"),
+        ((4096, 16384), "bfloat16"),
+        ((16384, 4096), "float32"),
+    ],
+    "quick": [
+        ((16384, 4096), "bfloat16"),
+        ((32768, 1024), "bfloat16"),
+    ],
+}
+
 ATTN_BWD_PREPROCESS = {
     # (batch, heads, seqlen, head_dim), dtype name; O and dO [B, S, H, D] contiguous
     "full": [

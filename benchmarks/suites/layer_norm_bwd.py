@@ -1,0 +1,90 @@
+"""Suite layer_norm_bwd: LayerNorm backward (dX, dgamma, dbeta complete, finalize included).
+
+Peers in the same run: torch (autograd of F.layer_norm, weight in x's dtype as torch
+requires), quack's ``layernorm_bwd`` (fp32 weight, its partial sums reduced by torch
+as quack does), and a device copy moving the same number of bytes.
+Bytes counted as the peers count them: x and dz read, dX written (the vectors are small).
+"""
+
+from __future__ import annotations
+
+import torch
+
+NAME = "layer_norm_bwd"
+
+
+def _case_name(shape, dtype):
+    return f"{shape[0]}x{shape[1]}:{dtype}"
+
+
+def run(settings, quick: bool):
+    import ops
+    from ops.reference import norm_backward_ref
+
+    from ..timing import time_case
+
+    try:
+        from quack.rmsnorm import layernorm_bwd as quack_layernorm_bwd
+    except ImportError:  # quack-kernels not installed: the row is left out, not faked
+        quack_layernorm_bwd = None
+
+    rows_out = []
+    eps = 1e-5
+    for shape, dtype_name in settings.LAYER_NORM_BWD["quick" if quick else "full"]:
+        dtype = getattr(torch, dtype_name)
+        m, n = shape
+        x = torch.randn(m, n, device="cuda", dtype=dtype)
+        dz = torch.randn(m, n, device="cuda", dtype=dtype)
+        w = torch.randn(n, device="cuda", dtype=torch.float32)
+        b = torch.randn(n, device="cuda", dtype=torch.float32)
+        var, mean = torch.var_mean(x.float(), -1, correction=0)
+        rstd = torch.rsqrt(var + eps)
+        nbytes = 3 * m * n * x.element_size()
+
+        # correctness first, on these inputs (a slice of rows for dX; all rows for dW, dB)
+        dx, dw, db = ops.layer_norm_backward(dz, x, w, mean, rstd, b)
+        k = min(m, 4096)
+        rdx, _, _ = norm_backward_ref(dz[:k], x[:k], w, mean[:k], rstd[:k], True)
+        rdw = (dz.float() * ((x.float() - mean[:, None]) * rstd[:, None])).sum(0)
+        rdb = dz.float().sum(0)
+        errs = [((a.double() - r.double()).norm() / r.double().norm()).item() for a, r in ((dx[:k], rdx), (dw, rdw), (db, rdb))]
+        if not all(e < 1e-2 for e in errs):
+            raise RuntimeError(f"{_case_name(shape, dtype_name)}: wrong result, rel err dX/dW/dB {errs}")
+
+        xr = x.detach().requires_grad_()
+        wr = w.to(dtype).requires_grad_()
+        br = b.to(dtype).requires_grad_()
+        y = torch.nn.functional.layer_norm(xr, (n,), wr, br, eps)
+        impls = {
+            "ours": lambda: ops.layer_norm_backward(dz, x, w, mean, rstd, b),
+            "torch": lambda: torch.autograd.grad(y, (xr, wr, br), dz, retain_graph=True),
+        }
+        if quack_layernorm_bwd is not None:
+            impls["quack"] = lambda: quack_layernorm_bwd(x, w, dz, rstd, mean, True)
+        rows_out += time_case(NAME, _case_name(shape, dtype_name), impls, nbytes)
+    return rows_out
+
+
+def compile_only(arch: str):
+    """Compile the configurations of the suite's and the tests' row lengths for ``arch``."""
+    import cutlass
+
+    from layouts import layer_norm as tiling
+    from ops.norm import compiled, compiled_finalize
+
+    count = 0
+    f32 = cutlass.Float32
+    for dtype in (cutlass.Float32, cutlass.BFloat16):
+        for n in (1, 7, 64, 1000, 1024, 4096, 8192, 16384, 65536):
+            vec = 128 // dtype.width
+            while n % vec:
+                vec //= 2
+            try:
+                t = tiling.ln_bwd_tiles(n, dtype.width, dtype.width, 32, vec, arch)
+            except NotImplementedError:
+                continue  # rows needing clusters on an arch without them
+            compiled(dtype, dtype, f32, t, False, True, True, arch)
+            compiled(dtype, dtype, f32, t, True, True, False, arch)
+            compiled_finalize(f32, f32, tiling.finalize_tiles(n), True, True, arch)
+            count += 3
+    return count
