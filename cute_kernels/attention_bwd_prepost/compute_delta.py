@@ -11,15 +11,15 @@ with a shuffle-xor. ``ComputeDelta`` launches it on its own, one CTA per
 (query block, head, batch).
 """
 
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import cuda.bindings.driver as cuda
 from cutlass import Float32, const_expr
 
+from cute_kernels.common.row_reduce import row_allreduce_sum
 from layouts.attention_bwd_prepost import ComputeDeltaTiles
 
 from .seqlen import seq_rows
-from .tile_io import row_allreduce_sum
 
 
 @cute.jit

@@ -11,15 +11,16 @@ seqlen_q_rounded get Δ = 0. With ``clear_dq_accum`` the same launch zeroes the 
 rows of the fp32 dQ accumulator (``Clear_dQaccum``).
 """
 
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import cuda.bindings.driver as cuda
 from cutlass import Float32, Int32, const_expr
 
+from cute_kernels.common.row_reduce import row_allreduce_sum
 from layouts.attention_bwd_prepost import VARLEN_ACCUM_PAD, PrepostTiles
 
 from .seqlen import block_coords, seq_rows
-from .tile_io import clear_tile, load_tile, row_allreduce_sum
+from .tile_io import clear_tile, load_tile
 
 
 class ComputeDotDoO:

@@ -6,8 +6,6 @@ or wholly outside (the host picks a vector that divides it), so one predicate pe
 (m, k) is exact.
 """
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
@@ -49,14 +47,6 @@ def accum_copy(tiled_mma, bits: int):
     """The fp32 accumulator read in the MMA's fragment layout (``tiles.accum_copy_bits()``)."""
     atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=bits)
     return cute.make_tiled_copy_C(atom, tiled_mma)
-
-
-@cute.jit
-def row_allreduce_sum(v, threads: cutlass.Constexpr):
-    """Sum over the ``threads`` consecutive lanes that share a row (shuffle-xor butterfly)."""
-    for i in cutlass.range_constexpr(int(math.log2(threads))):
-        v = v + cute.arch.shuffle_sync_bfly(v, offset=1 << i)
-    return v
 
 
 @cute.jit

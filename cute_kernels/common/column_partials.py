@@ -40,7 +40,7 @@ class ColumnPartials:
             c = tidx + j * self.num_threads
             if c < self.tile_n:
                 total = sAcc[0, c]
-                for r in cutlass.range_constexpr(1, self.tile_m):
+                for r in cutlass.range(1, self.tile_m, unroll=8):  # rows in order
                     total = total + sAcc[r, c]
                 gcol = col_tile * self.tile_n + c
                 if gcol < n:

@@ -16,22 +16,14 @@ across the CTAs of a cluster; every participant adds the same values in the same
 order, so all agree bit for bit and the results are deterministic.
 """
 
-import math
-
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import cuda.bindings.driver as cuda
 from cutlass import Float32, Int32, const_expr
 
+from cute_kernels.common.column_partials import ColumnPartials
+from cute_kernels.common.row_reduce import row_allreduce_sum
 from layouts.layer_norm import SMEM_CARVEOUT, LnBwdTiles
-
-
-@cute.jit
-def row_allreduce_sum(v, lanes: cutlass.Constexpr):
-    """Sum over the ``lanes`` consecutive lanes that share a row (shuffle-xor butterfly)."""
-    for i in cutlass.range_constexpr(int(math.log2(lanes))):
-        v = v + cute.arch.shuffle_sync_bfly(v, offset=1 << i)
-    return v
 
 
 @cute.jit
@@ -163,8 +155,7 @@ class LnBwd:
 
         # The ring: ``stages`` row blocks of x and dz in flight per CTA. Each thread
         # copies, then reads back, only its own vectors: no barrier, just wait_group.
-        ring = (rpc, tpr * vec, ldgs, stages)
-        ring_order = (1, 0, 2, 3)
+        ring, ring_order = t.ring()
         sX = smem.allocate_tensor(self.in_dtype, cute.make_ordered_layout(ring, order=ring_order), byte_alignment=16)
         sDZ = smem.allocate_tensor(self.out_dtype, cute.make_ordered_layout(ring, order=ring_order), byte_alignment=16)
         tXs = copy_x.get_slice(tidx).partition_D(sX)  # (CPY, 1, 1, ldgs, stages)
@@ -267,19 +258,14 @@ class LnBwd:
         else:
             # the CTA's rows hold different rows' sums: fold them through shared memory
             cols = t.cols_per_cta
+            fold = ColumnPartials(rpc, cols, t.num_threads)
             for acc, mPart in outs:
                 sAcc = smem.allocate_tensor(Float32, cute.make_ordered_layout((rpc, cols), order=(1, 0)), byte_alignment=16)
                 for it in cutlass.range_constexpr(ldgs):
                     dst = cute.local_tile(sAcc[row_in_cta, None], (vec,), (it * tpr + tid_r,))
                     cute.autovec_copy(acc[it], cute.make_tensor(dst.iterator, acc[it].layout))
                 cute.arch.sync_threads()
-                for j in cutlass.range_constexpr(-(-cols // t.num_threads)):
-                    c = tidx + j * t.num_threads
-                    if c < cols and c < n:
-                        total = sAcc[0, c]
-                        for r in cutlass.range(1, rpc, unroll=8):
-                            total = total + sAcc[r, c]
-                        mPart[bidm, c] = total
+                fold.store(sAcc, mPart, bidm, Int32(0), tidx)  # one CTA covers the row: column tile 0
 
     @cute.jit
     def load_block(self, k, bidm, ctas_per_col, my_blocks, rows, row_in_cta, col_tile, col_ok,
