@@ -65,6 +65,15 @@ STORE_HINTS = dict(op="universal")
 # finalize: (row threads, column threads) per CTA, fp32 vector per thread
 FINALIZE_THREADS = (64, 8)  # 32 columns per CTA: N=4096 spreads over 128 CTAs (64 were 2x slower)
 FINALIZE_VEC = 4
+FINALIZE_ROWS_UNROLL = 4  # partial rows each thread loads before adding them
+
+
+def widest_vec(n: int, bits: int) -> int:
+    """The widest vector (elements, <= 128 bits) that divides a row of ``n`` elements."""
+    v = MAX_VECTOR_BITS // bits
+    while n % v:
+        v //= 2
+    return v
 
 
 def _pow2_at_least(x: int) -> int:
@@ -130,6 +139,12 @@ class LnBwdTiles:
         else:  # narrower vectors are copied synchronously through registers
             hints = dict(op="universal")
         return TiledCopySpec((self.rows_per_cta, self.threads_per_row), (1, self.vec), elem_bits, **hints)
+
+    def ring(self) -> tuple:
+        """(shape, order) of the cp.async ring: (rows, threads x vec, ldgs, stages), the
+        copy's rows of threads contiguous per vector, so 16-byte accesses of consecutive
+        threads hit consecutive banks."""
+        return (self.rows_per_cta, self.threads_per_row * self.vec, self.ldgs, self.stages), (1, 0, 2, 3)
 
     def stage_bytes(self, in_bits: int, out_bits: int) -> int:
         return self.rows_per_cta * self.cols_per_cta * (in_bits + out_bits) // 8
@@ -220,6 +235,7 @@ class LnBwdFinalizeTiles:
 
     vec: int
     threads: tuple = FINALIZE_THREADS
+    rows_unroll: int = FINALIZE_ROWS_UNROLL
 
     @property
     def num_threads(self) -> int:

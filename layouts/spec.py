@@ -29,7 +29,7 @@ class TiledCopySpec:
     thr_order: Tuple[int, int] = (1, 0)
     op: str = "universal"  # universal, g2r (loads), r2g (stores), cp.async
     l1_evict: str = "normal"  # g2r/r2g: normal, first, last, no_allocate (cache eviction priority)
-    load_cache: str = "always"  # g2r: always (.ca), global (.cg), streaming (.cs), last_use (.lu)
+    load_cache: str = "always"  # g2r / cp.async: always (.ca), global (.cg), streaming (.cs), last_use (.lu)
 
     def __post_init__(self):
         if self.copy_bits not in (8, 16, 32, 64, 128) and self.copy_bits != self.elem_bits:

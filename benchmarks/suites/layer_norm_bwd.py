@@ -76,11 +76,8 @@ def compile_only(arch: str):
     f32 = cutlass.Float32
     for dtype in (cutlass.Float32, cutlass.BFloat16):
         for n in (1, 7, 64, 1000, 1024, 4096, 8192, 16384, 65536):
-            vec = 128 // dtype.width
-            while n % vec:
-                vec //= 2
             try:
-                t = tiling.ln_bwd_tiles(n, dtype.width, dtype.width, 32, vec, arch)
+                t = tiling.ln_bwd_tiles(n, dtype.width, dtype.width, 32, tiling.widest_vec(n, dtype.width), arch)
             except NotImplementedError:
                 continue  # rows needing clusters on an arch without them
             compiled(dtype, dtype, f32, t, False, True, True, arch)

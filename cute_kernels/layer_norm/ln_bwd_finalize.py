@@ -15,8 +15,6 @@ from cutlass import Float32, const_expr
 
 from layouts.layer_norm import LnBwdFinalizeTiles
 
-ROWS_UNROLL = 4  # partial rows loaded per thread before they are added
-
 
 class LnBwdFinalize:
     """Configuration: tiles, which of dgamma / dbeta; outputs take their tensors' dtypes."""
@@ -65,13 +63,13 @@ class LnBwdFinalize:
             acc = cute.make_rmem_tensor(cute.make_layout(vec), Float32)
             acc.fill(0.0)
             if col_ok:
-                # rows ty, ty + R, ty + 2R, ...: ROWS_UNROLL loads issued before the adds
-                full = (num_rows // (row_threads * ROWS_UNROLL)) * (row_threads * ROWS_UNROLL)
-                for r0 in cutlass.range(ty, full, row_threads * ROWS_UNROLL, unroll=1):
-                    parts = [cute.make_rmem_tensor(cute.make_layout(vec), Float32) for _ in range(ROWS_UNROLL)]
-                    for u in cutlass.range_constexpr(ROWS_UNROLL):
+                # rows ty, ty + R, ty + 2R, ...: t.rows_unroll loads issued before the adds
+                full = (num_rows // (row_threads * t.rows_unroll)) * (row_threads * t.rows_unroll)
+                for r0 in cutlass.range(ty, full, row_threads * t.rows_unroll, unroll=1):
+                    parts = [cute.make_rmem_tensor(cute.make_layout(vec), Float32) for _ in range(t.rows_unroll)]
+                    for u in cutlass.range_constexpr(t.rows_unroll):
                         cute.autovec_copy(cute.local_tile(mPart[r0 + u * row_threads, None], (vec,), (vcol,)), parts[u])
-                    for u in cutlass.range_constexpr(ROWS_UNROLL):
+                    for u in cutlass.range_constexpr(t.rows_unroll):
                         acc.store(acc.load() + parts[u].load())
                 for r in cutlass.range(full + ty, num_rows, row_threads, unroll=1):
                     part = cute.make_rmem_tensor(cute.make_layout(vec), Float32)
