@@ -88,6 +88,8 @@ def rows_view(name: str, t: Tensor) -> Tensor:
     Size-1 dims get canonical strides so that alignment reasoning sees real steps only.
     """
     n = t.shape[-1]
+    if n > 0 and t.is_contiguous():  # the common case, cheap on the per-call path
+        return t.view(-1, n)
     try:
         v = t.view(-1, n)
     except RuntimeError as e:

@@ -267,7 +267,7 @@ def rms_norm_backward(
 # --- the training ops: forward in torch, backward through the kernels -------------
 
 
-def _stats_fp32(x32: Tensor, eps: float, is_rms: bool):
+def _stats(x32: Tensor, eps: float, is_rms: bool):
     if is_rms:
         return None, torch.rsqrt(x32.square().mean(-1) + eps)
     var, mean = torch.var_mean(x32, -1, correction=0)
@@ -288,14 +288,17 @@ def _norm_forward(
         out, rstd = torch.ops.aten._fused_rms_norm(x, [n], weight, eps)
         if rstd.dtype == torch.float32:
             return out, x.new_empty((0,), dtype=torch.float32), rstd.reshape(x.shape[:-1])
-    # mixed dtypes (e.g. bf16 x with fp32 weight): the whole forward in fp32
-    x32 = x.float()
-    mean, rstd = _stats_fp32(x32, eps, is_rms)
+    # mixed dtypes (e.g. bf16 x with fp32 weight): the whole forward in (at least) fp32
+    acc = torch.promote_types(x.dtype, torch.float32)
+    x32 = x.to(acc)
+    mean, rstd = _stats(x32, eps, is_rms)
     y = (x32 if mean is None else x32 - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
     if weight is not None:
-        y = y * weight.float()
+        y = y * weight.to(acc)
     if bias is not None:
-        y = y + bias.float()
+        y = y + bias.to(acc)
+    mean = None if mean is None else mean.float()
+    rstd = rstd.float()
     mean = x.new_empty((0,), dtype=torch.float32) if mean is None else mean
     return y.to(x.dtype), mean, rstd
 

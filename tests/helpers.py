@@ -18,3 +18,28 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     denom = ref.norm().item()
     diff = (out - ref).norm().item()
     return diff / denom if denom > 0 else diff
+
+
+class _Traced(Exception):
+    """Raised instead of running the captured graph (the ops cannot launch on a CPU)."""
+
+
+def trace_custom_ops(fn, *args):
+    """The cute_kernels ops that one ``torch.compile(fullgraph=True)`` capture of ``fn`` holds.
+
+    Compiling fails if the capture breaks the graph; the graph itself is never run.
+    """
+    import pytest
+
+    def backend(gm, example_inputs):
+        found = [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "cute_kernels" in str(n.target)]
+
+        def run(*a):
+            raise _Traced(found)
+
+        return run
+
+    torch._dynamo.reset()
+    with pytest.raises(_Traced) as info:
+        torch.compile(fn, fullgraph=True, backend=backend)(*args)
+    return info.value.args[0]

@@ -18,6 +18,7 @@ from ops.reference import (
     convert_dkv_ref,
     convert_dq_ref,
 )
+from tests.helpers import trace_custom_ops
 
 
 ARCHS = ["sm_90a", "sm_80"]
@@ -476,27 +477,6 @@ def test_fake_shapes_of_the_public_functions():
 # ------------------------------------------------------------------- torch.compile
 
 
-class _Traced(Exception):
-    """Raised instead of running the captured graph (the ops cannot launch on a CPU)."""
-
-
-def _trace_fullgraph(fn, *args):
-    """The custom ops Dynamo puts in one fullgraph capture of ``fn`` (CPU tensors)."""
-
-    def backend(gm, example_inputs):
-        ops = [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "cute_kernels" in str(n.target)]
-
-        def run(*a):
-            raise _Traced(ops)
-
-        return run
-
-    torch._dynamo.reset()
-    with pytest.raises(_Traced) as info:
-        torch.compile(fn, fullgraph=True, backend=backend)(*args)
-    return info.value.args[0]
-
-
 @pytest.mark.parametrize(
     "name",
     ["preprocess", "compute_delta", "convert_dq", "convert_dkv", "clear_dkv_accum"],
@@ -513,7 +493,7 @@ def test_public_functions_trace_in_one_graph(name, monkeypatch):
         "clear_dkv_accum": (lambda a: A.attention_bwd_clear_dkv_accum(a, a), torch.zeros(2, 3, 128, 64)),
     }
     fn, arg = calls[name]
-    assert any(f"attention_bwd_{name}" in op for op in _trace_fullgraph(fn, arg))
+    assert any(f"attention_bwd_{name}" in op for op in trace_custom_ops(fn, arg))
 
 
 # ------------------------------------------------------------------------ references

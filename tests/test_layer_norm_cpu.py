@@ -12,15 +12,9 @@ import ops
 from layouts import layer_norm as tiling
 from ops import norm as N
 from ops.reference import norm_backward_ref
+from tests.helpers import trace_custom_ops
 
 ROW_LENGTHS = (1, 7, 64, 1000, 1024, 4096, 8192, 12288, 16384, 65536)
-
-
-def _vec(n, bits):
-    v = 128 // bits
-    while n % v:
-        v //= 2
-    return v
 
 
 # ------------------------------------------------------------------------ compile
@@ -37,7 +31,7 @@ def test_compiles_configurations(arch, dtype_name):
     built = 0
     for n in ROW_LENGTHS:
         try:
-            t = tiling.ln_bwd_tiles(n, dtype.width, dtype.width, 32, _vec(n, dtype.width), arch)
+            t = tiling.ln_bwd_tiles(n, dtype.width, dtype.width, 32, tiling.widest_vec(n, dtype.width), arch)
         except NotImplementedError:
             assert arch == "sm_80" and n > 8192  # clusters are sm_90 only
             continue
@@ -87,7 +81,7 @@ def test_compile_only_covers_suite(monkeypatch):
 @pytest.mark.parametrize("bits", [16, 32])
 @pytest.mark.parametrize("n", ROW_LENGTHS + (3, 100, 129, 4095, 5000, 100000, 131072))
 def test_tiles_cover_the_row(n, bits):
-    vec = _vec(n, bits)
+    vec = tiling.widest_vec(n, bits)
     t = tiling.ln_bwd_tiles(n, bits, bits, 32, vec)
     assert t.max_n >= n > (t.ldgs - 1) * t.threads_per_row * t.vec * t.ctas_per_row  # every ldg has columns
     assert t.threads_per_row & (t.threads_per_row - 1) == 0
@@ -210,40 +204,20 @@ def test_fake_implementation_shapes():
         assert dw is None and dx.shape == x.shape
 
 
-class _Traced(Exception):
-    """Raised instead of running the captured graph (the ops cannot launch on a CPU)."""
-
-
-def _trace_ops(fn, *args):
-    """The cute_kernels ops of one fullgraph capture of ``fn``."""
-
-    def backend(gm, example_inputs):
-        found = [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "cute_kernels" in str(n.target)]
-
-        def run(*a):
-            raise _Traced(found)
-
-        return run
-
-    torch._dynamo.reset()
-    with pytest.raises(_Traced) as info:
-        torch.compile(fn, fullgraph=True, backend=backend)(*args)
-    return info.value.args[0], None
-
-
 def test_training_ops_trace_in_one_graph(monkeypatch):
     """torch.compile(fullgraph=True) sees the forward as our op, validation included."""
     monkeypatch.setattr(N, "check_cuda", lambda *a: None)  # CPU tensors stand in for CUDA ones
     x = torch.randn(4, 16)
     w = torch.randn(16)
-    found, _ = _trace_ops(lambda x, w: ops.layer_norm(x, 16, w, w, 1e-5) * 2, x, w)
+    found = trace_custom_ops(lambda x, w: ops.layer_norm(x, 16, w, w, 1e-5) * 2, x, w)
     assert any("norm_forward" in f for f in found)
-    found, _ = _trace_ops(lambda x, w: ops.rms_norm(x, 16, w) + 1, x, w)
+    found = trace_custom_ops(lambda x, w: ops.rms_norm(x, 16, w) + 1, x, w)
     assert any("norm_forward" in f for f in found)
 
 
 def test_forward_matches_torch_on_cpu_tensors():
     """The forward op's math (run directly on CPU tensors) equals torch's, mixed dtypes included."""
+    torch.manual_seed(0)
     x = torch.randn(5, 33, dtype=torch.float64)
     w, b = torch.randn(33, dtype=torch.float64), torch.randn(33, dtype=torch.float64)
     y, mean, rstd = N._norm_forward._init_fn(x, w, b, 1e-5, False)
