@@ -1,0 +1,1 @@
+"""Memory-efficient attention backward (PyTorch's AttentionBackwardKernel) in the CuTe DSL."""

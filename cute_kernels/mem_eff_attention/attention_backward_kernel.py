@@ -1,0 +1,471 @@
+"""``AttentionBackwardKernel``: PyTorch's memory-efficient attention backward in CuTe.
+
+Seed: ``kernel_backward.h`` (PyTorch, originally xformers). The structure and names
+are the C++'s, Python-cased:
+
+- ``attention_kernel``: a CTA = (split of the keys, head, batch) — the grid is
+  (num_splits_key, heads, batches). It computes Δ for its queries
+  (``kernel_computes_delta``), then for each of its key blocks j walks the query
+  blocks i the iteration order gives (``iteration.py``: ``get_query_start``,
+  ``incr_iteration``), calling ``process_block_ij``; dK_j / dV_j accumulate in
+  registers (``output_in_rf``) and ``write_frags_to_gmem`` stores them.
+- ``process_block_ij``: MatmulQK (attn_T = K_j Q_iᵀ; scale, causal / window mask,
+  exp(· - LSE) into shared memory), MatmulGradV (dV_j += attn_T dO_i), MatmulDOIVJ
+  (dPᵀ = V_j dO_iᵀ; dS = (dP - Δ)·P, times the softmax scale, into shared memory as
+  tmp_T), MatmulGradQ (dQ_i += dS K_j through the ``GradQTempStorage`` workspace:
+  lock, counter, fp32 partials; the last contributor writes dQ), MatmulGradK
+  (dK_j += dSᵀ Q_i).
+- ``advance_to_block``: the (batch, head) views, variable lengths (cu_seqlens) and the
+  workspace slice.
+
+Layouts, swizzles, copy atoms and MMA atoms come from ``layouts/mem_eff_attention.py``.
+Bias and dropout are issue 6: their places exist (``zij`` in the storage, the
+config's ``apply_dropout``), the op refuses them for now.
+"""
+
+import math
+from types import SimpleNamespace
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from cute_kernels.attention_bwd_prepost.compute_delta import compute_delta
+from layouts.attention_bwd_prepost import ComputeDeltaTiles
+from layouts.mem_eff_attention import GMEM_TILE_ACCESS, GRAD_Q_HEADER_WORDS, AttentionBackwardConfig
+
+from .iteration import (
+    IterationParams,
+    get_num_parallel_blocks_for_query,
+    get_query_start,
+    incr_iteration,
+    is_last_key_for_query,
+)
+from .shared_storage import make_shared_storage
+from .warp_mma import gemm_smem, transpose_view
+
+LOG2E = math.log2(math.e)
+
+
+def _view(ns: SimpleNamespace) -> SimpleNamespace:
+    # A @cute.jit call inside staged control flow rebinds the attributes of the
+    # namespaces it is given to values of that region; callers keep their own copy.
+    return SimpleNamespace(**vars(ns))
+
+
+class AttentionBackwardKernel:
+    """One configuration (``AttentionBackwardConfig``) for one dtype, compiled once.
+
+    ``varlen``: cu_seqlens_q / cu_seqlens_k are given (batch 1, packed rows).
+    ``kernel_computes_delta``: Δ = rowsum(dO∘O) is computed here into ``mDelta``;
+    otherwise ``mDelta`` holds Δ on entry (the op computes it once when keys are split,
+    instead of once per split as the C++ does).
+    """
+
+    def __init__(self, dtype, cfg: AttentionBackwardConfig, varlen: bool, kernel_computes_delta: bool):
+        if dtype.width != cfg.elem_bits:
+            raise ValueError(f"config is for {cfg.elem_bits}-bit elements, dtype is {dtype}")
+        if not cfg.output_in_rf:
+            raise NotImplementedError("dK/dV accumulated in the workspace (kOutputInRF = false) is not implemented")
+        if cfg.apply_dropout or cfg.preload:
+            raise NotImplementedError("kApplyDropout / kPreload are not implemented yet")
+        self.dtype = dtype
+        self.cfg = cfg
+        self.varlen = varlen
+        self.kernel_computes_delta = kernel_computes_delta
+        self.delta_tiles = ComputeDeltaTiles(
+            cfg.elem_bits, cfg.vec, cfg.max_k, num_threads=cfg.num_threads, block_i=cfg.block_size_i
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        mQuery: cute.Tensor,  # [B, Mq, H, K]   (varlen: B = 1, rows packed)
+        mKey: cute.Tensor,  # [B, Mk, H, K]
+        mValue: cute.Tensor,  # [B, Mk, H, Kv]
+        mOutput: cute.Tensor,  # [B, Mq, H, Kv]
+        mGradOutput: cute.Tensor,  # [B, Mq, H, Kv]
+        mLogsumexp: cute.Tensor,  # [B (varlen: sequences), H, >= Mq] fp32
+        mDelta: cute.Tensor,  # [B (varlen: sequences), H, >= Mq] fp32: written (kernel_computes_delta) or read
+        mGradQuery: cute.Tensor,  # like mQuery
+        mGradKey: cute.Tensor,  # like mKey
+        mGradValue: cute.Tensor,  # like mValue
+        mWorkspace: cute.Tensor,  # [B * H, query blocks, GradQTempStorage words] fp32
+        mCuSeqlensQ: cute.Tensor,  # [sequences + 1] int32, or None
+        mCuSeqlensK: cute.Tensor,
+        scale: Float32,
+        custom_mask_type: Int32,
+        window_size: Int32,
+        num_splits_key: Int32,
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        SharedStorage = make_shared_storage(cfg, self.dtype)
+        num_batches = mLogsumexp.shape[0]
+        self.kernel(
+            mQuery, mKey, mValue, mOutput, mGradOutput, mLogsumexp, mDelta,
+            mGradQuery, mGradKey, mGradValue, mWorkspace, mCuSeqlensQ, mCuSeqlensK,
+            scale, custom_mask_type, window_size, SharedStorage,
+        ).launch(
+            grid=[num_splits_key, mQuery.shape[2], num_batches],
+            block=[cfg.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            min_blocks_per_mp=cfg.min_blocks_per_sm,
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------ advance_to_block
+    def advance_to_block(self, batch, head, t: SimpleNamespace) -> SimpleNamespace:
+        """The (batch, head) slices of every tensor, as the C++ advances its pointers.
+
+        With cu_seqlens the rows of sequence ``batch`` start at cu_seqlens[batch];
+        LSE and Δ keep per-sequence rows.
+        """
+        b = SimpleNamespace()
+        if const_expr(self.varlen):
+            q_start = t.mCuSeqlensQ[batch]
+            k_start = t.mCuSeqlensK[batch]
+            b.num_queries = t.mCuSeqlensQ[batch + 1] - q_start
+            b.num_keys = t.mCuSeqlensK[batch + 1] - k_start
+            rows_q = lambda m: cute.domain_offset((q_start, 0), m[0, None, head, None])  # noqa: E731
+            rows_k = lambda m: cute.domain_offset((k_start, 0), m[0, None, head, None])  # noqa: E731
+        else:
+            b.num_queries = t.mQuery.shape[1]
+            b.num_keys = t.mKey.shape[1]
+            rows_q = lambda m: m[batch, None, head, None]  # noqa: E731
+            rows_k = rows_q
+        b.query, b.output, b.grad_output, b.grad_query = (
+            rows_q(m) for m in (t.mQuery, t.mOutput, t.mGradOutput, t.mGradQuery)
+        )
+        b.key, b.value, b.grad_key, b.grad_value = (rows_k(m) for m in (t.mKey, t.mValue, t.mGradKey, t.mGradValue))
+        # LSE and Δ keep per-sequence rows [sequences, heads, max seqlen] (the C++
+        # offsets LSE by the batch before "jumping" it to 0; Δ is ours, laid out alike).
+        b.logsumexp = t.mLogsumexp[batch, head, None]
+        b.delta = t.mDelta[batch, head, None]
+        b.head_dim = t.mQuery.shape[3]
+        b.head_dim_value = t.mValue.shape[3]
+        b.workspace_gq = t.mWorkspace[batch * t.mQuery.shape[2] + head, None, None]
+        return b
+
+    # ------------------------------------------------------------------------- kernel
+    @cute.kernel
+    def kernel(
+        self,
+        mQuery: cute.Tensor,
+        mKey: cute.Tensor,
+        mValue: cute.Tensor,
+        mOutput: cute.Tensor,
+        mGradOutput: cute.Tensor,
+        mLogsumexp: cute.Tensor,
+        mDelta: cute.Tensor,
+        mGradQuery: cute.Tensor,
+        mGradKey: cute.Tensor,
+        mGradValue: cute.Tensor,
+        mWorkspace: cute.Tensor,
+        mCuSeqlensQ: cute.Tensor,
+        mCuSeqlensK: cute.Tensor,
+        scale: Float32,
+        custom_mask_type: Int32,
+        window_size: Int32,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        split_key, head, batch = cute.arch.block_idx()
+        num_splits_key = cute.arch.grid_dim()[0]
+        tensors = SimpleNamespace(
+            mQuery=mQuery, mKey=mKey, mValue=mValue, mOutput=mOutput, mGradOutput=mGradOutput,
+            mLogsumexp=mLogsumexp, mDelta=mDelta, mGradQuery=mGradQuery, mGradKey=mGradKey,
+            mGradValue=mGradValue, mWorkspace=mWorkspace, mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK,
+        )
+        p = self.advance_to_block(batch, head, tensors)
+        it = IterationParams(
+            p.num_queries, p.num_keys, custom_mask_type, window_size, num_splits_key, split_key,
+            cfg.block_size_i, cfg.block_size_j,
+        )
+
+        # Shared memory: the phase unions of SharedStorage.
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        pers = storage.persistent
+        part1 = storage.parts.part1
+        part2 = storage.parts.part2
+        s = SimpleNamespace()
+        s.di = pers.di.get_tensor(cute.make_layout(cfg.block_size_i))
+        s.lse = pers.lse.get_tensor(cute.make_layout(cfg.block_size_i))
+        s.flag = pers.flag.get_tensor(cute.make_layout(1))
+        s.k = pers.mm_qk_k.get_tensor(cfg.smem_layout_k().build(self.dtype))
+        s.v = pers.mm_doivj_v.get_tensor(cfg.smem_layout_v().build(self.dtype))
+        s.q = part1.mm_qk_q.get_tensor(cfg.smem_layout_q().build(self.dtype))
+        s.do = part1.mm_gradV_do.get_tensor(cfg.smem_layout_do().build(self.dtype))
+        s.attn = part1.attn_shared_storage.get_tensor(cfg.smem_layout_attn().build(self.dtype))
+        s.tmp = part2.tmp_shared_storage.get_tensor(cfg.smem_layout_attn().build(self.dtype))
+
+        # Computes (dO*out).sum(-1) and writes it to Δ (the C++: once per CTA).
+        if const_expr(self.kernel_computes_delta):
+            delta_copy = self.delta_tiles.gmem_load().build(self.dtype)
+            for query_start in cutlass.range(0, p.num_queries, cfg.block_size_i, unroll=1):
+                compute_delta(
+                    self.delta_tiles, delta_copy, p.grad_output, p.output, p.delta,
+                    query_start, p.num_queries, p.head_dim_value, tidx,
+                )
+            cute.arch.barrier()
+
+        m = self.make_matmuls(tidx, s)
+        acc_dk = cute.make_rmem_tensor(m.thr_dkv.partition_shape_C((cfg.block_size_j, cfg.max_k)), Float32)
+        acc_dv = cute.make_rmem_tensor(m.thr_dkv.partition_shape_C((cfg.block_size_j, cfg.max_k)), Float32)
+        scale_log2 = scale * LOG2E
+
+        for key_start in cutlass.range(split_key * cfg.block_size_j, p.num_keys, num_splits_key * cfg.block_size_j, unroll=1):
+            acc_dk.fill(0.0)
+            acc_dv.fill(0.0)
+            num_keys_in_block = cutlass.min(cfg.block_size_j, p.num_keys - key_start)
+            cute.arch.barrier()  # the previous key block's readers of K_j / V_j are done
+            self.load_tile(m.copy_k, cute.domain_offset((key_start, 0), p.key), s.k, num_keys_in_block, p.head_dim, tidx)
+            self.load_tile(m.copy_k, cute.domain_offset((key_start, 0), p.value), s.v, num_keys_in_block, p.head_dim_value, tidx)
+            cute.arch.cp_async_commit_group()
+
+            query_start = get_query_start(it, key_start)
+            next_key = key_start
+            while (next_key == key_start) & (query_start < p.num_queries):
+                self.process_block_ij(
+                    _view(p), it, _view(s), _view(m), acc_dk, acc_dv, query_start, key_start, num_keys_in_block,
+                    scale, scale_log2, custom_mask_type, window_size, num_splits_key, split_key, tidx,
+                )
+                next_query, next_key = incr_iteration(it, query_start, key_start)
+                query_start = next_query
+            self.write_frags_to_gmem(p, m, acc_dk, acc_dv, key_start, num_keys_in_block, tidx)
+
+    # ---------------------------------------------------------------------- matmuls
+    def make_matmuls(self, tidx, s: SimpleNamespace) -> SimpleNamespace:
+        """Tiled MMAs, ldmatrix copies and the per-thread partitions of the five matmuls."""
+        cfg, dt = self.cfg, self.dtype
+        m = SimpleNamespace()
+        m.copy_q = cfg.gmem_tiled_copy(cfg.max_k).build(dt)
+        m.copy_k = m.copy_q
+        ldsm = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dt)
+        ldsm_t = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), dt)
+        st_pair = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt, num_bits_per_copy=cfg.smem_store_bits())
+
+        # MatmulQK (attn_T = K_j Q_iᵀ) and MatmulDOIVJ (dPᵀ = V_j dO_iᵀ): one fragment layout.
+        mma_sdp = cfg.mma_qk().build(dt)
+        m.mma_sdp = mma_sdp
+        m.thr_sdp = thr = mma_sdp.get_slice(tidx)
+        a_sdp = cute.make_tiled_copy_A(ldsm, mma_sdp).get_slice(tidx)
+        b_sdp = cute.make_tiled_copy_B(ldsm, mma_sdp).get_slice(tidx)
+        m.s2r_a_sdp, m.s2r_b_sdp = a_sdp, b_sdp
+        m.qk_rA = thr.make_fragment_A(thr.partition_A(s.k))
+        m.qk_rB = thr.make_fragment_B(thr.partition_B(s.q))
+        m.qk_sA = a_sdp.partition_S(s.k)
+        m.qk_sB = b_sdp.partition_S(s.q)
+        m.doivj_rA = thr.make_fragment_A(thr.partition_A(s.v))
+        m.doivj_rB = thr.make_fragment_B(thr.partition_B(s.do))
+        m.doivj_sA = a_sdp.partition_S(s.v)
+        m.doivj_sB = b_sdp.partition_S(s.do)
+        m.coord_s = thr.partition_C(cute.make_identity_tensor((cfg.block_size_j, cfg.block_size_i)))
+        r2s = cute.make_tiled_copy_C(st_pair, mma_sdp).get_slice(tidx)
+        m.r2s_sdp = r2s
+        m.attn_r2s = r2s.partition_D(s.attn)
+        m.tmp_r2s = r2s.partition_D(s.tmp)
+
+        # MatmulGradV (dV_j += attn_T dO_i) and MatmulGradK (dK_j += tmp_T Q_i).
+        mma_dkv = cfg.mma_grad_kv().build(dt)
+        m.mma_dkv = mma_dkv
+        m.thr_dkv = thr = mma_dkv.get_slice(tidx)
+        a_dkv = cute.make_tiled_copy_A(ldsm, mma_dkv).get_slice(tidx)
+        b_dkv = cute.make_tiled_copy_B(ldsm_t, mma_dkv).get_slice(tidx)
+        m.s2r_a_dkv, m.s2r_b_dkv = a_dkv, b_dkv
+        do_t, q_t = transpose_view(s.do), transpose_view(s.q)
+        m.gv_rA = thr.make_fragment_A(thr.partition_A(s.attn))
+        m.gv_rB = thr.make_fragment_B(thr.partition_B(do_t))
+        m.gv_sA = a_dkv.partition_S(s.attn)
+        m.gv_sB = b_dkv.partition_S(do_t)
+        m.gk_rA = thr.make_fragment_A(thr.partition_A(s.tmp))
+        m.gk_rB = thr.make_fragment_B(thr.partition_B(q_t))
+        m.gk_sA = a_dkv.partition_S(s.tmp)
+        m.gk_sB = b_dkv.partition_S(q_t)
+        m.coord_kv = thr.partition_C(cute.make_identity_tensor((cfg.block_size_j, cfg.max_k)))
+
+        # MatmulGradQ (dQ_i += tmp_Tᵀ K_j): both operands through transposed views.
+        mma_dq = cfg.mma_grad_q().build(dt)
+        m.mma_dq = mma_dq
+        m.thr_dq = thr = mma_dq.get_slice(tidx)
+        a_dq = cute.make_tiled_copy_A(ldsm_t, mma_dq).get_slice(tidx)
+        b_dq = cute.make_tiled_copy_B(ldsm_t, mma_dq).get_slice(tidx)
+        m.s2r_a_dq, m.s2r_b_dq = a_dq, b_dq
+        tmp_t, k_t = transpose_view(s.tmp), transpose_view(s.k)
+        m.gq_rA = thr.make_fragment_A(thr.partition_A(tmp_t))
+        m.gq_rB = thr.make_fragment_B(thr.partition_B(k_t))
+        m.gq_sA = a_dq.partition_S(tmp_t)
+        m.gq_sB = b_dq.partition_S(k_t)
+        m.coord_q = thr.partition_C(cute.make_identity_tensor((cfg.block_size_i, cfg.max_k)))
+        return m
+
+    # ------------------------------------------------------------------- tile loads
+    @cute.jit
+    def load_tile(self, copy: cute.TiledCopy, g: cute.Tensor, s: cute.Tensor, rows, cols, tidx):
+        """gmem rows x cols (from the block start) -> the shared tile, zeros outside.
+
+        Out-of-bounds rows and columns must be zeros, not garbage: they meet zero
+        probabilities in the matmuls, and 0 * NaN would poison real outputs.
+        """
+        tile = (cute.size(s, mode=[0]), cute.size(s, mode=[1]))
+        thr = copy.get_slice(tidx)
+        tG = thr.partition_S(cute.local_tile(g, tile, (0, 0)))
+        tS = thr.partition_D(s)
+        tC = thr.partition_S(cute.make_identity_tensor(tile))
+        for r in cutlass.range_constexpr(cute.size(tS, mode=[1])):
+            for c in cutlass.range_constexpr(cute.size(tS, mode=[2])):
+                crd = tC[0, r, c]
+                if (crd[0] < rows) & (crd[1] < cols):
+                    cute.copy(copy, tG[None, r, c], tS[None, r, c])
+                else:
+                    tS[None, r, c].fill(0)
+
+    # -------------------------------------------------------------- process_block_ij
+    @cute.jit
+    def process_block_ij(
+        self, p, it, s, m, acc_dk, acc_dv, query_start, key_start, num_keys_in_block,
+        scale, scale_log2, custom_mask_type, window_size, num_splits_key, split_key, tidx,
+    ):
+        cfg = self.cfg
+        num_queries_in_block = cutlass.min(cfg.block_size_i, p.num_queries - query_start)
+
+        cute.arch.barrier()  # the previous block's readers of Q_i, dO_i and tmp_T are done
+        if tidx < cfg.block_size_i:
+            lse = Float32(0.0)
+            di = Float32(0.0)
+            if tidx < num_queries_in_block:
+                lse = p.logsumexp[query_start + tidx] * LOG2E
+                di = p.delta[query_start + tidx]
+            s.lse[tidx] = lse
+            s.di[tidx] = di
+        self.load_tile(m.copy_q, cute.domain_offset((query_start, 0), p.query), s.q, num_queries_in_block, p.head_dim, tidx)
+        self.load_tile(m.copy_q, cute.domain_offset((query_start, 0), p.grad_output), s.do, num_queries_in_block, p.head_dim_value, tidx)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+
+        # ---- MatmulQK: attn_T = K_j Q_iᵀ, then P = exp(attn_T * scale - LSE), masked.
+        acc_s = cute.make_rmem_tensor(m.thr_sdp.partition_shape_C((cfg.block_size_j, cfg.block_size_i)), Float32)
+        acc_s.fill(0.0)
+        gemm_smem(m.mma_sdp, acc_s, m.qk_rA, m.qk_rB, m.qk_sA, m.qk_sB, m.s2r_a_sdp, m.s2r_b_sdp)
+        # current key = key_start + kk, current query = query_start + qq
+        shift = query_start - key_start
+        if custom_mask_type == 2:  # CausalFromBottomRight
+            shift += p.num_keys - p.num_queries
+        causal = custom_mask_type != 0
+        windowed = window_size > 0
+        for e in cutlass.range_constexpr(cute.size(acc_s)):
+            kk, qq = m.coord_s[e]
+            keep = (kk < num_keys_in_block) & (qq < num_queries_in_block)
+            keep = keep & ~(causal & (kk > qq + shift))
+            keep = keep & ~(windowed & (kk <= qq + shift - window_size))
+            prob = cute.math.exp2(acc_s[e] * scale_log2 - s.lse[qq], fastmath=True)
+            acc_s[e] = cutlass.select_(keep, prob, Float32(0.0))
+        r_p = cute.make_fragment_like(acc_s, self.dtype)
+        r_p.store(acc_s.load().to(self.dtype))
+        cute.copy(m.r2s_sdp, m.r2s_sdp.retile(r_p), m.attn_r2s)
+
+        # ---- MatmulDOIVJ: dPᵀ = V_j dO_iᵀ; dS = (dP - Δ)·P · scale (P from registers).
+        acc_dp = cute.make_rmem_tensor(m.thr_sdp.partition_shape_C((cfg.block_size_j, cfg.block_size_i)), Float32)
+        acc_dp.fill(0.0)
+        gemm_smem(m.mma_sdp, acc_dp, m.doivj_rA, m.doivj_rB, m.doivj_sA, m.doivj_sB, m.s2r_a_sdp, m.s2r_b_sdp)
+        for e in cutlass.range_constexpr(cute.size(acc_dp)):
+            qq = m.coord_s[e][1]
+            acc_dp[e] = acc_s[e] * (acc_dp[e] - s.di[qq]) * scale
+        r_ds = cute.make_fragment_like(acc_dp, self.dtype)
+        r_ds.store(acc_dp.load().to(self.dtype))
+        cute.arch.barrier()  # attn_T is complete
+
+        # ---- MatmulGradV: dV_j += attn_T dO_i.
+        gemm_smem(m.mma_dkv, acc_dv, m.gv_rA, m.gv_rB, m.gv_sA, m.gv_sB, m.s2r_a_dkv, m.s2r_b_dkv)
+        cute.arch.barrier()  # every warp is done with attn_T: tmp_T takes its bytes
+        cute.copy(m.r2s_sdp, m.r2s_sdp.retile(r_ds), m.tmp_r2s)
+        cute.arch.barrier()
+
+        # ---- MatmulGradQ: dQ_i += dS K_j, accumulated in GradQTempStorage.
+        self.grad_q(p, it, s, m, query_start, key_start, num_queries_in_block, num_splits_key, split_key, tidx)
+
+        # ---- MatmulGradK: dK_j += tmp_T Q_i.
+        gemm_smem(m.mma_dkv, acc_dk, m.gk_rA, m.gk_rB, m.gk_sA, m.gk_sB, m.s2r_a_dkv, m.s2r_b_dkv)
+
+    # --------------------------------------------------------------------- GradQ
+    def grad_q_gmem_tile(self, storage: cute.Tensor, tidx, num_elements: int) -> cute.Tensor:
+        """The C++'s ``GmemTile``: this thread's fragment, 4 floats per 128-bit access.
+
+        Element e of thread t sits at header + (e // 4) * 4 * threads + 4 * t + e % 4:
+        each access of a warp is 512 contiguous bytes.
+        """
+        threads = self.cfg.num_threads
+        layout = cute.make_layout(
+            (GMEM_TILE_ACCESS, threads, num_elements // GMEM_TILE_ACCESS),
+            stride=(1, GMEM_TILE_ACCESS, GMEM_TILE_ACCESS * threads),
+        )
+        buf = cute.make_tensor(storage.iterator + GRAD_Q_HEADER_WORDS, layout)
+        return buf[None, tidx, None]
+
+    @cute.jit
+    def grad_q(self, p, it, s, m, query_start, key_start, num_queries_in_block, num_splits_key, split_key, tidx):
+        cfg = self.cfg
+        acc = cute.make_rmem_tensor(m.thr_dq.partition_shape_C((cfg.block_size_i, cfg.max_k)), Float32)
+        n = cute.size(acc)
+        storage = p.workspace_gq[query_start // cfg.block_size_i, None]
+        lock = cute.recast_ptr(storage.iterator, dtype=Int32)
+        counter = lock + 1
+        gmem_tile = self.grad_q_gmem_tile(storage, tidx, n)
+        acc_view = cute.make_tensor(acc.iterator, cute.make_layout((GMEM_TILE_ACCESS, n // GMEM_TILE_ACCESS)))
+        split = num_splits_key > 1
+
+        if split:  # AtomicLock::acquire: one split at a time on this query block
+            if tidx == 0:
+                old = cute.arch.atomic_cas(lock, cmp=Int32(0), val=split_key + 1, sem="acquire", scope="gpu")
+                while old != 0:
+                    cute.arch.inline_ptx("nanosleep.u32 40;")
+                    old = cute.arch.atomic_cas(lock, cmp=Int32(0), val=split_key + 1, sem="acquire", scope="gpu")
+            cute.arch.barrier()
+            cute.arch.fence_acq_rel_gpu()  # see the previous holder's partials
+
+        if (~split) & (key_start == 0):
+            acc.fill(0.0)  # the first contribution: nothing to load (nor to zero on the host)
+        else:
+            cute.autovec_copy(gmem_tile, acc_view)
+        gemm_smem(m.mma_dq, acc, m.gq_rA, m.gq_rB, m.gq_sA, m.gq_sB, m.s2r_a_dq, m.s2r_b_dq)
+
+        is_last = is_last_key_for_query(it, query_start, key_start)
+        if split:
+            if tidx == 0:
+                last = Int32(0)
+                if is_last:
+                    adds = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu") + 1
+                    if adds == get_num_parallel_blocks_for_query(it, query_start):
+                        last = Int32(1)
+                s.flag[0] = last
+            cute.arch.barrier()
+            is_last = s.flag[0] != 0
+        if is_last:
+            # No release: nobody comes after the last contributor.
+            for e in cutlass.range_constexpr(n):
+                r, c = m.coord_q[e]
+                if (r < num_queries_in_block) & (c < p.head_dim):
+                    p.grad_query[query_start + r, c] = acc[e].to(self.dtype)
+        else:
+            cute.autovec_copy(acc_view, gmem_tile)
+            if split:  # AtomicLock::release after every thread's partials are out
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.barrier()
+                if tidx == 0:
+                    cute.arch.atomic_exch(lock, Int32(0), sem="release", scope="gpu")
+
+    # ----------------------------------------------------------- write_frags_to_gmem
+    @cute.jit
+    def write_frags_to_gmem(self, p, m, acc_dk, acc_dv, key_start, num_keys_in_block, tidx):
+        """dK_j, dV_j from registers (zeros for a key block no query attends)."""
+        for e in cutlass.range_constexpr(cute.size(acc_dk)):
+            r, c = m.coord_kv[e]
+            if r < num_keys_in_block:
+                if c < p.head_dim:
+                    p.grad_key[key_start + r, c] = acc_dk[e].to(self.dtype)
+                if c < p.head_dim_value:
+                    p.grad_value[key_start + r, c] = acc_dv[e].to(self.dtype)

@@ -1,0 +1,29 @@
+"""Warp-level MMA helpers shared by the five matmuls of the attention backward."""
+
+import cutlass
+import cutlass.cute as cute
+
+
+def transpose_view(t: cute.Tensor) -> cute.Tensor:
+    """The (cols x rows) view of a (rows x cols) shared-memory tile (no data moves)."""
+    shape = (t.shape[1], t.shape[0])
+    return cute.composition(t, cute.make_ordered_layout(shape, order=(1, 0)))
+
+
+@cute.jit
+def gemm_smem(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA, tCrB, tCsA, tCsB, s2r_A, s2r_B):
+    """acc += A·B with both operands in shared memory, k-block by k-block.
+
+    The ldmatrix of k-block k + 1 is issued before the MMAs of k-block k, so shared
+    loads overlap tensor-core work (the C++ ``MmaPipelined`` warp loop).
+    """
+    tCrA_view = s2r_A.retile(tCrA)
+    tCrB_view = s2r_B.retile(tCrB)
+    cute.copy(s2r_A, tCsA[None, None, 0], tCrA_view[None, None, 0])
+    cute.copy(s2r_B, tCsB[None, None, 0], tCrB_view[None, None, 0])
+    num_k = cute.size(tCsA.shape[2])
+    for k in cutlass.range_constexpr(num_k):
+        if cutlass.const_expr(k + 1 < num_k):
+            cute.copy(s2r_A, tCsA[None, None, k + 1], tCrA_view[None, None, k + 1])
+            cute.copy(s2r_B, tCsB[None, None, k + 1], tCrB_view[None, None, k + 1])
+        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)

@@ -1,0 +1,294 @@
+"""Tiles of the memory-efficient attention backward (``AttentionBackwardKernel``).
+
+Seed: PyTorch's ``kernel_backward.h`` (originally xformers). Its template parameters
+are :class:`AttentionBackwardConfig`'s fields; everything the C++ derives from them
+(``kOutputInRF``, ``kNumWarpsPerBlock``, ``kMinBlocksPerSm``, ``kNeedsAccumGradQ``...)
+is a property here, and every layout the five matmuls use is a method, so a layout
+change here is a kernel change.
+
+The five matmuls of one (query block i, key block j) step, their MMA shape (M x N x K)
+and where their operands come from (sm80 ``mma.sync`` m16n8k16, fp32 accumulators):
+
+| matmul       | computes                         | M x N x K       | A (smem, ldmatrix)  | B (smem, ldmatrix)    |
+|--------------|----------------------------------|-----------------|---------------------|-----------------------|
+| MatmulQK     | attn_T = K_j Q_iᵀ                | J x I x Dqk     | K_j (J x Dqk)       | Q_i (I x Dqk)         |
+| MatmulGradV  | dV_j += attn_Tᵀᵀ dO_i = P_ijᵀ dO_i | J x Dv x I    | attn_T (J x I)      | dO_iᵀ (.trans)        |
+| MatmulDOIVJ  | dP_ijᵀ = V_j dO_iᵀ               | J x I x Dv      | V_j (J x Dv)        | dO_i (I x Dv)         |
+| MatmulGradQ  | dQ_i += dS_ij K_j                | I x Dqk x J     | tmp_T (.trans)      | K_jᵀ (.trans)         |
+| MatmulGradK  | dK_j += dS_ijᵀ Q_i               | J x Dqk x I     | tmp_T (J x I)       | Q_iᵀ (.trans)         |
+
+MatmulDOIVJ is computed transposed (the original computes dO_i V_jᵀ and re-reads
+attn_T transposed from shared memory, element by element): with dPᵀ in the same
+fragment layout as attn_T, dS = (dP - Δ)·P is formed in registers and stored once,
+as ``tmp_T``; both dQ and dK read it, one of them through a transposed view.
+
+Tiles (``attention_backward_config``; half types, output in registers):
+
+| max_k (padded head dim) | block_size_i (queries) | block_size_j (keys) | warps | QK/DOIVJ warps | GradV/GradK warps | GradQ warps |
+|-------------------------|------------------------|---------------------|-------|----------------|-------------------|-------------|
+| 32 .. 128               | 64                     | 128                 | 8     | 4 x 2          | 4 x 2             | 2 x 4 (4 x 2 when max_k % 64) |
+| 160 .. 256              | 64                     | 64                  | 8     | 4 x 2          | 4 x 2             | 2 x 4 (4 x 2 when max_k % 64) |
+
+``max_k`` is max(Dqk, Dv) rounded up to 32 (the C++ rounds to 32, 64, 128 or
+unbounded); runtime head dims below it are predicated. The dQ partials of a query
+block live in the fp32 workspace (``GradQTempStorage``) between key blocks, in the
+thread-owned fragment order of the original's ``GmemTile`` (128-bit per access).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+from .spec import SmemLayoutSpec, TiledCopySpec, TiledMmaSpec
+
+WARP_SIZE = 32
+HEAD_DIM_ROUND = 32
+MAX_K_IN_RF = 256  # largest padded head dim whose dK/dV accumulators stay in registers
+MAX_OUTPUT_RF_FLOATS = 128  # dK + dV accumulator floats per thread (the C++: kMaxK <= kBlockSizeI)
+SMEM_CAPACITY = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024, "sm_90a": 227 * 1024}
+GMEM_TILE_ACCESS = 4  # floats per GmemTile access (128 bits)
+GRAD_Q_HEADER_WORDS = 4  # GradQTempStorage: lock, counter, pad[2]
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _swizzled_atom(cols: int, elem_bits: int) -> Tuple[Tuple[int, int], Tuple[int, int, int]]:
+    """(8 x k) row-major atom and its swizzle: k spans 128, 64 or 32 bytes of a row.
+
+    Swizzle<B, M, S> with M = log2(16 bytes / element) permutes 16-byte chunks, so the
+    8 rows an ldmatrix reads (one column chunk each) land on 8 different bank groups.
+    """
+    elem_bytes = elem_bits // 8
+    row_bytes = cols * elem_bytes
+    chunk = 128 if row_bytes % 128 == 0 else 64 if row_bytes % 64 == 0 else 32
+    base = {1: 4, 2: 3, 4: 2}[elem_bytes]
+    bits = {128: 3, 64: 2, 32: 1}[chunk]
+    return (8, chunk // elem_bytes), (bits, base, 3)
+
+
+@dataclass(frozen=True)
+class AttentionBackwardConfig:
+    """``AttentionBackwardKernel``'s template parameters plus our warp layouts."""
+
+    elem_bits: int  # scalar_t
+    is_aligned: bool  # kIsAligned: 128-bit global accesses (strides multiples of 8 halves)
+    apply_dropout: bool  # kApplyDropout (issue 6: the Zij storage is reserved, the op raises)
+    preload: bool  # kPreload: prefetch the next matmul's operands (Q/dO of the next block)
+    block_size_i: int  # kBlockSizeI: queries per block
+    block_size_j: int  # kBlockSizeJ: keys per block (one key block per CTA step)
+    max_k: int  # kMaxK: upper bound of max(head_dim, head_dim_value), a multiple of 32
+    keys_queries_aligned_to_block_size: bool = False  # kKeysQueriesAlignedToBlockSize
+    num_warps: int = 8  # kNumWarpsPerBlock (the C++: I * J / 1024)
+    warps_sdp: Tuple[int, int] = (4, 2)  # MatmulQK / MatmulDOIVJ: warps over (keys, queries)
+    warps_dkv: Tuple[int, int] = (4, 2)  # MatmulGradV / MatmulGradK: warps over (keys, head dim)
+    warps_dq: Tuple[int, int] = (2, 4)  # MatmulGradQ: warps over (queries, head dim)
+
+    def __post_init__(self):
+        if self.elem_bits not in (16, 32):
+            raise ValueError(f"scalar_t must be 16 or 32 bits, got {self.elem_bits}")
+        if self.max_k % HEAD_DIM_ROUND or self.max_k <= 0:
+            raise ValueError(f"kMaxK must be a positive multiple of {HEAD_DIM_ROUND}, got {self.max_k}")
+        for name, (wm, wn) in (("warps_sdp", self.warps_sdp), ("warps_dkv", self.warps_dkv), ("warps_dq", self.warps_dq)):
+            if wm * wn != self.num_warps:
+                raise ValueError(f"{name} {wm}x{wn} does not use the {self.num_warps} warps")
+        checks = (
+            (self.block_size_j, 16 * self.warps_sdp[0], "block_size_j (MatmulQK M)"),
+            (self.block_size_i, 16 * self.warps_sdp[1], "block_size_i (MatmulQK N)"),
+            (self.block_size_j, 16 * self.warps_dkv[0], "block_size_j (MatmulGradK M)"),
+            (self.max_k, 16 * self.warps_dkv[1], "max_k (MatmulGradK N)"),
+            (self.block_size_i, 16 * self.warps_dq[0], "block_size_i (MatmulGradQ M)"),
+            (self.max_k, 16 * self.warps_dq[1], "max_k (MatmulGradQ N)"),
+        )
+        for size, tile, what in checks:
+            if size % tile:
+                raise ValueError(f"{what}={size} is not a multiple of the warp tile {tile}")
+        if self.block_size_i > self.num_threads:
+            raise ValueError("each of the block's queries needs a thread (di / lse loads)")
+
+    # ---- the C++'s derived constants ------------------------------------------------
+    @property
+    def is_half(self) -> bool:  # kIsHalf
+        return self.elem_bits <= 16
+
+    @property
+    def num_threads(self) -> int:  # kNumThreads
+        return WARP_SIZE * self.num_warps
+
+    @property
+    def output_in_rf(self) -> bool:
+        """kOutputInRF: dK_j / dV_j accumulate in registers across the query blocks."""
+        floats = 2 * self.block_size_j * self.max_k // self.num_threads
+        return self.is_half and self.max_k <= MAX_K_IN_RF and floats <= MAX_OUTPUT_RF_FLOATS
+
+    @property
+    def kernel_computes_delta(self) -> bool:  # kKernelComputesDelta (sm80+)
+        return self.is_half
+
+    @property
+    def min_blocks_per_sm(self) -> int:  # kMinBlocksPerSm = warps per SM / warps per block
+        return max(1, (12 if self.is_half else 8) // self.num_warps)
+
+    @property
+    def needs_accum_grad_q(self) -> bool:  # kNeedsAccumGradQ (split keys are on for sm70+)
+        return True
+
+    @property
+    def needs_accum_grad_k(self) -> bool:  # kNeedsAccumGradK
+        return not self.output_in_rf
+
+    @property
+    def needs_accum_grad_v(self) -> bool:  # kNeedsAccumGradV
+        return not self.output_in_rf
+
+    @property
+    def vec(self) -> int:
+        """Elements per global access: 128 bits when aligned, one element otherwise."""
+        return 128 // self.elem_bits if self.is_aligned else 1
+
+    # ---- GradQTempStorage -------------------------------------------------------------
+    @property
+    def grad_q_col_tile(self) -> int:
+        """MatmulGradQ's column tile: the whole padded head dim (one column iteration)."""
+        return self.max_k
+
+    @property
+    def grad_q_elements_stored(self) -> int:  # AccumTileGmem::kElementsStored
+        return self.block_size_i * self.grad_q_col_tile
+
+    @property
+    def grad_q_temp_storage_words(self) -> int:  # sizeof(GradQTempStorage) / 4
+        return GRAD_Q_HEADER_WORDS + self.grad_q_elements_stored
+
+    # ---- shared memory tiles ----------------------------------------------------------
+    def smem_tile(self, rows: int, cols: int) -> SmemLayoutSpec:
+        atom, swizzle = _swizzled_atom(cols, self.elem_bits)
+        return SmemLayoutSpec(atom, swizzle, (rows, cols), self.elem_bits)
+
+    def smem_layout_q(self) -> SmemLayoutSpec:  # MatmulQK B operand, MatmulGradK B (transposed)
+        return self.smem_tile(self.block_size_i, self.max_k)
+
+    def smem_layout_k(self) -> SmemLayoutSpec:  # MatmulQK A operand, MatmulGradQ B (transposed)
+        return self.smem_tile(self.block_size_j, self.max_k)
+
+    def smem_layout_v(self) -> SmemLayoutSpec:  # MatmulDOIVJ A operand
+        return self.smem_tile(self.block_size_j, self.max_k)
+
+    def smem_layout_do(self) -> SmemLayoutSpec:  # MatmulDOIVJ B operand, MatmulGradV B (transposed)
+        return self.smem_tile(self.block_size_i, self.max_k)
+
+    def smem_layout_attn(self) -> SmemLayoutSpec:
+        """AccumulatorSharedStorage of attn_T (and of tmp_T = dSᵀ·scale): J x I."""
+        return self.smem_tile(self.block_size_j, self.block_size_i)
+
+    # ---- copies -----------------------------------------------------------------------
+    def gmem_tiled_copy(self, cols: int) -> TiledCopySpec:
+        """Q, K, V, dO tiles into shared memory: cp.async 16 bytes, or one element.
+
+        Threads per row = the swizzle atom's width / vector, so each 8-row group of
+        copies writes whole atoms (the original's 128-bit ``PredicatedTileIterator``).
+        """
+        if self.is_aligned:
+            atom_cols = _swizzled_atom(cols, self.elem_bits)[0][1]
+            tpr = atom_cols // self.vec
+            return TiledCopySpec((self.num_threads // tpr, tpr), (1, self.vec), self.elem_bits, op="cp.async", load_cache="global")
+        tpr = min(32, cols)
+        return TiledCopySpec((self.num_threads // tpr, tpr), (1, 1), self.elem_bits)
+
+    def smem_store_bits(self) -> int:
+        """Fragment -> shared (attn_T, tmp_T): two accumulator columns per store."""
+        return 2 * self.elem_bits
+
+    # ---- MMAs -------------------------------------------------------------------------
+    def _mma(self, warps: Tuple[int, int]) -> TiledMmaSpec:
+        wm, wn = warps
+        return TiledMmaSpec((wm, wn, 1), (16 * wm, 16 * wn, 16))
+
+    def mma_qk(self) -> TiledMmaSpec:  # MatmulQK and MatmulDOIVJ (same fragment layout)
+        return self._mma(self.warps_sdp)
+
+    def mma_grad_kv(self) -> TiledMmaSpec:  # MatmulGradV and MatmulGradK
+        return self._mma(self.warps_dkv)
+
+    def mma_grad_q(self) -> TiledMmaSpec:  # MatmulGradQ
+        return self._mma(self.warps_dq)
+
+    # ---- SharedStorage ----------------------------------------------------------------
+    def shared_storage_sizes(self) -> dict:
+        """Bytes of each field and part, as the C++'s ``print_size`` reports them.
+
+        persistent: di and lse (fp32 per query), K_j and V_j (the key block's tiles,
+        kept while the CTA walks its query blocks); part1 (QK, GradV, DOIVJ): Q_i, dO_i,
+        attn_T, zij (dropout only); part2 (GradQ, GradK) reuses attn_T's bytes for tmp_T
+        and keeps Q_i (GradK's B operand). The parts are a union; the C++ union of
+        part1..part6 collapses to these two because our epilogues write from registers.
+        """
+        e = self.elem_bits // 8
+        i, j, k = self.block_size_i, self.block_size_j, self.max_k
+        attn = j * i * e
+        persistent = {"di": 4 * i, "lse": 4 * i, "mm_qk_k": j * k * e, "mm_doivj_v": j * k * e}
+        part1 = {
+            "mm_qk_q": i * k * e,
+            "mm_gradV_do": i * k * e,
+            "attn_shared_storage": attn,
+            "zij": attn if self.apply_dropout else 0,
+        }
+        part2 = {"mm_gradK_q": i * k * e, "mm_gradV_do": i * k * e, "tmp_shared_storage": attn}
+        sizes = {
+            "persistent": persistent,
+            "part1": part1,
+            "part2": part2,
+        }
+        total = sum(persistent.values()) + max(sum(part1.values()), sum(part2.values()))
+        sizes["total"] = total
+        return sizes
+
+    def smem_bytes(self) -> int:
+        return self.shared_storage_sizes()["total"] + 1024  # alignment slack of the struct
+
+    def print_size(self) -> str:
+        s = self.shared_storage_sizes()
+        lines = [f"Total smem: {s['total']} bytes"]
+        for part in ("persistent", "part1", "part2"):
+            lines.append(f"  {part}: {sum(s[part].values())}b")
+            lines.extend(f"    {name}: {size}b" for name, size in s[part].items())
+        return "\n".join(lines)
+
+
+def max_k_for(head_dim: int, head_dim_value: int) -> int:
+    return round_up(max(head_dim, head_dim_value, 1), HEAD_DIM_ROUND)
+
+
+def attention_backward_config(
+    elem_bits: int, head_dim: int, head_dim_value: int, is_aligned: bool, arch: str = "sm_90a", **overrides
+) -> AttentionBackwardConfig:
+    """The tiles for (dtype, head dims, alignment, arch); see the module table."""
+    max_k = max_k_for(head_dim, head_dim_value)
+    if elem_bits != 16:
+        raise NotImplementedError(
+            "the fp32 memory-efficient attention backward (SIMT MMA) is not implemented yet; use fp16 or bf16"
+        )
+    if max_k > MAX_K_IN_RF:
+        raise NotImplementedError(
+            f"head dims above {MAX_K_IN_RF} (got {max(head_dim, head_dim_value)}) need the column-looping "
+            "path with dK/dV accumulated in the workspace, which is not implemented yet"
+        )
+    fields = dict(
+        elem_bits=elem_bits,
+        is_aligned=is_aligned,
+        apply_dropout=False,
+        preload=False,
+        block_size_i=64,
+        block_size_j=128 if max_k <= 128 else 64,
+        max_k=max_k,
+        # MatmulGradQ's N tile is 16 x warps: 4 warps along the head dim need it % 64
+        warps_dq=(2, 4) if max_k % 64 == 0 else (4, 2),
+    )
+    fields.update(overrides)
+    cfg = AttentionBackwardConfig(**fields)
+    cap = SMEM_CAPACITY.get(arch, SMEM_CAPACITY["sm_80"])
+    if cfg.smem_bytes() > cap:
+        raise NotImplementedError(f"{cfg} needs {cfg.smem_bytes()} bytes of shared memory, {arch} has {cap}")
+    return cfg
