@@ -1,0 +1,308 @@
+"""Torch face of the memory-efficient attention backward (``AttentionBackwardKernel``).
+
+``efficient_attention_backward`` is a drop-in for
+``torch.ops.aten._efficient_attention_backward``: same arguments, same layouts
+(query [B, Mq, H, K], key [B, Mk, H, K], value [B, Mk, H, Kv], out / grad_out
+[B, Mq, H, Kv], logsumexp fp32 [B, H, >= Mq]; with cu_seqlens B == 1, rows packed,
+logsumexp [sequences, H, >= max_seqlen_q]), same outputs (grad_q, grad_k, grad_v,
+grad_bias). Any strides whose last is 1 (packed QKV, [B, H, M, K] transposed views).
+
+Not implemented yet (clear NotImplementedError): attention bias and dropout (issue 6),
+fp32 inputs, head dims above 256.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from torch import Tensor
+
+from cute_kernels.mem_eff_attention.attention_backward_kernel import AttentionBackwardKernel
+from cute_kernels.mem_eff_attention.params import Params, choose_num_splits_key
+from layouts import mem_eff_attention as tiling
+
+from . import _compile as cc
+from ._validate import check_cuda, check_dtype, check_float, check_same_device, check_tensor
+
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ALIGN_ELEMS = 8  # 128-bit accesses of 16-bit elements
+
+
+# ----------------------------------------------------------------------------- compile
+
+
+def _build(dtype, cfg: tiling.AttentionBackwardConfig, varlen: bool, computes_delta: bool, arch: str):
+    vec = cfg.vec
+    kernel = AttentionBackwardKernel(dtype, cfg, varlen, computes_delta)
+    b, h, mq, mk, dqk, dv = (cute.sym_int() for _ in range(6))
+    q = cc.fake_tensor(dtype, (b, mq, h, dqk), vec)
+    k = cc.fake_tensor(dtype, (b, mk, h, dqk), vec)
+    v = cc.fake_tensor(dtype, (b, mk, h, dv), vec)
+    o = cc.fake_tensor(dtype, (b, mq, h, dv), vec)
+    seqs, lq = cute.sym_int(), cute.sym_int()
+    lse = cc.fake_tensor(cutlass.Float32, (seqs, h, lq), 1)
+    delta = cc.fake_tensor(cutlass.Float32, (seqs, h, cute.sym_int()), 1)
+    words = cfg.grad_q_temp_storage_words
+    ws = cute.runtime.make_fake_tensor(
+        cutlass.Float32, (cute.sym_int(), cute.sym_int(), words),
+        stride=(cute.sym_int64(divisibility=4), words, 1), assumed_align=16,
+    )
+    cu = cc.fake_tensor(cutlass.Int32, (cute.sym_int(),), 1) if varlen else None
+    return cc.compile_kernel(
+        kernel, q, k, v, o, o, lse, delta, q, k, v, ws, cu, cu,
+        cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), cc.fake_stream(),
+        arch=arch,
+    )
+
+
+compiled = cc.CompileCache("mem_eff_attention_bwd", _build)
+
+
+def compile_configurations(arch: str, dtypes=(cutlass.Float16, cutlass.BFloat16), head_dims=(64, 128, 256)) -> int:
+    """Compile the configurations serving ``head_dims`` (CPU compile checks, benchmarks)."""
+    n = 0
+    for dt in dtypes:
+        for d in head_dims:
+            cfg = tiling.attention_backward_config(dt.width, d, d, True, arch)
+            for varlen in (False, True):
+                for computes_delta in (False, True):
+                    compiled(dt, cfg, varlen, computes_delta, arch)
+                    n += 1
+    return n
+
+
+def compile_for_benchmark_cases(cases, arch: str) -> int:
+    """The configurations the ``attention_bwd`` suite runs: ((B, H, S, D), dtype, causal)."""
+    seen = set()
+    for (_, _, _, d), dtype_name, _ in cases:
+        dt = cc.cute_dtype(getattr(torch, dtype_name))
+        cfg = tiling.attention_backward_config(dt.width, d, d, True, arch)
+        for computes_delta in (False, True):
+            key = (dt, cfg, False, computes_delta, arch)
+            if key not in seen:
+                compiled(*key)
+                seen.add(key)
+    return len(seen)
+
+
+# -------------------------------------------------------------------------- validation
+
+
+def _check_rank4(name: str, t: Tensor) -> None:
+    if t.dim() != 4:
+        raise ValueError(f"{name} must be 4-D [batch, seqlen, heads, head_dim], got shape {tuple(t.shape)}")
+    if t.shape[-1] > 0 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}")
+
+
+def _aligned(*tensors: Tensor) -> bool:
+    for t in tensors:
+        if t.shape[-1] % ALIGN_ELEMS or t.data_ptr() % 16:
+            return False
+        if any(s % ALIGN_ELEMS for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
+            return False
+    return True
+
+
+def _check_inputs(grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp):
+    for name, t in (("query", query), ("key", key), ("value", value), ("out", out), ("grad_out", grad_out)):
+        check_cuda(name, t)
+        check_same_device(name, t, query)
+        _check_rank4(name, t)
+        check_dtype(name, t, INPUT_DTYPES)
+        if t.dtype != query.dtype:
+            raise TypeError(f"{name} must have the dtype of query ({query.dtype}), got {t.dtype}")
+    b, mq, h, dqk = query.shape
+    mk = key.shape[1]
+    dv = value.shape[3]
+    expect = {
+        "key": (b, mk, h, dqk),
+        "value": (b, mk, h, dv),
+        "out": (b, mq, h, dv),
+        "grad_out": (b, mq, h, dv),
+    }
+    for name, t in (("key", key), ("value", value), ("out", out), ("grad_out", grad_out)):
+        if tuple(t.shape) != expect[name]:
+            raise ValueError(f"{name} must have shape {expect[name]} (from query {tuple(query.shape)} and key/value), got {tuple(t.shape)}")
+    check_cuda("logsumexp", logsumexp)
+    check_same_device("logsumexp", logsumexp, query)
+    if logsumexp.dtype != torch.float32:
+        raise TypeError(f"logsumexp must be float32, got {logsumexp.dtype}")
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
+    if cu_seqlens_q is not None:
+        if b != 1:
+            raise ValueError(f"with cu_seqlens the batch dimension of query must be 1, got {b}")
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            check_cuda(name, cu)
+            check_same_device(name, cu, query)
+            if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+                raise ValueError(f"{name} must be a 1-D int32 tensor of sequences + 1 offsets, got {cu.dtype} {tuple(cu.shape)}")
+        if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+            raise ValueError("cu_seqlens_q and cu_seqlens_k must describe the same number of sequences")
+        for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if m is None or isinstance(m, bool) or int(m) < 0:
+                raise ValueError(f"{name} must be a non-negative int with cu_seqlens, got {m!r}")
+        seqs = cu_seqlens_q.numel() - 1
+        rows_q = int(max_seqlen_q)
+    else:
+        seqs, rows_q = b, mq
+    if logsumexp.dim() != 3 or logsumexp.shape[0] != seqs or logsumexp.shape[1] != h or logsumexp.shape[2] < rows_q:
+        raise ValueError(
+            f"logsumexp must have shape [{seqs}, {h}, >= {rows_q}] (sequences, heads, queries), got {tuple(logsumexp.shape)}"
+        )
+    if logsumexp.stride(-1) != 1:
+        raise ValueError("logsumexp must be contiguous along queries")
+
+
+# ------------------------------------------------------------------------------ launch
+
+
+def _zeros_like_grads(query, key, value):
+    return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+
+
+def _impl(
+    grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,
+    custom_mask_type, scale, num_splits_key, window_size, shared_storage_dqdkdv,
+):
+    b, mq, h, dqk = query.shape
+    mk, dv = key.shape[1], value.shape[3]
+    varlen = cu_seqlens_q is not None
+    seqs = cu_seqlens_q.numel() - 1 if varlen else b
+    rows_q = int(max_seqlen_q) if varlen else mq
+    rows_k = int(max_seqlen_k) if varlen else mk
+
+    if shared_storage_dqdkdv:
+        if mq != mk or dqk != dv:
+            raise ValueError("shared_storage_dqdkdv needs queries and keys of one length and one head dim")
+        packed = torch.empty((b, mq, 3, h, dqk), dtype=query.dtype, device=query.device)
+        grad_q, grad_k, grad_v = packed.unbind(2)
+    else:
+        grad_q, grad_k, grad_v = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (query, key, value))
+    if min(b, h, mq, mk, dqk, dv, seqs) == 0 or rows_q == 0 or rows_k == 0:
+        for g in (grad_q, grad_k, grad_v):
+            g.zero_()
+        return grad_q, grad_k, grad_v
+
+    elem_bits = torch.finfo(query.dtype).bits
+    arch = cc.device_arch(query.device.index)
+    aligned = _aligned(query, key, value, out, grad_out, grad_q, grad_k, grad_v)
+    cfg = tiling.attention_backward_config(elem_bits, dqk, dv, aligned, arch)
+    params = Params(
+        cfg, seqs, h, rows_q, rows_k, dqk, dv, int(custom_mask_type), int(window_size or 0),
+        varlen=varlen,
+    )
+    params.num_splits_key = (
+        choose_num_splits_key(params, cc.num_sms(query.device.index)) if num_splits_key is None else int(num_splits_key)
+    )
+    params.check_supported()
+
+    # Query rows no key block reaches (fully masked rows, empty key sequences) get no
+    # dQ write: start from zeros there.
+    unvisited = varlen or params.window_size > 0 or (params.custom_mask_type == 2 and rows_q > rows_k)
+    if unvisited:
+        grad_q.zero_()
+    computes_delta = cfg.kernel_computes_delta and params.num_splits_key == 1
+    if computes_delta:
+        delta = torch.empty((seqs, h, rows_q), dtype=torch.float32, device=query.device)
+    else:
+        from .attention_bwd_prepost import _compute_delta_impl
+
+        if varlen:
+            delta = _compute_delta_impl(out[0], grad_out[0], cu_seqlens_q, rows_q)
+        else:
+            delta = _compute_delta_impl(out, grad_out, None, None)
+    alloc = torch.zeros if params.should_zero_workspace() else torch.empty
+    workspace = alloc(
+        (seqs * h, params.num_query_blocks(), cfg.grad_q_temp_storage_words), dtype=torch.float32, device=query.device
+    )
+    fn = compiled(cc.cute_dtype(query.dtype), cfg, varlen, computes_delta, arch)
+    fn(
+        query, key, value, out, grad_out, logsumexp, delta, grad_q, grad_k, grad_v, workspace,
+        cu_seqlens_q, cu_seqlens_k, float(scale), params.custom_mask_type, params.window_size, params.num_splits_key,
+    )
+    return grad_q, grad_k, grad_v
+
+
+@torch.library.custom_op("cute_kernels::efficient_attention_backward", mutates_args=())
+def _op(
+    grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
+    cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: Optional[int],
+    max_seqlen_k: Optional[int], logsumexp: Tensor, custom_mask_type: int, scale: float,
+    num_splits_key: Optional[int], window_size: Optional[int], shared_storage_dqdkdv: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    return _impl(
+        grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,
+        custom_mask_type, scale, num_splits_key, window_size, shared_storage_dqdkdv,
+    )
+
+
+@_op.register_fake
+def _(grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,
+      custom_mask_type, scale, num_splits_key, window_size, shared_storage_dqdkdv):
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+def efficient_attention_backward(
+    grad_out_: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    bias: Optional[Tensor],
+    out: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    max_seqlen_q: Optional[int],
+    max_seqlen_k: Optional[int],
+    logsumexp: Tensor,
+    dropout_p: float,
+    philox_seed: Optional[Tensor],
+    philox_offset: Optional[Tensor],
+    custom_mask_type: int,
+    bias_requires_grad: bool,
+    *,
+    scale: Optional[float] = None,
+    num_splits_key: Optional[int] = None,
+    window_size: Optional[int] = None,
+    shared_storage_dqdkdv: bool = False,
+) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """Our ``aten::_efficient_attention_backward``: (grad_q, grad_k, grad_v, grad_bias)."""
+    for name, t in (("grad_out_", grad_out_), ("query", query), ("key", key), ("value", value), ("out", out), ("logsumexp", logsumexp)):
+        check_tensor(name, t)
+    if bias is not None or bias_requires_grad:
+        raise NotImplementedError("attention bias (and its gradient) is not implemented yet in the memory-efficient backward (issue 6)")
+    check_float("dropout_p", dropout_p)
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p > 0.0:
+        raise NotImplementedError("dropout is not implemented yet in the memory-efficient backward (issue 6)")
+    if isinstance(custom_mask_type, bool) or int(custom_mask_type) not in (0, 1, 2):
+        raise ValueError(f"custom_mask_type must be 0 (none), 1 (causal from top-left) or 2 (causal from bottom-right), got {custom_mask_type!r}")
+    if window_size is not None and int(window_size) > 0 and int(custom_mask_type) == 0:
+        raise ValueError("window_size needs a causal custom_mask_type (1 or 2)")
+    if num_splits_key is not None and (isinstance(num_splits_key, bool) or int(num_splits_key) < 1):
+        raise ValueError(f"num_splits_key must be a positive int, got {num_splits_key!r}")
+    _check_inputs(grad_out_, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp)
+    if query.dtype == torch.float32:
+        raise NotImplementedError("fp32 inputs are not implemented yet in the memory-efficient backward (fp16 / bf16 are)")
+    if max(query.shape[-1], value.shape[-1]) > tiling.MAX_K_IN_RF:
+        raise NotImplementedError(
+            f"head dims above {tiling.MAX_K_IN_RF} are not implemented yet (got {query.shape[-1]} / {value.shape[-1]})"
+        )
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    check_float("scale", scale)
+    args = (
+        grad_out_, query, key, value, out, cu_seqlens_q, cu_seqlens_k,
+        None if max_seqlen_q is None else int(max_seqlen_q), None if max_seqlen_k is None else int(max_seqlen_k),
+        logsumexp, int(custom_mask_type), float(scale),
+        None if num_splits_key is None else int(num_splits_key), None if window_size is None else int(window_size),
+        bool(shared_storage_dqdkdv),
+    )
+    grad_q, grad_k, grad_v = _impl(*args) if cc.eager(query) else _op(*args)
+    return grad_q, grad_k, grad_v, None
