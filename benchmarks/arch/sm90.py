@@ -62,3 +62,21 @@ ATTN_BWD_POSTPROCESS = {
         ((4, 16, 4096, 128), "bfloat16", (1, 4)),
     ],
 }
+
+ATTENTION_BWD = {
+    # (batch, heads, seqlen, head_dim), dtype name, causal; Q, K, V, O, dO [B, S, H, D]
+    # contiguous, seqlen_q = seqlen_k, no dropout, no bias. These tuples are what
+    # ops.mem_eff_attention.compile_for_benchmark_cases(cases, arch) receives on CPU.
+    "full": [
+        ((8, 16, 1024, 64), "bfloat16", False),
+        ((4, 16, 2048, 128), "bfloat16", False),
+        ((2, 16, 4096, 128), "bfloat16", False),
+        ((1, 16, 8192, 128), "bfloat16", False),
+        ((2, 16, 4096, 128), "bfloat16", True),
+        ((2, 16, 4096, 64), "bfloat16", True),
+    ],
+    "quick": [
+        ((4, 16, 2048, 128), "bfloat16", False),
+        ((2, 16, 4096, 64), "bfloat16", True),
+    ],
+}

@@ -1,0 +1,340 @@
+"""Suite attention_bwd: the memory-efficient attention backward (dQ, dK, dV), timed alone.
+
+Cases ``BxHxSxD:bf16[:causal]``: Q, K, V, dO [B, S, H, D] contiguous, seqlen_q = seqlen_k,
+no dropout, no bias. Each implementation's backward is timed alone, on the outputs of its
+own forward (computed once, outside the timing):
+
+- ``ours``: ``ops.efficient_attention_backward``, a drop-in for
+  ``aten._efficient_attention_backward`` (same arguments), on the out / logsumexp /
+  philox of ``aten._efficient_attention_forward``;
+- ``sdpa_efficient``: ``aten._efficient_attention_backward`` on the same inputs (the
+  C++ original; its gradients are the reference of every correctness check);
+- ``sdpa_flash``: ``aten._scaled_dot_product_flash_attention_backward`` after
+  ``aten._scaled_dot_product_flash_attention`` ([B, H, S, D] views of the same tensors);
+- ``sdpa_cudnn``: ``aten._scaled_dot_product_cudnn_attention_backward`` after
+  ``aten._scaled_dot_product_cudnn_attention`` ([B, H, S, D] views); should the direct
+  call fail, forward+backward through ``F.scaled_dot_product_attention`` under
+  ``SDPBackend.CUDNN_ATTENTION`` minus the forward alone (the row's ``method`` says which);
+- ``fa4``: FA4's CuTe-DSL ``flash_attn.cute.interface._flash_attn_bwd`` after its
+  ``_flash_attn_fwd`` ([B, S, H, D]), when flash_attn.cute imports;
+- ``matmul``: the bf16 matmul ceiling: a torch.mm of MATMUL_MNK measured once per run;
+  its row's ``tflops`` is that rate and its ``ms`` the case's FLOPs at that rate
+  (``matmul_ms`` is the measured time of the matmul itself).
+
+FLOPs counted: 2.5 x the forward's 4 B H S^2 D (five S x S x D matmuls), halved when causal.
+Rows: ms, tflops, ``check`` (max |grad - ref| / max |ref| of dQ, dK, dV against
+sdpa_efficient; ours is timed only when all are below TOL), ``ours_over_peer`` (ours'
+TFLOP/s over the peer's) on peer rows; an implementation that fails or is missing keeps
+its row with ms and tflops NaN, ``status`` ("error", "wrong" or "unavailable") and
+``error``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+NAME = "attention_bwd"
+
+TOL = 2e-2  # max |grad - ref| / max |ref| (bf16 gradients)
+MATMUL_MNK = (8192, 8192, 8192)
+SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+NAN = float("nan")
+
+
+def _case_name(shape, dtype, causal):
+    return "x".join(map(str, shape)) + f":{SHORT[dtype]}" + (":causal" if causal else "")
+
+
+def attention_bwd_flops(b, h, s, d, causal):
+    """2.5 x the forward's 4 B H S^2 D; half of it under a causal mask."""
+    flops = 2.5 * 4 * b * h * s * s * d
+    return flops / 2 if causal else flops
+
+
+def _err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".strip()[:2000]
+
+
+def _max_rel(got, ref):
+    """max |got - ref| / max |ref|, fp32 (NaN anywhere in ``got`` gives inf)."""
+    g, r = got.float(), ref.float()
+    if not torch.isfinite(g).all():
+        return math.inf
+    return ((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
+
+
+def _check(grads, ref):
+    """{"ok", "max_rel_err": {dq, dk, dv}, "tol"}: grads and ref both [B, S, H, D]."""
+    errs = {name: _max_rel(g, r) for name, g, r in zip(("dq", "dk", "dv"), grads, ref, strict=True)}
+    return {"ok": all(e < TOL for e in errs.values()), "max_rel_err": errs, "tol": TOL}
+
+
+# ------------------------------------------------------------------ implementations
+# Each setup runs the forward it needs once and returns (fn, grads, info): ``fn()`` runs
+# the backward alone, ``grads`` is one result of it (dQ, dK, dV), ``info`` goes into
+# the row (op names, layouts).
+
+
+def _setup_efficient(q, k, v, dout, causal, backward=None):
+    """aten._efficient_attention_forward once; ``backward`` (default the aten op) timed.
+
+    Layouts: q, k, v, out, grad_out [B, S, H, D]; logsumexp [B, H, round_up(S, 32)] fp32.
+    """
+    s = q.shape[1]
+    mask = 1 if causal else 0  # custom_mask_type: 1 = causal from the top left
+    out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
+        q, k, v, None, None, None, s, s, 0.0, mask, True, scale=None
+    )
+    bwd = backward or torch.ops.aten._efficient_attention_backward
+
+    def fn():
+        return bwd(dout, q, k, v, None, out, None, None, s, s, lse, 0.0, seed, offset, mask, False)
+
+    return fn, fn()[:3], {"op": "aten._efficient_attention_backward", "layout": "BSHD"}
+
+
+def _setup_ours(q, k, v, dout, causal):
+    import ops
+
+    ours = getattr(ops, "efficient_attention_backward", None)
+    if ours is None:
+        raise RuntimeError("ops.efficient_attention_backward does not exist")
+    fn, grads, _ = _setup_efficient(q, k, v, dout, causal, backward=ours)
+    return fn, grads, {"op": "ops.efficient_attention_backward", "layout": "BSHD"}
+
+
+def _bhsd_grad_out(out_bhsd, dout):
+    """dO as [B, H, S, D] with exactly the strides of O (cuDNN wants them equal)."""
+    return torch.empty_like(out_bhsd).copy_(dout.transpose(1, 2))
+
+
+def _setup_flash(q, k, v, dout, causal):
+    """aten._scaled_dot_product_flash_attention{,_backward} on [B, H, S, D] views of the
+    [B, S, H, D] tensors (the memory layout the flash kernels use)."""
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+        qt, kt, vt, 0.0, causal, False, scale=None
+    )
+    do = _bhsd_grad_out(out, dout)
+
+    def fn():
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            do, qt, kt, vt, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=None
+        )
+
+    grads = [g.transpose(1, 2) for g in fn()]
+    return fn, grads, {"op": "aten._scaled_dot_product_flash_attention_backward", "layout": "BHSD views of BSHD"}
+
+
+def _setup_cudnn(q, k, v, dout, causal):
+    """aten._scaled_dot_product_cudnn_attention{,_backward} on [B, H, S, D] views; no bias."""
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        qt, kt, vt, None, True, 0.0, causal, False, scale=None
+    )
+    do = _bhsd_grad_out(out, dout)
+
+    def fn():
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            do, qt, kt, vt, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal, scale=None
+        )
+
+    grads = [g.transpose(1, 2) for g in fn()]
+    return fn, grads, {"op": "aten._scaled_dot_product_cudnn_attention_backward", "layout": "BHSD views of BSHD"}
+
+
+def _setup_cudnn_fwd_bwd(q, k, v, dout, causal):
+    """Fallback: (fwd, fwd_bwd) through F.scaled_dot_product_attention under cuDNN."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+    do = dout.transpose(1, 2)
+
+    def fwd():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+    def fwd_bwd():
+        return torch.autograd.grad(fwd(), (qt, kt, vt), do)
+
+    grads = [g.transpose(1, 2) for g in fwd_bwd()]
+    info = {
+        "op": "F.scaled_dot_product_attention under SDPBackend.CUDNN_ATTENTION",
+        "layout": "BHSD views of BSHD",
+        "method": "fwd+bwd minus fwd (the backward op alone failed)",
+    }
+    return fwd, fwd_bwd, grads, info
+
+
+def _import_fa4():
+    from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+
+    return _flash_attn_fwd, _flash_attn_bwd
+
+
+def _setup_fa4(q, k, v, dout, causal, fa4):
+    """FA4's _flash_attn_fwd once (out, lse [B, H, S] fp32), its _flash_attn_bwd timed.
+
+    _flash_attn_bwd runs FA4's whole backward: preprocess (dO.O), the main kernel and
+    the dQ (and dK/dV) postprocess, each call allocating its accumulators.
+    """
+    fwd, bwd = fa4
+    res = fwd(q, k, v, causal=causal, return_lse=True)
+    out, lse = res[0], res[1]
+
+    def fn():
+        return bwd(q, k, v, out, dout, lse, None, causal)
+
+    return fn, fn()[:3], {"op": "flash_attn.cute.interface._flash_attn_bwd", "layout": "BSHD"}
+
+
+def _matmul_ceiling():
+    """(TFLOP/s, ms) of a bf16 torch.mm of MATMUL_MNK (output preallocated)."""
+    from ..timing import bench_ms
+
+    m, n, k = MATMUL_MNK
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    ms = bench_ms(lambda: torch.mm(a, b, out=c))
+    return 2 * m * n * k / ms / 1e9, ms
+
+
+# ------------------------------------------------------------------------------ run
+
+
+def run(settings, quick: bool):
+    try:
+        fa4 = _import_fa4()
+        fa4_missing = None
+    except Exception as e:  # not installed, or its DSL does not load: recorded, not faked
+        fa4, fa4_missing = None, _err(e)
+    try:
+        matmul = _matmul_ceiling()
+    except Exception as e:
+        matmul = _err(e)
+
+    rows_out = []
+    for spec in settings.ATTENTION_BWD["quick" if quick else "full"]:
+        rows_out += _run_case(spec, fa4, fa4_missing, matmul)
+        torch.cuda.empty_cache()
+    return rows_out
+
+
+def _run_case(spec, fa4, fa4_missing, matmul):
+    """The rows of one case; ``matmul`` is (TFLOP/s, ms) or the error of measuring it."""
+    from ..timing import bench_ms
+
+    shape, dtype_name, causal = spec
+    b, h, s, d = shape
+    dtype = getattr(torch, dtype_name)
+    case = _case_name(shape, dtype_name, causal)
+    flops = attention_bwd_flops(b, h, s, d, causal)
+    q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(4))
+    rows = []
+
+    def row(impl, ms=NAN, **extra):
+        tflops = flops / ms / 1e9 if ms > 0 else NAN  # NaN: not timed (or a fwd+bwd - fwd <= 0)
+        r = {"suite": NAME, "case": case, "impl": impl, "ms": ms, "tflops": tflops, "causal": causal}
+        r.update(extra)
+        rows.append(r)
+
+    def timed(impl, fn, info, check=None, fwd=None):
+        """Time ``fn`` (minus ``fwd`` when given) into a row; a failure becomes the row's error."""
+        try:
+            ms = bench_ms(fn)
+            if fwd is not None:
+                ms -= bench_ms(fwd)
+            row(impl, ms, status="ok", check=check, **info)
+        except Exception as e:
+            row(impl, status="error", error=_err(e), check=check, **info)
+
+    # the reference: the C++ original, on these inputs
+    ref = eff = None
+    try:
+        fn, ref, info = _setup_efficient(q, k, v, dout, causal)
+        eff = (fn, info)
+    except Exception as e:
+        row("sdpa_efficient", status="error", error=_err(e))
+
+    # ours: correctness first, timed only when right
+    try:
+        fn, grads, info = _setup_ours(q, k, v, dout, causal)
+        if ref is None:
+            row("ours", status="error", error="no reference (sdpa_efficient failed): not timed", **info)
+        else:
+            check = _check(grads, ref)
+            del grads
+            if check["ok"]:
+                timed("ours", fn, info, check)
+            else:
+                row("ours", status="wrong", check=check, error=f"max rel err {check['max_rel_err']} >= {TOL}: not timed", **info)
+    except Exception as e:
+        row("ours", status="error", error=_err(e))
+
+    if eff is not None:
+        timed("sdpa_efficient", eff[0], eff[1], {"ok": True, "reference": True})
+
+    # peers: their gradients are checked too (recorded), and timed either way
+    peers = [("sdpa_flash", _setup_flash), ("sdpa_cudnn", _setup_cudnn)]
+    if fa4 is not None:
+        peers.append(("fa4", lambda *a: _setup_fa4(*a, fa4)))
+    for impl, setup in peers:
+        try:
+            fn, grads, info = setup(q, k, v, dout, causal)
+            check = _check(grads, ref) if ref is not None else None
+            del grads
+            timed(impl, fn, info, check)
+        except Exception as e:
+            if impl != "sdpa_cudnn":
+                row(impl, status="error", error=_err(e))
+                continue
+            direct_error = _err(e)
+            try:
+                fwd, fwd_bwd, grads, info = _setup_cudnn_fwd_bwd(q, k, v, dout, causal)
+                check = _check(grads, ref) if ref is not None else None
+                del grads
+                timed(impl, fwd_bwd, dict(info, direct_error=direct_error), check, fwd=fwd)
+            except Exception as e2:
+                row(impl, status="error", error=f"{direct_error}; fallback: {_err(e2)}")
+        torch.cuda.synchronize()
+    if fa4 is None:
+        row("fa4", status="unavailable", error=fa4_missing)
+
+    if isinstance(matmul, tuple):
+        tflops, mm_ms = matmul
+        row("matmul", flops / tflops / 1e9, status="ok", matmul_mnk=list(MATMUL_MNK), matmul_ms=mm_ms)
+    else:
+        row("matmul", status="error", error=matmul, matmul_mnk=list(MATMUL_MNK))
+
+    ours = next((r for r in rows if r["impl"] == "ours"), None)
+    for r in rows:
+        if r["impl"] != "ours" and ours is not None:
+            r["ours_over_peer"] = ours["tflops"] / r["tflops"]
+    return rows
+
+
+def compile_only(arch: str):
+    """Compile the kernel configurations of the suite's cases for ``arch`` (fake tensors),
+    through ``ops.mem_eff_attention.compile_for_benchmark_cases(cases, arch)`` when that
+    hook exists; 0 configurations otherwise."""
+    import importlib
+
+    from ..arch import settings
+
+    try:
+        mod = importlib.import_module("ops.mem_eff_attention")
+    except ModuleNotFoundError as e:
+        if e.name not in ("ops.mem_eff_attention",):
+            raise
+        mod = None
+    hook = getattr(mod, "compile_for_benchmark_cases", None)
+    if hook is None:
+        print(f"  {NAME}: no compile hook yet (ops.mem_eff_attention.compile_for_benchmark_cases)")
+        return 0
+    tables = settings(arch).ATTENTION_BWD
+    cases = list(dict.fromkeys(tables["full"] + tables["quick"]))
+    n = hook(cases, arch)
+    return n if isinstance(n, int) else len(cases)
