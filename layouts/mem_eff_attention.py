@@ -29,6 +29,10 @@ Tiles (``attention_backward_config``; half types, output in registers):
 | 32 .. 128               | 64                     | 128                 | 8     | 4 x 2          | 4 x 2             | 2 x 4 (4 x 2 when max_k % 64) |
 | 160 .. 256              | 64                     | 64                  | 8     | 4 x 2          | 4 x 2             | 2 x 4 (4 x 2 when max_k % 64) |
 
+Q_i, dO_i, LSE_i and Δ_i have ``stages_q`` = 2 buffers where shared memory allows
+(sm_90 always; sm_80 up to max_k 128): the next query block of the same key block is
+fetched (cp.async) while this one is computed.
+
 ``max_k`` is max(Dqk, Dv) rounded up to 32 (the C++ rounds to 32, 64, 128 or
 unbounded); runtime head dims below it are predicated. The dQ partials of a query
 block live in the fp32 workspace (``GradQTempStorage``) between key blocks, in the
@@ -37,7 +41,7 @@ thread-owned fragment order of the original's ``GmemTile`` (128-bit per access).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Tuple
 
 from .spec import SmemLayoutSpec, TiledCopySpec, TiledMmaSpec
@@ -85,6 +89,7 @@ class AttentionBackwardConfig:
     warps_sdp: Tuple[int, int] = (4, 2)  # MatmulQK / MatmulDOIVJ: warps over (keys, queries)
     warps_dkv: Tuple[int, int] = (4, 2)  # MatmulGradV / MatmulGradK: warps over (keys, head dim)
     warps_dq: Tuple[int, int] = (2, 4)  # MatmulGradQ: warps over (queries, head dim)
+    stages_q: int = 2  # buffers of Q_i / dO_i / LSE / Δ: 2 prefetches the next query block
 
     def __post_init__(self):
         if self.elem_bits not in (16, 32):
@@ -105,6 +110,8 @@ class AttentionBackwardConfig:
         for size, tile, what in checks:
             if size % tile:
                 raise ValueError(f"{what}={size} is not a multiple of the warp tile {tile}")
+        if self.stages_q not in (1, 2):
+            raise ValueError(f"stages_q must be 1 or 2, got {self.stages_q}")
         if self.block_size_i > self.num_threads:
             raise ValueError("each of the block's queries needs a thread (di / lse loads)")
 
@@ -168,7 +175,7 @@ class AttentionBackwardConfig:
         return SmemLayoutSpec(atom, swizzle, (rows, cols), self.elem_bits)
 
     def smem_layout_q(self) -> SmemLayoutSpec:  # MatmulQK B operand, MatmulGradK B (transposed)
-        return self.smem_tile(self.block_size_i, self.max_k)
+        return replace(self.smem_tile(self.block_size_i, self.max_k), stages=self.stages_q)
 
     def smem_layout_k(self) -> SmemLayoutSpec:  # MatmulQK A operand, MatmulGradQ B (transposed)
         return self.smem_tile(self.block_size_j, self.max_k)
@@ -177,7 +184,7 @@ class AttentionBackwardConfig:
         return self.smem_tile(self.block_size_j, self.max_k)
 
     def smem_layout_do(self) -> SmemLayoutSpec:  # MatmulDOIVJ B operand, MatmulGradV B (transposed)
-        return self.smem_tile(self.block_size_i, self.max_k)
+        return replace(self.smem_tile(self.block_size_i, self.max_k), stages=self.stages_q)
 
     def smem_layout_attn(self) -> SmemLayoutSpec:
         """AccumulatorSharedStorage of attn_T (and of tmp_T = dSᵀ·scale): J x I."""
@@ -226,16 +233,16 @@ class AttentionBackwardConfig:
         part1..part6 collapses to these two because our epilogues write from registers.
         """
         e = self.elem_bits // 8
-        i, j, k = self.block_size_i, self.block_size_j, self.max_k
+        i, j, k, st = self.block_size_i, self.block_size_j, self.max_k, self.stages_q
         attn = j * i * e
-        persistent = {"di": 4 * i, "lse": 4 * i, "mm_qk_k": j * k * e, "mm_doivj_v": j * k * e}
+        persistent = {"di": 4 * i * st, "lse": 4 * i * st, "mm_qk_k": j * k * e, "mm_doivj_v": j * k * e}
         part1 = {
-            "mm_qk_q": i * k * e,
-            "mm_gradV_do": i * k * e,
+            "mm_qk_q": i * k * e * st,
+            "mm_gradV_do": i * k * e * st,
             "attn_shared_storage": attn,
             "zij": attn if self.apply_dropout else 0,
         }
-        part2 = {"mm_gradK_q": i * k * e, "mm_gradV_do": i * k * e, "tmp_shared_storage": attn}
+        part2 = {"mm_gradK_q": i * k * e * st, "mm_gradV_do": i * k * e * st, "tmp_shared_storage": attn}
         sizes = {
             "persistent": persistent,
             "part1": part1,
@@ -289,6 +296,8 @@ def attention_backward_config(
     fields.update(overrides)
     cfg = AttentionBackwardConfig(**fields)
     cap = SMEM_CAPACITY.get(arch, SMEM_CAPACITY["sm_80"])
+    if cfg.smem_bytes() > cap and "stages_q" not in overrides:
+        cfg = replace(cfg, stages_q=1)  # no room to prefetch the next query block
     if cfg.smem_bytes() > cap:
         raise NotImplementedError(f"{cfg} needs {cfg.smem_bytes()} bytes of shared memory, {arch} has {cap}")
     return cfg

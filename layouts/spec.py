@@ -100,6 +100,7 @@ class SmemLayoutSpec:
     shape: Tuple[int, int]
     elem_bits: int
     pad: int = 0
+    stages: int = 1  # > 1: a third mode of that many copies of the tile (pipeline buffers)
 
     def __post_init__(self):
         if self.shape[0] % self.atom[0] or self.shape[1] % self.atom[1]:
@@ -107,7 +108,7 @@ class SmemLayoutSpec:
 
     @property
     def bytes(self) -> int:
-        return self.shape[0] * (self.shape[1] + self.pad) * self.elem_bits // 8
+        return self.stages * self.shape[0] * (self.shape[1] + self.pad) * self.elem_bits // 8
 
     def layout(self):
         """The pure-Python form (``layouts.algebra``): the swizzle over the tiled atom."""
@@ -126,11 +127,15 @@ class SmemLayoutSpec:
         if dtype.width != self.elem_bits:
             raise ValueError(f"spec is for {self.elem_bits}-bit elements, got {dtype}")
         if self.swizzle is None:
+            if self.stages > 1:
+                raise ValueError("staged tiles must be swizzled")
             return cute.make_layout(self.shape, stride=(self.shape[1] + self.pad, 1))
         rows, cols = self.atom
         atom = cute.make_composed_layout(
             cute.make_swizzle(*self.swizzle), 0, cute.make_layout((rows, cols), stride=(cols, 1))
         )
+        if self.stages > 1:
+            return cute.tile_to_shape(atom, (*self.shape, self.stages), (0, 1, 2))
         return cute.tile_to_shape(atom, self.shape, (0, 1))
 
 

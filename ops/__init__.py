@@ -1,5 +1,6 @@
 """The torch face: validated, torch.library-registered ops and autograd modules."""
 
+from .attention import memory_efficient_attention, use_for_sdpa
 from .attention_bwd_prepost import (
     attention_bwd_clear_dkv_accum,
     attention_bwd_compute_delta,
@@ -21,8 +22,14 @@ __all__ = [
     "attention_bwd_preprocess",
     "bias_dropout",
     "dropout_bias_backward",
+    "efficient_attention_backward",
     "layer_norm",
     "layer_norm_backward",
+    "memory_efficient_attention",
     "rms_norm",
     "rms_norm_backward",
+    "use_for_sdpa",
 ]
+
+# the memory-efficient attention backward kernel (last, so that a missing module is obvious)
+from .mem_eff_attention import efficient_attention_backward  # noqa: E402

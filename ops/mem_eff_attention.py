@@ -39,10 +39,12 @@ def _build(dtype, cfg: tiling.AttentionBackwardConfig, varlen: bool, computes_de
     vec = cfg.vec
     kernel = AttentionBackwardKernel(dtype, cfg, varlen, computes_delta)
     b, h, mq, mk, dqk, dv = (cute.sym_int() for _ in range(6))
-    q = cc.fake_tensor(dtype, (b, mq, h, dqk), vec)
-    k = cc.fake_tensor(dtype, (b, mk, h, dqk), vec)
-    v = cc.fake_tensor(dtype, (b, mk, h, dv), vec)
-    o = cc.fake_tensor(dtype, (b, mq, h, dv), vec)
+    # One fake per argument: each gets its own symbolic strides (packed QKV views,
+    # transposed grad_out, gradients laid out unlike the inputs).
+    q, gq = (cc.fake_tensor(dtype, (b, mq, h, dqk), vec) for _ in range(2))
+    k, gk = (cc.fake_tensor(dtype, (b, mk, h, dqk), vec) for _ in range(2))
+    v, gv = (cc.fake_tensor(dtype, (b, mk, h, dv), vec) for _ in range(2))
+    o, do = (cc.fake_tensor(dtype, (b, mq, h, dv), vec) for _ in range(2))
     seqs, lq = cute.sym_int(), cute.sym_int()
     lse = cc.fake_tensor(cutlass.Float32, (seqs, h, lq), 1)
     delta = cc.fake_tensor(cutlass.Float32, (seqs, h, cute.sym_int()), 1)
@@ -51,9 +53,9 @@ def _build(dtype, cfg: tiling.AttentionBackwardConfig, varlen: bool, computes_de
         cutlass.Float32, (cute.sym_int(), cute.sym_int(), words),
         stride=(cute.sym_int64(divisibility=4), words, 1), assumed_align=16,
     )
-    cu = cc.fake_tensor(cutlass.Int32, (cute.sym_int(),), 1) if varlen else None
+    cu_q, cu_k = (cc.fake_tensor(cutlass.Int32, (cute.sym_int(),), 1) if varlen else None for _ in range(2))
     return cc.compile_kernel(
-        kernel, q, k, v, o, o, lse, delta, q, k, v, ws, cu, cu,
+        kernel, q, k, v, o, do, lse, delta, gq, gk, gv, ws, cu_q, cu_k,
         cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), cc.fake_stream(),
         arch=arch,
     )
@@ -197,8 +199,11 @@ def _impl(
         cfg, seqs, h, rows_q, rows_k, dqk, dv, int(custom_mask_type), int(window_size or 0),
         varlen=varlen,
     )
+    # An explicit split count is clamped to one split per key block, as torch's launcher does.
     params.num_splits_key = (
-        choose_num_splits_key(params, cc.num_sms(query.device.index)) if num_splits_key is None else int(num_splits_key)
+        choose_num_splits_key(params, cc.num_sms(query.device.index))
+        if num_splits_key is None
+        else min(int(num_splits_key), params.max_splits_key())
     )
     params.check_supported()
 

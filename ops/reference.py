@@ -178,3 +178,148 @@ def norm_backward_ref(
     dw = (dz * y).sum(0) if weight is not None else None
     db = dz.sum(0) if has_bias else None
     return dx, dw, db
+
+
+# ------------------------------------------------------- memory-efficient attention
+#
+# Layouts as torch's ``_efficient_attention_forward`` / ``_backward``: q [B, Mq, H, K],
+# k [B, Mk, H, K], v [B, Mk, H, Kv], out / grad_out [B, Mq, H, Kv]; variable lengths pack
+# the sequences along M with B == 1 and int32 cu_seqlens [num_seqs + 1].
+#
+# Mask (kernel_backward.h, key index m, query index n, per sequence): shift = 0 for
+# custom_mask_type 1 (causal from the top left) or num_keys - num_queries for 2 (from the
+# bottom right); causal masks key > query + shift; window_size > 0 (causal only)
+# additionally masks key <= query + shift - window_size. A query row with no key left
+# has output 0 and zero gradients (its probabilities are 0, never NaN).
+
+
+def attention_mask_ref(num_queries: int, num_keys: int, custom_mask_type: int = 0, window_size: int = 0, device=None) -> Tensor:
+    """[num_queries, num_keys] bool, True where query n may attend key m."""
+    if custom_mask_type not in (0, 1, 2):
+        raise ValueError(f"custom_mask_type must be 0, 1 or 2, got {custom_mask_type}")
+    if window_size and window_size > 0 and custom_mask_type == 0:
+        raise ValueError("window_size needs a causal mask (custom_mask_type 1 or 2), as the kernel")
+    n = torch.arange(num_queries, device=device).view(-1, 1)
+    m = torch.arange(num_keys, device=device).view(1, -1)
+    keep = torch.ones(num_queries, num_keys, dtype=torch.bool, device=device)
+    if custom_mask_type == 0:
+        return keep
+    shift = num_keys - num_queries if custom_mask_type == 2 else 0
+    keep &= m <= n + shift
+    if window_size and window_size > 0:
+        keep &= m > n + shift - window_size
+    return keep
+
+
+def _attention_segments(query, key, cu_seqlens_q, cu_seqlens_k):
+    """[(b, q rows, k rows)]: one dense problem per batch entry or packed sequence."""
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k go together")
+    if cu_seqlens_q is None:
+        return [(b, slice(0, query.shape[1]), slice(0, key.shape[1])) for b in range(query.shape[0])]
+    if query.shape[0] != 1:
+        raise ValueError(f"variable lengths need batch 1, got {query.shape[0]}")
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    if len(cq) != len(ck):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length")
+    return [(0, slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])) for i in range(len(cq) - 1)]
+
+
+def _attention_probs(q, k, scale, keep):
+    """Masked softmax in fp64: (P [H, Mq, Mk], lse [H, Mq]); P = 0 and lse = -inf on empty rows."""
+    s = torch.einsum("nhk,mhk->hnm", q, k) * scale
+    s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # -inf where a row keeps nothing
+    finite = torch.isfinite(lse)
+    p = torch.exp(s - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))
+    p = torch.where(keep.unsqueeze(0) & finite.unsqueeze(-1), p, torch.zeros_like(p))
+    return p, lse
+
+
+def _attention_scale(scale, head_dim):
+    return float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
+
+
+def attention_forward_ref(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    custom_mask_type: int = 0,
+    window_size: int = 0,
+    scale: Optional[float] = None,
+    cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None,
+    empty_row_lse: float = 0.0,
+) -> Tuple[Tensor, Tensor]:
+    """(out [B, Mq, H, Kv], lse) in fp64: softmax(scale q kᵀ + mask) v and its natural-log
+    log-sum-exp.
+
+    lse is [B, H, Mq] (dense) or [num_seqs, H, max sequence length] (variable lengths,
+    sequence i's query j at [i, :, j], +inf past its end, as torch pads). A query row with
+    no key has out 0 and lse ``empty_row_lse`` (torch's kernel writes 0 there: mi and the
+    sum are reset before the log).
+    """
+    out, lse, _ = _attention_forward_parts(query, key, value, custom_mask_type, window_size, scale, cu_seqlens_q, cu_seqlens_k)
+    return out, _lse_layout(lse, query, cu_seqlens_q, empty_row_lse)
+
+
+def _attention_forward_parts(query, key, value, custom_mask_type, window_size, scale, cu_seqlens_q, cu_seqlens_k):
+    q, k, v = query.double(), key.double(), value.double()
+    sc = _attention_scale(scale, query.shape[-1])
+    out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))
+    lses, probs = [], []
+    for b, rq, rk in _attention_segments(query, key, cu_seqlens_q, cu_seqlens_k):
+        qs, ks, vs = q[b, rq], k[b, rk], v[b, rk]
+        keep = attention_mask_ref(qs.shape[0], ks.shape[0], custom_mask_type, window_size, device=q.device)
+        p, lse = _attention_probs(qs, ks, sc, keep)
+        out[b, rq] = torch.einsum("hnm,mhd->nhd", p, vs)
+        lses.append(lse)
+        probs.append(p)
+    return out, lses, probs
+
+
+def _lse_layout(lses, query, cu_seqlens_q, empty_row_lse):
+    lses = [torch.where(torch.isfinite(x), x, torch.full_like(x, empty_row_lse)) for x in lses]
+    if cu_seqlens_q is None:
+        return torch.stack(lses) if lses else query.new_zeros((0, query.shape[2], query.shape[1]), dtype=torch.float64)
+    width = max([x.shape[-1] for x in lses], default=0)
+    lse = torch.full((len(lses), query.shape[2], width), float("inf"), dtype=torch.float64, device=query.device)
+    for i, x in enumerate(lses):
+        lse[i, :, : x.shape[-1]] = x
+    return lse
+
+
+def attention_backward_ref(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    grad_out: Tensor,
+    *,
+    custom_mask_type: int = 0,
+    window_size: int = 0,
+    scale: Optional[float] = None,
+    cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) in fp64, the shapes of query, key, value, from the closed form
+
+    P = masked softmax(scale q kᵀ), dV = Pᵀ dO, dP = dO vᵀ, dS = P ∘ (dP - rowsum(dO ∘ O)),
+    dQ = scale dS k, dK = scale dSᵀ q. Rows without keys contribute nothing (P = 0), keys
+    no query sees get zero dK / dV, and rows outside every packed sequence stay 0.
+    """
+    q, k, v, do = query.double(), key.double(), value.double(), grad_out.double()
+    sc = _attention_scale(scale, query.shape[-1])
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for b, rq, rk in _attention_segments(query, key, cu_seqlens_q, cu_seqlens_k):
+        qs, ks, vs, dos = q[b, rq], k[b, rk], v[b, rk], do[b, rq]
+        keep = attention_mask_ref(qs.shape[0], ks.shape[0], custom_mask_type, window_size, device=q.device)
+        p, _ = _attention_probs(qs, ks, sc, keep)  # [H, Mq, Mk]
+        o = torch.einsum("hnm,mhd->nhd", p, vs)
+        dv[b, rk] = torch.einsum("hnm,nhd->mhd", p, dos)
+        dp = torch.einsum("nhd,mhd->hnm", dos, vs)
+        delta = (dos * o).sum(-1).t().unsqueeze(-1)  # [H, Mq, 1]
+        ds = p * (dp - delta)
+        dq[b, rq] = sc * torch.einsum("hnm,mhk->nhk", ds, ks)
+        dk[b, rk] = sc * torch.einsum("hnm,nhk->mhk", ds, qs)
+    return dq, dk, dv

@@ -192,13 +192,14 @@ class AttentionBackwardKernel:
         part1 = storage.parts.part1
         part2 = storage.parts.part2
         s = SimpleNamespace()
-        s.di = pers.di.get_tensor(cute.make_layout(cfg.block_size_i))
-        s.lse = pers.lse.get_tensor(cute.make_layout(cfg.block_size_i))
+        s.di = pers.di.get_tensor(cute.make_layout((cfg.block_size_i, cfg.stages_q)))
+        s.lse = pers.lse.get_tensor(cute.make_layout((cfg.block_size_i, cfg.stages_q)))
         s.flag = pers.flag.get_tensor(cute.make_layout(1))
         s.k = pers.mm_qk_k.get_tensor(cfg.smem_layout_k().build(self.dtype))
         s.v = pers.mm_doivj_v.get_tensor(cfg.smem_layout_v().build(self.dtype))
-        s.q = part1.mm_qk_q.get_tensor(cfg.smem_layout_q().build(self.dtype))
-        s.do = part1.mm_gradV_do.get_tensor(cfg.smem_layout_do().build(self.dtype))
+        # Q_i / dO_i: (rows, cols, stages) buffers; a 2-D layout gets a unit stage mode.
+        s.q = part1.mm_qk_q.get_tensor(self._staged(cfg.smem_layout_q().build(self.dtype)))
+        s.do = part1.mm_gradV_do.get_tensor(self._staged(cfg.smem_layout_do().build(self.dtype)))
         s.attn = part1.attn_shared_storage.get_tensor(cfg.smem_layout_attn().build(self.dtype))
         s.tmp = part2.tmp_shared_storage.get_tensor(cfg.smem_layout_attn().build(self.dtype))
 
@@ -217,6 +218,7 @@ class AttentionBackwardKernel:
         acc_dv = cute.make_rmem_tensor(m.thr_dkv.partition_shape_C((cfg.block_size_j, cfg.max_k)), Float32)
         scale_log2 = scale * LOG2E
 
+        stage = Int32(0)
         for key_start in cutlass.range(split_key * cfg.block_size_j, p.num_keys, num_splits_key * cfg.block_size_j, unroll=1):
             acc_dk.fill(0.0)
             acc_dv.fill(0.0)
@@ -224,17 +226,21 @@ class AttentionBackwardKernel:
             cute.arch.barrier()  # the previous key block's readers of K_j / V_j are done
             self.load_tile(m.copy_k, cute.domain_offset((key_start, 0), p.key), s.k, num_keys_in_block, p.head_dim, tidx)
             self.load_tile(m.copy_k, cute.domain_offset((key_start, 0), p.value), s.v, num_keys_in_block, p.head_dim_value, tidx)
-            cute.arch.cp_async_commit_group()
-
             query_start = get_query_start(it, key_start)
+            if query_start < p.num_queries:
+                self.load_query_block(_view(p), _view(s), _view(m), query_start, stage, tidx)
+            cute.arch.cp_async_commit_group()  # K_j, V_j and the first query block
+
             next_key = key_start
             while (next_key == key_start) & (query_start < p.num_queries):
                 self.process_block_ij(
                     _view(p), it, _view(s), _view(m), acc_dk, acc_dv, query_start, key_start, num_keys_in_block,
-                    scale, scale_log2, custom_mask_type, window_size, num_splits_key, split_key, tidx,
+                    scale, scale_log2, custom_mask_type, window_size, num_splits_key, split_key, stage, tidx,
                 )
                 next_query, next_key = incr_iteration(it, query_start, key_start)
                 query_start = next_query
+                if const_expr(cfg.stages_q > 1):
+                    stage = stage ^ 1
             self.write_frags_to_gmem(p, m, acc_dk, acc_dv, key_start, num_keys_in_block, tidx)
 
     # ---------------------------------------------------------------------- matmuls
@@ -244,6 +250,7 @@ class AttentionBackwardKernel:
         m = SimpleNamespace()
         m.copy_q = cfg.gmem_tiled_copy(cfg.max_k).build(dt)
         m.copy_k = m.copy_q
+        m.copy_row = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
         ldsm = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dt)
         ldsm_t = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), dt)
         st_pair = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt, num_bits_per_copy=cfg.smem_store_bits())
@@ -256,11 +263,11 @@ class AttentionBackwardKernel:
         b_sdp = cute.make_tiled_copy_B(ldsm, mma_sdp).get_slice(tidx)
         m.s2r_a_sdp, m.s2r_b_sdp = a_sdp, b_sdp
         m.qk_rA = thr.make_fragment_A(thr.partition_A(s.k))
-        m.qk_rB = thr.make_fragment_B(thr.partition_B(s.q))
+        m.qk_rB = thr.make_fragment_B(thr.partition_B(s.q[None, None, 0]))
         m.qk_sA = a_sdp.partition_S(s.k)
         m.qk_sB = b_sdp.partition_S(s.q)
         m.doivj_rA = thr.make_fragment_A(thr.partition_A(s.v))
-        m.doivj_rB = thr.make_fragment_B(thr.partition_B(s.do))
+        m.doivj_rB = thr.make_fragment_B(thr.partition_B(s.do[None, None, 0]))
         m.doivj_sA = a_sdp.partition_S(s.v)
         m.doivj_sB = b_sdp.partition_S(s.do)
         m.coord_s = thr.partition_C(cute.make_identity_tensor((cfg.block_size_j, cfg.block_size_i)))
@@ -278,11 +285,11 @@ class AttentionBackwardKernel:
         m.s2r_a_dkv, m.s2r_b_dkv = a_dkv, b_dkv
         do_t, q_t = transpose_view(s.do), transpose_view(s.q)
         m.gv_rA = thr.make_fragment_A(thr.partition_A(s.attn))
-        m.gv_rB = thr.make_fragment_B(thr.partition_B(do_t))
+        m.gv_rB = thr.make_fragment_B(thr.partition_B(do_t[None, None, 0]))
         m.gv_sA = a_dkv.partition_S(s.attn)
         m.gv_sB = b_dkv.partition_S(do_t)
         m.gk_rA = thr.make_fragment_A(thr.partition_A(s.tmp))
-        m.gk_rB = thr.make_fragment_B(thr.partition_B(q_t))
+        m.gk_rB = thr.make_fragment_B(thr.partition_B(q_t[None, None, 0]))
         m.gk_sA = a_dkv.partition_S(s.tmp)
         m.gk_sB = b_dkv.partition_S(q_t)
         m.coord_kv = thr.partition_C(cute.make_identity_tensor((cfg.block_size_j, cfg.max_k)))
@@ -323,47 +330,86 @@ class AttentionBackwardKernel:
                 else:
                     tS[None, r, c].fill(0)
 
+    @staticmethod
+    def _staged(layout):
+        return layout if cute.rank(layout) == 3 else cute.append(layout, cute.make_layout(1))
+
+    @cute.jit
+    def load_query_block(self, p, s, m, query_start, stage, tidx):
+        """Q_i, dO_i (cp.async, zeros outside) and LSE_i, Δ_i (4-byte cp.async) into ``stage``."""
+        cfg = self.cfg
+        rows = cutlass.min(cfg.block_size_i, p.num_queries - query_start)
+        self.load_tile(m.copy_q, cute.domain_offset((query_start, 0), p.query), s.q[None, None, stage], rows, p.head_dim, tidx)
+        self.load_tile(
+            m.copy_q, cute.domain_offset((query_start, 0), p.grad_output), s.do[None, None, stage], rows, p.head_dim_value, tidx
+        )
+        if tidx < cfg.block_size_i:
+            one = cute.make_layout(1)
+            dst = tidx + stage * cfg.block_size_i
+            if tidx < rows:
+                src = query_start + tidx
+                cute.copy(m.copy_row, cute.make_tensor(p.logsumexp.iterator + src, one), cute.make_tensor(s.lse.iterator + dst, one))
+                cute.copy(m.copy_row, cute.make_tensor(p.delta.iterator + src, one), cute.make_tensor(s.di.iterator + dst, one))
+            else:
+                s.lse[tidx, stage] = Float32(0.0)
+                s.di[tidx, stage] = Float32(0.0)
+
     # -------------------------------------------------------------- process_block_ij
     @cute.jit
     def process_block_ij(
         self, p, it, s, m, acc_dk, acc_dv, query_start, key_start, num_keys_in_block,
-        scale, scale_log2, custom_mask_type, window_size, num_splits_key, split_key, tidx,
+        scale, scale_log2, custom_mask_type, window_size, num_splits_key, split_key, stage, tidx,
     ):
         cfg = self.cfg
         num_queries_in_block = cutlass.min(cfg.block_size_i, p.num_queries - query_start)
 
-        cute.arch.barrier()  # the previous block's readers of Q_i, dO_i and tmp_T are done
-        if tidx < cfg.block_size_i:
-            lse = Float32(0.0)
-            di = Float32(0.0)
-            if tidx < num_queries_in_block:
-                lse = p.logsumexp[query_start + tidx] * LOG2E
-                di = p.delta[query_start + tidx]
-            s.lse[tidx] = lse
-            s.di[tidx] = di
-        self.load_tile(m.copy_q, cute.domain_offset((query_start, 0), p.query), s.q, num_queries_in_block, p.head_dim, tidx)
-        self.load_tile(m.copy_q, cute.domain_offset((query_start, 0), p.grad_output), s.do, num_queries_in_block, p.head_dim_value, tidx)
-        cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()  # the previous block's readers of its buffers and of tmp_T are done
+        if const_expr(cfg.stages_q > 1):
+            # kPreload: fetch the next query block of this key block into the other buffers.
+            next_query, next_key = incr_iteration(it, query_start, key_start)
+            if (next_key == key_start) & (next_query < p.num_queries):
+                self.load_query_block(_view(p), _view(s), _view(m), next_query, stage ^ 1, tidx)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(1)  # everything but that prefetch has landed
+        else:
+            self.load_query_block(_view(p), _view(s), _view(m), query_start, stage, tidx)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
+        qk_sB = m.qk_sB[None, None, None, stage]
+        doivj_sB = m.doivj_sB[None, None, None, stage]
+        gv_sB = m.gv_sB[None, None, None, stage]
+        gk_sB = m.gk_sB[None, None, None, stage]
+        s_lse = s.lse[None, stage]
+        s_di = s.di[None, stage]
 
         # ---- MatmulQK: attn_T = K_j Q_iᵀ, then P = exp(attn_T * scale - LSE), masked.
         acc_s = cute.make_rmem_tensor(m.thr_sdp.partition_shape_C((cfg.block_size_j, cfg.block_size_i)), Float32)
         acc_s.fill(0.0)
-        gemm_smem(m.mma_sdp, acc_s, m.qk_rA, m.qk_rB, m.qk_sA, m.qk_sB, m.s2r_a_sdp, m.s2r_b_sdp)
+        gemm_smem(m.mma_sdp, acc_s, m.qk_rA, m.qk_rB, m.qk_sA, qk_sB, m.s2r_a_sdp, m.s2r_b_sdp)
         # current key = key_start + kk, current query = query_start + qq
         shift = query_start - key_start
         if custom_mask_type == 2:  # CausalFromBottomRight
             shift += p.num_keys - p.num_queries
         causal = custom_mask_type != 0
         windowed = window_size > 0
-        for e in cutlass.range_constexpr(cute.size(acc_s)):
-            kk, qq = m.coord_s[e]
-            keep = (kk < num_keys_in_block) & (qq < num_queries_in_block)
-            keep = keep & ~(causal & (kk > qq + shift))
-            keep = keep & ~(windowed & (kk <= qq + shift - window_size))
-            prob = cute.math.exp2(acc_s[e] * scale_log2 - s.lse[qq], fastmath=True)
-            acc_s[e] = cutlass.select_(keep, prob, Float32(0.0))
+        # Only blocks on an edge (sequence ends, the diagonal, the window's far side)
+        # pay for the per-element mask.
+        on_edge = (num_keys_in_block < cfg.block_size_j) | (num_queries_in_block < cfg.block_size_i)
+        on_edge = on_edge | (causal & (shift < cfg.block_size_j - 1))
+        on_edge = on_edge | (windowed & (shift - window_size + cfg.block_size_i - 1 >= 0))
+        if on_edge:
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                kk, qq = m.coord_s[e]
+                keep = (kk < num_keys_in_block) & (qq < num_queries_in_block)
+                keep = keep & ~(causal & (kk > qq + shift))
+                keep = keep & ~(windowed & (kk <= qq + shift - window_size))
+                prob = cute.math.exp2(acc_s[e] * scale_log2 - s_lse[qq] * LOG2E, fastmath=True)
+                acc_s[e] = cutlass.select_(keep, prob, Float32(0.0))
+        else:
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                qq = m.coord_s[e][1]
+                acc_s[e] = cute.math.exp2(acc_s[e] * scale_log2 - s_lse[qq] * LOG2E, fastmath=True)
         r_p = cute.make_fragment_like(acc_s, self.dtype)
         r_p.store(acc_s.load().to(self.dtype))
         cute.copy(m.r2s_sdp, m.r2s_sdp.retile(r_p), m.attn_r2s)
@@ -371,25 +417,25 @@ class AttentionBackwardKernel:
         # ---- MatmulDOIVJ: dPᵀ = V_j dO_iᵀ; dS = (dP - Δ)·P · scale (P from registers).
         acc_dp = cute.make_rmem_tensor(m.thr_sdp.partition_shape_C((cfg.block_size_j, cfg.block_size_i)), Float32)
         acc_dp.fill(0.0)
-        gemm_smem(m.mma_sdp, acc_dp, m.doivj_rA, m.doivj_rB, m.doivj_sA, m.doivj_sB, m.s2r_a_sdp, m.s2r_b_sdp)
+        gemm_smem(m.mma_sdp, acc_dp, m.doivj_rA, m.doivj_rB, m.doivj_sA, doivj_sB, m.s2r_a_sdp, m.s2r_b_sdp)
         for e in cutlass.range_constexpr(cute.size(acc_dp)):
             qq = m.coord_s[e][1]
-            acc_dp[e] = acc_s[e] * (acc_dp[e] - s.di[qq]) * scale
+            acc_dp[e] = acc_s[e] * (acc_dp[e] - s_di[qq]) * scale
         r_ds = cute.make_fragment_like(acc_dp, self.dtype)
         r_ds.store(acc_dp.load().to(self.dtype))
         cute.arch.barrier()  # attn_T is complete
 
         # ---- MatmulGradV: dV_j += attn_T dO_i.
-        gemm_smem(m.mma_dkv, acc_dv, m.gv_rA, m.gv_rB, m.gv_sA, m.gv_sB, m.s2r_a_dkv, m.s2r_b_dkv)
+        gemm_smem(m.mma_dkv, acc_dv, m.gv_rA, m.gv_rB, m.gv_sA, gv_sB, m.s2r_a_dkv, m.s2r_b_dkv)
         cute.arch.barrier()  # every warp is done with attn_T: tmp_T takes its bytes
         cute.copy(m.r2s_sdp, m.r2s_sdp.retile(r_ds), m.tmp_r2s)
         cute.arch.barrier()
 
         # ---- MatmulGradQ: dQ_i += dS K_j, accumulated in GradQTempStorage.
-        self.grad_q(p, it, s, m, query_start, key_start, num_queries_in_block, num_splits_key, split_key, tidx)
+        self.grad_q(_view(p), it, _view(s), _view(m), query_start, key_start, num_queries_in_block, num_splits_key, split_key, tidx)
 
         # ---- MatmulGradK: dK_j += tmp_T Q_i.
-        gemm_smem(m.mma_dkv, acc_dk, m.gk_rA, m.gk_rB, m.gk_sA, m.gk_sB, m.s2r_a_dkv, m.s2r_b_dkv)
+        gemm_smem(m.mma_dkv, acc_dk, m.gk_rA, m.gk_rB, m.gk_sA, gk_sB, m.s2r_a_dkv, m.s2r_b_dkv)
 
     # --------------------------------------------------------------------- GradQ
     def grad_q_gmem_tile(self, storage: cute.Tensor, tidx, num_elements: int) -> cute.Tensor:

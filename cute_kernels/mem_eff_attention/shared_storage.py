@@ -21,12 +21,12 @@ ALIGN = 128  # bytes; ldmatrix rows and cp.async destinations are 16-byte chunks
 
 
 def _tile(dtype, spec):
-    return cute.struct.Align[cute.struct.MemRange[dtype, spec.shape[0] * spec.shape[1]], ALIGN]
+    return cute.struct.Align[cute.struct.MemRange[dtype, spec.shape[0] * spec.shape[1] * spec.stages], ALIGN]
 
 
 def make_shared_storage(cfg: AttentionBackwardConfig, dtype):
     """The ``@cute.struct`` for one configuration (call at trace time)."""
-    i = cfg.block_size_i
+    i = cfg.block_size_i * cfg.stages_q
     zij_elems = cfg.block_size_j * cfg.block_size_i if cfg.apply_dropout else 0
 
     @cute.struct

@@ -5,9 +5,10 @@ import cutlass.cute as cute
 
 
 def transpose_view(t: cute.Tensor) -> cute.Tensor:
-    """The (cols x rows) view of a (rows x cols) shared-memory tile (no data moves)."""
-    shape = (t.shape[1], t.shape[0])
-    return cute.composition(t, cute.make_ordered_layout(shape, order=(1, 0)))
+    """The (cols x rows [x stages]) view of a (rows x cols [x stages]) shared tile (no data moves)."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
 
 
 @cute.jit

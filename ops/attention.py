@@ -1,0 +1,460 @@
+"""Torch face of memory-efficient attention: torch's forward, our backward.
+
+* ``memory_efficient_attention(q, k, v, ...)``: an autograd op in the [B, M, H, K] layout
+  of ``torch.ops.aten._efficient_attention_forward`` (which computes its forward) whose
+  backward is ``ops.mem_eff_attention.efficient_attention_backward``, a drop-in for
+  ``aten._efficient_attention_backward``. Registered as ``cute_kernels::memory_efficient_attention``
+  (with a fake implementation and its autograd formula), so ``torch.compile(fullgraph=True)``
+  captures it as one node.
+* ``use_for_sdpa()``: opt-in and reversible; while on, torch's efficient SDPA backend
+  (``aten::_scaled_dot_product_efficient_attention_backward``, CUDA) runs our backward for
+  the configurations it supports (no attention bias, no dropout) and torch's own kernel
+  for the rest, logging the reason (logger ``cute_kernels``, level DEBUG).
+
+Conventions (torch's, checked on torch 2.11 and 2.13):
+
+* q [B, Mq, H, K], k [B, Mk, H, K], v [B, Mk, H, Kv], out [B, Mq, H, Kv]; any strides
+  whose last is 1. Variable lengths: B == 1, the sequences packed along M, int32
+  ``cu_seqlens_q`` / ``cu_seqlens_k`` [num_seqs + 1] and the longest lengths
+  ``max_seqlen_q`` / ``max_seqlen_k``.
+* logsumexp (natural log, fp32): [B, H, round_up(Mq, 32)] dense, [num_seqs, H,
+  round_up(max_seqlen_q, 32)] with variable lengths (sequence i's query j at [i, :, j]).
+  Rows past Mq read +inf (dense; with variable lengths only up to the sequence's next
+  multiple of 32, later entries are left unwritten). A query row that sees no key has
+  out 0 and logsumexp 0.
+* causal: False (custom_mask_type 0), True / "top_left" (1: key m masked if m > n),
+  "bottom_right" (2: masked if m > n + Mk - Mq, per sequence); ``window_size`` w > 0
+  (causal only) also masks m <= n + shift - w.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from typing import List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from ._validate import check_cuda, check_float, check_int, check_same_device, check_tensor, validate_once
+
+logger = logging.getLogger("cute_kernels")
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LSE_ALIGN = 32  # kAlignLSE of torch's forward: logsumexp rows are padded to a multiple of it
+_MASK_TYPES = {"top_left": 1, "bottom_right": 2}
+
+
+# -------------------------------------------------------------------------- validation
+
+
+def _mask_type(causal) -> int:
+    if isinstance(causal, bool):
+        return int(causal)
+    if isinstance(causal, str) and causal in _MASK_TYPES:
+        return _MASK_TYPES[causal]
+    raise ValueError(f"causal must be False, True, 'top_left' or 'bottom_right', got {causal!r}")
+
+
+def _check_qkv(query, key, value):
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        check_tensor(name, t)
+    check_cuda("query", query)
+    for name, t in (("key", key), ("value", value)):
+        check_same_device(name, t, query)
+    if query.dtype not in DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in DTYPES)
+        raise TypeError(f"query must have dtype in ({names}), got {query.dtype}")
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != query.dtype:
+            raise TypeError(f"{name} must have query's dtype {query.dtype}, got {t.dtype}")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [batch, seqlen, heads, head_dim], got shape {tuple(t.shape)}")
+    b, mq, h, d = query.shape
+    if d < 1:
+        raise ValueError(f"query must have head_dim >= 1, got shape {tuple(query.shape)}")
+    if value.shape[3] < 1:
+        raise ValueError(f"value must have head_dim >= 1, got shape {tuple(value.shape)}")
+    if tuple(key.shape) != (b, key.shape[1], h, d):
+        raise ValueError(f"key must have shape ({b}, Mk, {h}, {d}) (query's batch, heads and head_dim), got {tuple(key.shape)}")
+    if tuple(value.shape[:3]) != tuple(key.shape[:3]):
+        raise ValueError(f"value must have key's batch, seqlen and heads {tuple(key.shape[:3])}, got shape {tuple(value.shape)}")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim (stride {t.stride(-1)}); pass {name}.contiguous()")
+
+
+def _check_cu_meta(name, cu, query):
+    check_tensor(name, cu)
+    check_same_device(name, cu, query)
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be a 1-D tensor [num_seqs + 1] with at least 2 entries, got shape {tuple(cu.shape)}")
+    if cu.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_meta(query, key, value, cu_seqlens_q, cu_seqlens_k):
+    _check_qkv(query, key, value)
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        missing = "cu_seqlens_k" if cu_seqlens_k is None else "cu_seqlens_q"
+        raise ValueError(f"{missing} is required: cu_seqlens_q and cu_seqlens_k go together")
+    if cu_seqlens_q is not None:
+        _check_cu_meta("cu_seqlens_q", cu_seqlens_q, query)
+        _check_cu_meta("cu_seqlens_k", cu_seqlens_k, query)
+        if cu_seqlens_q.shape != cu_seqlens_k.shape:
+            raise ValueError(
+                f"cu_seqlens_k must have cu_seqlens_q's shape {tuple(cu_seqlens_q.shape)} (one entry per sequence + 1), "
+                f"got {tuple(cu_seqlens_k.shape)}"
+            )
+        if query.shape[0] != 1:
+            raise ValueError(f"query must have batch 1 with cu_seqlens_q (sequences packed along M), got batch {query.shape[0]}")
+
+
+def _reads_values(t: Tensor) -> bool:
+    """True when ``t``'s values may be read here (eager, a plain tensor, no dispatch mode)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return type(t) is torch.Tensor and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+
+
+def _check_cu_values(name, cu, total, max_seqlen, max_name):
+    """cu_seqlens must start at 0, not decrease, end within the packed length and respect
+    max_seqlen; returns the longest sequence. One device read (a synchronisation)."""
+    vals = cu.tolist()
+    if vals[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {vals[0]}")
+    lengths = [b - a for a, b in zip(vals[:-1], vals[1:])]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"{name} must be non-decreasing, got {vals}")
+    if vals[-1] > total:
+        raise ValueError(f"{name} ends at {vals[-1]}, past the packed length {total}")
+    longest = max(lengths)
+    if max_seqlen is not None and longest > max_seqlen:
+        raise ValueError(f"{max_name} ({max_seqlen}) is shorter than the longest sequence in {name} ({longest})")
+    return longest, lengths
+
+
+def _validate(query, key, value, causal, window_size, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """Checks everything, returns (custom_mask_type, window_size, max_seqlen_q, max_seqlen_k, scale)."""
+    check_tensor("query", query)
+    validate_once(
+        ("mea", query, key, value, cu_seqlens_q, cu_seqlens_k),
+        lambda: _check_meta(query, key, value, cu_seqlens_q, cu_seqlens_k),
+    )
+    mask_type = _mask_type(causal)
+    if window_size is None:
+        window_size = 0
+    check_int("window_size", window_size, low=0)
+    window_size = int(window_size)
+    if window_size > 0 and mask_type == 0:
+        raise ValueError("window_size needs causal=True / 'top_left' / 'bottom_right' (local attention is causal only)")
+    if scale is not None:
+        check_float("scale", scale)
+        scale = float(scale)
+    varlen = cu_seqlens_q is not None
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if m is None:
+            continue
+        if not varlen:
+            raise ValueError(f"{name} is only used with cu_seqlens_q / cu_seqlens_k (variable lengths)")
+        check_int(name, m, low=1)
+    if not varlen:
+        mq, mk = query.shape[1], key.shape[1]
+        if mask_type == 2 and mq > mk:
+            raise NotImplementedError(_BOTTOM_RIGHT_MSG.format(mq=mq, mk=mk))
+        return mask_type, window_size, mq, mk, scale
+    if max_seqlen_q is not None and max_seqlen_q > query.shape[1]:
+        raise ValueError(f"max_seqlen_q ({max_seqlen_q}) is longer than query's packed length {query.shape[1]}")
+    if max_seqlen_k is not None and max_seqlen_k > key.shape[1]:
+        raise ValueError(f"max_seqlen_k ({max_seqlen_k}) is longer than key's packed length {key.shape[1]}")
+    if _reads_values(cu_seqlens_q):
+        longest_q, lq = _check_cu_values("cu_seqlens_q", cu_seqlens_q, query.shape[1], max_seqlen_q, "max_seqlen_q")
+        longest_k, lk = _check_cu_values("cu_seqlens_k", cu_seqlens_k, key.shape[1], max_seqlen_k, "max_seqlen_k")
+        if mask_type == 2 and any(a > b for a, b in zip(lq, lk)):
+            raise NotImplementedError(_BOTTOM_RIGHT_MSG.format(mq="a sequence's Mq", mk="its Mk"))
+        max_seqlen_q = max(1, longest_q) if max_seqlen_q is None else int(max_seqlen_q)
+        max_seqlen_k = max(1, longest_k) if max_seqlen_k is None else int(max_seqlen_k)
+    elif max_seqlen_q is None or max_seqlen_k is None:
+        raise ValueError(
+            "max_seqlen_q and max_seqlen_k are required with cu_seqlens under torch.compile or tracing "
+            "(reading them from cu_seqlens needs the values)"
+        )
+    return mask_type, window_size, int(max_seqlen_q), int(max_seqlen_k), scale
+
+
+_BOTTOM_RIGHT_MSG = (
+    "causal='bottom_right' with more queries than keys ({mq} > {mk}) is not supported: torch's "
+    "_efficient_attention_forward leaves the first query blocks unmasked there (torch 2.11)"
+)
+
+
+# ---------------------------------------------------------------------- autograd op
+
+
+def _lse_len(max_seqlen_q):
+    return (max_seqlen_q + LSE_ALIGN - 1) // LSE_ALIGN * LSE_ALIGN
+
+
+@torch.library.custom_op("cute_kernels::memory_efficient_attention", mutates_args=(), device_types="cuda")
+def _mea_forward(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    custom_mask_type: int,
+    window_size: int,
+    scale: Optional[float],
+) -> Tuple[Tensor, Tensor]:
+    varlen = cu_seqlens_q is not None
+    out, lse, _, _, _, _ = torch.ops.aten._efficient_attention_forward(
+        query, key, value, None, cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q if varlen else None, max_seqlen_k if varlen else None,
+        0.0, custom_mask_type, True, scale=scale, window_size=window_size if window_size > 0 else None,
+    )  # fmt: skip
+    return out, lse
+
+
+@_mea_forward.register_fake
+def _(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, custom_mask_type, window_size, scale):
+    b, mq, h, _ = query.shape
+    out = query.new_empty((b, mq, h, value.shape[3]))
+    rows = cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else b
+    lse = query.new_empty((rows, h, _lse_len(max_seqlen_q)), dtype=torch.float32)
+    return out, lse
+
+
+def _mea_setup(ctx, inputs, output):
+    query, key, value, cu_q, cu_k, max_q, max_k, mask_type, window_size, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, out, lse, cu_q, cu_k)
+    ctx.max_seqlens = (max_q, max_k)
+    ctx.mask_type, ctx.window_size, ctx.scale = mask_type, window_size, scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _mea_backward(ctx, grad_out, grad_lse):
+    del grad_lse
+    from ops.mem_eff_attention import efficient_attention_backward
+
+    query, key, value, out, lse, cu_q, cu_k = ctx.saved_tensors
+    none = (None,) * 7
+    if grad_out is None:
+        return (None, None, None) + none
+    # no dropout: the forward's philox seed / offset are empty CPU scalars nobody reads
+    seed = torch.empty((), dtype=torch.int64)
+    offset = torch.empty((), dtype=torch.int64)
+    dq, dk, dv, _ = efficient_attention_backward(
+        grad_out, query, key, value, None, out, cu_q, cu_k, ctx.max_seqlens[0], ctx.max_seqlens[1], lse,
+        0.0, seed, offset, ctx.mask_type, False,
+        scale=ctx.scale, window_size=ctx.window_size if ctx.window_size > 0 else None,
+    )  # fmt: skip
+    return (dq, dk, dv) + none
+
+
+torch.library.register_autograd("cute_kernels::memory_efficient_attention", _mea_backward, setup_context=_mea_setup)
+
+
+def memory_efficient_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    causal: Union[bool, str] = False,
+    window_size: Optional[int] = None,
+    scale: Optional[float] = None,
+    cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+) -> Tensor:
+    """softmax(scale q kᵀ + mask) v in the [B, M, H, K] layout; forward torch's, backward ours.
+
+    Args:
+        query: [B, Mq, H, K] fp16 / bf16 / fp32, CUDA, last dim contiguous.
+        key: [B, Mk, H, K]; value: [B, Mk, H, Kv] (Kv may differ from K); query's dtype and device.
+        causal: False, True / "top_left" (query n sees keys m <= n) or "bottom_right"
+            (m <= n + Mk - Mq, per sequence; needs Mq <= Mk, see the module notes).
+        window_size: sliding window w (causal only): query n also drops keys m <= n + shift - w.
+        scale: the softmax scale, default 1 / sqrt(K).
+        cu_seqlens_q, cu_seqlens_k: int32 [num_seqs + 1] for variable lengths (B == 1,
+            sequences packed along M; each attends only within itself).
+        max_seqlen_q, max_seqlen_k: the longest sequences; read from cu_seqlens when omitted
+            (a device synchronisation, and impossible under torch.compile).
+
+    Returns:
+        out [B, Mq, H, Kv] in query's dtype. Eager varlen calls read cu_seqlens back once to
+        check them (non-decreasing from 0, within M, within max_seqlen).
+    """
+    mask_type, window_size, max_q, max_k, scale = _validate(
+        query, key, value, causal, window_size, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+    )
+    out, _ = _mea_forward(query, key, value, cu_seqlens_q, cu_seqlens_k, max_q, max_k, mask_type, window_size, scale)
+    return out
+
+
+# ------------------------------------------------------------------- SDPA integration
+
+SDPA_BACKWARD = "aten::_scaled_dot_product_efficient_attention_backward"
+_SDPA_OP_NAME = "_scaled_dot_product_efficient_attention_backward"
+_MAX_BATCH = (1 << 16) - 1  # torch's wrapper runs larger batches in chunks of this size
+
+
+def _aten_efficient_attention_backward(*args, **kwargs):
+    """The untouched inner op (a module attribute so that tests can stand in for it)."""
+    return torch.ops.aten._efficient_attention_backward.default(*args, **kwargs)
+
+
+def _torch_sdpa_backward(grad_out, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset,
+                         dropout_p, grad_input_mask, is_causal, scale):  # fmt: skip
+    """What torch's ``_scaled_dot_product_efficient_attention_backward_cuda`` does: [B, H, M, K]
+    inputs transposed to [B, M, H, K], ``aten._efficient_attention_backward``, grads
+    transposed back (views of [B, M, H, K] memory); batches over 65535 in chunks."""
+    batch = query.shape[0]
+    if batch > _MAX_BATCH and dropout_p != 0.0:
+        raise RuntimeError(
+            f"Efficient attention backward cannot handle dropout when the batch size exceeds ({_MAX_BATCH})."
+        )
+    mask_type = 1 if is_causal else 0
+    bias_requires_grad = bool(grad_input_mask[3])
+
+    def chunk(g, q, k, v, bias, o, lse):
+        dq, dk, dv, db = _aten_efficient_attention_backward(
+            g, q, k, v, bias, o, None, None, q.shape[1], k.shape[1], lse, dropout_p, philox_seed, philox_offset,
+            mask_type, bias_requires_grad, scale=scale, num_splits_key=None,
+        )  # fmt: skip
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), db
+
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    g_t, q_t, k_t, v_t, o_t = t(grad_out), t(query), t(key), t(value), t(out)
+    if batch <= _MAX_BATCH:
+        return chunk(g_t, q_t, k_t, v_t, attn_bias, o_t, logsumexp)
+    like = lambda x: torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)  # noqa: E731
+    dq = like(query) if grad_input_mask[0] else None
+    dk = like(key) if grad_input_mask[1] else None
+    dv = like(value) if grad_input_mask[2] else None
+    db = torch.zeros_like(attn_bias) if grad_input_mask[3] and attn_bias is not None else None
+    for start in range(0, batch, _MAX_BATCH):
+        s = slice(start, min(start + _MAX_BATCH, batch))
+        lse = logsumexp[s] if logsumexp.numel() > 0 else logsumexp
+        cq, ck, cv, cb = chunk(g_t[s], q_t[s], k_t[s], v_t[s], None if attn_bias is None else attn_bias[s], o_t[s], lse)
+        for full, part in ((dq, cq), (dk, ck), (dv, cv)):
+            if full is not None and part is not None:
+                full[s].copy_(part)
+        if db is not None and cb is not None:
+            db.add_(cb)
+    return dq, dk, dv, db
+
+
+def _sdpa_unsupported(grad_out, query, key, value, attn_bias, out, logsumexp, dropout_p) -> Optional[str]:
+    """Why our kernel cannot take this SDPA backward, or None when it can."""
+    if attn_bias is not None:
+        return "attn_bias is set (no bias support)"
+    if dropout_p != 0.0:
+        return f"dropout_p = {dropout_p} (no dropout support)"
+    if query.dtype not in DTYPES:
+        return f"dtype {query.dtype}"
+    if any(t.dtype != query.dtype for t in (key, value, out, grad_out)):
+        return "mixed dtypes"
+    if query.dim() != 4:
+        return f"{query.dim()}-D inputs"
+    if query.shape[0] > _MAX_BATCH:
+        return f"batch {query.shape[0]} > {_MAX_BATCH}"
+    if any(t.shape[-1] > 1 and t.stride(-1) != 1 for t in (query, key, value)):
+        return "an input is not contiguous in its last dim"
+    if logsumexp.dtype != torch.float32 or logsumexp.dim() != 3 or logsumexp.shape[-1] < query.shape[2]:
+        return f"logsumexp {logsumexp.dtype} {tuple(logsumexp.shape)}"
+    return None
+
+
+def _sdpa_backward_override(grad_out, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset,
+                            dropout_p, grad_input_mask, is_causal=False, *, scale=None):  # fmt: skip
+    """Our ``aten::_scaled_dot_product_efficient_attention_backward`` (inputs [B, H, M, K])."""
+    if grad_out is None:  # undefined: torch returns four undefined tensors
+        return None, None, None, None
+    reason = _sdpa_unsupported(grad_out, query, key, value, attn_bias, out, logsumexp, dropout_p)
+    if reason is None:
+        from ops.mem_eff_attention import efficient_attention_backward
+
+        t = lambda x: x.transpose(1, 2)  # noqa: E731
+        q_t, k_t = t(query), t(key)
+        try:
+            dq, dk, dv, _ = efficient_attention_backward(
+                t(grad_out), q_t, k_t, t(value), None, t(out), None, None, q_t.shape[1], k_t.shape[1], logsumexp,
+                0.0, philox_seed, philox_offset, 1 if is_causal else 0, False, scale=scale,
+            )  # fmt: skip
+            return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None
+        except NotImplementedError as e:
+            reason = f"NotImplementedError: {e}"
+    logger.debug("SDPA efficient backward falls back to torch's kernel: %s", reason)
+    return _torch_sdpa_backward(grad_out, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset,
+                                dropout_p, grad_input_mask, is_causal, scale)  # fmt: skip
+
+
+_sdpa_lock = threading.Lock()
+_sdpa_libs: dict = {}  # dispatch key -> the torch.library.Library holding our kernel
+
+
+def _enable_sdpa(dispatch_key: str = "CUDA") -> None:
+    with _sdpa_lock:
+        if dispatch_key in _sdpa_libs:
+            return
+        lib = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():  # torch warns when a kernel overrides a built-in one
+            warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
+            lib.impl(_SDPA_OP_NAME, _sdpa_backward_override, dispatch_key)
+        _sdpa_libs[dispatch_key] = lib
+
+
+def _disable_sdpa(dispatch_key: str = "CUDA") -> None:
+    with _sdpa_lock:
+        lib = _sdpa_libs.pop(dispatch_key, None)
+        if lib is not None:
+            lib._destroy()  # deregisters: torch's own kernel is the one dispatched again
+
+
+def _sdpa_enabled(dispatch_key: str = "CUDA") -> bool:
+    return dispatch_key in _sdpa_libs
+
+
+class use_for_sdpa:
+    """Make torch's efficient SDPA backend run our backward (opt-in, reversible).
+
+    As a context manager, ``with ops.use_for_sdpa(): ...`` turns it on (``enabled=False``:
+    off) for the block and restores the previous state on exit; ``use_for_sdpa.enable()``,
+    ``use_for_sdpa.disable()`` and ``use_for_sdpa.is_enabled()`` switch it for good.
+
+    It registers a CUDA kernel for ``aten::_scaled_dot_product_efficient_attention_backward``
+    that transposes the [B, H, M, K] inputs and calls ``efficient_attention_backward`` when
+    there is no attention bias, no dropout and the dtype is fp16 / bf16 / fp32 (and our op
+    does not raise NotImplementedError); anything else goes to
+    ``aten._efficient_attention_backward`` exactly as torch's wrapper calls it (one DEBUG
+    line on logger ``cute_kernels`` says why). Disabling removes the registration, so torch's
+    kernel is dispatched again. Process-wide (all threads), not nestable per thread.
+    """
+
+    enable = staticmethod(_enable_sdpa)
+    disable = staticmethod(_disable_sdpa)
+    is_enabled = staticmethod(_sdpa_enabled)
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = bool(enabled)
+        self._previous: List[bool] = []
+
+    def __enter__(self):
+        self._previous.append(_sdpa_enabled())
+        (_enable_sdpa if self.enabled else _disable_sdpa)()
+        return self
+
+    def __exit__(self, *exc):
+        (_enable_sdpa if self._previous.pop() else _disable_sdpa)()
+        return False
+
+
+__all__: List[str] = ["memory_efficient_attention", "use_for_sdpa"]

@@ -1,0 +1,141 @@
+"""CPU: the memory-efficient attention backward compiles for every configuration class
+(sm_90a and sm_80), its tiles and shared storage are consistent, host Params follow the
+C++ (workspace, check_supported), and the op refuses what it does not implement."""
+
+import cutlass
+import pytest
+import torch
+
+from cute_kernels.mem_eff_attention.params import Params, choose_num_splits_key
+from cute_kernels.mem_eff_attention.shared_storage import make_shared_storage, print_size
+from layouts import mem_eff_attention as tiling
+from ops import mem_eff_attention as M
+
+# (head_dim, head_dim_value, aligned): every max_k class, Dqk != Dv, the unaligned path
+CONFIGS = [(32, 32, True), (64, 64, True), (96, 64, True), (128, 128, True), (160, 160, True), (256, 256, True), (72, 40, False)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("d,dv,aligned", CONFIGS)
+def test_compiles(arch, d, dv, aligned):
+    dtype = cutlass.BFloat16 if d % 64 == 0 else cutlass.Float16
+    cfg = tiling.attention_backward_config(16, d, dv, aligned, arch)
+    assert cfg.smem_bytes() <= tiling.SMEM_CAPACITY[arch]
+    if arch == "sm_80" and cfg.max_k == 256:
+        assert cfg.stages_q == 1  # no room to prefetch on an A100
+    # Δ in the kernel or passed in, with and without cu_seqlens (one of each per config keeps CI short)
+    varlen, computes_delta = (d + dv) % 3 == 0, d % 64 == 0
+    assert callable(M.compiled(dtype, cfg, varlen, computes_delta, arch))
+
+
+@pytest.mark.compile
+def test_compiles_all_variants_of_one_config():
+    cfg = tiling.attention_backward_config(16, 128, 128, True, "sm_90a")
+    for varlen in (False, True):
+        for computes_delta in (False, True):
+            assert callable(M.compiled(cutlass.Float16, cfg, varlen, computes_delta, "sm_90a"))
+
+
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 160, 192, 224, 256])
+def test_config_table(d):
+    cfg = tiling.attention_backward_config(16, d, d, True, "sm_90a")
+    assert cfg.max_k == d and cfg.output_in_rf and cfg.kernel_computes_delta
+    assert cfg.block_size_i == 64 and cfg.block_size_j == (128 if d <= 128 else 64)
+    assert cfg.num_threads == 256 and cfg.min_blocks_per_sm == 1
+    # the accumulators fit the register budget the table promises
+    assert 2 * cfg.block_size_j * cfg.max_k // cfg.num_threads <= tiling.MAX_OUTPUT_RF_FLOATS
+    assert cfg.smem_bytes() <= tiling.SMEM_CAPACITY["sm_90a"]
+    assert cfg.stages_q == 2
+
+
+def test_config_refuses():
+    with pytest.raises(NotImplementedError, match="fp32"):
+        tiling.attention_backward_config(32, 64, 64, True)
+    with pytest.raises(NotImplementedError, match="256"):
+        tiling.attention_backward_config(16, 512, 512, True)
+    with pytest.raises(ValueError, match="warp tile"):
+        tiling.AttentionBackwardConfig(16, True, False, False, 64, 128, 96, warps_dq=(2, 4))
+    with pytest.raises(ValueError, match="warps"):
+        tiling.AttentionBackwardConfig(16, True, False, False, 64, 128, 128, warps_sdp=(2, 2))
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_shared_storage_matches_layouts(d):
+    cfg = tiling.attention_backward_config(16, d, d, True, "sm_90a")
+    storage = make_shared_storage(cfg, cutlass.BFloat16)
+    sizes = cfg.shared_storage_sizes()
+    # the struct is the table plus alignment padding, and the parts overlap (a union)
+    assert sizes["total"] <= storage.__sizeof__() <= cfg.smem_bytes()
+    assert sizes["total"] < sum(sizes["persistent"].values()) + sum(sizes["part1"].values()) + sum(sizes["part2"].values())
+    text = print_size(cfg, cutlass.BFloat16)
+    assert "part1" in text and "tmp_shared_storage" in text and str(storage.__sizeof__()) in text
+
+
+def _params(**kw):
+    cfg = tiling.attention_backward_config(16, 128, 128, True)
+    base = dict(cfg=cfg, num_batches=2, num_heads=3, num_queries=1000, num_keys=700, head_dim=128, head_dim_value=128)
+    base.update(kw)
+    return Params(**base)
+
+
+def test_params_workspace():
+    p = _params()
+    cfg = p.cfg
+    assert p.num_query_blocks() == 16
+    assert p.workspace_elements_gk() == p.workspace_elements_gv() == 0  # output in registers
+    assert p.workspace_elements_gq() == 16 * (4 + cfg.block_size_i * cfg.max_k)
+    assert p.workspace_strideBH() % 4 == 0
+    assert p.workspace_size() == 2 * 3 * p.workspace_strideBH() * 4
+    assert not p.should_zero_workspace()
+    assert _params(num_splits_key=2).should_zero_workspace()
+    assert _params(custom_mask_type=1, window_size=8).should_zero_workspace()
+
+
+@pytest.mark.parametrize(
+    "kw,exc,msg",
+    [
+        (dict(custom_mask_type=3), ValueError, "custom_mask_type"),
+        (dict(window_size=4), ValueError, "causal"),
+        (dict(window_size=-1, custom_mask_type=1), ValueError, "window_size"),
+        (dict(num_splits_key=0), ValueError, "num_splits_key"),
+        (dict(num_splits_key=7), ValueError, "too large"),
+        (dict(head_dim=0), ValueError, "head_dim"),
+        (dict(head_dim_value=130), ValueError, "kMaxK"),
+        (dict(num_heads=0), ValueError, "num_heads"),
+        (dict(dropout_prob=0.1), NotImplementedError, "dropout"),
+        (dict(dropout_prob=1.5), ValueError, "dropout"),
+        (dict(has_bias=True), NotImplementedError, "bias"),
+    ],
+)
+def test_check_supported(kw, exc, msg):
+    with pytest.raises(exc, match=msg):
+        _params(**kw).check_supported()
+
+
+def test_num_splits_heuristic():
+    # 2 x 3 heads cannot fill 132 SMs: split the keys (at most one split per key block)
+    p = _params()
+    s = choose_num_splits_key(p, 132)
+    assert 1 < s <= p.max_splits_key()
+    # plenty of (batch, head) pairs: one split
+    assert choose_num_splits_key(_params(num_batches=64, num_heads=32, num_keys=128), 132) == 1
+
+
+def _meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def test_op_refuses_before_launch():
+    q = _meta(1, 8, 2, 64)
+    lse = _meta(1, 2, 32, dtype=torch.float32)
+    with pytest.raises(NotImplementedError, match="bias"):
+        M.efficient_attention_backward(q, q, q, q, q, q, None, None, 8, 8, lse, 0.0, None, None, 0, False)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        M.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.1, None, None, 0, False)
+    with pytest.raises(ValueError, match="custom_mask_type"):
+        M.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.0, None, None, 5, False)
+    with pytest.raises(ValueError, match="window_size"):
+        M.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.0, None, None, 0, False, window_size=3)
+    with pytest.raises(ValueError, match="CUDA"):  # meta tensors are no CUDA tensors
+        M.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.0, None, None, 0, False)

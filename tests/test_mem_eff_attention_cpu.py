@@ -1,0 +1,559 @@
+"""CPU: the fp64 attention reference against an independent naive autograd implementation
+(masks, windows, variable lengths, empty rows), the validation of
+``memory_efficient_attention``, its fake implementation, graph capture and autograd
+wiring (a reference-backed CPU kernel and backward stand in for the CUDA ones), and
+``use_for_sdpa``'s registration, translation, fall-through and restoration."""
+
+import logging
+import re
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import ops
+from ops import attention as A
+from ops.reference import attention_backward_ref, attention_forward_ref, attention_mask_ref
+from tests.helpers import trace_custom_ops
+
+F64 = torch.float64
+
+
+# ------------------------------------------------------------- naive implementation
+
+
+def naive_keep(nq, nk, mask_type, window):
+    """The mask, element by element, written from the kernel's comments."""
+    keep = torch.zeros(nq, nk, dtype=torch.bool)
+    shift = nk - nq if mask_type == 2 else 0
+    for n in range(nq):
+        for m in range(nk):
+            ok = True
+            if mask_type in (1, 2):
+                ok = m <= n + shift  # mask if key > query + shift
+                if window > 0:
+                    ok = ok and not (m <= n + shift - window)
+            keep[n, m] = ok
+    return keep
+
+
+def naive_segment(q, k, v, scale, keep):
+    """One sequence [M, H, D]: masked softmax without -inf (autograd-safe on empty rows)."""
+    nq, h = q.shape[0], q.shape[1]
+    if k.shape[0] == 0:
+        return q.new_zeros(nq, h, v.shape[-1]) + 0 * q.sum(), q.new_zeros(h, nq)
+    s = torch.einsum("nhd,mhd->hnm", q, k) * scale
+    w = keep.to(q.dtype)
+    m = s.detach().masked_fill(~keep, float("-inf")).amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m) * w
+    den = e.sum(-1, keepdim=True)
+    p = e / torch.where(den > 0, den, torch.ones_like(den))
+    lse = torch.where(den > 0, m + torch.log(torch.where(den > 0, den, torch.ones_like(den))), torch.zeros_like(den))
+    return torch.einsum("hnm,mhd->nhd", p, v), lse.squeeze(-1)
+
+
+def naive_attention(q, k, v, mask_type=0, window=0, scale=None, cu_q=None, cu_k=None):
+    """(out, per-sequence lse list) in fp64 with autograd; [B, M, H, D] or packed (B == 1)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if cu_q is None:
+        parts = [naive_segment(q[b], k[b], v[b], scale, naive_keep(q.shape[1], k.shape[1], mask_type, window)) for b in range(q.shape[0])]
+        return torch.stack([p[0] for p in parts]), [p[1] for p in parts]
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    outs, lses = [], []
+    for i in range(len(cq) - 1):
+        qs, ks, vs = q[0, cq[i] : cq[i + 1]], k[0, ck[i] : ck[i + 1]], v[0, ck[i] : ck[i + 1]]
+        o, lse = naive_segment(qs, ks, vs, scale, naive_keep(qs.shape[0], ks.shape[0], mask_type, window))
+        outs.append(o)
+        lses.append(lse)
+    rest = q.shape[1] - cq[-1]
+    outs.append(q.new_zeros(rest, q.shape[2], v.shape[-1]))
+    return torch.cat(outs).unsqueeze(0), lses
+
+
+def naive_grads(q, k, v, do, **kw):
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out, lses = naive_attention(q, k, v, **kw)
+    grads = torch.autograd.grad(out, (q, k, v), do.double(), allow_unused=True)
+    return out.detach(), lses, [torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v))]
+
+
+def cu(lengths):
+    return torch.tensor([0] + list(lengths)).cumsum(0).to(torch.int32)
+
+
+def rand(*shape, gen):
+    return torch.randn(*shape, dtype=F64, generator=gen)
+
+
+def assert_close(a, b, tol=1e-10):
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert not a.isnan().any(), "NaN"
+    torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+# ------------------------------------------------------------------------ reference
+
+
+def test_mask_matches_kernel_comments():
+    # bottom right, 3 queries and 5 keys: shift 2; window 2 keeps keys in (n + 2 - 2, n + 2]
+    keep = attention_mask_ref(3, 5, 2, 2)
+    expected = torch.tensor([[0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]], dtype=torch.bool)
+    assert torch.equal(keep, expected)
+    assert torch.equal(attention_mask_ref(3, 5, 1), torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]], dtype=torch.bool))
+    assert attention_mask_ref(4, 2, 0).all()
+    for nq, nk in ((5, 5), (4, 9), (9, 4), (1, 1), (0, 3), (3, 0)):
+        for mt in (0, 1, 2):
+            for w in (0, 1, 3) if mt else (0,):
+                assert torch.equal(attention_mask_ref(nq, nk, mt, w), naive_keep(nq, nk, mt, w)), (nq, nk, mt, w)
+    with pytest.raises(ValueError, match="window_size needs a causal mask"):
+        attention_mask_ref(3, 3, 0, 2)
+
+
+DENSE = [
+    # (B, Mq, Mk, H, K, Kv)
+    (2, 5, 5, 3, 8, 8),
+    (1, 7, 13, 2, 8, 5),  # k longer than q, Dqk != Dv
+    (2, 13, 7, 2, 4, 12),  # q longer than k: bottom-right leaves empty rows
+    (1, 1, 9, 1, 16, 16),
+    (1, 9, 1, 2, 8, 3),
+]
+MASKS = [(0, 0), (1, 0), (2, 0), (1, 1), (1, 3), (2, 2), (2, 20)]
+
+
+@pytest.mark.parametrize("shape", DENSE, ids=[f"B{b}q{mq}k{mk}h{h}d{k}v{kv}" for b, mq, mk, h, k, kv in DENSE])
+def test_reference_dense_against_naive(shape):
+    b, mq, mk, h, kd, kv = shape
+    gen = torch.Generator().manual_seed(mq * 100 + mk)
+    q, k, v = rand(b, mq, h, kd, gen=gen), rand(b, mk, h, kd, gen=gen), rand(b, mk, h, kv, gen=gen)
+    do = rand(b, mq, h, kv, gen=gen)
+    for mt, w in MASKS:
+        for scale in (None, 0.3):
+            kw = dict(mask_type=mt, window=w, scale=scale)
+            out_n, lses, (dq_n, dk_n, dv_n) = naive_grads(q, k, v, do, **kw)
+            rk = dict(custom_mask_type=mt, window_size=w, scale=scale)
+            out, lse = attention_forward_ref(q, k, v, **rk)
+            assert_close(out, out_n)
+            assert_close(lse, torch.stack(lses))
+            dq, dk, dv = attention_backward_ref(q, k, v, do, **rk)
+            assert_close(dq, dq_n)
+            assert_close(dk, dk_n)
+            assert_close(dv, dv_n)
+
+
+VARLEN = [
+    ([3, 0, 1, 6, 4], [5, 2, 0, 6, 1]),  # empty q, empty k, length 1, q longer than k
+    ([1], [1]),
+    ([0, 7], [4, 3]),
+]
+
+
+@pytest.mark.parametrize("lengths", VARLEN, ids=["mixed", "single", "empty-first"])
+def test_reference_varlen_against_naive(lengths):
+    lq, lk = lengths
+    gen = torch.Generator().manual_seed(sum(lq))
+    h, kd, kv = 2, 8, 6
+    extra = 2  # packed rows past the last sequence stay untouched (zero grads)
+    q, k, v = rand(1, sum(lq) + extra, h, kd, gen=gen), rand(1, sum(lk), h, kd, gen=gen), rand(1, sum(lk), h, kv, gen=gen)
+    do = rand(1, sum(lq) + extra, h, kv, gen=gen)
+    cq, ck = cu(lq), cu(lk)
+    for mt, w in MASKS:
+        out_n, lses, grads_n = naive_grads(q, k, v, do, mask_type=mt, window=w, cu_q=cq, cu_k=ck)
+        rk = dict(custom_mask_type=mt, window_size=w, cu_seqlens_q=cq, cu_seqlens_k=ck)
+        out, lse = attention_forward_ref(q, k, v, **rk)
+        assert_close(out, out_n)
+        assert lse.shape == (len(lq), h, max(lq))
+        for i, x in enumerate(lses):
+            assert_close(lse[i, :, : lq[i]], x)
+            assert torch.isinf(lse[i, :, lq[i] :]).all()
+        for got, want in zip(attention_backward_ref(q, k, v, do, **rk), grads_n):
+            assert_close(got, want)
+
+
+def test_reference_fully_masked_rows_give_zero():
+    """Bottom-right with Mq > Mk and a top-left window past the keys: rows with no key."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = rand(1, 10, 2, 8, gen=gen), rand(1, 4, 2, 8, gen=gen), rand(1, 4, 2, 8, gen=gen)
+    do = rand(1, 10, 2, 8, gen=gen)
+    for mt, w, empty in ((2, 0, range(0, 6)), (1, 2, range(5, 10)), (2, 1, range(0, 6))):
+        out, lse = attention_forward_ref(q, k, v, custom_mask_type=mt, window_size=w)
+        dq, dk, dv = attention_backward_ref(q, k, v, do, custom_mask_type=mt, window_size=w)
+        rows = list(empty)
+        assert (out[0, rows] == 0).all() and (lse[0, :, rows] == 0).all()
+        assert (dq[0, rows] == 0).all()
+        for t in (out, lse, dq, dk, dv):
+            assert torch.isfinite(t).all()
+        _, _, (dq_n, dk_n, dv_n) = naive_grads(q, k, v, do, mask_type=mt, window=w)
+        assert_close(dk, dk_n)
+        assert_close(dv, dv_n)
+    _, lse = attention_forward_ref(q, k, v, custom_mask_type=2, empty_row_lse=float("-inf"))
+    assert torch.isneginf(lse[0, :, :6]).all()
+
+
+def test_reference_accepts_low_precision_inputs():
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (rand(1, 6, 2, 8, gen=gen).to(torch.bfloat16) for _ in range(3))
+    dq, dk, dv = attention_backward_ref(q, k, v, rand(1, 6, 2, 8, gen=gen).half(), custom_mask_type=1)
+    assert dq.dtype == dk.dtype == dv.dtype == F64
+
+
+# ------------------------------------------------------------------------ validation
+
+
+def fake_cuda(*shape, dtype=torch.bfloat16):
+    return torch.empty(shape, device="cuda", dtype=dtype)
+
+
+def _mea(**kw):
+    args = dict(query=fake_cuda(1, 40, 2, 64), key=fake_cuda(1, 48, 2, 64), value=fake_cuda(1, 48, 2, 32))
+    args.update(kw)
+    return args
+
+
+def _cu(n=3, dtype=torch.int32):
+    return fake_cuda(n, dtype=dtype)
+
+
+BAD = [
+    ("cpu query", lambda: _mea(query=torch.zeros(1, 40, 2, 64)), ValueError, "query must be a CUDA"),
+    ("key not a tensor", lambda: _mea(key=[1.0]), TypeError, "key must be a torch.Tensor"),
+    ("cpu key", lambda: _mea(key=torch.zeros(1, 48, 2, 64, dtype=torch.bfloat16)), ValueError, "key is on cpu"),
+    ("int query", lambda: _mea(query=fake_cuda(1, 40, 2, 64, dtype=torch.int32)), TypeError, "query must have dtype"),
+    ("fp64 query", lambda: _mea(query=fake_cuda(1, 40, 2, 64, dtype=F64)), TypeError, "query must have dtype"),
+    ("key dtype", lambda: _mea(key=fake_cuda(1, 48, 2, 64, dtype=torch.float16)), TypeError, "key must have query's dtype"),
+    ("value dtype", lambda: _mea(value=fake_cuda(1, 48, 2, 32, dtype=torch.float32)), TypeError, "value must have query's dtype"),
+    ("3-D query", lambda: _mea(query=fake_cuda(40, 2, 64)), ValueError, "query must be 4-D"),
+    ("5-D value", lambda: _mea(value=fake_cuda(1, 48, 2, 1, 32)), ValueError, "value must be 4-D"),
+    ("key heads", lambda: _mea(key=fake_cuda(1, 48, 3, 64)), ValueError, "key must have shape (1, Mk, 2, 64)"),
+    ("key head_dim", lambda: _mea(key=fake_cuda(1, 48, 2, 32)), ValueError, "key must have shape (1, Mk, 2, 64)"),
+    ("key batch", lambda: _mea(key=fake_cuda(2, 48, 2, 64)), ValueError, "key must have shape"),
+    ("value seqlen", lambda: _mea(value=fake_cuda(1, 47, 2, 32)), ValueError, "value must have key's batch, seqlen and heads"),
+    ("empty head_dim", lambda: _mea(query=fake_cuda(1, 40, 2, 0), key=fake_cuda(1, 48, 2, 0)), ValueError, "query must have head_dim >= 1"),
+    ("strided head_dim", lambda: _mea(query=torch.empty_strided((1, 40, 2, 64), (10240, 256, 128, 2), device="cuda", dtype=torch.bfloat16)), ValueError, "query must be contiguous in its last dim"),
+    ("causal typo", lambda: _mea(causal="bottom-right"), ValueError, "causal must be False, True, 'top_left' or 'bottom_right'"),
+    ("causal int", lambda: _mea(causal=1), ValueError, "causal must be"),
+    ("window without causal", lambda: _mea(window_size=8), ValueError, "window_size needs causal"),
+    ("negative window", lambda: _mea(causal=True, window_size=-1), ValueError, "window_size must be >= 0"),
+    ("float window", lambda: _mea(causal=True, window_size=2.0), TypeError, "window_size must be an int"),
+    ("nan scale", lambda: _mea(scale=float("nan")), TypeError, "scale must be a finite float"),
+    ("string scale", lambda: _mea(scale="0.1"), TypeError, "scale must be a finite float"),
+    ("cu_seqlens_q alone", lambda: _mea(cu_seqlens_q=_cu()), ValueError, "cu_seqlens_k is required"),
+    ("cu_seqlens_k alone", lambda: _mea(cu_seqlens_k=_cu()), ValueError, "cu_seqlens_q is required"),
+    ("int64 cu_seqlens", lambda: _mea(cu_seqlens_q=_cu(dtype=torch.int64), cu_seqlens_k=_cu(), max_seqlen_q=8, max_seqlen_k=8),
+     TypeError, "cu_seqlens_q must be int32"),
+    ("2-D cu_seqlens", lambda: _mea(cu_seqlens_q=_cu(), cu_seqlens_k=fake_cuda(3, 1, dtype=torch.int32), max_seqlen_q=8, max_seqlen_k=8),
+     ValueError, "cu_seqlens_k must be a 1-D tensor"),
+    ("short cu_seqlens", lambda: _mea(cu_seqlens_q=_cu(1), cu_seqlens_k=_cu(1), max_seqlen_q=8, max_seqlen_k=8),
+     ValueError, "cu_seqlens_q must be a 1-D tensor [num_seqs + 1] with at least 2 entries"),
+    ("cu_seqlens lengths differ", lambda: _mea(cu_seqlens_q=_cu(3), cu_seqlens_k=_cu(4), max_seqlen_q=8, max_seqlen_k=8),
+     ValueError, "cu_seqlens_k must have cu_seqlens_q's shape"),
+    ("cpu cu_seqlens", lambda: _mea(cu_seqlens_q=torch.zeros(3, dtype=torch.int32), cu_seqlens_k=_cu(), max_seqlen_q=8, max_seqlen_k=8),
+     ValueError, "cu_seqlens_q is on cpu"),
+    ("varlen batch 2", lambda: _mea(query=fake_cuda(2, 40, 2, 64), key=fake_cuda(2, 48, 2, 64), value=fake_cuda(2, 48, 2, 32),
+                                    cu_seqlens_q=_cu(), cu_seqlens_k=_cu(), max_seqlen_q=8, max_seqlen_k=8),
+     ValueError, "query must have batch 1 with cu_seqlens_q"),
+    ("max_seqlen without cu_seqlens", lambda: _mea(max_seqlen_q=40), ValueError, "max_seqlen_q is only used with cu_seqlens"),
+    ("zero max_seqlen", lambda: _mea(cu_seqlens_q=_cu(), cu_seqlens_k=_cu(), max_seqlen_q=8, max_seqlen_k=0),
+     ValueError, "max_seqlen_k must be >= 1"),
+    ("float max_seqlen", lambda: _mea(cu_seqlens_q=_cu(), cu_seqlens_k=_cu(), max_seqlen_q=8.0, max_seqlen_k=8),
+     TypeError, "max_seqlen_q must be an int"),
+    ("max_seqlen past M", lambda: _mea(cu_seqlens_q=_cu(), cu_seqlens_k=_cu(), max_seqlen_q=41, max_seqlen_k=8),
+     ValueError, "max_seqlen_q (41) is longer than query's packed length 40"),
+    ("varlen max_seqlen missing when tracing", lambda: _mea(cu_seqlens_q=_cu(), cu_seqlens_k=_cu(), max_seqlen_q=8),
+     ValueError, "max_seqlen_q and max_seqlen_k are required"),
+    ("bottom_right more queries", lambda: _mea(query=fake_cuda(1, 60, 2, 64), causal="bottom_right"),
+     NotImplementedError, "causal='bottom_right' with more queries than keys (60 > 48)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_inputs_raise_before_launch(case):
+    _, build, err, fragment = case
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        kwargs = build()
+        with pytest.raises(err, match=re.escape(fragment)):
+            ops.memory_efficient_attention(**kwargs)
+
+
+CU_VALUES = [
+    ([1, 3, 5], 10, None, "cu_seqlens_q must start at 0"),
+    ([0, 4, 3, 6], 10, None, "cu_seqlens_q must be non-decreasing"),
+    ([0, 4, 11], 10, None, "cu_seqlens_q ends at 11, past the packed length 10"),
+    ([0, 4, 10], 10, 5, "max_seqlen_q (5) is shorter than the longest sequence in cu_seqlens_q (6)"),
+]
+
+
+@pytest.mark.parametrize("values,total,max_seqlen,fragment", CU_VALUES, ids=["start", "decreasing", "past-end", "max-short"])
+def test_cu_seqlens_values_are_checked(values, total, max_seqlen, fragment):
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        A._check_cu_values("cu_seqlens_q", torch.tensor(values, dtype=torch.int32), total, max_seqlen, "max_seqlen_q")
+    longest, lengths = A._check_cu_values("cu_seqlens_q", cu([3, 0, 5]), 8, None, "max_seqlen_q")
+    assert longest == 5 and lengths == [3, 0, 5]
+
+
+def test_fake_implementation_shapes():
+    with FakeTensorMode():
+        q, k, v = fake_cuda(2, 70, 3, 64), fake_cuda(2, 50, 3, 64), fake_cuda(2, 50, 3, 40)
+        out, lse = A._mea_forward(q, k, v, None, None, 70, 50, 1, 0, None)
+        assert out.shape == (2, 70, 3, 40) and out.dtype == torch.bfloat16
+        assert lse.shape == (2, 3, 96) and lse.dtype == torch.float32  # rows padded to a multiple of 32
+        q, k, v = fake_cuda(1, 90, 2, 32), fake_cuda(1, 80, 2, 32), fake_cuda(1, 80, 2, 32)
+        cq, ck = fake_cuda(5, dtype=torch.int32), fake_cuda(5, dtype=torch.int32)
+        out, lse = A._mea_forward(q, k, v, cq, ck, 33, 40, 2, 8, 0.5)
+        assert out.shape == (1, 90, 2, 32) and lse.shape == (4, 2, 64)  # [num_seqs, H, round_up(max_seqlen_q, 32)]
+        out = ops.memory_efficient_attention(q, k, v, causal=True, window_size=4, cu_seqlens_q=cq, cu_seqlens_k=ck,
+                                             max_seqlen_q=33, max_seqlen_k=40)  # fmt: skip
+        assert out.shape == (1, 90, 2, 32)
+
+
+def test_traces_in_one_graph(monkeypatch):
+    """torch.compile(fullgraph=True) sees the forward as our op, validation included."""
+    monkeypatch.setattr(A, "check_cuda", lambda *a: None)  # CPU tensors stand in for CUDA ones
+    q, k, v = torch.randn(1, 12, 2, 16), torch.randn(1, 12, 2, 16), torch.randn(1, 12, 2, 8)
+    found = trace_custom_ops(lambda q, k, v: ops.memory_efficient_attention(q, k, v, causal="bottom_right", scale=0.2) * 2, q, k, v)
+    assert any("memory_efficient_attention" in f for f in found)
+    cq = cu([5, 7])
+    found = trace_custom_ops(
+        lambda q, k, v, c: ops.memory_efficient_attention(q, k, v, causal=True, cu_seqlens_q=c, cu_seqlens_k=c, max_seqlen_q=7, max_seqlen_k=7),
+        q, k, v, cq,
+    )  # fmt: skip
+    assert any("memory_efficient_attention" in f for f in found)
+
+
+# ------------------------------------------------------ autograd wiring (on the CPU)
+
+
+def _lse_padded(lse_ref, max_q):
+    """The reference lse in torch's layout: fp32, rows padded with +inf to a multiple of 32."""
+    rows, h, n = lse_ref.shape
+    lse = torch.full((rows, h, A._lse_len(max_q)), float("inf"), dtype=torch.float32)
+    lse[..., :n] = lse_ref
+    return lse
+
+
+class BackwardStandIn:
+    """Stands in for ops.mem_eff_attention.efficient_attention_backward: checks the call's
+    conventions and answers with the fp64 reference (cast to the inputs' dtype)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, grad_out_, query, key, value, bias, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 logsumexp, dropout_p, philox_seed, philox_offset, custom_mask_type, bias_requires_grad, *,
+                 scale=None, num_splits_key=None, window_size=None, shared_storage_dqdkdv=False):  # fmt: skip
+        self.calls.append(dict(mask=custom_mask_type, window=window_size, scale=scale, max=(max_seqlen_q, max_seqlen_k)))
+        assert bias is None and dropout_p == 0.0 and bias_requires_grad is False
+        assert philox_seed.dtype == philox_offset.dtype == torch.int64
+        assert isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)
+        b, mq, h, kv = out.shape
+        rows = b if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
+        assert logsumexp.dtype == torch.float32 and logsumexp.shape == (rows, h, A._lse_len(max_seqlen_q))
+        assert grad_out_.shape == out.shape and query.shape[:3] == (b, mq, h)
+        dq, dk, dv = attention_backward_ref(
+            query, key, value, grad_out_, custom_mask_type=custom_mask_type, window_size=window_size or 0,
+            scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        )  # fmt: skip
+        # fresh [B, M, H, K] tensors, as torch's at::empty(query.sizes())
+        return tuple(g.to(t.dtype).contiguous() for g, t in ((dq, query), (dk, key), (dv, value))) + (None,)
+
+
+@pytest.fixture
+def cpu_attention(monkeypatch):
+    """ops.memory_efficient_attention runnable on CPU tensors: a reference forward kernel at
+    the CPU key, the backward stand-in, CUDA checks off. Yields the stand-in."""
+    lib = torch.library.Library("cute_kernels", "IMPL")
+
+    def forward(query, key, value, cq, ck, max_q, max_k, mask_type, window, scale):
+        out, lse = attention_forward_ref(query, key, value, custom_mask_type=mask_type, window_size=window, scale=scale,
+                                         cu_seqlens_q=cq, cu_seqlens_k=ck)  # fmt: skip
+        if cq is not None:
+            assert lse.shape[-1] <= max_q
+        return out.to(query.dtype), _lse_padded(lse, max_q)
+
+    lib.impl("memory_efficient_attention", forward, "CPU")
+    stand_in = BackwardStandIn()
+    import ops.mem_eff_attention as mea
+
+    monkeypatch.setattr(mea, "efficient_attention_backward", stand_in)
+    monkeypatch.setattr(A, "check_cuda", lambda *a: None)
+    yield stand_in
+    lib._destroy()
+
+
+WIRING = [
+    # (Mq, Mk, causal, window, scale, lengths)
+    (9, 9, False, None, None, None),
+    (7, 12, "bottom_right", 3, 0.25, None),
+    (12, 7, True, 2, None, None),
+    (16, 21, True, None, 0.5, ([5, 0, 1, 10], [6, 4, 0, 11])),
+    (16, 21, "bottom_right", 4, None, ([5, 0, 1, 10], [6, 4, 1, 10])),
+]
+
+
+@pytest.mark.parametrize("case", WIRING, ids=["plain", "bottom-right-window", "top-left-window", "varlen", "varlen-bottom-right"])
+def test_autograd_wiring(cpu_attention, case):
+    mq, mk, causal, window, scale, lengths = case
+    gen = torch.Generator().manual_seed(mq + mk)
+    h, kd, kv = 2, 16, 8
+    q, k, v = (torch.randn(1, m, h, d, generator=gen).requires_grad_() for m, d in ((mq, kd), (mk, kd), (mk, kv)))
+    do = torch.randn(1, mq, h, kv, generator=gen)
+    kw = {}
+    if lengths is not None:
+        kw = dict(cu_seqlens_q=cu(lengths[0]), cu_seqlens_k=cu(lengths[1]))
+    out = ops.memory_efficient_attention(q, k, v, causal=causal, window_size=window, scale=scale, **kw)
+    out.backward(do)
+    mask_type = {False: 0, True: 1, "bottom_right": 2}[causal]
+    _, _, want = naive_grads(q, k, v, do, mask_type=mask_type, window=window or 0, scale=scale,
+                             cu_q=kw.get("cu_seqlens_q"), cu_k=kw.get("cu_seqlens_k"))  # fmt: skip
+    for got, ref in zip((q.grad, k.grad, v.grad), want):
+        torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
+    (call,) = cpu_attention.calls
+    assert call["mask"] == mask_type and call["window"] == window and call["scale"] == scale
+    if lengths is None:
+        assert call["max"] == (mq, mk)
+    else:
+        assert call["max"] == (max(lengths[0]), max(lengths[1]))  # read from cu_seqlens
+
+
+def test_autograd_wiring_keeps_given_max_seqlens(cpu_attention):
+    q, k, v = (torch.randn(1, 10, 2, 8, requires_grad=True) for _ in range(3))
+    c = cu([4, 6])
+    ops.memory_efficient_attention(q, k, v, cu_seqlens_q=c, cu_seqlens_k=c, max_seqlen_q=8, max_seqlen_k=9).sum().backward()
+    assert cpu_attention.calls[0]["max"] == (8, 9)
+
+
+# ---------------------------------------------------------------------- use_for_sdpa
+
+
+def _kernel_line(key="CUDA"):
+    lines = [ln for ln in torch._C._dispatch_dump(A.SDPA_BACKWARD).splitlines() if ln.startswith(key + ":")]
+    return lines[0] if lines else None
+
+
+def test_use_for_sdpa_registers_and_restores():
+    assert not ops.use_for_sdpa.is_enabled()
+    before = torch._C._dispatch_dump(A.SDPA_BACKWARD)
+    had_kernel = torch._C._dispatch_has_kernel_for_dispatch_key(A.SDPA_BACKWARD, "CUDA")
+    with ops.use_for_sdpa() as ctx:
+        assert isinstance(ctx, ops.use_for_sdpa) and ops.use_for_sdpa.is_enabled()
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(A.SDPA_BACKWARD, "CUDA")
+        assert "attention.py" in _kernel_line(), _kernel_line()
+        with ops.use_for_sdpa(enabled=False):  # nested: off for the block, back on after
+            assert _kernel_line() is None or "attention.py" not in _kernel_line()
+        assert "attention.py" in _kernel_line()
+        with ops.use_for_sdpa():  # nested on: stays on after
+            pass
+        assert ops.use_for_sdpa.is_enabled()
+    assert not ops.use_for_sdpa.is_enabled()
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(A.SDPA_BACKWARD, "CUDA") == had_kernel
+    assert torch._C._dispatch_dump(A.SDPA_BACKWARD) == before
+    # the functions: idempotent, reversible
+    ops.use_for_sdpa.enable()
+    ops.use_for_sdpa.enable()
+    assert "attention.py" in _kernel_line()
+    ops.use_for_sdpa.disable()
+    ops.use_for_sdpa.disable()
+    assert torch._C._dispatch_dump(A.SDPA_BACKWARD) == before
+
+
+def test_use_for_sdpa_restores_on_error():
+    before = torch._C._dispatch_dump(A.SDPA_BACKWARD)
+    with pytest.raises(RuntimeError, match="boom"):
+        with ops.use_for_sdpa():
+            raise RuntimeError("boom")
+    assert torch._C._dispatch_dump(A.SDPA_BACKWARD) == before and not ops.use_for_sdpa.is_enabled()
+
+
+@pytest.fixture
+def sdpa_on_cpu(monkeypatch):
+    """Our SDPA backward registered at the CPU key, the backward stand-in, a recorder for the
+    inner aten op (which has no CPU kernel). Yields (stand-in, recorded fall-through calls)."""
+    stand_in = BackwardStandIn()
+    import ops.mem_eff_attention as mea
+
+    monkeypatch.setattr(mea, "efficient_attention_backward", stand_in)
+    fallen = []
+
+    def inner(*args, **kwargs):
+        fallen.append((args, kwargs))
+        g, q, k, v = args[:4]
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
+
+    monkeypatch.setattr(A, "_aten_efficient_attention_backward", inner)
+    A._enable_sdpa("CPU")
+    yield stand_in, fallen
+    A._disable_sdpa("CPU")
+
+
+def _sdpa_inputs(b=2, h=3, mq=10, mk=14, kd=16, kv=8, causal=False, scale=None, seed=0):
+    """[B, H, M, K] inputs as SDPA saves them, out / lse from the reference forward."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, h, m, d, generator=gen) for m, d in ((mq, kd), (mk, kd), (mk, kv)))
+    do = torch.randn(b, h, mq, kv, generator=gen)
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    out, lse = attention_forward_ref(t(q), t(k), t(v), custom_mask_type=int(causal), scale=scale)
+    return q, k, v, do, t(out).float(), _lse_padded(lse, mq)
+
+
+def _empty_long():
+    return torch.empty((), dtype=torch.int64)
+
+
+@pytest.mark.parametrize("causal,scale", [(False, None), (True, 0.3)])
+def test_sdpa_override_translates_to_our_backward(sdpa_on_cpu, causal, scale):
+    stand_in, fallen = sdpa_on_cpu
+    q, k, v, do, out, lse = _sdpa_inputs(causal=causal, scale=scale)
+    dq, dk, dv, db = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        do, q, k, v, None, out, lse, _empty_long(), _empty_long(), 0.0, [True, True, True, False], causal, scale=scale
+    )
+    assert not fallen and len(stand_in.calls) == 1
+    assert stand_in.calls[0]["mask"] == int(causal) and stand_in.calls[0]["max"] == (10, 14)
+    assert db is None
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert dq.transpose(1, 2).is_contiguous()  # [B, H, M, K] views of [B, M, H, K] memory, as torch returns
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    want = naive_grads(t(q), t(k), t(v), t(do), mask_type=int(causal), scale=scale)[2]
+    for got, ref in zip((dq, dk, dv), want):
+        torch.testing.assert_close(t(got).double(), ref, atol=1e-5, rtol=1e-5)
+
+
+FALLS = [
+    ("bias", dict(attn_bias=True), "attn_bias is set"),
+    ("dropout", dict(dropout_p=0.1), "dropout_p = 0.1"),
+    ("not implemented", dict(raise_ni=True), "NotImplementedError: head_dim 999"),
+]
+
+
+@pytest.mark.parametrize("case", FALLS, ids=[c[0] for c in FALLS])
+def test_sdpa_override_falls_through_like_torch(sdpa_on_cpu, caplog, monkeypatch, case):
+    _, opts, reason = case
+    stand_in, fallen = sdpa_on_cpu
+    if opts.get("raise_ni"):
+        import ops.mem_eff_attention as mea
+
+        def refuse(*a, **k):
+            raise NotImplementedError("head_dim 999")
+
+        monkeypatch.setattr(mea, "efficient_attention_backward", refuse)
+    q, k, v, do, out, lse = _sdpa_inputs(causal=True)
+    bias = torch.randn(2, 3, 10, 14) if opts.get("attn_bias") else None
+    p = opts.get("dropout_p", 0.0)
+    seed, offset = _empty_long(), _empty_long()
+    with caplog.at_level(logging.DEBUG, logger="cute_kernels"):
+        dq, dk, dv, db = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            do, q, k, v, bias, out, lse, seed, offset, p, [True, True, True, bias is not None], True, scale=0.5
+        )
+    assert not stand_in.calls and len(fallen) == 1
+    args, kwargs = fallen[0]
+    g, qt, kt, vt, b, o, cq, ck, mq, mk, l, dp, s, off, mt, brg = args
+    assert torch.equal(qt, q.transpose(1, 2)) and torch.equal(g, do.transpose(1, 2)) and torch.equal(o, out.transpose(1, 2))
+    assert b is bias and cq is None and ck is None and (mq, mk) == (10, 14) and l is lse and dp == p
+    assert s is seed and off is offset and mt == 1 and brg == (bias is not None)
+    assert kwargs == dict(scale=0.5, num_splits_key=None)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and db is None
+    msgs = [r.getMessage() for r in caplog.records if r.name == "cute_kernels"]
+    assert len(msgs) == 1 and reason in msgs[0], msgs
+
+
+def test_sdpa_override_undefined_grad_out(sdpa_on_cpu):
+    assert A._sdpa_backward_override(None, *([None] * 8), 0.0, [True] * 4) == (None, None, None, None)
