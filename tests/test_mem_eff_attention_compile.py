@@ -139,3 +139,11 @@ def test_op_refuses_before_launch():
         M.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.0, None, None, 0, False, window_size=3)
     with pytest.raises(ValueError, match="CUDA"):  # meta tensors are no CUDA tensors
         M.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.0, None, None, 0, False)
+
+
+@pytest.mark.compile
+def test_compiles_tmp_own_buffer_variant():
+    """The measured alternative (tmp_T not aliasing attn_T) stays compilable."""
+    cfg = tiling.attention_backward_config(16, 128, 128, True, "sm_90a", tmp_own_buffer=True)
+    assert cfg.shared_storage_sizes()["part1"]["tmp_shared_storage"] > 0
+    assert callable(M.compiled(cutlass.BFloat16, cfg, False, True, "sm_90a"))

@@ -201,7 +201,10 @@ class AttentionBackwardKernel:
         s.q = part1.mm_qk_q.get_tensor(self._staged(cfg.smem_layout_q().build(self.dtype)))
         s.do = part1.mm_gradV_do.get_tensor(self._staged(cfg.smem_layout_do().build(self.dtype)))
         s.attn = part1.attn_shared_storage.get_tensor(cfg.smem_layout_attn().build(self.dtype))
-        s.tmp = part2.tmp_shared_storage.get_tensor(cfg.smem_layout_attn().build(self.dtype))
+        if const_expr(cfg.tmp_own_buffer):
+            s.tmp = part1.tmp_own.get_tensor(cfg.smem_layout_attn().build(self.dtype))
+        else:
+            s.tmp = part2.tmp_shared_storage.get_tensor(cfg.smem_layout_attn().build(self.dtype))
 
         # Computes (dO*out).sum(-1) and writes it to Δ (the C++: once per CTA).
         if const_expr(self.kernel_computes_delta):
@@ -423,13 +426,16 @@ class AttentionBackwardKernel:
             acc_dp[e] = acc_s[e] * (acc_dp[e] - s_di[qq]) * scale
         r_ds = cute.make_fragment_like(acc_dp, self.dtype)
         r_ds.store(acc_dp.load().to(self.dtype))
-        cute.arch.barrier()  # attn_T is complete
+        if const_expr(cfg.tmp_own_buffer):
+            cute.copy(m.r2s_sdp, m.r2s_sdp.retile(r_ds), m.tmp_r2s)
+        cute.arch.barrier()  # attn_T (and tmp_T) are complete
 
         # ---- MatmulGradV: dV_j += attn_T dO_i.
         gemm_smem(m.mma_dkv, acc_dv, m.gv_rA, m.gv_rB, m.gv_sA, gv_sB, m.s2r_a_dkv, m.s2r_b_dkv)
-        cute.arch.barrier()  # every warp is done with attn_T: tmp_T takes its bytes
-        cute.copy(m.r2s_sdp, m.r2s_sdp.retile(r_ds), m.tmp_r2s)
-        cute.arch.barrier()
+        if const_expr(not cfg.tmp_own_buffer):
+            cute.arch.barrier()  # every warp is done with attn_T: tmp_T takes its bytes
+            cute.copy(m.r2s_sdp, m.r2s_sdp.retile(r_ds), m.tmp_r2s)
+            cute.arch.barrier()
 
         # ---- MatmulGradQ: dQ_i += dS K_j, accumulated in GradQTempStorage.
         self.grad_q(_view(p), it, _view(s), _view(m), query_start, key_start, num_queries_in_block, num_splits_key, split_key, tidx)

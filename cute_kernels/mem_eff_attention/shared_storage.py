@@ -9,7 +9,8 @@ two phases:
     part2 (MatmulGradQ, MatmulGradK):           Q_i, dO_i, tmp_T (over attn_T's bytes)
 
 Q_i and dO_i sit at the same offsets in both parts (GradK still reads Q_i), so only
-attn_T / tmp_T actually alias: tmp_T is written after every warp has finished GradV.
+attn_T / tmp_T alias: tmp_T is written after every warp has finished GradV. Where
+shared memory allows (``tmp_own_buffer``), tmp_T gets bytes of its own in part1 instead.
 """
 
 import cutlass
@@ -28,6 +29,7 @@ def make_shared_storage(cfg: AttentionBackwardConfig, dtype):
     """The ``@cute.struct`` for one configuration (call at trace time)."""
     i = cfg.block_size_i * cfg.stages_q
     zij_elems = cfg.block_size_j * cfg.block_size_i if cfg.apply_dropout else 0
+    tmp_own_elems = cfg.block_size_j * cfg.block_size_i if cfg.tmp_own_buffer else 0
 
     @cute.struct
     class Persistent:
@@ -43,6 +45,7 @@ def make_shared_storage(cfg: AttentionBackwardConfig, dtype):
         mm_gradV_do: _tile(dtype, cfg.smem_layout_do())  # dO_i: MatmulGradV B, MatmulDOIVJ B
         attn_shared_storage: _tile(dtype, cfg.smem_layout_attn())  # attn_T = P_ijᵀ
         zij: cute.struct.Align[cute.struct.MemRange[dtype, max(zij_elems, 1)], ALIGN]  # dropout keep mask (issue 6)
+        tmp_own: cute.struct.Align[cute.struct.MemRange[dtype, max(tmp_own_elems, 1)], ALIGN]  # tmp_T (tmp_own_buffer)
 
     @cute.struct
     class Part2:  # dQ, dK
