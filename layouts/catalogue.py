@@ -15,7 +15,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from . import dropout_bias
+from . import dropout_bias, mem_eff_attention
 from .algebra import (
     AnyLayout,
     ComposedLayout,
@@ -43,6 +43,15 @@ def _dsl_layout(layout: Layout):
     import cutlass.cute as cute
 
     return cute.make_layout(layout.shape, stride=layout.stride)
+
+
+def _size(mode) -> int:
+    if isinstance(mode, tuple):
+        n = 1
+        for m in mode:
+            n *= _size(m)
+        return n
+    return mode
 
 
 @dataclass(frozen=True)
@@ -83,7 +92,8 @@ class SmemEntry:
 
     @property
     def tile(self) -> Tuple[int, int]:
-        return self.layout.shape
+        # a tiled atom has nested modes, e.g. ((8, 16), (64, 2)): the tile is their sizes
+        return tuple(_size(m) for m in self.layout.shape)
 
     def build(self):
         import cutlass.cute as cute
@@ -239,6 +249,26 @@ def _register_dropout_bias() -> None:
                                t.gmem_store(), dtype))
 
 
+def _register_mem_eff_attention() -> None:
+    for arch_key, arch in ARCHS.items():
+        for max_k in (64, 128, 256):
+            cfg = mem_eff_attention.attention_backward_config(16, max_k, max_k, True, arch)
+            base = f"mem_eff_attention_bwd.{arch_key}.bf16.k{max_k}"
+            tiles = {
+                "smem_q": (cfg.smem_layout_q(), "Q_i / dO_i tile (one stage): MatmulQK / DOIVJ B, GradK / GradV B (.trans)"),
+                "smem_k": (cfg.smem_layout_k(), "K_j / V_j tile: MatmulQK / DOIVJ A, GradQ B (.trans)"),
+                "smem_attn": (cfg.smem_layout_attn(), "attn_T / tmp_T (keys x queries): GradV / GradK A, GradQ A (.trans)"),
+            }
+            copy = f"{base}.gmem_qkv"
+            register(CopyEntry(copy, f"cp.async of Q/K/V/dO rows into shared memory, {cfg.vec} x bf16 per thread",
+                               cfg.gmem_tiled_copy(cfg.max_k), "bf16", "smem",
+                               (f"{base}.smem_q", f"{base}.smem_k")))
+            for name, (spec, what) in tiles.items():
+                rows, cols = spec.shape
+                register(SmemEntry(f"{base}.{name}", f"{what}: {rows}x{cols}, Swizzle{spec.swizzle}",
+                                   spec.layout(), "bf16", (copy,) if name != "smem_attn" else ()))
+
+
 # --------------------------------------------------------------- reference entries
 
 SMEM_64 = ("reference.smem.fp16_64x64.unswizzled", "reference.smem.fp16_64x64.swizzle333")
@@ -263,4 +293,5 @@ def _register_reference() -> None:
 
 
 _register_dropout_bias()
+_register_mem_eff_attention()
 _register_reference()
