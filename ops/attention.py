@@ -37,6 +37,7 @@ from typing import List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from . import _compile as cc
 from ._validate import check_cuda, check_float, check_int, check_same_device, check_tensor, validate_once
 
 logger = logging.getLogger("cute_kernels")
@@ -114,13 +115,6 @@ def _check_meta(query, key, value, cu_seqlens_q, cu_seqlens_k):
             raise ValueError(f"query must have batch 1 with cu_seqlens_q (sequences packed along M), got batch {query.shape[0]}")
 
 
-def _reads_values(t: Tensor) -> bool:
-    """True when ``t``'s values may be read here (eager, a plain tensor, no dispatch mode)."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    return type(t) is torch.Tensor and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
-
-
 def _check_cu_values(name, cu, total, max_seqlen, max_name):
     """cu_seqlens must start at 0, not decrease, end within the packed length and respect
     max_seqlen; returns the longest sequence. One device read (a synchronisation)."""
@@ -171,7 +165,7 @@ def _validate(query, key, value, causal, window_size, scale, cu_seqlens_q, cu_se
         raise ValueError(f"max_seqlen_q ({max_seqlen_q}) is longer than query's packed length {query.shape[1]}")
     if max_seqlen_k is not None and max_seqlen_k > key.shape[1]:
         raise ValueError(f"max_seqlen_k ({max_seqlen_k}) is longer than key's packed length {key.shape[1]}")
-    if _reads_values(cu_seqlens_q):
+    if cc.eager(cu_seqlens_q):  # values may be read here (eager, plain tensor)
         longest_q, lq = _check_cu_values("cu_seqlens_q", cu_seqlens_q, query.shape[1], max_seqlen_q, "max_seqlen_q")
         longest_k, lk = _check_cu_values("cu_seqlens_k", cu_seqlens_k, key.shape[1], max_seqlen_k, "max_seqlen_k")
         if mask_type == 2 and any(a > b for a, b in zip(lq, lk)):

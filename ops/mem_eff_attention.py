@@ -13,6 +13,7 @@ fp32 inputs, head dims above 256.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Tuple
 
@@ -29,7 +30,6 @@ from . import _compile as cc
 from ._validate import check_cuda, check_dtype, check_float, check_same_device, check_tensor
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-ALIGN_ELEMS = 8  # 128-bit accesses of 16-bit elements
 
 
 # ----------------------------------------------------------------------------- compile
@@ -101,15 +101,6 @@ def _check_rank4(name: str, t: Tensor) -> None:
         raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}")
 
 
-def _aligned(*tensors: Tensor) -> bool:
-    for t in tensors:
-        if t.shape[-1] % ALIGN_ELEMS or t.data_ptr() % 16:
-            return False
-        if any(s % ALIGN_ELEMS for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
-            return False
-    return True
-
-
 def _check_inputs(grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp):
     for name, t in (("query", query), ("key", key), ("value", value), ("out", out), ("grad_out", grad_out)):
         check_cuda(name, t)
@@ -164,8 +155,17 @@ def _check_inputs(grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, 
 # ------------------------------------------------------------------------------ launch
 
 
-def _zeros_like_grads(query, key, value):
-    return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+@functools.lru_cache(maxsize=1024)
+def _plan(elem_bits, dqk, dv, aligned, arch, seqs, h, rows_q, rows_k, mask_type, window, varlen, num_splits_key, sms):
+    """Config, split count and checked Params of one problem shape (kept off the per-call path)."""
+    cfg = tiling.attention_backward_config(elem_bits, dqk, dv, aligned, arch)
+    params = Params(cfg, seqs, h, rows_q, rows_k, dqk, dv, mask_type, window, varlen=varlen)
+    # An explicit split count is clamped to one split per key block, as torch's launcher does.
+    params.num_splits_key = (
+        choose_num_splits_key(params, sms) if num_splits_key is None else min(num_splits_key, params.max_splits_key())
+    )
+    params.check_supported()
+    return params
 
 
 def _impl(
@@ -193,19 +193,14 @@ def _impl(
 
     elem_bits = torch.finfo(query.dtype).bits
     arch = cc.device_arch(query.device.index)
-    aligned = _aligned(query, key, value, out, grad_out, grad_q, grad_k, grad_v)
-    cfg = tiling.attention_backward_config(elem_bits, dqk, dv, aligned, arch)
-    params = Params(
-        cfg, seqs, h, rows_q, rows_k, dqk, dv, int(custom_mask_type), int(window_size or 0),
-        varlen=varlen,
+    # kIsAligned: 128-bit accesses on every tensor (head dims, strides, addresses)
+    tensors = (query, key, value, out, grad_out, grad_q, grad_k, grad_v)
+    aligned = cc.max_vector_elems(128, *((t, t.shape[-1]) for t in tensors)) * elem_bits == 128
+    params = _plan(
+        elem_bits, dqk, dv, aligned, arch, seqs, h, rows_q, rows_k, int(custom_mask_type), int(window_size or 0),
+        varlen, num_splits_key, cc.num_sms(query.device.index),
     )
-    # An explicit split count is clamped to one split per key block, as torch's launcher does.
-    params.num_splits_key = (
-        choose_num_splits_key(params, cc.num_sms(query.device.index))
-        if num_splits_key is None
-        else min(int(num_splits_key), params.max_splits_key())
-    )
-    params.check_supported()
+    cfg = params.cfg
 
     # Query rows no key block reaches (fully masked rows, empty key sequences) get no
     # dQ write: start from zeros there.

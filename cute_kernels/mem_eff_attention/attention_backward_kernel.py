@@ -48,6 +48,16 @@ from .warp_mma import gemm_smem, transpose_view
 LOG2E = math.log2(math.e)
 
 
+def _operands(thr_mma, s2r_a, s2r_b, sA, sB):
+    """One matmul's register fragments and ldmatrix sources for shared A (M x K) and B
+    (N x K); a third (stage) mode of either tile is kept in the sources, dropped in the
+    fragments."""
+    first = lambda t: t[None, None, 0] if cute.rank(t) == 3 else t  # noqa: E731
+    rA = thr_mma.make_fragment_A(thr_mma.partition_A(first(sA)))
+    rB = thr_mma.make_fragment_B(thr_mma.partition_B(first(sB)))
+    return rA, rB, s2r_a.partition_S(sA), s2r_b.partition_S(sB)
+
+
 def _view(ns: SimpleNamespace) -> SimpleNamespace:
     # A @cute.jit call inside staged control flow rebinds the attributes of the
     # namespaces it is given to values of that region; callers keep their own copy.
@@ -265,14 +275,8 @@ class AttentionBackwardKernel:
         a_sdp = cute.make_tiled_copy_A(ldsm, mma_sdp).get_slice(tidx)
         b_sdp = cute.make_tiled_copy_B(ldsm, mma_sdp).get_slice(tidx)
         m.s2r_a_sdp, m.s2r_b_sdp = a_sdp, b_sdp
-        m.qk_rA = thr.make_fragment_A(thr.partition_A(s.k))
-        m.qk_rB = thr.make_fragment_B(thr.partition_B(s.q[None, None, 0]))
-        m.qk_sA = a_sdp.partition_S(s.k)
-        m.qk_sB = b_sdp.partition_S(s.q)
-        m.doivj_rA = thr.make_fragment_A(thr.partition_A(s.v))
-        m.doivj_rB = thr.make_fragment_B(thr.partition_B(s.do[None, None, 0]))
-        m.doivj_sA = a_sdp.partition_S(s.v)
-        m.doivj_sB = b_sdp.partition_S(s.do)
+        m.qk_rA, m.qk_rB, m.qk_sA, m.qk_sB = _operands(thr, a_sdp, b_sdp, s.k, s.q)
+        m.doivj_rA, m.doivj_rB, m.doivj_sA, m.doivj_sB = _operands(thr, a_sdp, b_sdp, s.v, s.do)
         m.coord_s = thr.partition_C(cute.make_identity_tensor((cfg.block_size_j, cfg.block_size_i)))
         r2s = cute.make_tiled_copy_C(st_pair, mma_sdp).get_slice(tidx)
         m.r2s_sdp = r2s
@@ -287,14 +291,8 @@ class AttentionBackwardKernel:
         b_dkv = cute.make_tiled_copy_B(ldsm_t, mma_dkv).get_slice(tidx)
         m.s2r_a_dkv, m.s2r_b_dkv = a_dkv, b_dkv
         do_t, q_t = transpose_view(s.do), transpose_view(s.q)
-        m.gv_rA = thr.make_fragment_A(thr.partition_A(s.attn))
-        m.gv_rB = thr.make_fragment_B(thr.partition_B(do_t[None, None, 0]))
-        m.gv_sA = a_dkv.partition_S(s.attn)
-        m.gv_sB = b_dkv.partition_S(do_t)
-        m.gk_rA = thr.make_fragment_A(thr.partition_A(s.tmp))
-        m.gk_rB = thr.make_fragment_B(thr.partition_B(q_t[None, None, 0]))
-        m.gk_sA = a_dkv.partition_S(s.tmp)
-        m.gk_sB = b_dkv.partition_S(q_t)
+        m.gv_rA, m.gv_rB, m.gv_sA, m.gv_sB = _operands(thr, a_dkv, b_dkv, s.attn, do_t)
+        m.gk_rA, m.gk_rB, m.gk_sA, m.gk_sB = _operands(thr, a_dkv, b_dkv, s.tmp, q_t)
         m.coord_kv = thr.partition_C(cute.make_identity_tensor((cfg.block_size_j, cfg.max_k)))
 
         # MatmulGradQ (dQ_i += tmp_Tᵀ K_j): both operands through transposed views.
@@ -305,10 +303,7 @@ class AttentionBackwardKernel:
         b_dq = cute.make_tiled_copy_B(ldsm_t, mma_dq).get_slice(tidx)
         m.s2r_a_dq, m.s2r_b_dq = a_dq, b_dq
         tmp_t, k_t = transpose_view(s.tmp), transpose_view(s.k)
-        m.gq_rA = thr.make_fragment_A(thr.partition_A(tmp_t))
-        m.gq_rB = thr.make_fragment_B(thr.partition_B(k_t))
-        m.gq_sA = a_dq.partition_S(tmp_t)
-        m.gq_sB = b_dq.partition_S(k_t)
+        m.gq_rA, m.gq_rB, m.gq_sA, m.gq_sB = _operands(thr, a_dq, b_dq, tmp_t, k_t)
         m.coord_q = thr.partition_C(cute.make_identity_tensor((cfg.block_size_i, cfg.max_k)))
         return m
 
