@@ -94,6 +94,11 @@ class AttentionBackwardConfig:
     # gradient matmuls run behind one barrier instead of three. Measured on the H100:
     # 0.97-1.01x (more shared memory, less L1), so off; kept as a switch.
     tmp_own_buffer: bool = False
+    # dQ partials added into GradQTempStorage with fire-and-forget reductions (red.add,
+    # 128-bit on sm_90) instead of the lock-ordered load / add / store: the round trip
+    # leaves the critical path of every step; the counter still elects the writer of dQ.
+    grad_q_atomic: bool = True
+    grad_q_red_floats: int = 4  # floats per reduction: 4 (red.global.add.v4.f32) needs sm_90
 
     def __post_init__(self):
         if self.elem_bits not in (16, 32):
@@ -114,6 +119,8 @@ class AttentionBackwardConfig:
         for size, tile, what in checks:
             if size % tile:
                 raise ValueError(f"{what}={size} is not a multiple of the warp tile {tile}")
+        if self.grad_q_red_floats not in (1, 2, 4):
+            raise ValueError(f"grad_q_red_floats must be 1, 2 or 4, got {self.grad_q_red_floats}")
         if self.stages_q not in (1, 2):
             raise ValueError(f"stages_q must be 1 or 2, got {self.stages_q}")
         if self.block_size_i > self.num_threads:
@@ -269,6 +276,11 @@ class AttentionBackwardConfig:
         return "\n".join(lines)
 
 
+def _sm_major(arch: str) -> int:
+    digits = "".join(ch for ch in arch.removeprefix("sm_") if ch.isdigit())
+    return int(digits[:-1] or 0)
+
+
 def max_k_for(head_dim: int, head_dim_value: int) -> int:
     return round_up(max(head_dim, head_dim_value, 1), HEAD_DIM_ROUND)
 
@@ -297,6 +309,7 @@ def attention_backward_config(
         max_k=max_k,
         # MatmulGradQ's N tile is 16 x warps: 4 warps along the head dim need it % 64
         warps_dq=(2, 4) if max_k % 64 == 0 else (4, 2),
+        grad_q_red_floats=4 if _sm_major(arch) >= 9 else 1,
     )
     fields.update(overrides)
     cfg = AttentionBackwardConfig(**fields)

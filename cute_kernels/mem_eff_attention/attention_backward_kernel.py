@@ -464,46 +464,88 @@ class AttentionBackwardKernel:
         gmem_tile = self.grad_q_gmem_tile(storage, tidx, n)
         acc_view = cute.make_tensor(acc.iterator, cute.make_layout((GMEM_TILE_ACCESS, n // GMEM_TILE_ACCESS)))
         split = num_splits_key > 1
-
-        if split:  # AtomicLock::acquire: one split at a time on this query block
-            if tidx == 0:
-                old = cute.arch.atomic_cas(lock, cmp=Int32(0), val=split_key + 1, sem="acquire", scope="gpu")
-                while old != 0:
-                    cute.arch.inline_ptx("nanosleep.u32 40;")
-                    old = cute.arch.atomic_cas(lock, cmp=Int32(0), val=split_key + 1, sem="acquire", scope="gpu")
-            cute.arch.barrier()
-            cute.arch.fence_acq_rel_gpu()  # see the previous holder's partials
-
-        if (~split) & (key_start == 0):
-            acc.fill(0.0)  # the first contribution: nothing to load (nor to zero on the host)
-        else:
-            cute.autovec_copy(gmem_tile, acc_view)
-        gemm_smem(m.mma_dq, acc, m.gq_rA, m.gq_rB, m.gq_sA, m.gq_sB, m.s2r_a_dq, m.s2r_b_dq)
-
+        # The first contribution to a query block (one split, key block 0) finds
+        # nothing in the workspace: nothing to load, and it may store instead of add.
+        first = (~split) & (key_start == 0)
         is_last = is_last_key_for_query(it, query_start, key_start)
-        if split:
-            if tidx == 0:
-                last = Int32(0)
-                if is_last:
-                    adds = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu") + 1
-                    if adds == get_num_parallel_blocks_for_query(it, query_start):
-                        last = Int32(1)
-                s.flag[0] = last
-            cute.arch.barrier()
-            is_last = s.flag[0] != 0
+
+        if const_expr(cfg.grad_q_atomic):
+            acc.fill(0.0)
+            gemm_smem(m.mma_dq, acc, m.gq_rA, m.gq_rB, m.gq_sA, m.gq_sB, m.s2r_a_dq, m.s2r_b_dq)
+            if split:
+                self.red_add_gmem_tile(acc_view, gmem_tile)
+                if is_last:  # the counter orders every split's adds before the reader
+                    cute.arch.fence_acq_rel_gpu()
+                    is_last = self.count_contribution(it, s, counter, query_start, tidx)
+                    if is_last:
+                        cute.arch.fence_acq_rel_gpu()
+                        cute.autovec_copy(gmem_tile, acc_view)
+            elif is_last:
+                if ~first:  # the earlier key blocks' sum (this thread's own adds)
+                    cute.arch.fence_acq_rel_gpu()
+                    prev = cute.make_fragment_like(acc_view)
+                    cute.autovec_copy(gmem_tile, prev)
+                    acc_view.store(acc_view.load() + prev.load())
+            elif first:
+                cute.autovec_copy(acc_view, gmem_tile)
+            else:
+                self.red_add_gmem_tile(acc_view, gmem_tile)
+        else:
+            if split:  # AtomicLock::acquire: one split at a time on this query block
+                if tidx == 0:
+                    old = cute.arch.atomic_cas(lock, cmp=Int32(0), val=split_key + 1, sem="acquire", scope="gpu")
+                    while old != 0:
+                        cute.arch.inline_ptx("nanosleep.u32 40;")
+                        old = cute.arch.atomic_cas(lock, cmp=Int32(0), val=split_key + 1, sem="acquire", scope="gpu")
+                cute.arch.barrier()
+                cute.arch.fence_acq_rel_gpu()  # see the previous holder's partials
+            if first:
+                acc.fill(0.0)
+            else:
+                cute.autovec_copy(gmem_tile, acc_view)
+            gemm_smem(m.mma_dq, acc, m.gq_rA, m.gq_rB, m.gq_sA, m.gq_sB, m.s2r_a_dq, m.s2r_b_dq)
+            if split & is_last:
+                is_last = self.count_contribution(it, s, counter, query_start, tidx)
+            if ~is_last:
+                cute.autovec_copy(acc_view, gmem_tile)
+                if split:  # AtomicLock::release after every thread's partials are out
+                    cute.arch.fence_acq_rel_gpu()
+                    cute.arch.barrier()
+                    if tidx == 0:
+                        cute.arch.atomic_exch(lock, Int32(0), sem="release", scope="gpu")
         if is_last:
-            # No release: nobody comes after the last contributor.
+            # The last contributor writes dQ (no release: nobody comes after it).
             for e in cutlass.range_constexpr(n):
                 r, c = m.coord_q[e]
                 if (r < num_queries_in_block) & (c < p.head_dim):
                     p.grad_query[query_start + r, c] = acc[e].to(self.dtype)
-        else:
-            cute.autovec_copy(acc_view, gmem_tile)
-            if split:  # AtomicLock::release after every thread's partials are out
-                cute.arch.fence_acq_rel_gpu()
-                cute.arch.barrier()
-                if tidx == 0:
-                    cute.arch.atomic_exch(lock, Int32(0), sem="release", scope="gpu")
+
+    @cute.jit
+    def count_contribution(self, it, s, counter, query_start, tidx) -> cutlass.Boolean:
+        """This split is done with the query block: bump its counter; True for the
+        split that completes it (that one writes dQ)."""
+        cute.arch.barrier()  # every thread's partials are out (each fenced its own)
+        if tidx == 0:
+            last = Int32(0)
+            adds = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu") + 1
+            if adds == get_num_parallel_blocks_for_query(it, query_start):
+                last = Int32(1)
+            s.flag[0] = last
+        cute.arch.barrier()
+        return s.flag[0] != 0
+
+    @cute.jit
+    def red_add_gmem_tile(self, frag: cute.Tensor, gmem: cute.Tensor):
+        """gmem += frag with fire-and-forget reductions, ``grad_q_red_floats`` per instruction."""
+        w = self.cfg.grad_q_red_floats
+        for k in cutlass.range_constexpr(cute.size(frag, mode=[1])):
+            for h in cutlass.range_constexpr(GMEM_TILE_ACCESS // w):
+                src = cute.make_tensor(frag.iterator + k * GMEM_TILE_ACCESS + h * w, cute.make_layout(w))
+                dst = gmem[None, k].iterator + h * w
+                if const_expr(w == 1):
+                    cute.arch.red(dst, src[0], op="add", dtype=Float32, sem="relaxed", scope="gpu")
+                else:
+                    cute.arch.red(dst, src.load(), op="add", dtype=Float32, sem="relaxed", scope="gpu")
 
     # ----------------------------------------------------------- write_frags_to_gmem
     @cute.jit
