@@ -53,6 +53,8 @@ MAX_OUTPUT_RF_FLOATS = 128  # dK + dV accumulator floats per thread (the C++: kM
 SMEM_CAPACITY = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024, "sm_90a": 227 * 1024}
 GMEM_TILE_ACCESS = 4  # floats per GmemTile access (128 bits)
 GRAD_Q_HEADER_WORDS = 4  # GradQTempStorage: lock, counter, pad[2]
+SIMT_THREADS = (16, 16)  # fp32 (SIMT FMA) matmuls: threads over (M, N)
+SIMT_K_BLOCK = 8  # fp32: k per shared -> register step
 
 
 def round_up(x: int, m: int) -> int:
@@ -108,7 +110,19 @@ class AttentionBackwardConfig:
         for name, (wm, wn) in (("warps_sdp", self.warps_sdp), ("warps_dkv", self.warps_dkv), ("warps_dq", self.warps_dq)):
             if wm * wn != self.num_warps:
                 raise ValueError(f"{name} {wm}x{wn} does not use the {self.num_warps} warps")
-        checks = (
+        if not self.is_half:  # SIMT: 16 x 16 threads tile every matmul
+            tm, tn = SIMT_THREADS
+            if tm * tn != self.num_threads:
+                raise ValueError(f"the SIMT thread grid {SIMT_THREADS} does not use the {self.num_threads} threads")
+            checks = (
+                (self.block_size_j, tm, "block_size_j (MatmulQK M)"),
+                (self.block_size_i, tn, "block_size_i (MatmulQK N)"),
+                (self.block_size_i, tm, "block_size_i (MatmulGradQ M)"),
+                (self.max_k, tn, "max_k (MatmulGradK N)"),
+            )
+        else:
+            checks = ()
+        checks = checks or (
             (self.block_size_j, 16 * self.warps_sdp[0], "block_size_j (MatmulQK M)"),
             (self.block_size_i, 16 * self.warps_sdp[1], "block_size_i (MatmulQK N)"),
             (self.block_size_j, 16 * self.warps_dkv[0], "block_size_j (MatmulGradK M)"),
@@ -139,11 +153,11 @@ class AttentionBackwardConfig:
     def output_in_rf(self) -> bool:
         """kOutputInRF: dK_j / dV_j accumulate in registers across the query blocks."""
         floats = 2 * self.block_size_j * self.max_k // self.num_threads
-        return self.is_half and self.max_k <= MAX_K_IN_RF and floats <= MAX_OUTPUT_RF_FLOATS
+        return self.max_k <= MAX_K_IN_RF and floats <= MAX_OUTPUT_RF_FLOATS
 
     @property
     def kernel_computes_delta(self) -> bool:  # kKernelComputesDelta (sm80+)
-        return self.is_half
+        return True
 
     @property
     def min_blocks_per_sm(self) -> int:  # kMinBlocksPerSm = warps per SM / warps per block
@@ -183,6 +197,11 @@ class AttentionBackwardConfig:
     # ---- shared memory tiles ----------------------------------------------------------
     def smem_tile(self, rows: int, cols: int) -> SmemLayoutSpec:
         atom, swizzle = _swizzled_atom(cols, self.elem_bits)
+        if not self.is_half:
+            # SIMT reads the tiles element by element through the MMA's partitions; the
+            # DSL (4.8.1) mis-addresses those reads on a swizzled tile (measured on the
+            # H100: wrong gradients, right without the swizzle), so fp32 tiles are plain.
+            swizzle = (0, swizzle[1], swizzle[2])
         return SmemLayoutSpec(atom, swizzle, (rows, cols), self.elem_bits)
 
     def smem_layout_q(self) -> SmemLayoutSpec:  # MatmulQK B operand, MatmulGradK B (transposed)
@@ -216,11 +235,16 @@ class AttentionBackwardConfig:
         return TiledCopySpec((self.num_threads // tpr, tpr), (1, 1), self.elem_bits)
 
     def smem_store_bits(self) -> int:
-        """Fragment -> shared (attn_T, tmp_T): two accumulator columns per store."""
-        return 2 * self.elem_bits
+        """Fragment -> shared (attn_T, tmp_T): two accumulator columns per store
+        (mma.sync holds column pairs; a SIMT thread's columns are 16 apart)."""
+        return 2 * self.elem_bits if self.is_half else self.elem_bits
 
     # ---- MMAs -------------------------------------------------------------------------
     def _mma(self, warps: Tuple[int, int]) -> TiledMmaSpec:
+        if not self.is_half:
+            # fp32: SIMT FMA, threads SIMT_THREADS over (M, N), K_BLOCK k per block
+            tm, tn = SIMT_THREADS
+            return TiledMmaSpec((tm, tn, 1), (tm, tn, SIMT_K_BLOCK), (1, 1, 1), op="fma")
         wm, wn = warps
         return TiledMmaSpec((wm, wn, 1), (16 * wm, 16 * wn, 16))
 
@@ -290,22 +314,22 @@ def attention_backward_config(
 ) -> AttentionBackwardConfig:
     """The tiles for (dtype, head dims, alignment, arch); see the module table."""
     max_k = max_k_for(head_dim, head_dim_value)
-    if elem_bits != 16:
-        raise NotImplementedError(
-            "the fp32 memory-efficient attention backward (SIMT MMA) is not implemented yet; use fp16 or bf16"
-        )
     if max_k > MAX_K_IN_RF:
         raise NotImplementedError(
             f"head dims above {MAX_K_IN_RF} (got {max(head_dim, head_dim_value)}) need the column-looping "
             "path with dK/dV accumulated in the workspace, which is not implemented yet"
         )
+    if elem_bits == 32:  # SIMT: smaller tiles (fp32 operands take twice the bytes)
+        block_i = block_j = 64 if max_k <= 128 else 32
+    else:
+        block_i, block_j = 64, (128 if max_k <= 128 else 64)
     fields = dict(
         elem_bits=elem_bits,
         is_aligned=is_aligned,
         apply_dropout=False,
         preload=False,
-        block_size_i=64,
-        block_size_j=128 if max_k <= 128 else 64,
+        block_size_i=block_i,
+        block_size_j=block_j,
         max_k=max_k,
         # MatmulGradQ's N tile is 16 x warps: 4 warps along the head dim need it % 64
         warps_dq=(2, 4) if max_k % 64 == 0 else (4, 2),

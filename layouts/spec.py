@@ -141,25 +141,35 @@ class SmemLayoutSpec:
 
 @dataclass(frozen=True)
 class TiledMmaSpec:
-    """A tiled warp MMA (sm80 ``mma.sync`` m16n8k16, fp32 accumulators).
+    """A tiled MMA: sm80 ``mma.sync`` m16n8k16 (fp32 accumulators) or SIMT FMA.
 
-    ``atom_layout`` places warps over (M, N, K); ``permutation`` is the tile the warps
-    cover together. Kernels that only need the accumulator's thread/value layout (to
-    partition a tile the way an MMA would hold it) build it without running an MMA.
+    ``op="mma.sync"``: ``atom_layout`` places warps over (M, N, K). ``op="fma"``: the
+    atom is one thread's 1x1x1 fp32 FMA and ``atom_layout`` places threads (the SIMT
+    path of fp32 inputs). ``permutation`` is the tile the atoms cover together. Kernels
+    that only need the accumulator's thread/value layout (to partition a tile the way
+    an MMA would hold it) build it without running an MMA.
     """
 
     atom_layout: Tuple[int, int, int]
     permutation: Tuple[int, int, int]
     shape_mnk: Tuple[int, int, int] = (16, 8, 16)
+    op: str = "mma.sync"
+
+    def __post_init__(self):
+        if self.op not in ("mma.sync", "fma"):
+            raise ValueError(f"op must be 'mma.sync' or 'fma', got {self.op!r}")
 
     @property
     def num_threads(self) -> int:
         m, n, k = self.atom_layout
-        return 32 * m * n * k
+        return (1 if self.op == "fma" else 32) * m * n * k
 
     def build(self, ab_dtype):
         import cutlass
         import cutlass.cute as cute
 
-        op = cute.nvgpu.warp.MmaF16BF16Op(ab_dtype, cutlass.Float32, self.shape_mnk)
+        if self.op == "fma":
+            op = cute.nvgpu.MmaUniversalOp(cutlass.Float32)
+        else:
+            op = cute.nvgpu.warp.MmaF16BF16Op(ab_dtype, cutlass.Float32, self.shape_mnk)
         return cute.make_tiled_mma(op, self.atom_layout, permutation_mnk=self.permutation)

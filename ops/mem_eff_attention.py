@@ -7,8 +7,8 @@
 logsumexp [sequences, H, >= max_seqlen_q]), same outputs (grad_q, grad_k, grad_v,
 grad_bias). Any strides whose last is 1 (packed QKV, [B, H, M, K] transposed views).
 
-Not implemented yet (clear NotImplementedError): attention bias and dropout (issue 6),
-fp32 inputs, head dims above 256.
+fp32 inputs run SIMT FMA matmuls (fp32 accuracy, no tensor cores). Not implemented yet
+(clear NotImplementedError): attention bias and dropout (issue 6), head dims above 256.
 """
 
 from __future__ import annotations
@@ -101,6 +101,11 @@ def _check_rank4(name: str, t: Tensor) -> None:
         raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}")
 
 
+def _is_int(x) -> bool:
+    """A Python / numpy / symbolic int, not a bool (int() would take floats and strings too)."""
+    return not isinstance(x, bool) and hasattr(x, "__index__")
+
+
 def _check_inputs(grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp):
     for name, t in (("query", query), ("key", key), ("value", value), ("out", out), ("grad_out", grad_out)):
         check_cuda(name, t)
@@ -135,10 +140,12 @@ def _check_inputs(grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, 
             check_same_device(name, cu, query)
             if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
                 raise ValueError(f"{name} must be a 1-D int32 tensor of sequences + 1 offsets, got {cu.dtype} {tuple(cu.shape)}")
+            if cu.stride(0) != 1:
+                raise ValueError(f"{name} must be contiguous, got stride {cu.stride(0)}")
         if cu_seqlens_q.numel() != cu_seqlens_k.numel():
             raise ValueError("cu_seqlens_q and cu_seqlens_k must describe the same number of sequences")
         for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-            if m is None or isinstance(m, bool) or int(m) < 0:
+            if not _is_int(m) or int(m) < 0:
                 raise ValueError(f"{name} must be a non-negative int with cu_seqlens, got {m!r}")
         seqs = cu_seqlens_q.numel() - 1
         rows_q = int(max_seqlen_q)
@@ -280,19 +287,19 @@ def efficient_attention_backward(
     if not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if dropout_p > 0.0:
-        raise NotImplementedError("dropout is not implemented yet in the memory-efficient backward (issue 6)")
-    if isinstance(custom_mask_type, bool) or int(custom_mask_type) not in (0, 1, 2):
+        raise NotImplementedError("dropout (dropout_p > 0) is not implemented yet in the memory-efficient backward (issue 6)")
+    if not _is_int(custom_mask_type) or int(custom_mask_type) not in (0, 1, 2):
         raise ValueError(f"custom_mask_type must be 0 (none), 1 (causal from top-left) or 2 (causal from bottom-right), got {custom_mask_type!r}")
+    if window_size is not None and (not _is_int(window_size) or int(window_size) < 0):
+        raise ValueError(f"window_size must be None or a non-negative int, got {window_size!r}")
     if window_size is not None and int(window_size) > 0 and int(custom_mask_type) == 0:
         raise ValueError("window_size needs a causal custom_mask_type (1 or 2)")
-    if num_splits_key is not None and (isinstance(num_splits_key, bool) or int(num_splits_key) < 1):
+    if num_splits_key is not None and (not _is_int(num_splits_key) or int(num_splits_key) < 1):
         raise ValueError(f"num_splits_key must be a positive int, got {num_splits_key!r}")
     _check_inputs(grad_out_, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp)
-    if query.dtype == torch.float32:
-        raise NotImplementedError("fp32 inputs are not implemented yet in the memory-efficient backward (fp16 / bf16 are)")
     if max(query.shape[-1], value.shape[-1]) > tiling.MAX_K_IN_RF:
         raise NotImplementedError(
-            f"head dims above {tiling.MAX_K_IN_RF} are not implemented yet (got {query.shape[-1]} / {value.shape[-1]})"
+            f"head dims above {tiling.MAX_K_IN_RF} are not implemented yet (query's {query.shape[-1]}, value's {value.shape[-1]})"
         )
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])

@@ -29,6 +29,20 @@ def test_compiles(arch, d, dv, aligned):
     assert callable(M.compiled(dtype, cfg, varlen, computes_delta, arch))
 
 
+# fp32 (SIMT): both tile classes, Dqk != Dv, the unaligned path
+CONFIGS_FP32 = [(64, 64, True), (128, 96, True), (256, 256, True), (40, 72, False)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("d,dv,aligned", CONFIGS_FP32)
+def test_compiles_fp32(arch, d, dv, aligned):
+    cfg = tiling.attention_backward_config(32, d, dv, aligned, arch)
+    assert cfg.smem_bytes() <= tiling.SMEM_CAPACITY[arch]
+    varlen, computes_delta = d % 128 == 0, d != 256
+    assert callable(M.compiled(cutlass.Float32, cfg, varlen, computes_delta, arch))
+
+
 @pytest.mark.compile
 def test_compiles_all_variants_of_one_config():
     cfg = tiling.attention_backward_config(16, 128, 128, True, "sm_90a")
@@ -49,9 +63,21 @@ def test_config_table(d):
     assert cfg.stages_q == 2
 
 
+@pytest.mark.parametrize("d", [32, 64, 128, 160, 256])
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_config_table_fp32(d, arch):
+    """fp32: SIMT FMA over 16 x 16 threads, 64 x 64 tiles (32 x 32 above a head dim of 128)."""
+    cfg = tiling.attention_backward_config(32, d, d, True, arch)
+    assert not cfg.is_half and cfg.output_in_rf and cfg.kernel_computes_delta
+    assert (cfg.block_size_i, cfg.block_size_j) == ((64, 64) if d <= 128 else (32, 32))
+    assert cfg.mma_qk().op == cfg.mma_grad_kv().op == cfg.mma_grad_q().op == "fma"
+    assert cfg.mma_qk().num_threads == cfg.num_threads == 256
+    assert cfg.smem_store_bits() == 32  # a SIMT thread's accumulator columns are not adjacent
+    assert cfg.smem_bytes() <= tiling.SMEM_CAPACITY[arch]
+    assert cfg.grad_q_red_floats == (4 if arch == "sm_90a" else 1)
+
+
 def test_config_refuses():
-    with pytest.raises(NotImplementedError, match="fp32"):
-        tiling.attention_backward_config(32, 64, 64, True)
     with pytest.raises(NotImplementedError, match="256"):
         tiling.attention_backward_config(16, 512, 512, True)
     with pytest.raises(ValueError, match="warp tile"):

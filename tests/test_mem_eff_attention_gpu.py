@@ -186,10 +186,28 @@ def test_head_dim_512_not_implemented():
         run_case(BF16, 1, 64, 80, 2, 512, 512, mask_type=1)
 
 
-def test_fp32_not_implemented():
-    """fp32 needs the SIMT MMA path: not implemented yet, said clearly (before any launch)."""
-    with pytest.raises(NotImplementedError, match="fp32"):
-        run_case(F32, 1, 17, 17, 2, 64, 64)
+FP32_CASES = [  # (Dqk, Dv, mask, window, splits, lengths): the SIMT path, every feature once
+    (64, 64, 0, 0, None, None),
+    (128, 128, 1, 0, None, None),
+    (32, 96, 2, 0, None, None),
+    (80, 80, 1, 16, None, None),
+    (256, 256, 1, 0, None, None),
+    (200, 136, 0, 0, None, None),
+    (64, 64, 0, 0, 2, None),
+    (128, 128, 1, 0, 3, None),
+    (64, 64, 1, 8, None, VARLEN_FP32 := ([77, 0, 200, 1], [77, 5, 180, 1])),
+    (64, 64, 2, 0, 2, VARLEN_FP32),
+]
+
+
+@pytest.mark.parametrize("case", FP32_CASES, ids=[f"k{c[0]}-v{c[1]}-m{c[2]}-w{c[3]}-s{c[4]}-{'varlen' if c[5] else 'dense'}" for c in FP32_CASES])
+def test_fp32(case):
+    """fp32 inputs run the SIMT FMA matmuls (no tensor cores): fp32 accuracy."""
+    kd, kv, mask_type, window, splits, lengths = case
+    for i, (b, mq, mk, h) in enumerate(SHAPES):
+        run_case(F32, b, mq, mk, h, kd, kv, mask_type=mask_type, window=window, splits=splits, lengths=lengths, seed=i)
+        if lengths is not None:
+            break
 
 
 DQK_DV = [(128, 64), (64, 128), (32, 96)]

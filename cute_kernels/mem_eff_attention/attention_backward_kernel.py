@@ -55,6 +55,8 @@ def _operands(thr_mma, s2r_a, s2r_b, sA, sB):
     first = lambda t: t[None, None, 0] if cute.rank(t) == 3 else t  # noqa: E731
     rA = thr_mma.make_fragment_A(thr_mma.partition_A(first(sA)))
     rB = thr_mma.make_fragment_B(thr_mma.partition_B(first(sB)))
+    if s2r_a is None:  # SIMT: the MMA's own partitions, loaded element by element
+        return rA, rB, thr_mma.partition_A(sA), thr_mma.partition_B(sB)
     return rA, rB, s2r_a.partition_S(sA), s2r_b.partition_S(sB)
 
 
@@ -84,8 +86,10 @@ class AttentionBackwardKernel:
         self.cfg = cfg
         self.varlen = varlen
         self.kernel_computes_delta = kernel_computes_delta
+        # Δ rows per pass: at least num_threads / 4 (compute_delta puts <= 4 threads on a row)
+        self.delta_rows = max(cfg.block_size_i, cfg.num_threads // 4)
         self.delta_tiles = ComputeDeltaTiles(
-            cfg.elem_bits, cfg.vec, cfg.max_k, num_threads=cfg.num_threads, block_i=cfg.block_size_i
+            cfg.elem_bits, cfg.vec, cfg.max_k, num_threads=cfg.num_threads, block_i=self.delta_rows
         )
 
     @cute.jit
@@ -219,7 +223,7 @@ class AttentionBackwardKernel:
         # Computes (dO*out).sum(-1) and writes it to Δ (the C++: once per CTA).
         if const_expr(self.kernel_computes_delta):
             delta_copy = self.delta_tiles.gmem_load().build(self.dtype)
-            for query_start in cutlass.range(0, p.num_queries, cfg.block_size_i, unroll=1):
+            for query_start in cutlass.range(0, p.num_queries, self.delta_rows, unroll=1):
                 compute_delta(
                     self.delta_tiles, delta_copy, p.grad_output, p.output, p.delta,
                     query_start, p.num_queries, p.head_dim_value, tidx,
@@ -236,6 +240,10 @@ class AttentionBackwardKernel:
             acc_dk.fill(0.0)
             acc_dv.fill(0.0)
             num_keys_in_block = cutlass.min(cfg.block_size_j, p.num_keys - key_start)
+            # A key block no query sees (window, bottom-right) leaves its K_j / V_j
+            # cp.async in flight: land it before this block's copies target the same
+            # bytes (racecheck found the overlap).
+            cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()  # the previous key block's readers of K_j / V_j are done
             self.load_tile(m.copy_k, cute.domain_offset((key_start, 0), p.key), s.k, num_keys_in_block, p.head_dim, tidx)
             self.load_tile(m.copy_k, cute.domain_offset((key_start, 0), p.value), s.v, num_keys_in_block, p.head_dim_value, tidx)
@@ -266,14 +274,16 @@ class AttentionBackwardKernel:
         m.copy_row = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
         ldsm = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dt)
         ldsm_t = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), dt)
+        simt = not cfg.is_half  # fp32: SIMT FMA, operands loaded element by element (no ldmatrix)
+        s2r = lambda atom, mma, fn: None if simt else fn(atom, mma).get_slice(tidx)  # noqa: E731
         st_pair = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt, num_bits_per_copy=cfg.smem_store_bits())
 
         # MatmulQK (attn_T = K_j Q_iᵀ) and MatmulDOIVJ (dPᵀ = V_j dO_iᵀ): one fragment layout.
         mma_sdp = cfg.mma_qk().build(dt)
         m.mma_sdp = mma_sdp
         m.thr_sdp = thr = mma_sdp.get_slice(tidx)
-        a_sdp = cute.make_tiled_copy_A(ldsm, mma_sdp).get_slice(tidx)
-        b_sdp = cute.make_tiled_copy_B(ldsm, mma_sdp).get_slice(tidx)
+        a_sdp = s2r(ldsm, mma_sdp, cute.make_tiled_copy_A)
+        b_sdp = s2r(ldsm, mma_sdp, cute.make_tiled_copy_B)
         m.s2r_a_sdp, m.s2r_b_sdp = a_sdp, b_sdp
         m.qk_rA, m.qk_rB, m.qk_sA, m.qk_sB = _operands(thr, a_sdp, b_sdp, s.k, s.q)
         m.doivj_rA, m.doivj_rB, m.doivj_sA, m.doivj_sB = _operands(thr, a_sdp, b_sdp, s.v, s.do)
@@ -287,8 +297,8 @@ class AttentionBackwardKernel:
         mma_dkv = cfg.mma_grad_kv().build(dt)
         m.mma_dkv = mma_dkv
         m.thr_dkv = thr = mma_dkv.get_slice(tidx)
-        a_dkv = cute.make_tiled_copy_A(ldsm, mma_dkv).get_slice(tidx)
-        b_dkv = cute.make_tiled_copy_B(ldsm_t, mma_dkv).get_slice(tidx)
+        a_dkv = s2r(ldsm, mma_dkv, cute.make_tiled_copy_A)
+        b_dkv = s2r(ldsm_t, mma_dkv, cute.make_tiled_copy_B)
         m.s2r_a_dkv, m.s2r_b_dkv = a_dkv, b_dkv
         do_t, q_t = transpose_view(s.do), transpose_view(s.q)
         m.gv_rA, m.gv_rB, m.gv_sA, m.gv_sB = _operands(thr, a_dkv, b_dkv, s.attn, do_t)
@@ -299,8 +309,8 @@ class AttentionBackwardKernel:
         mma_dq = cfg.mma_grad_q().build(dt)
         m.mma_dq = mma_dq
         m.thr_dq = thr = mma_dq.get_slice(tidx)
-        a_dq = cute.make_tiled_copy_A(ldsm_t, mma_dq).get_slice(tidx)
-        b_dq = cute.make_tiled_copy_B(ldsm_t, mma_dq).get_slice(tidx)
+        a_dq = s2r(ldsm_t, mma_dq, cute.make_tiled_copy_A)
+        b_dq = s2r(ldsm_t, mma_dq, cute.make_tiled_copy_B)
         m.s2r_a_dq, m.s2r_b_dq = a_dq, b_dq
         tmp_t, k_t = transpose_view(s.tmp), transpose_view(s.k)
         m.gq_rA, m.gq_rB, m.gq_sA, m.gq_sB = _operands(thr, a_dq, b_dq, tmp_t, k_t)
