@@ -395,7 +395,13 @@ _sdpa_lock = threading.Lock()
 _sdpa_libs: dict = {}  # dispatch key -> the torch.library.Library holding our kernel
 
 
+def _check_dispatch_key(dispatch_key) -> None:
+    if not isinstance(dispatch_key, str) or not hasattr(torch._C.DispatchKey, dispatch_key):
+        raise ValueError(f"dispatch_key must be the name of a torch dispatch key such as 'CUDA', got {dispatch_key!r}")
+
+
 def _enable_sdpa(dispatch_key: str = "CUDA") -> None:
+    _check_dispatch_key(dispatch_key)
     with _sdpa_lock:
         if dispatch_key in _sdpa_libs:
             return
@@ -407,6 +413,7 @@ def _enable_sdpa(dispatch_key: str = "CUDA") -> None:
 
 
 def _disable_sdpa(dispatch_key: str = "CUDA") -> None:
+    _check_dispatch_key(dispatch_key)
     with _sdpa_lock:
         lib = _sdpa_libs.pop(dispatch_key, None)
         if lib is not None:
@@ -438,7 +445,9 @@ class use_for_sdpa:
     is_enabled = staticmethod(_sdpa_enabled)
 
     def __init__(self, enabled: bool = True):
-        self.enabled = bool(enabled)
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+        self.enabled = enabled
         self._previous: List[bool] = []
 
     def __enter__(self):

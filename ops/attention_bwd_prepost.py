@@ -191,7 +191,7 @@ def _check_cu_seqlens(name, cu, ref):
 
 
 def _check_seq_pair(a_name, a, b_name, b, cu_seqlens, max_seqlen, dtypes=INPUT_DTYPES):
-    """out / grad_out style inputs: same shape/dtype/device, [B,S,H,D] or [total,H,D] + cu_seqlens."""
+    """out / grad_out style inputs: same shape/dtype/device, [B,S,H,D] or [total,H,D] + cu_seqlens_q."""
     check_cuda(a_name, a)
     check_dtype(a_name, a, dtypes)
     check_same_device(b_name, b, a)
@@ -203,17 +203,17 @@ def _check_seq_pair(a_name, a, b_name, b, cu_seqlens, max_seqlen, dtypes=INPUT_D
         if a.dim() != 4:
             raise ValueError(f"{a_name} must be [batch, seqlen, heads, head_dim], got shape {tuple(a.shape)}")
         if max_seqlen is not None:
-            raise ValueError("max_seqlen is only used with cu_seqlens")
+            raise ValueError("max_seqlen_q is only used with cu_seqlens_q")
     else:
         if a.dim() != 3:
-            raise ValueError(f"with cu_seqlens, {a_name} must be [total, heads, head_dim], got shape {tuple(a.shape)}")
-        _check_cu_seqlens("cu_seqlens", cu_seqlens, a)
+            raise ValueError(f"with cu_seqlens_q, {a_name} must be [total, heads, head_dim], got shape {tuple(a.shape)}")
+        _check_cu_seqlens("cu_seqlens_q", cu_seqlens, a)
         if max_seqlen is None:
-            raise ValueError("cu_seqlens needs max_seqlen (the longest sequence), which sizes the grid")
-        check_int("max_seqlen", max_seqlen)
+            raise ValueError("cu_seqlens_q needs max_seqlen_q (the longest sequence), which sizes the grid")
+        check_int("max_seqlen_q", max_seqlen)
     d = a.shape[-1]
     if not 1 <= d <= tiling.MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be in [1, {tiling.MAX_HEAD_DIM}], got {d}")
+        raise ValueError(f"head_dim must be in [1, {tiling.MAX_HEAD_DIM}], got {d} (the last dim of {a_name})")
     _check_last_contiguous(a_name, a)
     _check_last_contiguous(b_name, b)
 
@@ -525,7 +525,7 @@ def _check_convert_dq(dq_accum, head_dim, seqlen_q, cu_seqlens_q, max_seqlen_q, 
     varlen = cu_seqlens_q is not None
     _check_accum("dq_accum", dq_accum, (3, 4) if varlen else (4, 5), _checked_head_dim(head_dim))
     if dtype not in OUTPUT_DTYPES:
-        raise TypeError(f"dtype must be float16 or bfloat16, got {dtype}")
+        raise TypeError(f"dtype must be float16 or bfloat16, got {dtype!r}")
     if varlen:
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, dq_accum)
         if seqlen_q is not None:
@@ -641,7 +641,7 @@ def _check_convert_dkv(dk_accum, dv_accum, head_dim, seqlen_k, cu_seqlens_k, dty
     if dv_accum.shape != dk_accum.shape:
         raise ValueError(f"dv_accum must have dk_accum's shape {tuple(dk_accum.shape)}, got {tuple(dv_accum.shape)}")
     if dtype not in OUTPUT_DTYPES:
-        raise TypeError(f"dtype must be float16 or bfloat16, got {dtype}")
+        raise TypeError(f"dtype must be float16 or bfloat16, got {dtype!r}")
     check_int("seqlen_k", seqlen_k)
     if cu_seqlens_k is not None:
         _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, dk_accum)

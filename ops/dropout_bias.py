@@ -20,6 +20,7 @@ from . import _compile as cc
 from ._validate import (
     check_cuda,
     check_dtype,
+    check_int,
     check_probability,
     check_same_device,
     check_shape,
@@ -64,6 +65,8 @@ def _validate(grad_out, mask, p, x, bias, activation):
     check_dtype("grad_out", grad_out, cc.FLOAT_DTYPES)
     if grad_out.dim() < 1:
         raise ValueError("grad_out must have at least one dimension [..., N]")
+    if grad_out.shape[-1] < 1:
+        raise ValueError("grad_out must have a last dimension N >= 1")
     check_same_device("mask", mask, grad_out)
     check_dtype("mask", mask, (torch.bool, torch.uint8))
     check_shape("mask", mask, grad_out.shape)
@@ -285,6 +288,7 @@ def _bias_dropout_backward(ctx, grad_y, grad_mask):
         x = bias = None
     else:
         mask, x, bias = ctx.saved_tensors
+        x = x.contiguous()  # the forward takes any layout of x; the kernel reads rows
     # dY arriving from autograd may be any view: the kernel wants rows it can flatten.
     grad_y = grad_y.contiguous()
     if cc.eager(grad_y):
@@ -309,8 +313,11 @@ def bias_dropout(
     """y = dropout(act(x + bias), p); in training the backward runs our fused kernel."""
     check_cuda("x", x)
     check_dtype("x", x, cc.FLOAT_DTYPES)
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension [..., N]")
     check_same_device("bias", bias, x)
-    check_shape("bias", bias, (x.shape[-1],))
+    if tuple(bias.shape) != (x.shape[-1],):
+        raise ValueError(f"bias must have shape ({x.shape[-1]},) (x's last dim), got {tuple(bias.shape)}")
     check_probability("p", p)
     if activation is not None and activation not in ACTIVATIONS:
         raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
@@ -327,6 +334,7 @@ class BiasDropout(torch.nn.Module):
 
     def __init__(self, features: int, p: float = 0.1, activation: Optional[str] = None, device=None, dtype=None):
         super().__init__()
+        check_int("features", features)
         check_probability("p", p)
         if activation is not None and activation not in ACTIVATIONS:
             raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")

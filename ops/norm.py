@@ -321,8 +321,8 @@ def _norm_setup(ctx, inputs, output):
 def _norm_autograd_backward(ctx, grad_y, grad_mean, grad_rstd):
     del grad_mean, grad_rstd
     x, weight, bias, mean, rstd = ctx.saved_tensors
-    # dz from autograd may be any view: the kernel wants rows it can flatten
-    grad_y = grad_y.contiguous()
+    # dz from autograd may be any view and the forward takes x in any layout: the kernel wants rows it can flatten
+    grad_y, x = grad_y.contiguous(), x.contiguous()
     dx, dw, db = _norm_backward_call(grad_y, x, weight, None if ctx.is_rms else mean, rstd, bias, ctx.is_rms)
     return dx, dw, db, None, None
 
@@ -343,9 +343,23 @@ def _flatten_normalized(x: Tensor, normalized_shape: Sequence[int], weight, bias
     return x.reshape(*x.shape[: x.dim() - k], n), flat(weight), flat(bias)
 
 
+def _normalized_shape(x: Tensor, normalized_shape) -> Tuple[int, ...]:
+    """normalized_shape as a tuple of ints; None means x's last dim."""
+    if normalized_shape is None:
+        return (x.shape[-1],)
+    dims = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
+    if not isinstance(dims, (tuple, list, torch.Size)) or not all(isinstance(d, (int, torch.SymInt)) and not isinstance(d, bool) for d in dims):
+        raise TypeError(f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}")
+    if len(dims) == 0:
+        raise ValueError("normalized_shape must have at least one dimension, got ()")
+    return tuple(dims)
+
+
 def _check_norm_inputs(x, weight, bias, eps):
     check_cuda("x", x)
     check_dtype("x", x, cc.FLOAT_DTYPES)
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension [..., N]")
     check_float("eps", eps)
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None:
@@ -361,11 +375,8 @@ def layer_norm(
     eps: float = 1e-5,
 ) -> Tensor:
     """``F.layer_norm`` with our backward; ``normalized_shape`` defaults to x's last dim."""
-    if normalized_shape is None:
-        normalized_shape = (x.shape[-1],)
-    elif isinstance(normalized_shape, int):
-        normalized_shape = (normalized_shape,)
     _check_norm_inputs(x, weight, bias, eps)
+    normalized_shape = _normalized_shape(x, normalized_shape)
     shape = x.shape
     xf, wf, bf = _flatten_normalized(x, normalized_shape, weight, bias)
     y, _, _ = _norm_forward(xf, wf, bf, float(eps), False)
@@ -379,13 +390,12 @@ def rms_norm(
     eps: Optional[float] = None,
 ) -> Tensor:
     """``F.rms_norm`` with our backward; ``eps`` None means ``torch.finfo(x.dtype).eps`` as torch."""
-    if normalized_shape is None:
-        normalized_shape = (x.shape[-1],)
-    elif isinstance(normalized_shape, int):
-        normalized_shape = (normalized_shape,)
+    check_cuda("x", x)
+    check_dtype("x", x, cc.FLOAT_DTYPES)  # before finfo, which would reject an int dtype less clearly
     if eps is None:
         eps = torch.finfo(x.dtype).eps
     _check_norm_inputs(x, weight, None, eps)
+    normalized_shape = _normalized_shape(x, normalized_shape)
     shape = x.shape
     xf, wf, _ = _flatten_normalized(x, normalized_shape, weight, None)
     y, _, _ = _norm_forward(xf, wf, None, float(eps), True)
