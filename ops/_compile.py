@@ -2,26 +2,21 @@
 
 Kernels are traced against fake tensors whose sizes and strides are symbolic, so a
 configuration (dtypes, flags, vector width, arch) compiles once and serves every
-shape. Compiled functions live in an in-process cache; the DSL's own disk cache
-(``CUTE_DSL_CACHE_DIR``, set below unless the user chose one) spares a second process
-the MLIR/ptxas work.
+shape. Compiled functions live in an in-process cache. The DSL's disk cache does not
+serve ``cute.compile`` (4.8 compiles with ``compile_only``, which turns caching off), so a
+new process compiles each configuration it uses once (seconds; tens for attention).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from typing import Callable, Dict, Hashable, Optional, Sequence
 
-os.environ.setdefault(
-    "CUTE_DSL_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "cute_kernels", "dsl")
-)
-
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-import torch  # noqa: E402
-from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode  # noqa: E402
+import cutlass
+import cutlass.cute as cute
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 TORCH_TO_CUTE = {
     torch.float32: cutlass.Float32,
