@@ -203,3 +203,21 @@ def test_compiles_tmp_own_buffer_variant():
     cfg = tiling.attention_backward_config(16, 128, 128, True, "sm_90a", tmp_own_buffer=True)
     assert cfg.shared_storage_sizes()["part1"]["tmp_shared_storage"] > 0
     assert callable(M.compiled(cutlass.BFloat16, cfg, False, True, "sm_90a"))
+
+
+def test_delta_torch_matches_rowsum():
+    """Δ for head dims above 256 with split keys (torch): dense and packed sequences."""
+    g = torch.Generator().manual_seed(0)
+    out, do = (torch.randn(2, 7, 3, 300, generator=g).to(torch.bfloat16) for _ in range(2))
+    ref = (out.float() * do.float()).sum(-1).transpose(1, 2)
+    assert torch.equal(M._delta_torch(out, do, None, 2, 7), ref)
+    lengths = [3, 0, 9]
+    cu = torch.tensor([0, 3, 3, 12], dtype=torch.int32)
+    out, do = (torch.randn(1, 12, 2, 288, generator=g) for _ in range(2))
+    got = M._delta_torch(out, do, cu, 3, 10)
+    assert got.shape == (3, 2, 10)
+    rows = (out * do).sum(-1)[0]  # [12, H]
+    for s, n in enumerate(lengths):
+        start = int(cu[s])
+        assert torch.equal(got[s, :, :n], rows[start : start + n].T)
+        assert (got[s, :, n:] == 0).all()

@@ -180,10 +180,55 @@ def test_head_dims(head_dim, dtype):
             run_case(dtype, b, mq, mk, h, head_dim, head_dim, mask_type=mask_type, seed=i)
 
 
-def test_head_dim_512_not_implemented():
-    """Head dims above 256 need dK/dV accumulated in the workspace: not implemented yet, said clearly."""
-    with pytest.raises(NotImplementedError, match="256"):
-        run_case(BF16, 1, 64, 80, 2, 512, 512, mask_type=1)
+# Above 256 (dK / dV accumulated in the fp32 workspace, column loops; sm_90 for > 384):
+# (Dqk, Dv, dtype): max_k 320 (column tile 64, two Q / dO stages), 384 and 512 (tile 128),
+# Dqk != Dv both ways (chunks past the smaller head dim are skipped).
+BIG_HEAD_CASES = [
+    (288, 288, F16), (288, 288, BF16), (384, 384, F16), (384, 384, BF16),
+    (512, 512, F16), (512, 512, BF16), (512, 320, BF16), (320, 512, F16),
+]  # fmt: skip
+# (B, Mq, Mk, H): Mq < Mk leaves key blocks no causal query sees (zfill_grad_kv); Mq > Mk
+# walks several query blocks per key block (workspace load / add / store)
+BIG_SHAPES = [(2, 100, 257, 2), (1, 300, 130, 2)]
+BIG_VARLEN = ([77, 0, 200], [90, 5, 180])  # an empty query sequence, ragged blocks
+
+
+def _skip_if_smem_short(*head_dims):
+    """Above 384 the tiles need sm_90's shared memory: elsewhere the op must refuse clearly."""
+    if torch.cuda.get_device_capability()[0] < 9 and max(head_dims) > 384:
+        with pytest.raises(NotImplementedError, match="serves head dims up to"):
+            run_case(BF16, 1, 64, 80, 2, *head_dims)
+        pytest.skip("head dims above 384 need sm_90 (refused clearly here)")
+
+
+@pytest.mark.parametrize("kd,kv,dtype", BIG_HEAD_CASES, ids=[f"{str(t)[6:]}-k{a}-v{b}" for a, b, t in BIG_HEAD_CASES])
+def test_head_dims_above_256(kd, kv, dtype):
+    """Masks 0 / 1, one and two key splits (split keys: Δ from torch, dQ by reductions and
+    the counter), then varlen once."""
+    _skip_if_smem_short(kd, kv)
+    for i, (b, mq, mk, h) in enumerate(BIG_SHAPES):
+        for mask_type in (0, 1):
+            for splits in (1, 2):
+                run_case(dtype, b, mq, mk, h, kd, kv, mask_type=mask_type, splits=splits, seed=kd + kv + i)
+    run_case(dtype, 1, 0, 0, 2, kd, kv, mask_type=1, lengths=BIG_VARLEN, seed=1)
+    run_case(dtype, 1, 0, 0, 2, kd, kv, mask_type=0, splits=2, lengths=BIG_VARLEN, seed=2)
+
+
+def test_head_dim_above_256_unaligned_and_window():
+    """Head dims that are not multiples of 8 (element-wise copies) and a sliding window."""
+    _skip_if_smem_short(512)
+    run_case(F16, 1, 130, 200, 2, 300, 270, mask_type=1, seed=3)
+    run_case(BF16, 2, 150, 150, 2, 512, 512, mask_type=1, window=40, seed=4)
+    run_case(BF16, 2, 150, 150, 2, 512, 512, mask_type=2, window=40, splits=3, seed=5)
+
+
+def test_head_dim_above_512_not_implemented():
+    """Above 512 (fp16 / bf16) and above 256 (fp32): not implemented, said clearly."""
+    for dtype, d, limit in ((BF16, 544, "512"), (F32, 288, "256")):
+        q = torch.randn(1, 64, 2, d, device=DEV, dtype=dtype)
+        lse = torch.zeros(1, 2, 64, device=DEV)
+        with pytest.raises(NotImplementedError, match=limit):
+            _backward()(q, q, q, q, None, q, None, None, None, None, lse, 0.0, None, None, 1, False)
 
 
 FP32_CASES = [  # (Dqk, Dv, mask, window, splits, lengths): the SIMT path, every feature once
