@@ -130,7 +130,7 @@ def check_grad(name, got, ref, dtype, theirs=None, rows=None):
 
 
 def run_case(dtype, b, mq, mk, h, kd, kv, *, mask_type=0, window=0, scale=None, lengths=None, splits=None,
-             layout="bmhk", seed=0, compare_torch=True):  # fmt: skip
+             layout="bmhk", seed=0, compare_torch=True, torch_forward=True):  # fmt: skip
     """One backward: ours vs the reference and vs torch's on the same out / lse."""
     gen = torch.Generator(DEV).manual_seed(seed)
     if lengths is not None:
@@ -143,7 +143,7 @@ def run_case(dtype, b, mq, mk, h, kd, kv, *, mask_type=0, window=0, scale=None, 
         max_q, max_k = max(max(lengths[0]), 1), max(max(lengths[1]), 1)
     segs = segments(b, mq, mk, lengths)
     win = window or None
-    if torch_forward_ok(mask_type, segs):
+    if torch_forward and torch_forward_ok(mask_type, segs):
         out, lse, seed_t, offset_t, _, _ = torch.ops.aten._efficient_attention_forward(
             q, k, v, None, cq, ck, max_q if cq is not None else None, max_k if cq is not None else None,
             0.0, mask_type, True, scale=scale, window_size=win,
@@ -217,7 +217,9 @@ def test_head_dims_above_256(kd, kv, dtype):
 def test_head_dim_above_256_unaligned_and_window():
     """Head dims that are not multiples of 8 (element-wise copies) and a sliding window."""
     _skip_if_smem_short(512, 512)
-    run_case(F16, 1, 130, 200, 2, 300, 270, mask_type=1, seed=3)
+    # torch 2.11 has no kernel for these head dims ("cutlassF: no kernel found to launch"):
+    # out / lse from the fp64 reference, no comparison with torch's backward.
+    run_case(F16, 1, 130, 200, 2, 300, 270, mask_type=1, seed=3, torch_forward=False, compare_torch=False)
     run_case(BF16, 2, 150, 150, 2, 512, 512, mask_type=1, window=40, seed=4)
     run_case(BF16, 2, 150, 150, 2, 512, 512, mask_type=2, window=40, splits=3, seed=5)
 
