@@ -28,6 +28,19 @@ Tiles (``attention_backward_config``; half types, output in registers):
 |-------------------------|------------------------|---------------------|-------|----------------|-------------------|-------------|
 | 32 .. 128               | 64                     | 128                 | 8     | 4 x 2          | 4 x 2             | 2 x 4 (4 x 2 when max_k % 64) |
 | 160 .. 256              | 64                     | 64                  | 8     | 4 x 2          | 4 x 2             | 2 x 4 (4 x 2 when max_k % 64) |
+| 320 .. 512 (x 64)       | 64                     | 32                  | 8     | 2 x 4          | 2 x 4             | 2 x 4                         |
+
+Head dims above 256 (``output_in_rf`` false, the C++'s kOutputInRF = false): max_k is
+rounded up to 64 (288 runs as 320) and MatmulGradV, MatmulGradK and MatmulGradQ loop
+over the head dim in column chunks of ``grad_col_tile`` (128, or 64 when max_k % 128),
+each chunk's accumulator in registers for that chunk only. Between the query blocks of
+a key block, the dK_j / dV_j chunks live in an fp32 workspace in global memory (the
+C++'s ``accumulate_in_gmem`` over ``workspace_gk`` / ``workspace_gv``), in each
+thread's own fragment order: the first query block starts from zeros, the last one
+writes dK / dV from registers. MatmulQK and MatmulDOIVJ still contract over the whole
+head dim from shared memory. Q_i and dO_i have one buffer (stages_q = 1) above 320;
+shared memory: 197 KB at max_k 512, so sm_80 (163 KB) serves head dims up to 384
+only (the config refuses more with a NotImplementedError). fp32 stops at 256.
 
 Q_i, dO_i, LSE_i and Δ_i have ``stages_q`` = 2 buffers where shared memory allows
 (sm_90 always; sm_80 up to max_k 128): the next query block of the same key block is
@@ -49,6 +62,9 @@ from .spec import SmemLayoutSpec, TiledCopySpec, TiledMmaSpec
 WARP_SIZE = 32
 HEAD_DIM_ROUND = 32
 MAX_K_IN_RF = 256  # largest padded head dim whose dK/dV accumulators stay in registers
+MAX_K = 512  # largest head dim (fp16 / bf16): above MAX_K_IN_RF, dK/dV accumulate in the workspace
+MAX_K_FP32 = 256  # largest head dim of the fp32 (SIMT) path
+GMEM_ACCUM_K_ROUND = 64  # above MAX_K_IN_RF, max_k is a multiple of the 2 x 4 warps' N tile
 MAX_OUTPUT_RF_FLOATS = 128  # dK + dV accumulator floats per thread (the C++: kMaxK <= kBlockSizeI)
 SMEM_CAPACITY = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024, "sm_90a": 227 * 1024}
 GMEM_TILE_ACCESS = 4  # floats per GmemTile access (128 bits)
@@ -118,7 +134,7 @@ class AttentionBackwardConfig:
                 (self.block_size_j, tm, "block_size_j (MatmulQK M)"),
                 (self.block_size_i, tn, "block_size_i (MatmulQK N)"),
                 (self.block_size_i, tm, "block_size_i (MatmulGradQ M)"),
-                (self.max_k, tn, "max_k (MatmulGradK N)"),
+                (self.grad_col_tile, tn, "grad_col_tile (MatmulGradK N)"),
             )
         else:
             checks = ()
@@ -126,9 +142,10 @@ class AttentionBackwardConfig:
             (self.block_size_j, 16 * self.warps_sdp[0], "block_size_j (MatmulQK M)"),
             (self.block_size_i, 16 * self.warps_sdp[1], "block_size_i (MatmulQK N)"),
             (self.block_size_j, 16 * self.warps_dkv[0], "block_size_j (MatmulGradK M)"),
-            (self.max_k, 16 * self.warps_dkv[1], "max_k (MatmulGradK N)"),
+            (self.grad_col_tile, 16 * self.warps_dkv[1], "grad_col_tile (MatmulGradK N)"),
             (self.block_size_i, 16 * self.warps_dq[0], "block_size_i (MatmulGradQ M)"),
-            (self.max_k, 16 * self.warps_dq[1], "max_k (MatmulGradQ N)"),
+            (self.grad_col_tile, 16 * self.warps_dq[1], "grad_col_tile (MatmulGradQ N)"),
+            (self.max_k, self.grad_col_tile, "max_k (the gradient matmuls' column loop)"),
         )
         for size, tile, what in checks:
             if size % tile:
@@ -180,15 +197,34 @@ class AttentionBackwardConfig:
         """Elements per global access: 128 bits when aligned, one element otherwise."""
         return 128 // self.elem_bits if self.is_aligned else 1
 
-    # ---- GradQTempStorage -------------------------------------------------------------
+    # ---- column loops and GradQTempStorage -------------------------------------------
     @property
-    def grad_q_col_tile(self) -> int:
-        """MatmulGradQ's column tile: the whole padded head dim (one column iteration)."""
-        return self.max_k
+    def grad_col_tile(self) -> int:
+        """MatmulGradV / GradK / GradQ's column tile (ThreadblockShape::kN): the whole
+        padded head dim (one column iteration) while dK / dV stay in registers, else
+        128 (64 when max_k % 128) columns per iteration of the column loop."""
+        if self.output_in_rf:
+            return self.max_k
+        return 128 if self.max_k % 128 == 0 else 64
 
     @property
-    def grad_q_elements_stored(self) -> int:  # AccumTileGmem::kElementsStored
-        return self.block_size_i * self.grad_q_col_tile
+    def grad_q_col_tile(self) -> int:
+        """MatmulGradQ's column tile."""
+        return self.grad_col_tile
+
+    @property
+    def num_col_blocks(self) -> int:
+        """Iterations of the gradient matmuls' column loop over max_k."""
+        return self.max_k // self.grad_col_tile
+
+    @property
+    def grad_q_elements_stored(self) -> int:  # AccumTileGmem::kElementsStored x column blocks
+        return self.block_size_i * self.max_k
+
+    @property
+    def grad_kv_accum_words(self) -> int:
+        """fp32 words of one dK_j (or dV_j) accumulator in the workspace (not output_in_rf)."""
+        return 0 if self.output_in_rf else self.block_size_j * self.max_k
 
     @property
     def grad_q_temp_storage_words(self) -> int:  # sizeof(GradQTempStorage) / 4
@@ -265,7 +301,9 @@ class AttentionBackwardConfig:
         kept while the CTA walks its query blocks); part1 (QK, GradV, DOIVJ): Q_i, dO_i,
         attn_T, zij (dropout only); part2 (GradQ, GradK) reuses attn_T's bytes for tmp_T
         and keeps Q_i (GradK's B operand). The parts are a union; the C++ union of
-        part1..part6 collapses to these two because our epilogues write from registers.
+        part1..part6 collapses to these two because our epilogues write from registers
+        (also above 256: the column loops' dK / dV chunks go to global memory, not
+        through shared memory).
         """
         e = self.elem_bits // 8
         i, j, k, st = self.block_size_i, self.block_size_j, self.max_k, self.stages_q
@@ -309,20 +347,38 @@ def max_k_for(head_dim: int, head_dim_value: int) -> int:
     return round_up(max(head_dim, head_dim_value, 1), HEAD_DIM_ROUND)
 
 
+def _max_head_dim_for(cap: int) -> int:
+    """The largest half-precision head dim above MAX_K_IN_RF whose tiles fit ``cap`` bytes."""
+    best = MAX_K_IN_RF
+    for k in range(MAX_K_IN_RF + GMEM_ACCUM_K_ROUND, MAX_K + 1, GMEM_ACCUM_K_ROUND):
+        cfg = AttentionBackwardConfig(16, True, False, False, 64, 32, k, warps_sdp=(2, 4), warps_dkv=(2, 4), stages_q=1)
+        if cfg.smem_bytes() <= cap:
+            best = k
+    return best
+
+
 def attention_backward_config(
     elem_bits: int, head_dim: int, head_dim_value: int, is_aligned: bool, arch: str = "sm_90a", **overrides
 ) -> AttentionBackwardConfig:
     """The tiles for (dtype, head dims, alignment, arch); see the module table."""
     max_k = max_k_for(head_dim, head_dim_value)
-    if max_k > MAX_K_IN_RF:
+    biggest = max(head_dim, head_dim_value)
+    if elem_bits == 32 and max_k > MAX_K_FP32:
         raise NotImplementedError(
-            f"head dims above {MAX_K_IN_RF} (got {max(head_dim, head_dim_value)}) need the column-looping "
-            "path with dK/dV accumulated in the workspace, which is not implemented yet"
+            f"fp32 head dims above {MAX_K_FP32} (got {biggest}) are not implemented: the SIMT path has no "
+            "column loop (use fp16 / bf16, which go to 512)"
         )
+    if max_k > MAX_K:
+        raise NotImplementedError(f"head dims above {MAX_K} are not implemented (got {biggest})")
+    warps = {}
     if elem_bits == 32:  # SIMT: smaller tiles (fp32 operands take twice the bytes)
         block_i = block_j = 64 if max_k <= 128 else 32
-    else:
+    elif max_k <= MAX_K_IN_RF:
         block_i, block_j = 64, (128 if max_k <= 128 else 64)
+    else:  # dK / dV accumulated in the workspace, column loops of 128 (or 64)
+        max_k = round_up(max_k, GMEM_ACCUM_K_ROUND)
+        block_i, block_j = 64, 32
+        warps = dict(warps_sdp=(2, 4), warps_dkv=(2, 4))
     fields = dict(
         elem_bits=elem_bits,
         is_aligned=is_aligned,
@@ -334,6 +390,7 @@ def attention_backward_config(
         # MatmulGradQ's N tile is 16 x warps: 4 warps along the head dim need it % 64
         warps_dq=(2, 4) if max_k % 64 == 0 else (4, 2),
         grad_q_red_floats=4 if _sm_major(arch) >= 9 else 1,
+        **warps,
     )
     fields.update(overrides)
     cfg = AttentionBackwardConfig(**fields)
@@ -341,5 +398,8 @@ def attention_backward_config(
     if cfg.smem_bytes() > cap and "stages_q" not in overrides:
         cfg = replace(cfg, stages_q=1)  # no room to prefetch the next query block
     if cfg.smem_bytes() > cap:
-        raise NotImplementedError(f"{cfg} needs {cfg.smem_bytes()} bytes of shared memory, {arch} has {cap}")
+        hint = ""
+        if max_k > MAX_K_IN_RF:
+            hint = f" (head dim {biggest}: {arch} serves head dims up to {_max_head_dim_for(cap)}; sm_90 serves {MAX_K})"
+        raise NotImplementedError(f"{cfg} needs {cfg.smem_bytes()} bytes of shared memory, {arch} has {cap}{hint}")
     return cfg

@@ -7,8 +7,10 @@
 logsumexp [sequences, H, >= max_seqlen_q]), same outputs (grad_q, grad_k, grad_v,
 grad_bias). Any strides whose last is 1 (packed QKV, [B, H, M, K] transposed views).
 
-fp32 inputs run SIMT FMA matmuls (fp32 accuracy, no tensor cores). Not implemented yet
-(clear NotImplementedError): attention bias and dropout (issue 6), head dims above 256.
+fp32 inputs run SIMT FMA matmuls (fp32 accuracy, no tensor cores). Head dims up to 512
+for fp16 / bf16 (above 256: dK / dV accumulated in an fp32 workspace; on sm_80 shared
+memory serves up to 384), up to 256 for fp32. Not implemented yet (clear
+NotImplementedError): attention bias and dropout (issue 6), head dims above those.
 """
 
 from __future__ import annotations
@@ -53,9 +55,16 @@ def _build(dtype, cfg: tiling.AttentionBackwardConfig, varlen: bool, computes_de
         cutlass.Float32, (cute.sym_int(), cute.sym_int(), words),
         stride=(cute.sym_int64(divisibility=4), words, 1), assumed_align=16,
     )
+    ws_kv = None  # dK / dV accumulators (head dims above 256): [B * H, splits, 2 * words]
+    if not cfg.output_in_rf:
+        kv_words = 2 * cfg.grad_kv_accum_words
+        ws_kv = cute.runtime.make_fake_tensor(
+            cutlass.Float32, (cute.sym_int(), cute.sym_int(), kv_words),
+            stride=(cute.sym_int64(divisibility=4), kv_words, 1), assumed_align=16,
+        )
     cu_q, cu_k = (cc.fake_tensor(cutlass.Int32, (cute.sym_int(),), 1) if varlen else None for _ in range(2))
     return cc.compile_kernel(
-        kernel, q, k, v, o, do, lse, delta, gq, gk, gv, ws, cu_q, cu_k,
+        kernel, q, k, v, o, do, lse, delta, gq, gk, gv, ws, ws_kv, cu_q, cu_k,
         cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), cc.fake_stream(),
         arch=arch,
     )
@@ -64,12 +73,18 @@ def _build(dtype, cfg: tiling.AttentionBackwardConfig, varlen: bool, computes_de
 compiled = cc.CompileCache("mem_eff_attention_bwd", _build)
 
 
-def compile_configurations(arch: str, dtypes=(cutlass.Float16, cutlass.BFloat16), head_dims=(64, 128, 256)) -> int:
-    """Compile the configurations serving ``head_dims`` (CPU compile checks, benchmarks)."""
+def compile_configurations(arch: str, dtypes=(cutlass.Float16, cutlass.BFloat16), head_dims=(64, 128, 256, 512)) -> int:
+    """Compile the configurations serving ``head_dims`` (CPU compile checks, benchmarks).
+
+    Head dims whose tiles the arch's shared memory cannot hold (above 384 on sm_80:
+    the config raises NotImplementedError) are skipped."""
     n = 0
     for dt in dtypes:
         for d in head_dims:
-            cfg = tiling.attention_backward_config(dt.width, d, d, True, arch)
+            try:
+                cfg = tiling.attention_backward_config(dt.width, d, d, True, arch)
+            except NotImplementedError:
+                continue
             for varlen in (False, True):
                 for computes_delta in (False, True):
                     compiled(dt, cfg, varlen, computes_delta, arch)
@@ -217,6 +232,8 @@ def _impl(
     computes_delta = cfg.kernel_computes_delta and params.num_splits_key == 1
     if computes_delta:
         delta = torch.empty((seqs, h, rows_q), dtype=torch.float32, device=query.device)
+    elif dv > tiling.MAX_K_IN_RF:  # beyond attention_bwd_compute_delta's head dims
+        delta = _delta_torch(out, grad_out, cu_seqlens_q, seqs, rows_q)
     else:
         from .attention_bwd_prepost import _compute_delta_impl
 
@@ -228,12 +245,31 @@ def _impl(
     workspace = alloc(
         (seqs * h, params.num_query_blocks(), cfg.grad_q_temp_storage_words), dtype=torch.float32, device=query.device
     )
+    workspace_kv = None
+    if not cfg.output_in_rf:  # each split's dK_j / dV_j accumulators (no zeroing: first query block stores)
+        workspace_kv = torch.empty(
+            (seqs * h, params.num_splits_key, 2 * cfg.grad_kv_accum_words), dtype=torch.float32, device=query.device
+        )
     fn = compiled(cc.cute_dtype(query.dtype), cfg, varlen, computes_delta, arch)
     fn(
-        query, key, value, out, grad_out, logsumexp, delta, grad_q, grad_k, grad_v, workspace,
+        query, key, value, out, grad_out, logsumexp, delta, grad_q, grad_k, grad_v, workspace, workspace_kv,
         cu_seqlens_q, cu_seqlens_k, float(scale), params.custom_mask_type, params.window_size, params.num_splits_key,
     )
     return grad_q, grad_k, grad_v
+
+
+def _delta_torch(out, grad_out, cu_seqlens_q, seqs, rows_q):
+    """Δ = rowsum(dO∘O) as fp32 [sequences, H, rows_q] in torch (head dims above 256, split keys)."""
+    d = (out.float() * grad_out.float()).sum(-1)  # [B, M, H]
+    if cu_seqlens_q is None:
+        return d.transpose(1, 2).contiguous()
+    d = d[0]  # [total rows, H]: scatter each row to (its sequence, its position)
+    rows = torch.arange(d.shape[0], device=d.device)
+    seq = torch.searchsorted(cu_seqlens_q[1:].long(), rows, right=True)
+    pos = rows - cu_seqlens_q.long()[seq]
+    delta = torch.zeros((seqs, rows_q, d.shape[1]), dtype=torch.float32, device=d.device)
+    delta[seq, pos] = d
+    return delta.transpose(1, 2).contiguous()
 
 
 @torch.library.custom_op("cute_kernels::efficient_attention_backward", mutates_args=())
@@ -297,9 +333,11 @@ def efficient_attention_backward(
     if num_splits_key is not None and (not _is_int(num_splits_key) or int(num_splits_key) < 1):
         raise ValueError(f"num_splits_key must be a positive int, got {num_splits_key!r}")
     _check_inputs(grad_out_, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp)
-    if max(query.shape[-1], value.shape[-1]) > tiling.MAX_K_IN_RF:
+    max_head_dim = tiling.MAX_K_FP32 if query.dtype == torch.float32 else tiling.MAX_K
+    if max(query.shape[-1], value.shape[-1]) > max_head_dim:
         raise NotImplementedError(
-            f"head dims above {tiling.MAX_K_IN_RF} are not implemented yet (query's {query.shape[-1]}, value's {value.shape[-1]})"
+            f"head dims above {max_head_dim} are not implemented for {query.dtype} yet "
+            f"(query's {query.shape[-1]}, value's {value.shape[-1]})"
         )
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])

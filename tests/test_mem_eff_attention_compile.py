@@ -11,8 +11,10 @@ from cute_kernels.mem_eff_attention.shared_storage import make_shared_storage, p
 from layouts import mem_eff_attention as tiling
 from ops import mem_eff_attention as M
 
-# (head_dim, head_dim_value, aligned): every max_k class, Dqk != Dv, the unaligned path
-CONFIGS = [(32, 32, True), (64, 64, True), (96, 64, True), (128, 128, True), (160, 160, True), (256, 256, True), (72, 40, False)]
+# (head_dim, head_dim_value, aligned): every max_k class, Dqk != Dv, the unaligned path;
+# above 256 (dK / dV accumulated in the workspace, column loops of 128 and of 64)
+CONFIGS = [(32, 32, True), (64, 64, True), (96, 64, True), (128, 128, True), (160, 160, True), (256, 256, True), (72, 40, False),
+           (512, 512, True), (320, 288, True), (512, 320, True), (300, 270, False)]  # fmt: skip
 
 
 @pytest.mark.compile
@@ -20,6 +22,10 @@ CONFIGS = [(32, 32, True), (64, 64, True), (96, 64, True), (128, 128, True), (16
 @pytest.mark.parametrize("d,dv,aligned", CONFIGS)
 def test_compiles(arch, d, dv, aligned):
     dtype = cutlass.BFloat16 if d % 64 == 0 else cutlass.Float16
+    if arch == "sm_80" and tiling.max_k_for(d, dv) > 384:  # Q_i, dO_i, K_j, V_j do not fit 163 KB
+        with pytest.raises(NotImplementedError, match="sm_80 serves head dims up to 384"):
+            tiling.attention_backward_config(16, d, dv, aligned, arch)
+        return
     cfg = tiling.attention_backward_config(16, d, dv, aligned, arch)
     assert cfg.smem_bytes() <= tiling.SMEM_CAPACITY[arch]
     if arch == "sm_80" and cfg.max_k == 256:
@@ -77,16 +83,40 @@ def test_config_table_fp32(d, arch):
     assert cfg.grad_q_red_floats == (4 if arch == "sm_90a" else 1)
 
 
+@pytest.mark.parametrize("d,dv", [(288, 288), (320, 320), (384, 384), (448, 448), (512, 512), (512, 320), (64, 300)])
+def test_config_table_gmem_accum(d, dv):
+    """Above 256: max_k a multiple of 64, 64 x 32 tiles, 2 x 4 warps, dK / dV in the workspace."""
+    cfg = tiling.attention_backward_config(16, d, dv, True, "sm_90a")
+    assert cfg.max_k == tiling.round_up(max(d, dv), 64) and not cfg.output_in_rf
+    assert cfg.needs_accum_grad_k and cfg.needs_accum_grad_v
+    assert (cfg.block_size_i, cfg.block_size_j) == (64, 32)
+    assert cfg.warps_sdp == cfg.warps_dkv == cfg.warps_dq == (2, 4)
+    assert cfg.grad_col_tile == (128 if cfg.max_k % 128 == 0 else 64)
+    assert cfg.num_col_blocks * cfg.grad_col_tile == cfg.max_k
+    assert cfg.grad_q_elements_stored == 64 * cfg.max_k and cfg.grad_kv_accum_words == 32 * cfg.max_k
+    assert cfg.smem_bytes() <= tiling.SMEM_CAPACITY["sm_90a"]
+    assert cfg.stages_q == (2 if cfg.max_k <= 320 else 1)
+    sizes = cfg.shared_storage_sizes()
+    assert sizes["persistent"]["mm_qk_k"] == 32 * cfg.max_k * 2
+    p = Params(cfg, 2, 3, 300, 200, d, dv, num_splits_key=2)
+    assert p.workspace_elements_gk() == p.workspace_elements_gv() == 2 * 32 * cfg.max_k
+    p.check_supported()
+
+
 def test_config_refuses():
-    with pytest.raises(NotImplementedError, match="256"):
-        tiling.attention_backward_config(16, 512, 512, True)
+    with pytest.raises(NotImplementedError, match="512"):
+        tiling.attention_backward_config(16, 544, 512, True)
+    with pytest.raises(NotImplementedError, match="fp32 head dims above 256"):
+        tiling.attention_backward_config(32, 288, 64, True)
+    with pytest.raises(NotImplementedError, match="sm_80 serves head dims up to 384"):
+        tiling.attention_backward_config(16, 512, 64, True, "sm_80")
     with pytest.raises(ValueError, match="warp tile"):
         tiling.AttentionBackwardConfig(16, True, False, False, 64, 128, 96, warps_dq=(2, 4))
     with pytest.raises(ValueError, match="warps"):
         tiling.AttentionBackwardConfig(16, True, False, False, 64, 128, 128, warps_sdp=(2, 2))
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256, 320, 512])
 def test_shared_storage_matches_layouts(d):
     cfg = tiling.attention_backward_config(16, d, d, True, "sm_90a")
     storage = make_shared_storage(cfg, cutlass.BFloat16)
@@ -173,3 +203,21 @@ def test_compiles_tmp_own_buffer_variant():
     cfg = tiling.attention_backward_config(16, 128, 128, True, "sm_90a", tmp_own_buffer=True)
     assert cfg.shared_storage_sizes()["part1"]["tmp_shared_storage"] > 0
     assert callable(M.compiled(cutlass.BFloat16, cfg, False, True, "sm_90a"))
+
+
+def test_delta_torch_matches_rowsum():
+    """Δ for head dims above 256 with split keys (torch): dense and packed sequences."""
+    g = torch.Generator().manual_seed(0)
+    out, do = (torch.randn(2, 7, 3, 300, generator=g).to(torch.bfloat16) for _ in range(2))
+    ref = (out.float() * do.float()).sum(-1).transpose(1, 2)
+    assert torch.equal(M._delta_torch(out, do, None, 2, 7), ref)
+    lengths = [3, 0, 9]
+    cu = torch.tensor([0, 3, 3, 12], dtype=torch.int32)
+    out, do = (torch.randn(1, 12, 2, 288, generator=g) for _ in range(2))
+    got = M._delta_torch(out, do, cu, 3, 10)
+    assert got.shape == (3, 2, 10)
+    rows = (out * do).sum(-1)[0]  # [12, H]
+    for s, n in enumerate(lengths):
+        start = int(cu[s])
+        assert torch.equal(got[s, :, :n], rows[start : start + n].T)
+        assert (got[s, :, n:] == 0).all()

@@ -8,7 +8,11 @@ are the C++'s, Python-cased:
   (``kernel_computes_delta``), then for each of its key blocks j walks the query
   blocks i the iteration order gives (``iteration.py``: ``get_query_start``,
   ``incr_iteration``), calling ``process_block_ij``; dK_j / dV_j accumulate in
-  registers (``output_in_rf``) and ``write_frags_to_gmem`` stores them.
+  registers (``output_in_rf``) and ``write_frags_to_gmem`` stores them. Above a
+  head dim of 256 (not ``output_in_rf``) the gradient matmuls loop over column
+  chunks of the head dim and dK_j / dV_j accumulate in the workspace
+  (``accumulate_grad_kv``, the C++'s ``accumulate_in_gmem``); a key block no query
+  sees gets zeros (``zfill_grad_kv``).
 - ``process_block_ij``: MatmulQK (attn_T = K_j Q_iᵀ; scale, causal / window mask,
   exp(· - LSE) into shared memory), MatmulGradV (dV_j += attn_T dO_i), MatmulDOIVJ
   (dPᵀ = V_j dO_iᵀ; dS = (dP - Δ)·P, times the softmax scale, into shared memory as
@@ -43,7 +47,7 @@ from .iteration import (
     is_last_key_for_query,
 )
 from .shared_storage import make_shared_storage
-from .warp_mma import gemm_smem, transpose_view
+from .warp_mma import col_chunk, gemm_smem, transpose_view
 
 LOG2E = math.log2(math.e)
 
@@ -78,8 +82,10 @@ class AttentionBackwardKernel:
     def __init__(self, dtype, cfg: AttentionBackwardConfig, varlen: bool, kernel_computes_delta: bool):
         if dtype.width != cfg.elem_bits:
             raise ValueError(f"config is for {cfg.elem_bits}-bit elements, dtype is {dtype}")
-        if not cfg.output_in_rf:
-            raise NotImplementedError("dK/dV accumulated in the workspace (kOutputInRF = false) is not implemented")
+        if not cfg.output_in_rf and not (cfg.is_half and cfg.grad_q_atomic):
+            raise NotImplementedError(
+                "dK/dV accumulated in the workspace (kOutputInRF = false) needs fp16/bf16 and grad_q_atomic"
+            )
         if cfg.apply_dropout or cfg.preload:
             raise NotImplementedError("kApplyDropout / kPreload are not implemented yet")
         self.dtype = dtype
@@ -106,6 +112,7 @@ class AttentionBackwardKernel:
         mGradKey: cute.Tensor,  # like mKey
         mGradValue: cute.Tensor,  # like mValue
         mWorkspace: cute.Tensor,  # [B * H, query blocks, GradQTempStorage words] fp32
+        mWorkspaceGradKV: cute.Tensor,  # [B * H, splits, 2 * grad_kv_accum_words] fp32, None when output_in_rf
         mCuSeqlensQ: cute.Tensor,  # [sequences + 1] int32, or None
         mCuSeqlensK: cute.Tensor,
         scale: Float32,
@@ -119,7 +126,7 @@ class AttentionBackwardKernel:
         num_batches = mLogsumexp.shape[0]
         self.kernel(
             mQuery, mKey, mValue, mOutput, mGradOutput, mLogsumexp, mDelta,
-            mGradQuery, mGradKey, mGradValue, mWorkspace, mCuSeqlensQ, mCuSeqlensK,
+            mGradQuery, mGradKey, mGradValue, mWorkspace, mWorkspaceGradKV, mCuSeqlensQ, mCuSeqlensK,
             scale, custom_mask_type, window_size, SharedStorage,
         ).launch(
             grid=[num_splits_key, mQuery.shape[2], num_batches],
@@ -177,6 +184,7 @@ class AttentionBackwardKernel:
         mGradKey: cute.Tensor,
         mGradValue: cute.Tensor,
         mWorkspace: cute.Tensor,
+        mWorkspaceGradKV: cute.Tensor,
         mCuSeqlensQ: cute.Tensor,
         mCuSeqlensK: cute.Tensor,
         scale: Float32,
@@ -194,6 +202,11 @@ class AttentionBackwardKernel:
             mGradValue=mGradValue, mWorkspace=mWorkspace, mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK,
         )
         p = self.advance_to_block(batch, head, tensors)
+        if const_expr(not cfg.output_in_rf):
+            # this split's dK_j / dV_j accumulators (p.workspace_gk / p.workspace_gv)
+            gkv = mWorkspaceGradKV[batch * mQuery.shape[2] + head, split_key, None]
+            p.workspace_gk = gkv.iterator
+            p.workspace_gv = gkv.iterator + cfg.grad_kv_accum_words
         it = IterationParams(
             p.num_queries, p.num_keys, custom_mask_type, window_size, num_splits_key, split_key,
             cfg.block_size_i, cfg.block_size_j,
@@ -231,14 +244,17 @@ class AttentionBackwardKernel:
             cute.arch.barrier()
 
         m = self.make_matmuls(tidx, s)
-        acc_dk = cute.make_rmem_tensor(m.thr_dkv.partition_shape_C((cfg.block_size_j, cfg.max_k)), Float32)
-        acc_dv = cute.make_rmem_tensor(m.thr_dkv.partition_shape_C((cfg.block_size_j, cfg.max_k)), Float32)
+        acc_dk = acc_dv = None  # not output_in_rf: per column chunk, in accumulate_grad_kv
+        if const_expr(cfg.output_in_rf):
+            acc_dk = cute.make_rmem_tensor(m.thr_dkv.partition_shape_C((cfg.block_size_j, cfg.max_k)), Float32)
+            acc_dv = cute.make_rmem_tensor(m.thr_dkv.partition_shape_C((cfg.block_size_j, cfg.max_k)), Float32)
         scale_log2 = scale * LOG2E
 
         stage = Int32(0)
         for key_start in cutlass.range(split_key * cfg.block_size_j, p.num_keys, num_splits_key * cfg.block_size_j, unroll=1):
-            acc_dk.fill(0.0)
-            acc_dv.fill(0.0)
+            if const_expr(cfg.output_in_rf):
+                acc_dk.fill(0.0)
+                acc_dv.fill(0.0)
             num_keys_in_block = cutlass.min(cfg.block_size_j, p.num_keys - key_start)
             # A key block no query sees (window, bottom-right) leaves its K_j / V_j
             # cp.async in flight: land it before this block's copies target the same
@@ -248,6 +264,7 @@ class AttentionBackwardKernel:
             self.load_tile(m.copy_k, cute.domain_offset((key_start, 0), p.key), s.k, num_keys_in_block, p.head_dim, tidx)
             self.load_tile(m.copy_k, cute.domain_offset((key_start, 0), p.value), s.v, num_keys_in_block, p.head_dim_value, tidx)
             query_start = get_query_start(it, key_start)
+            visited = query_start < p.num_queries
             if query_start < p.num_queries:
                 self.load_query_block(_view(p), _view(s), _view(m), query_start, stage, tidx)
             cute.arch.cp_async_commit_group()  # K_j, V_j and the first query block
@@ -262,7 +279,11 @@ class AttentionBackwardKernel:
                 query_start = next_query
                 if const_expr(cfg.stages_q > 1):
                     stage = stage ^ 1
-            self.write_frags_to_gmem(p, m, acc_dk, acc_dv, key_start, num_keys_in_block, tidx)
+            if const_expr(cfg.output_in_rf):
+                self.write_frags_to_gmem(p, m, acc_dk, acc_dv, key_start, num_keys_in_block, tidx)
+            else:
+                if ~visited:  # the last query block wrote dK_j / dV_j; no query block: zeros
+                    self.zfill_grad_kv(_view(p), _view(m), key_start, num_keys_in_block, tidx)
 
     # ---------------------------------------------------------------------- matmuls
     def make_matmuls(self, tidx, s: SimpleNamespace) -> SimpleNamespace:
@@ -436,17 +457,32 @@ class AttentionBackwardKernel:
         cute.arch.barrier()  # attn_T (and tmp_T) are complete
 
         # ---- MatmulGradV: dV_j += attn_T dO_i.
-        gemm_smem(m.mma_dkv, acc_dv, m.gv_rA, m.gv_rB, m.gv_sA, gv_sB, m.s2r_a_dkv, m.s2r_b_dkv)
+        if const_expr(cfg.output_in_rf):
+            gemm_smem(m.mma_dkv, acc_dv, m.gv_rA, m.gv_rB, m.gv_sA, gv_sB, m.s2r_a_dkv, m.s2r_b_dkv)
+        else:
+            self.accumulate_grad_kv(
+                _view(p), it, False, s.attn, s.do[None, None, stage], query_start, key_start, num_keys_in_block, _view(m), tidx
+            )
         if const_expr(not cfg.tmp_own_buffer):
             cute.arch.barrier()  # every warp is done with attn_T: tmp_T takes its bytes
             cute.copy(m.r2s_sdp, m.r2s_sdp.retile(r_ds), m.tmp_r2s)
             cute.arch.barrier()
 
         # ---- MatmulGradQ: dQ_i += dS K_j, accumulated in GradQTempStorage.
-        self.grad_q(_view(p), it, _view(s), _view(m), query_start, key_start, num_queries_in_block, num_splits_key, split_key, tidx)
+        if const_expr(cfg.output_in_rf):
+            self.grad_q(_view(p), it, _view(s), _view(m), query_start, key_start, num_queries_in_block, num_splits_key, split_key, tidx)
+        else:
+            self.grad_q_columns(
+                _view(p), it, _view(s), _view(m), query_start, key_start, num_queries_in_block, num_splits_key, tidx
+            )
 
         # ---- MatmulGradK: dK_j += tmp_T Q_i.
-        gemm_smem(m.mma_dkv, acc_dk, m.gk_rA, m.gk_rB, m.gk_sA, gk_sB, m.s2r_a_dkv, m.s2r_b_dkv)
+        if const_expr(cfg.output_in_rf):
+            gemm_smem(m.mma_dkv, acc_dk, m.gk_rA, m.gk_rB, m.gk_sA, gk_sB, m.s2r_a_dkv, m.s2r_b_dkv)
+        else:
+            self.accumulate_grad_kv(
+                _view(p), it, True, s.tmp, s.q[None, None, stage], query_start, key_start, num_keys_in_block, _view(m), tidx
+            )
 
     # --------------------------------------------------------------------- GradQ
     def grad_q_gmem_tile(self, storage: cute.Tensor, tidx, num_elements: int) -> cute.Tensor:
@@ -568,3 +604,136 @@ class AttentionBackwardKernel:
                     p.grad_key[key_start + r, c] = acc_dk[e].to(self.dtype)
                 if c < p.head_dim_value:
                     p.grad_value[key_start + r, c] = acc_dv[e].to(self.dtype)
+
+    # ------------------------------------------ head dims above 256: column loops
+    def frag_gmem_tile(self, ptr, tidx, num_elements: int) -> cute.Tensor:
+        """``GmemTile`` at ``ptr``: this thread's fragment of one column chunk, 4 floats
+        per 128-bit access (element e of thread t at (e // 4) * 4 * threads + 4 * t + e % 4)."""
+        threads = self.cfg.num_threads
+        layout = cute.make_layout(
+            (GMEM_TILE_ACCESS, threads, num_elements // GMEM_TILE_ACCESS),
+            stride=(1, GMEM_TILE_ACCESS, GMEM_TILE_ACCESS * threads),
+        )
+        return cute.make_tensor(ptr, layout)[None, tidx, None]
+
+    @cute.jit
+    def accumulate_grad_kv(self, p, it, is_grad_k: cutlass.Constexpr, sA, sB_rows, query_start, key_start, num_keys_in_block, m, tidx):
+        """MatmulGradV (dV_j += attn_T dO_i) or MatmulGradK (dK_j += tmp_T Q_i), one column
+        chunk of the head dim at a time (not output_in_rf).
+
+        ``sB_rows`` is dO_i (or Q_i) as (queries, max_k). Each chunk's accumulator starts
+        from zeros at the key block's first query block, else from this thread's own
+        fragment in the workspace (``workspace_gv`` / ``workspace_gk``: one split owns the
+        key block, so the load / add / store needs no synchronisation); the last query
+        block writes the chunk of dV_j (dK_j) from registers, the others store it back.
+        """
+        cfg = self.cfg
+        cols = cfg.grad_col_tile
+        is_first_query = query_start == get_query_start(it, key_start)
+        next_query, next_key = incr_iteration(it, query_start, key_start)
+        is_last_query = (next_key != key_start) | (next_query >= p.num_queries)
+        head_dim = p.head_dim if const_expr(is_grad_k) else p.head_dim_value
+        out = p.grad_key if const_expr(is_grad_k) else p.grad_value
+        workspace = p.workspace_gk if const_expr(is_grad_k) else p.workspace_gv
+        coord = m.thr_dkv.partition_C(cute.make_identity_tensor((cfg.block_size_j, cols)))
+        for col_block in cutlass.range_constexpr(cfg.num_col_blocks):
+            col = col_block * cols
+            if col < head_dim:  # chunks past this head dim hold only zero padding
+                sB = transpose_view(col_chunk(sB_rows, cols, col_block))
+                rA, rB, tsA, tsB = _operands(m.thr_dkv, m.s2r_a_dkv, m.s2r_b_dkv, sA, sB)
+                acc = cute.make_rmem_tensor(m.thr_dkv.partition_shape_C((cfg.block_size_j, cols)), Float32)
+                n = cute.size(acc)
+                gmem_tile = self.frag_gmem_tile(workspace + col_block * cfg.block_size_j * cols, tidx, n)
+                acc_view = cute.make_tensor(acc.iterator, cute.make_layout((GMEM_TILE_ACCESS, n // GMEM_TILE_ACCESS)))
+                if is_first_query:
+                    acc.fill(0.0)
+                else:
+                    cute.autovec_copy(gmem_tile, acc_view)
+                gemm_smem(m.mma_dkv, acc, rA, rB, tsA, tsB, m.s2r_a_dkv, m.s2r_b_dkv)
+                if is_last_query:
+                    for e in cutlass.range_constexpr(n):
+                        r, c = coord[e]
+                        if (r < num_keys_in_block) & (col + c < head_dim):
+                            out[key_start + r, col + c] = acc[e].to(self.dtype)
+                else:
+                    cute.autovec_copy(acc_view, gmem_tile)
+
+    @cute.jit
+    def zfill_grad_kv(self, p, m, key_start, num_keys_in_block, tidx):
+        """dK_j = dV_j = 0 for a key block no query block visits (not output_in_rf)."""
+        cfg = self.cfg
+        cols = cfg.grad_col_tile
+        coord = m.thr_dkv.partition_C(cute.make_identity_tensor((cfg.block_size_j, cols)))
+        zero = Float32(0.0).to(self.dtype)
+        for col_block in cutlass.range_constexpr(cfg.num_col_blocks):
+            col = col_block * cols
+            for e in cutlass.range_constexpr(cute.size(coord)):
+                r, c = coord[e]
+                if r < num_keys_in_block:
+                    if col + c < p.head_dim:
+                        p.grad_key[key_start + r, col + c] = zero
+                    if col + c < p.head_dim_value:
+                        p.grad_value[key_start + r, col + c] = zero
+
+    @cute.jit
+    def grad_q_columns(self, p, it, s, m, query_start, key_start, num_queries_in_block, num_splits_key, tidx):
+        """MatmulGradQ (dQ_i += dS K_j) one column chunk of the head dim at a time (not
+        output_in_rf): ``grad_q``'s reductions into GradQTempStorage per chunk (chunk c
+        at c * block_size_i * grad_col_tile, each in GmemTile order); with split keys the
+        counter is bumped once after every chunk's adds and the last split reads every
+        chunk back to write dQ."""
+        cfg = self.cfg
+        cols = cfg.grad_col_tile
+        chunk_words = cfg.block_size_i * cols
+        storage = p.workspace_gq[query_start // cfg.block_size_i, None]
+        counter = cute.recast_ptr(storage.iterator, dtype=Int32) + 1
+        tiles = storage.iterator + GRAD_Q_HEADER_WORDS
+        split = num_splits_key > 1
+        first = (~split) & (key_start == 0)
+        is_last = is_last_key_for_query(it, query_start, key_start)
+        coord = m.thr_dq.partition_C(cute.make_identity_tensor((cfg.block_size_i, cols)))
+        tmp_t = transpose_view(s.tmp)
+        for col_block in cutlass.range_constexpr(cfg.num_col_blocks):
+            col = col_block * cols
+            if col < p.head_dim:
+                k_t = transpose_view(col_chunk(s.k, cols, col_block))
+                rA, rB, tsA, tsB = _operands(m.thr_dq, m.s2r_a_dq, m.s2r_b_dq, tmp_t, k_t)
+                acc = cute.make_rmem_tensor(m.thr_dq.partition_shape_C((cfg.block_size_i, cols)), Float32)
+                n = cute.size(acc)
+                gmem_tile = self.frag_gmem_tile(tiles + col_block * chunk_words, tidx, n)
+                acc_view = cute.make_tensor(acc.iterator, cute.make_layout((GMEM_TILE_ACCESS, n // GMEM_TILE_ACCESS)))
+                acc.fill(0.0)
+                gemm_smem(m.mma_dq, acc, rA, rB, tsA, tsB, m.s2r_a_dq, m.s2r_b_dq)
+                if split:
+                    self.red_add_gmem_tile(acc_view, gmem_tile)
+                elif is_last:
+                    if ~first:  # the earlier key blocks' sum (this thread's own adds)
+                        cute.arch.fence_acq_rel_gpu()
+                        prev = cute.make_fragment_like(acc_view)
+                        cute.autovec_copy(gmem_tile, prev)
+                        acc_view.store(acc_view.load() + prev.load())
+                    self.write_grad_q_chunk(_view(p), acc, coord, query_start, col, num_queries_in_block)
+                elif first:
+                    cute.autovec_copy(acc_view, gmem_tile)
+                else:
+                    self.red_add_gmem_tile(acc_view, gmem_tile)
+        if split & is_last:  # the counter orders every split's adds before the reader
+            cute.arch.fence_acq_rel_gpu()
+            if self.count_contribution(it, _view(s), counter, query_start, tidx):
+                cute.arch.fence_acq_rel_gpu()
+                for col_block in cutlass.range_constexpr(cfg.num_col_blocks):
+                    col = col_block * cols
+                    if col < p.head_dim:
+                        acc = cute.make_rmem_tensor(m.thr_dq.partition_shape_C((cfg.block_size_i, cols)), Float32)
+                        n = cute.size(acc)
+                        gmem_tile = self.frag_gmem_tile(tiles + col_block * chunk_words, tidx, n)
+                        acc_view = cute.make_tensor(acc.iterator, cute.make_layout((GMEM_TILE_ACCESS, n // GMEM_TILE_ACCESS)))
+                        cute.autovec_copy(gmem_tile, acc_view)
+                        self.write_grad_q_chunk(_view(p), acc, coord, query_start, col, num_queries_in_block)
+
+    @cute.jit
+    def write_grad_q_chunk(self, p, acc, coord, query_start, col, num_queries_in_block):
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            r, c = coord[e]
+            if (r < num_queries_in_block) & (col + c < p.head_dim):
+                p.grad_query[query_start + r, col + c] = acc[e].to(self.dtype)

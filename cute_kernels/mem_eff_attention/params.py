@@ -35,15 +35,18 @@ class Params:
     varlen: bool = False
 
     # -- workspace (the C++'s workspace_elements_gk / gv / gq, workspace_strideBH) ----
+    # dK_j / dV_j accumulators (not output_in_rf): one block_size_j x max_k fp32 tile per
+    # split (a split walks its key blocks one after the other), in GmemTile order per
+    # column chunk. The op allocates them beside the dQ workspace ([B * H, splits, gk + gv]).
     def workspace_elements_gk(self) -> int:
         if not self.cfg.needs_accum_grad_k:
             return 0
-        return self.num_splits_key * self.cfg.block_size_j * ceil_div(self.head_dim, self.cfg.block_size_i) * self.cfg.block_size_i
+        return self.num_splits_key * self.cfg.grad_kv_accum_words
 
     def workspace_elements_gv(self) -> int:
         if not self.cfg.needs_accum_grad_v:
             return 0
-        return self.num_splits_key * self.cfg.block_size_j * ceil_div(self.head_dim_value, self.cfg.block_size_i) * self.cfg.block_size_i
+        return self.num_splits_key * self.cfg.grad_kv_accum_words
 
     def num_query_blocks(self) -> int:
         return ceil_div(self.num_queries, self.cfg.block_size_i)

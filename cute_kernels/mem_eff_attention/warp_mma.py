@@ -11,6 +11,12 @@ def transpose_view(t: cute.Tensor) -> cute.Tensor:
     return cute.composition(t, cute.make_ordered_layout(shape, order=order))
 
 
+def col_chunk(t: cute.Tensor, cols: int, index: int) -> cute.Tensor:
+    """Columns [index * cols, (index + 1) * cols) of a (rows x max_k) shared tile: the
+    column loops' operand chunk (no data moves)."""
+    return cute.local_tile(t, (cute.size(t, mode=[0]), cols), (0, index))
+
+
 @cute.jit
 def gemm_smem(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA, tCrB, tCsA, tCsB, s2r_A, s2r_B):
     """acc += A·B with both operands in shared memory, k-block by k-block.
