@@ -51,6 +51,8 @@ SEQLEN_ROUND = 128  # seqlen_q_rounded / seqlen_k_rounded multiple
 VARLEN_ACCUM_PAD = 128  # rows of slack per sequence in a variable-length dQ accumulator
 HEAD_DIM_ROUND = 32
 MAX_HEAD_DIM = 256
+# compute_delta also serves the memory-efficient backward, whose head dims go to 512
+MAX_DELTA_HEAD_DIM = 512
 NUM_THREADS = 128
 # CTAs launched back to back read the same rows of neighbouring heads: in a
 # [B, S, H, D] tensor those are adjacent, so DRAM pages are opened once, not per head.
@@ -230,6 +232,13 @@ class ComputeDeltaTiles:
         return TiledCopySpec((self.block_i, self.threads_per_line), (1, self.vec), self.elem_bits)
 
 
+def delta_head_dim_rounded(d: int) -> int:
+    """compute_delta's kMaxK: the head dim rounded to 32, up to MAX_DELTA_HEAD_DIM."""
+    if not 1 <= d <= MAX_DELTA_HEAD_DIM:
+        raise ValueError(f"head dim must be in [1, {MAX_DELTA_HEAD_DIM}], got {d}")
+    return round_up(d, HEAD_DIM_ROUND)
+
+
 def compute_delta_tiles(elem_bits: int, head_dim: int, vec: int, arch: str = "sm_90a") -> ComputeDeltaTiles:
     del arch
-    return ComputeDeltaTiles(elem_bits, vec, head_dim_rounded(head_dim))
+    return ComputeDeltaTiles(elem_bits, vec, delta_head_dim_rounded(head_dim))

@@ -397,7 +397,7 @@ def _compute_delta_impl(out, grad_out, cu_seqlens_q, max_seqlen_q):
         return delta.zero_()
     key = ("delta", _meta(out), _meta(grad_out), varlen)
     fn = _cached_plan(key, lambda: compiled_compute_delta(
-        cc.cute_dtype(out.dtype), head_dim_rounded(out.shape[-1]), _vec(out, grad_out), varlen,
+        cc.cute_dtype(out.dtype), tiling.delta_head_dim_rounded(out.shape[-1]), _vec(out, grad_out), varlen,
         cc.device_arch(out.device.index),
     ))  # fmt: skip
     fn(grad_out, out, delta, cu_seqlens_q)

@@ -232,8 +232,6 @@ def _impl(
     computes_delta = cfg.kernel_computes_delta and params.num_splits_key == 1
     if computes_delta:
         delta = torch.empty((seqs, h, rows_q), dtype=torch.float32, device=query.device)
-    elif dv > tiling.MAX_K_IN_RF:  # beyond attention_bwd_compute_delta's head dims
-        delta = _delta_torch(out, grad_out, cu_seqlens_q, seqs, rows_q)
     else:
         from .attention_bwd_prepost import _compute_delta_impl
 
@@ -256,20 +254,6 @@ def _impl(
         cu_seqlens_q, cu_seqlens_k, float(scale), params.custom_mask_type, params.window_size, params.num_splits_key,
     )
     return grad_q, grad_k, grad_v
-
-
-def _delta_torch(out, grad_out, cu_seqlens_q, seqs, rows_q):
-    """Δ = rowsum(dO∘O) as fp32 [sequences, H, rows_q] in torch (head dims above 256, split keys)."""
-    d = (out.float() * grad_out.float()).sum(-1)  # [B, M, H]
-    if cu_seqlens_q is None:
-        return d.transpose(1, 2).contiguous()
-    d = d[0]  # [total rows, H]: scatter each row to (its sequence, its position)
-    rows = torch.arange(d.shape[0], device=d.device)
-    seq = torch.searchsorted(cu_seqlens_q[1:].long(), rows, right=True)
-    pos = rows - cu_seqlens_q.long()[seq]
-    delta = torch.zeros((seqs, rows_q, d.shape[1]), dtype=torch.float32, device=d.device)
-    delta[seq, pos] = d
-    return delta.transpose(1, 2).contiguous()
 
 
 @torch.library.custom_op("cute_kernels::efficient_attention_backward", mutates_args=())

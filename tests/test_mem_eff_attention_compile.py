@@ -205,19 +205,15 @@ def test_compiles_tmp_own_buffer_variant():
     assert callable(M.compiled(cutlass.BFloat16, cfg, False, True, "sm_90a"))
 
 
-def test_delta_torch_matches_rowsum():
-    """Δ for head dims above 256 with split keys (torch): dense and packed sequences."""
-    g = torch.Generator().manual_seed(0)
-    out, do = (torch.randn(2, 7, 3, 300, generator=g).to(torch.bfloat16) for _ in range(2))
-    ref = (out.float() * do.float()).sum(-1).transpose(1, 2)
-    assert torch.equal(M._delta_torch(out, do, None, 2, 7), ref)
-    lengths = [3, 0, 9]
-    cu = torch.tensor([0, 3, 3, 12], dtype=torch.int32)
-    out, do = (torch.randn(1, 12, 2, 288, generator=g) for _ in range(2))
-    got = M._delta_torch(out, do, cu, 3, 10)
-    assert got.shape == (3, 2, 10)
-    rows = (out * do).sum(-1)[0]  # [12, H]
-    for s, n in enumerate(lengths):
-        start = int(cu[s])
-        assert torch.equal(got[s, :, :n], rows[start : start + n].T)
-        assert (got[s, :, n:] == 0).all()
+@pytest.mark.compile
+@pytest.mark.parametrize("varlen", [False, True])
+def test_delta_for_head_dims_above_256_compiles(varlen):
+    """With split keys Δ comes from compute_delta (issue 4's kernel), which serves the
+    backward's head dims up to 512 (its public op keeps the flash limit of 256)."""
+    from layouts import attention_bwd_prepost as prepost_tiling
+    from ops.attention_bwd_prepost import compiled_compute_delta
+
+    assert prepost_tiling.compute_delta_tiles(16, 500, 4).max_k == 512
+    with pytest.raises(ValueError, match="512"):
+        prepost_tiling.delta_head_dim_rounded(513)
+    assert callable(compiled_compute_delta(cutlass.BFloat16, 512, 8, varlen, "sm_90a"))
