@@ -485,20 +485,6 @@ class AttentionBackwardKernel:
             )
 
     # --------------------------------------------------------------------- GradQ
-    def grad_q_gmem_tile(self, storage: cute.Tensor, tidx, num_elements: int) -> cute.Tensor:
-        """The C++'s ``GmemTile``: this thread's fragment, 4 floats per 128-bit access.
-
-        Element e of thread t sits at header + (e // 4) * 4 * threads + 4 * t + e % 4:
-        each access of a warp is 512 contiguous bytes.
-        """
-        threads = self.cfg.num_threads
-        layout = cute.make_layout(
-            (GMEM_TILE_ACCESS, threads, num_elements // GMEM_TILE_ACCESS),
-            stride=(1, GMEM_TILE_ACCESS, GMEM_TILE_ACCESS * threads),
-        )
-        buf = cute.make_tensor(storage.iterator + GRAD_Q_HEADER_WORDS, layout)
-        return buf[None, tidx, None]
-
     @cute.jit
     def grad_q(self, p, it, s, m, query_start, key_start, num_queries_in_block, num_splits_key, split_key, tidx):
         cfg = self.cfg
@@ -507,7 +493,7 @@ class AttentionBackwardKernel:
         storage = p.workspace_gq[query_start // cfg.block_size_i, None]
         lock = cute.recast_ptr(storage.iterator, dtype=Int32)
         counter = lock + 1
-        gmem_tile = self.grad_q_gmem_tile(storage, tidx, n)
+        gmem_tile = self.frag_gmem_tile(storage.iterator + GRAD_Q_HEADER_WORDS, tidx, n)
         acc_view = cute.make_tensor(acc.iterator, cute.make_layout((GMEM_TILE_ACCESS, n // GMEM_TILE_ACCESS)))
         split = num_splits_key > 1
         # The first contribution to a query block (one split, key block 0) finds
@@ -561,10 +547,7 @@ class AttentionBackwardKernel:
                         cute.arch.atomic_exch(lock, Int32(0), sem="release", scope="gpu")
         if is_last:
             # The last contributor writes dQ (no release: nobody comes after it).
-            for e in cutlass.range_constexpr(n):
-                r, c = m.coord_q[e]
-                if (r < num_queries_in_block) & (c < p.head_dim):
-                    p.grad_query[query_start + r, c] = acc[e].to(self.dtype)
+            self.write_grad_q_chunk(_view(p), acc, m.coord_q, query_start, 0, num_queries_in_block)
 
     @cute.jit
     def count_contribution(self, it, s, counter, query_start, tidx) -> cutlass.Boolean:
