@@ -248,6 +248,36 @@ class LnBwdFinalizeTiles:
     def col_tiles(self, n: int) -> int:
         return -(-n // self.tile_n)
 
+    # The fold of the row threads' sums: lanes of a warp that share columns first
+    # (butterfly over the lanes col_threads apart), then one entry per warp (or per
+    # group of col_threads lanes when a warp spans several columns groups) meets the
+    # others in shared memory.
+    @property
+    def lane_fold_steps(self) -> int:
+        """Butterfly steps over row threads inside a warp (log2 of row threads per warp)."""
+        per_warp = max(1, 32 // self.threads[1])
+        return min(per_warp, self.threads[0]).bit_length() - 1
+
+    @property
+    def fold_threads_per_entry(self) -> int:
+        """Threads whose sums one shared entry holds after the butterfly."""
+        return self.threads[1] << self.lane_fold_steps
+
+    @property
+    def fold_cols_per_warp(self) -> int:
+        """Lanes of a warp that write a shared entry (the first of each butterfly group)."""
+        return min(32, self.threads[1])
+
+    @property
+    def fold_rows(self) -> int:
+        return self.num_threads // self.fold_threads_per_entry
+
+    def fold_layout(self):
+        """(fold rows, tile_n) fp32 shared tile where the warps' sums meet (DSL layout)."""
+        import cutlass.cute as cute
+
+        return cute.make_ordered_layout((self.fold_rows, self.tile_n), order=(1, 0))
+
 
 def finalize_tiles(n: int) -> LnBwdFinalizeTiles:
     vec = FINALIZE_VEC

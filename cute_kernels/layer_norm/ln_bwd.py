@@ -168,20 +168,18 @@ class LnBwd:
             self.load_block(k, bidm, ctas_per_col, my_blocks, rows, row_in_cta, col_tile, col_ok,
                             copy_x, copy_dz, tXg, tDZg, tXs, tDZs)  # fmt: skip
         parity = Int32(0)
+        # The row statistics are loaded one row block ahead: loaded after the wait, their
+        # latency was exposed once per row.
+        mu, rs = self.row_stats(mMu, mRs, (bidm * rpc + row_in_cta), rows)
         for k in cutlass.range(my_blocks, unroll=1):
             self.load_block(k + stages - 1, bidm, ctas_per_col, my_blocks, rows, row_in_cta, col_tile, col_ok,
                             copy_x, copy_dz, tXg, tDZg, tXs, tDZs)  # fmt: skip
+            mu_next, rs_next = self.row_stats(mMu, mRs, (bidm + (k + 1) * ctas_per_col) * rpc + row_in_cta, rows)
             cute.arch.cp_async_wait_group(stages - 1)  # block k has landed
             stage = k % stages
             rb = bidm + k * ctas_per_col
             row = rb * rpc + row_in_cta
             row_ok = row < rows
-            rs = Float32(0.0)
-            mu = Float32(0.0)
-            if row_ok:
-                rs = mRs[row]
-                if const_expr(not self.is_rms):
-                    mu = mMu[row]
             rX = [cute.make_rmem_tensor_like(tXg[None, 0, 0, 0, 0]) for _ in range(ldgs)]
             rDZ = [cute.make_rmem_tensor_like(tDZg[None, 0, 0, 0, 0]) for _ in range(ldgs)]
             for it in cutlass.range_constexpr(ldgs):
@@ -240,6 +238,8 @@ class LnBwd:
                 rDX.store(dx.to(self.in_dtype))
                 if row_ok and col_ok[it]:
                     cute.copy(copy_dx, rDX, tDXg[None, 0, 0, rb, col_tile[it]])
+            mu = mu_next
+            rs = rs_next
         cute.arch.cp_async_wait_group(0)  # nothing may land after the CTA exits
 
         # This CTA's column sums -> row ``bidm`` of the partials (Apex's WARPS_M fold).
@@ -281,6 +281,17 @@ class LnBwd:
                     cute.copy(copy_x, tXg[None, 0, 0, rb, col_tile[it]], tXs[None, 0, 0, it, stage])
                     cute.copy(copy_dz, tDZg[None, 0, 0, rb, col_tile[it]], tDZs[None, 0, 0, it, stage])
         cute.arch.cp_async_commit_group()  # empty groups keep the count uniform
+
+    @cute.jit
+    def row_stats(self, mMu, mRs, row, rows):
+        """(mean, rstd) of ``row`` (RMSNorm: mean 0); zeros past the last row."""
+        mu = Float32(0.0)
+        rs = Float32(0.0)
+        if row < rows:
+            rs = mRs[row]
+            if const_expr(not self.is_rms):
+                mu = mMu[row]
+        return mu, rs
 
     def normalized(self, rX, rDZ, rGamma, it: cutlass.Constexpr, mu, rs):
         """(y, dz, dy) of one vector in fp32."""

@@ -43,48 +43,64 @@ class LnBwdFinalize:
     @cute.kernel
     def kernel(self, mDGammaPart: cute.Tensor, mDBetaPart: cute.Tensor, mDGamma: cute.Tensor, mDBeta: cute.Tensor):
         t = self.tiles
-        row_threads, col_threads = t.threads
-        vec, tile_n = t.vec, t.tile_n
         tidx, _, _ = cute.arch.thread_idx()
         col_tile, _, _ = cute.arch.block_idx()
-        ty = tidx // col_threads
-        tx = tidx % col_threads
-        pairs = []
-        if const_expr(self.has_gamma):
-            pairs.append((mDGammaPart, mDGamma))
-        if const_expr(self.has_beta):
-            pairs.append((mDBetaPart, mDBeta))
-        num_rows, n = pairs[0][0].shape
-        vcol = col_tile * col_threads + tx  # this thread's vector of columns
-        col_ok = vcol * vec < n
-
         smem = cutlass.memory.SmemAllocator()
-        for mPart, mOut in pairs:
-            acc = cute.make_rmem_tensor(cute.make_layout(vec), Float32)
-            acc.fill(0.0)
-            if col_ok:
-                # rows ty, ty + R, ty + 2R, ...: t.rows_unroll loads issued before the adds
-                full = (num_rows // (row_threads * t.rows_unroll)) * (row_threads * t.rows_unroll)
-                for r0 in cutlass.range(ty, full, row_threads * t.rows_unroll, unroll=1):
-                    parts = [cute.make_rmem_tensor(cute.make_layout(vec), Float32) for _ in range(t.rows_unroll)]
-                    for u in cutlass.range_constexpr(t.rows_unroll):
-                        cute.autovec_copy(cute.local_tile(mPart[r0 + u * row_threads, None], (vec,), (vcol,)), parts[u])
-                    for u in cutlass.range_constexpr(t.rows_unroll):
-                        acc.store(acc.load() + parts[u].load())
-                for r in cutlass.range(full + ty, num_rows, row_threads, unroll=1):
-                    part = cute.make_rmem_tensor(cute.make_layout(vec), Float32)
-                    cute.autovec_copy(cute.local_tile(mPart[r, None], (vec,), (vcol,)), part)
-                    acc.store(acc.load() + part.load())
-            sAcc = smem.allocate_tensor(
-                Float32, cute.make_ordered_layout((row_threads, tile_n), order=(1, 0)), byte_alignment=16
-            )
-            cute.autovec_copy(acc, cute.local_tile(sAcc[ty, None], (vec,), (tx,)))
-            cute.arch.sync_threads()
-            for j in cutlass.range_constexpr(-(-tile_n // t.num_threads)):
-                c = tidx + j * t.num_threads
-                gcol = col_tile * tile_n + c
-                if c < tile_n and gcol < n:
-                    total = sAcc[0, c]
-                    for r in cutlass.range_constexpr(1, row_threads):
-                        total = total + sAcc[r, c]
-                    mOut[gcol] = total.to(mOut.element_type)
+        sAcc = smem.allocate_tensor(Float32, t.fold_layout(), byte_alignment=16)
+        for mPart, mOut in partial_pairs(mDGammaPart, mDBetaPart, mDGamma, mDBeta):
+            fold_column_tile(t, mPart, mOut, sAcc, col_tile, tidx)
+            cute.arch.sync_threads()  # sAcc is reused
+
+
+def partial_pairs(mDGammaPart, mDBetaPart, mDGamma, mDBeta) -> list:
+    """(partials, output) of dgamma and / or dbeta, whichever exist."""
+    pairs = []
+    if const_expr(mDGammaPart is not None):
+        pairs.append((mDGammaPart, mDGamma))
+    if const_expr(mDBetaPart is not None):
+        pairs.append((mDBetaPart, mDBeta))
+    return pairs
+
+
+@cute.jit
+def fold_column_tile(t: cutlass.Constexpr, mPart: cute.Tensor, mOut: cute.Tensor, sAcc: cute.Tensor, col_tile, tidx):
+    """mOut[tile] = column sums of mPart[:, tile] in a fixed order (deterministic), converted
+    to mOut's dtype. ``sAcc`` is ``t.fold_layout()`` fp32 shared memory, free on entry."""
+    row_threads, col_threads = t.threads
+    vec, tile_n = t.vec, t.tile_n
+    ty = tidx // col_threads
+    tx = tidx % col_threads
+    num_rows, n = mPart.shape
+    vcol = col_tile * col_threads + tx  # this thread's vector of columns
+    acc = cute.make_rmem_tensor(cute.make_layout(vec), Float32)
+    acc.fill(0.0)
+    if vcol * vec < n:
+        # rows ty, ty + R, ty + 2R, ...: t.rows_unroll loads issued before the adds
+        full = (num_rows // (row_threads * t.rows_unroll)) * (row_threads * t.rows_unroll)
+        for r0 in cutlass.range(ty, full, row_threads * t.rows_unroll, unroll=1):
+            parts = [cute.make_rmem_tensor(cute.make_layout(vec), Float32) for _ in range(t.rows_unroll)]
+            for u in cutlass.range_constexpr(t.rows_unroll):
+                cute.autovec_copy(cute.local_tile(mPart[r0 + u * row_threads, None], (vec,), (vcol,)), parts[u])
+            for u in cutlass.range_constexpr(t.rows_unroll):
+                acc.store(acc.load() + parts[u].load())
+        for r in cutlass.range(full + ty, num_rows, row_threads, unroll=1):
+            part = cute.make_rmem_tensor(cute.make_layout(vec), Float32)
+            cute.autovec_copy(cute.local_tile(mPart[r, None], (vec,), (vcol,)), part)
+            acc.store(acc.load() + part.load())
+    # fold the row threads of a warp (lanes tx, tx + col_threads, ...) by a butterfly,
+    # then the warps through shared memory: a fixed order either way
+    for i in cutlass.range_constexpr(t.lane_fold_steps):
+        for v in cutlass.range_constexpr(vec):
+            acc[v] = acc[v] + cute.arch.shuffle_sync_bfly(acc[v], offset=col_threads << i)
+    lane = cute.arch.lane_idx()
+    if lane < t.fold_cols_per_warp:
+        cute.autovec_copy(acc, cute.local_tile(sAcc[tidx // t.fold_threads_per_entry, None], (vec,), (tx,)))
+    cute.arch.sync_threads()
+    for j in cutlass.range_constexpr(-(-tile_n // t.num_threads)):
+        c = tidx + j * t.num_threads
+        gcol = col_tile * tile_n + c
+        if c < tile_n and gcol < n:
+            total = sAcc[0, c]
+            for r in cutlass.range_constexpr(1, t.fold_rows):
+                total = total + sAcc[r, c]
+            mOut[gcol] = total.to(mOut.element_type)
