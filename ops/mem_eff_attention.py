@@ -63,9 +63,20 @@ def _build(dtype, cfg: tiling.AttentionBackwardConfig, varlen: bool, computes_de
             stride=(cute.sym_int64(divisibility=4), kv_words, 1), assumed_align=16,
         )
     cu_q, cu_k = (cc.fake_tensor(cutlass.Int32, (cute.sym_int(),), 1) if varlen else None for _ in range(2))
+    bias = grad_bias = None
+    if cfg.has_bias:
+        # aligned: last stride 1, the others multiples of 128 bits (0 for broadcast dims);
+        # else any strides (a last stride of 0 broadcasts over keys)
+        bias_vec = 128 // cfg.elem_bits if cfg.bias_aligned else 1
+        bias = cc.fake_tensor(dtype, (b, h, mq, mk), bias_vec, leading_dim=-1 if cfg.bias_aligned else None)
+    if cfg.grad_bias:
+        grad_bias = cc.fake_tensor(dtype, (b, h, mq, mk), 128 // cfg.elem_bits)
+    rng = (None,) * 5
+    if cfg.apply_dropout:
+        rng = (cutlass.Int64(0), cutlass.Int64(0), cutlass.Float32(0.5), cutlass.Float32(2.0), cutlass.Int64(1))
     return cc.compile_kernel(
-        kernel, q, k, v, o, do, lse, delta, gq, gk, gv, ws, ws_kv, cu_q, cu_k,
-        cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), cc.fake_stream(),
+        kernel, q, k, v, o, do, lse, delta, gq, gk, gv, ws, ws_kv, cu_q, cu_k, bias, grad_bias,
+        cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), *rng, cc.fake_stream(),
         arch=arch,
     )
 

@@ -323,3 +323,66 @@ def attention_backward_ref(
         dq[b, rq] = sc * torch.einsum("hnm,mhk->nhk", ds, ks)
         dk[b, rk] = sc * torch.einsum("hnm,nhk->mhk", ds, qs)
     return dq, dk, dv
+
+
+# ------------------------------------------------------------- Philox4x32-10 (curand)
+# The CPU twin of cute_kernels/common/philox.py, vectorised over numpy uint32 arrays.
+
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+
+
+def philox4x32_10(counter, key):
+    """Philox4x32-10 of counters ``counter`` (4 uint32 arrays or ints) under ``key`` (2):
+    the four output words as uint32 arrays (Random123 / curand ``curand_Philox4x32_10``)."""
+    import numpy as np
+
+    mask = np.uint64(0xFFFFFFFF)
+    c = [np.asarray(x, dtype=np.uint64) & mask for x in counter]
+    k = [np.uint64(int(x) & 0xFFFFFFFF) for x in key]
+    for r in range(10):
+        if r > 0:
+            k = [(k[0] + np.uint64(_PHILOX_W[0])) & mask, (k[1] + np.uint64(_PHILOX_W[1])) & mask]
+        p0 = c[0] * np.uint64(_PHILOX_M[0])  # < 2^64: exact in uint64
+        p1 = c[2] * np.uint64(_PHILOX_M[1])
+        hi0, lo0 = p0 >> np.uint64(32), p0 & mask
+        hi1, lo1 = p1 >> np.uint64(32), p1 & mask
+        c = [hi1 ^ c[1] ^ k[0], lo1, hi0 ^ c[3] ^ k[1], lo0]
+    return tuple(x.astype(np.uint32) for x in c)
+
+
+def curand_philox_words(seed: int, word_index):
+    """Word ``word_index`` (uint64 array) of curand's Philox stream under ``seed``: what
+    ``curand_init(seed, 0, o)`` + ``skipahead(n)`` reads first for o + n = word_index."""
+    import numpy as np
+
+    idx = np.asarray(word_index, dtype=np.uint64)
+    ctr = idx >> np.uint64(2)
+    zero = np.zeros_like(ctr)
+    words = philox4x32_10((ctr & np.uint64(0xFFFFFFFF), ctr >> np.uint64(32), zero, zero), (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF))
+    stacked = np.stack(words, axis=-1)
+    return np.take_along_axis(stacked, (idx & np.uint64(3)).astype(np.int64)[..., None], axis=-1)[..., 0]
+
+
+def curand_uniform(words):
+    """``_curand_uniform``: float32(u32) * 2^-32 + 2^-33 in float32 (the product is exact)."""
+    import numpy as np
+
+    inv = np.float32(2.3283064e-10)
+    return np.asarray(words, dtype=np.uint32).astype(np.float32) * inv + inv / np.float32(2.0)
+
+
+def mem_eff_dropout_keep_mask(seed: int, offset: int, batches: int, heads: int, num_queries: int, num_keys: int, p: float):
+    """The keep mask [B, H, Mq, Mk] (bool) of torch's memory-efficient attention for
+    philox (seed, offset): element (b, h, n, m) is word offset + (b H + h) Mq Mk + n Mk + m,
+    kept when its uniform is > p (float32 compare, as the kernels)."""
+    import numpy as np
+
+    b = np.arange(batches, dtype=np.uint64).reshape(-1, 1, 1, 1)
+    h = np.arange(heads, dtype=np.uint64).reshape(1, -1, 1, 1)
+    n = np.arange(num_queries, dtype=np.uint64).reshape(1, 1, -1, 1)
+    m = np.arange(num_keys, dtype=np.uint64).reshape(1, 1, 1, -1)
+    mq_mk = np.uint64(num_queries * num_keys)
+    idx = np.uint64(offset) + (b * np.uint64(heads) + h) * mq_mk + n * np.uint64(num_keys) + m
+    u = curand_uniform(curand_philox_words(int(seed), idx))
+    return torch.from_numpy(u > np.float32(p))
