@@ -129,7 +129,7 @@ def test_shared_storage_matches_layouts(d):
 
 
 def _params(**kw):
-    cfg = tiling.attention_backward_config(16, 128, 128, True)
+    cfg = tiling.attention_backward_config(16, 128, 128, True, **kw.pop("cfg", {}))
     base = dict(cfg=cfg, num_batches=2, num_heads=3, num_queries=1000, num_keys=700, head_dim=128, head_dim_value=128)
     base.update(kw)
     return Params(**base)
@@ -159,9 +159,10 @@ def test_params_workspace():
         (dict(head_dim=0), ValueError, "head_dim"),
         (dict(head_dim_value=130), ValueError, "kMaxK"),
         (dict(num_heads=0), ValueError, "num_heads"),
-        (dict(dropout_prob=0.1), NotImplementedError, "dropout"),
+        (dict(dropout_prob=0.1), ValueError, "kApplyDropout"),
         (dict(dropout_prob=1.5), ValueError, "dropout"),
-        (dict(has_bias=True), NotImplementedError, "bias"),
+        (dict(has_bias=True), ValueError, "has_bias"),
+        (dict(has_bias=True, varlen=True, cfg=dict(has_bias=True)), NotImplementedError, "CuSeqlen \\+ bias"),
     ],
 )
 def test_check_supported(kw, exc, msg):
@@ -185,9 +186,9 @@ def _meta(*shape, dtype=torch.bfloat16):
 def test_op_refuses_before_launch():
     q = _meta(1, 8, 2, 64)
     lse = _meta(1, 2, 32, dtype=torch.float32)
-    with pytest.raises(NotImplementedError, match="bias"):
-        M.efficient_attention_backward(q, q, q, q, q, q, None, None, 8, 8, lse, 0.0, None, None, 0, False)
-    with pytest.raises(NotImplementedError, match="dropout"):
+    with pytest.raises(ValueError, match="bias_requires_grad needs a bias"):
+        M.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.0, None, None, 0, True)
+    with pytest.raises(ValueError, match="philox_seed"):
         M.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.1, None, None, 0, False)
     with pytest.raises(ValueError, match="custom_mask_type"):
         M.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.0, None, None, 5, False)
