@@ -96,6 +96,33 @@ def _build(dtype, cfg: tiling.AttentionBackwardConfig, varlen: bool, computes_de
 compiled = cc.CompileCache("mem_eff_attention_bwd", _build)
 
 
+def _build_dropout_mask(arch: str):
+    from cute_kernels.mem_eff_attention.dropout_mask import DropoutMaskKernel
+
+    s = [cute.sym_int() for _ in range(4)]
+    mask = cute.runtime.make_fake_tensor(
+        cutlass.Uint8, tuple(s), stride=(cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), 1), assumed_align=1
+    )
+    return cc.compile_kernel(
+        DropoutMaskKernel(), mask, cutlass.Int64(0), cutlass.Int64(0), cutlass.Float32(0.5), cc.fake_stream(), arch=arch
+    )
+
+
+compiled_dropout_mask = cc.CompileCache("mem_eff_dropout_mask", _build_dropout_mask)
+
+
+def mem_eff_dropout_mask(shape, dropout_p: float, philox_seed: int, philox_offset: int, device=None) -> Tensor:
+    """The keep mask [B, H, Mq, Mk] (bool) torch's memory-efficient attention draws for
+    (seed, offset), from our Philox (the backward's device function): for tests and
+    debugging. ``torch.ops.aten._fill_mem_eff_dropout_mask_`` gives torch's uniforms."""
+    b, h, mq, mk = (int(x) for x in shape)
+    mask = torch.empty((b, h, mq, mk), dtype=torch.uint8, device=device or "cuda")
+    if mask.numel():
+        fn = compiled_dropout_mask(cc.device_arch(mask.device.index))
+        fn(mask, int(philox_seed), int(philox_offset), float(np.float32(dropout_p)))
+    return mask.bool()
+
+
 def compile_configurations(arch: str, dtypes=(cutlass.Float16, cutlass.BFloat16), head_dims=(64, 128, 256, 512)) -> int:
     """Compile the configurations serving ``head_dims`` (CPU compile checks, benchmarks).
 
