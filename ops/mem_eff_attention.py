@@ -143,11 +143,17 @@ def compile_configurations(arch: str, dtypes=(cutlass.Float16, cutlass.BFloat16)
 
 
 def compile_for_benchmark_cases(cases, arch: str) -> int:
-    """The configurations the ``attention_bwd`` suite runs: ((B, H, S, D), dtype, causal)."""
+    """The configurations the ``attention_bwd`` suite runs: ((B, H, S, D), dtype, causal[, feature])
+    with feature None, "bias", "bias_grad" or "dropout" (the suite's dense [B, H, S, S] bias)."""
     seen = set()
-    for (_, _, _, d), dtype_name, _ in cases:
+    for (_, _, _, d), dtype_name, _, *feature in cases:
+        feature = feature[0] if feature else None
+        features = {
+            None: {}, "dropout": dict(apply_dropout=True),
+            "bias": dict(has_bias=True, bias_aligned=True), "bias_grad": dict(has_bias=True, bias_aligned=True, grad_bias=True),
+        }[feature]  # fmt: skip
         dt = cc.cute_dtype(getattr(torch, dtype_name))
-        cfg = tiling.attention_backward_config(dt.width, d, d, True, arch)
+        cfg = tiling.attention_backward_config(dt.width, d, d, True, arch, **features)
         for computes_delta in (False, True):
             key = (dt, cfg, False, computes_delta, arch)
             if key not in seen:

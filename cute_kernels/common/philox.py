@@ -59,13 +59,16 @@ def keep_flags_quads(word_index: Uint64, k0: Uint32, k1: Uint32, dropout_p: Floa
     """
     ctr = word_index >> Uint64(2)
     state = Uint32(word_index) & Uint32(3)
-    outs = []
-    for c in cutlass.range_constexpr(num_quads + 1):
+
+    def output(c):
         ctr_c = ctr + Uint64(c)
-        outs.append(philox4x32_10(Uint32(ctr_c), Uint32(ctr_c >> Uint64(32)), Uint32(0), Uint32(0), k0, k1))
+        return philox4x32_10(Uint32(ctr_c), Uint32(ctr_c >> Uint64(32)), Uint32(0), Uint32(0), k0, k1)
+
+    # one output ahead, not all of them: 8 words live instead of 4 (num_quads + 1)
+    cur = output(0)
     flags = []
     for c in cutlass.range_constexpr(num_quads):
-        cur, nxt = outs[c], outs[c + 1]
+        nxt = output(c + 1)
         packed = Uint32(0)
         for j in cutlass.range_constexpr(4):
             # word state + j of the 8 words cur ++ nxt
@@ -74,4 +77,5 @@ def keep_flags_quads(word_index: Uint64, k0: Uint32, k1: Uint32, dropout_p: Floa
             keep = uniform(Uint32(w)) > dropout_p
             packed = packed | (Uint32(cutlass.select_(keep, Uint32(1), Uint32(0))) << Uint32(8 * j))
         flags.append(packed)
+        cur = nxt
     return flags
