@@ -283,3 +283,9 @@ def test_no_feature_config_is_unchanged():
     assert not (cfg.has_bias or cfg.grad_bias or cfg.apply_dropout)
     sizes = cfg.shared_storage_sizes()["part1"]
     assert sizes["bias"] == 0 and sizes["zij"] == 0
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_dropout_mask_kernel_compiles(arch):
+    assert callable(M.compiled_dropout_mask(arch))
