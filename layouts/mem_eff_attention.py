@@ -97,7 +97,7 @@ class AttentionBackwardConfig:
 
     elem_bits: int  # scalar_t
     is_aligned: bool  # kIsAligned: 128-bit global accesses (strides multiples of 8 halves)
-    apply_dropout: bool  # kApplyDropout (issue 6: the Zij storage is reserved, the op raises)
+    apply_dropout: bool  # kApplyDropout: Zij (keep flags) drawn per block, applied to dV's P and to dP
     preload: bool  # kPreload: prefetch the next matmul's operands (Q/dO of the next block)
     block_size_i: int  # kBlockSizeI: queries per block
     block_size_j: int  # kBlockSizeJ: keys per block (one key block per CTA step)
@@ -117,6 +117,11 @@ class AttentionBackwardConfig:
     # leaves the critical path of every step; the counter still elects the writer of dQ.
     grad_q_atomic: bool = True
     grad_q_red_floats: int = 4  # floats per reduction: 4 (red.global.add.v4.f32) needs sm_90
+    # Attention bias (the C++'s bias_ptr != nullptr, a compile-time flag here so that the
+    # no-bias kernel pays nothing): BiasLoader tiles it through shared memory.
+    has_bias: bool = False
+    bias_aligned: bool = False  # 128-bit cp.async bias loads (else one element per access)
+    grad_bias: bool = False  # BiasGradEpilogue: dB = dS (before the softmax scale)
 
     def __post_init__(self):
         if self.elem_bits not in (16, 32):
@@ -156,6 +161,12 @@ class AttentionBackwardConfig:
             raise ValueError(f"stages_q must be 1 or 2, got {self.stages_q}")
         if self.block_size_i > self.num_threads:
             raise ValueError("each of the block's queries needs a thread (di / lse loads)")
+        if self.grad_bias and not self.has_bias:
+            raise ValueError("grad_bias needs has_bias")
+        if self.apply_dropout:
+            tpr = self.zij_threads_per_row
+            if self.num_threads % self.block_size_i or self.block_size_j % (4 * tpr):
+                raise ValueError(f"Zij: {self.num_threads} threads cannot draw {self.block_size_i} x {self.block_size_j} in quads")
 
     # ---- the C++'s derived constants ------------------------------------------------
     @property
@@ -256,6 +267,51 @@ class AttentionBackwardConfig:
         """AccumulatorSharedStorage of attn_T (and of tmp_T = dSᵀ·scale): J x I."""
         return self.smem_tile(self.block_size_j, self.block_size_i)
 
+    # ---- bias and dropout (issue 6) ---------------------------------------------------
+    @property
+    def tile_pad_bytes(self) -> int:
+        # 16 bytes per row: rows stay 16-byte aligned (cp.async) and consecutive query
+        # rows start 4 banks apart, so the fragment reads (2 queries x 8 keys per
+        # 4 lanes) do not conflict.
+        return 16
+
+    def smem_layout_bias(self) -> SmemLayoutSpec:
+        """BiasLoader::SmemTile: B_ij as (queries, keys), rows padded (read at the fragment's
+        (key, query); also the BiasGradEpilogue's staging tile for dB_ij)."""
+        pad = self.tile_pad_bytes * 8 // self.elem_bits
+        return SmemLayoutSpec((1, 1), None, (self.block_size_i, self.block_size_j), self.elem_bits, pad=pad)
+
+    def smem_layout_zij(self) -> SmemLayoutSpec:
+        """ZijSharedStorage: one keep flag byte per (query, key), rows padded."""
+        return SmemLayoutSpec((1, 1), None, (self.block_size_i, self.block_size_j), 8, pad=self.tile_pad_bytes)
+
+    @property
+    def zij_threads_per_row(self) -> int:
+        """Threads drawing one query row of Zij (the C++'s kNumThreads / kQueriesPerBlock)."""
+        return max(1, self.num_threads // self.block_size_i)
+
+    @property
+    def zij_quads_per_thread(self) -> int:
+        """curand_uniform4 calls per thread per block (elts_per_thread / 4)."""
+        return self.block_size_j // (4 * self.zij_threads_per_row)
+
+    def bias_tiled_copy(self) -> TiledCopySpec:
+        """BiasLoader::GmemTileIterator: rows of queries, contiguous keys; 128-bit cp.async
+        when the bias allows it, else one element per (synchronous) access."""
+        if self.bias_aligned:
+            vec = 128 // self.elem_bits
+            tpr = min(self.block_size_j // vec, self.num_threads)
+            return TiledCopySpec((self.num_threads // tpr, tpr), (1, vec), self.elem_bits, op="cp.async", load_cache="global")
+        tpr = min(32, self.block_size_j)
+        return TiledCopySpec((self.num_threads // tpr, tpr), (1, 1), self.elem_bits)
+
+    def grad_bias_tiled_copy(self) -> TiledCopySpec:
+        """BiasGradEpilogue: the staged dB_ij tile to global memory, 128-bit stores (our
+        grad_bias rows are padded to 128 bits)."""
+        vec = 128 // self.elem_bits
+        tpr = min(self.block_size_j // vec, self.num_threads)
+        return TiledCopySpec((self.num_threads // tpr, tpr), (1, vec), self.elem_bits)
+
     # ---- copies -----------------------------------------------------------------------
     def gmem_tiled_copy(self, cols: int) -> TiledCopySpec:
         """Q, K, V, dO tiles into shared memory: cp.async 16 bytes, or one element.
@@ -313,7 +369,8 @@ class AttentionBackwardConfig:
             "mm_qk_q": i * k * e * st,
             "mm_gradV_do": i * k * e * st,
             "attn_shared_storage": attn,
-            "zij": attn if self.apply_dropout else 0,
+            "bias": self.smem_layout_bias().bytes if self.has_bias else 0,
+            "zij": self.smem_layout_zij().bytes if self.apply_dropout else 0,
             "tmp_shared_storage": attn if self.tmp_own_buffer else 0,
         }
         part2 = {"mm_gradK_q": i * k * e * st, "mm_gradV_do": i * k * e * st, "tmp_shared_storage": attn}

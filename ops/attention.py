@@ -8,8 +8,8 @@
   captures it as one node.
 * ``use_for_sdpa()``: opt-in and reversible; while on, torch's efficient SDPA backend
   (``aten::_scaled_dot_product_efficient_attention_backward``, CUDA) runs our backward for
-  the configurations it supports (no attention bias, no dropout) and torch's own kernel
-  for the rest, logging the reason (logger ``cute_kernels``, level DEBUG).
+  the configurations it supports (attention bias with its gradient and dropout included)
+  and torch's own kernel for the rest, logging the reason (logger ``cute_kernels``, level DEBUG).
 
 Conventions (torch's, checked on torch 2.11 and 2.13):
 
@@ -22,6 +22,9 @@ Conventions (torch's, checked on torch 2.11 and 2.13):
   Rows past Mq read +inf (dense; with variable lengths only up to the sequence's next
   multiple of 32, later entries are left unwritten). A query row that sees no key has
   out 0 and logsumexp 0.
+* attn_bias: broadcastable to [B, H, Mq, Mk], query's dtype, added to the scaled logits
+  (not with variable lengths); dropout_p: torch's forward draws the keep mask (philox
+  seed / offset), our backward redraws the same bits.
 * causal: False (custom_mask_type 0), True / "top_left" (1: key m masked if m > n),
   "bottom_right" (2: masked if m > n + Mk - Mq, per sequence); ``window_size`` w > 0
   (causal only) also masks m <= n + shift - w.
@@ -205,51 +208,54 @@ def _mea_forward(
     custom_mask_type: int,
     window_size: int,
     scale: Optional[float],
-) -> Tuple[Tensor, Tensor]:
+    attn_bias: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     varlen = cu_seqlens_q is not None
-    out, lse, _, _, _, _ = torch.ops.aten._efficient_attention_forward(
-        query, key, value, None, cu_seqlens_q, cu_seqlens_k,
+    out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
+        query, key, value, attn_bias, cu_seqlens_q, cu_seqlens_k,
         max_seqlen_q if varlen else None, max_seqlen_k if varlen else None,
-        0.0, custom_mask_type, True, scale=scale, window_size=window_size if window_size > 0 else None,
+        dropout_p, custom_mask_type, True, scale=scale, window_size=window_size if window_size > 0 else None,
     )  # fmt: skip
-    return out, lse
+    # without dropout torch returns empty seed / offset scalars nobody reads
+    return out, lse, seed, offset
 
 
 @_mea_forward.register_fake
-def _(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, custom_mask_type, window_size, scale):
+def _(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, custom_mask_type, window_size, scale,
+      attn_bias=None, dropout_p=0.0):  # fmt: skip
     b, mq, h, _ = query.shape
     out = query.new_empty((b, mq, h, value.shape[3]))
     rows = cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else b
     lse = query.new_empty((rows, h, _lse_len(max_seqlen_q)), dtype=torch.float32)
-    return out, lse
+    seed, offset = (torch.empty((), dtype=torch.int64, device="cpu") for _ in range(2))
+    return out, lse, seed, offset
 
 
 def _mea_setup(ctx, inputs, output):
-    query, key, value, cu_q, cu_k, max_q, max_k, mask_type, window_size, scale = inputs
-    out, lse = output
-    ctx.save_for_backward(query, key, value, out, lse, cu_q, cu_k)
+    query, key, value, cu_q, cu_k, max_q, max_k, mask_type, window_size, scale, attn_bias, dropout_p = inputs
+    out, lse, seed, offset = output
+    ctx.save_for_backward(query, key, value, out, lse, cu_q, cu_k, attn_bias, seed, offset)
     ctx.max_seqlens = (max_q, max_k)
-    ctx.mask_type, ctx.window_size, ctx.scale = mask_type, window_size, scale
-    ctx.mark_non_differentiable(lse)
+    ctx.mask_type, ctx.window_size, ctx.scale, ctx.dropout_p = mask_type, window_size, scale, dropout_p
+    ctx.mark_non_differentiable(lse, seed, offset)
 
 
-def _mea_backward(ctx, grad_out, grad_lse):
-    del grad_lse
+def _mea_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
+    del grad_lse, grad_seed, grad_offset
     from ops.mem_eff_attention import efficient_attention_backward
 
-    query, key, value, out, lse, cu_q, cu_k = ctx.saved_tensors
+    query, key, value, out, lse, cu_q, cu_k, attn_bias, seed, offset = ctx.saved_tensors
     none = (None,) * 7
     if grad_out is None:
-        return (None, None, None) + none
-    # no dropout: the forward's philox seed / offset are empty CPU scalars nobody reads
-    seed = torch.empty((), dtype=torch.int64)
-    offset = torch.empty((), dtype=torch.int64)
-    dq, dk, dv, _ = efficient_attention_backward(
-        grad_out, query, key, value, None, out, cu_q, cu_k, ctx.max_seqlens[0], ctx.max_seqlens[1], lse,
-        0.0, seed, offset, ctx.mask_type, False,
+        return (None,) * 12
+    bias_grad = attn_bias is not None and ctx.needs_input_grad[10]
+    dq, dk, dv, db = efficient_attention_backward(
+        grad_out, query, key, value, attn_bias, out, cu_q, cu_k, ctx.max_seqlens[0], ctx.max_seqlens[1], lse,
+        ctx.dropout_p, seed, offset, ctx.mask_type, bias_grad,
         scale=ctx.scale, window_size=ctx.window_size if ctx.window_size > 0 else None,
     )  # fmt: skip
-    return (dq, dk, dv) + none
+    return (dq, dk, dv) + none + (db, None)
 
 
 torch.library.register_autograd("cute_kernels::memory_efficient_attention", _mea_backward, setup_context=_mea_setup)
@@ -267,8 +273,10 @@ def memory_efficient_attention(
     cu_seqlens_k: Optional[Tensor] = None,
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
+    attn_bias: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
 ) -> Tensor:
-    """softmax(scale q kᵀ + mask) v in the [B, M, H, K] layout; forward torch's, backward ours.
+    """dropout(softmax(scale q kᵀ + bias + mask)) v in the [B, M, H, K] layout; forward torch's, backward ours.
 
     Args:
         query: [B, Mq, H, K] fp16 / bf16 / fp32, CUDA, last dim contiguous.
@@ -281,6 +289,11 @@ def memory_efficient_attention(
             sequences packed along M; each attends only within itself).
         max_seqlen_q, max_seqlen_k: the longest sequences; read from cu_seqlens when omitted
             (a device synchronisation, and impossible under torch.compile).
+        attn_bias: added to the scaled logits; broadcastable to [B, H, Mq, Mk], query's dtype
+            (not with cu_seqlens). With requires_grad it gets its gradient (summed over
+            the broadcast dims, as autograd does).
+        dropout_p: dropout on the probabilities (torch's forward draws the mask, our
+            backward redraws it bit for bit from the forward's philox seed and offset).
 
     Returns:
         out [B, Mq, H, Kv] in query's dtype. Eager varlen calls read cu_seqlens back once to
@@ -289,8 +302,46 @@ def memory_efficient_attention(
     mask_type, window_size, max_q, max_k, scale = _validate(
         query, key, value, causal, window_size, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )
-    out, _ = _mea_forward(query, key, value, cu_seqlens_q, cu_seqlens_k, max_q, max_k, mask_type, window_size, scale)
+    check_float("dropout_p", dropout_p)
+    dropout_p = float(dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if attn_bias is not None:
+        attn_bias = _prepare_bias(attn_bias, query, key, cu_seqlens_q)
+    out, _, _, _ = _mea_forward(
+        query, key, value, cu_seqlens_q, cu_seqlens_k, max_q, max_k, mask_type, window_size, scale, attn_bias, dropout_p
+    )
     return out
+
+
+BIAS_ALIGN = 16  # elements: torch's forward wants the bias rows 128-bit aligned (SDPA pads them alike)
+
+
+def _prepare_bias(attn_bias: Tensor, query: Tensor, key: Tensor, cu_seqlens_q) -> Tensor:
+    """The [B, H, Mq, Mk] view torch's forward takes: broadcast dims expanded (stride 0),
+    rows padded to 16 elements when they are not (differentiable ops, so autograd sums
+    and crops the gradient back to ``attn_bias``'s shape)."""
+    check_tensor("attn_bias", attn_bias)
+    check_same_device("attn_bias", attn_bias, query)
+    if attn_bias.dtype != query.dtype:
+        raise TypeError(f"attn_bias must have query's dtype {query.dtype}, got {attn_bias.dtype}")
+    if cu_seqlens_q is not None:
+        raise NotImplementedError("attn_bias with cu_seqlens is not supported (torch's forward refuses it)")
+    b, mq, h, _ = query.shape
+    mk = key.shape[1]
+    full = (b, h, mq, mk)
+    try:
+        ok = attn_bias.dim() <= 4 and torch.broadcast_shapes(tuple(attn_bias.shape), full) == full
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"attn_bias of shape {tuple(attn_bias.shape)} does not broadcast to [B, H, Mq, Mk] = {full}")
+    bias = attn_bias.expand(full)
+    aligned = bias.stride(-1) == 1 and all(st % BIAS_ALIGN == 0 for st in bias.stride()[:-1])
+    if not aligned:
+        padded = -(-mk // BIAS_ALIGN) * BIAS_ALIGN
+        bias = torch.nn.functional.pad(attn_bias.expand(full), (0, padded - mk))[..., :mk]
+    return bias
 
 
 # ------------------------------------------------------------------- SDPA integration
@@ -348,10 +399,10 @@ def _torch_sdpa_backward(grad_out, query, key, value, attn_bias, out, logsumexp,
 
 def _sdpa_unsupported(grad_out, query, key, value, attn_bias, out, logsumexp, dropout_p) -> Optional[str]:
     """Why our kernel cannot take this SDPA backward, or None when it can."""
-    if attn_bias is not None:
-        return "attn_bias is set (no bias support)"
-    if dropout_p != 0.0:
-        return f"dropout_p = {dropout_p} (no dropout support)"
+    if attn_bias is not None and attn_bias.dtype != query.dtype:
+        return f"attn_bias dtype {attn_bias.dtype}"
+    if not 0.0 <= dropout_p < 1.0:
+        return f"dropout_p = {dropout_p}"
     if query.dtype not in DTYPES:
         return f"dtype {query.dtype}"
     if any(t.dtype != query.dtype for t in (key, value, out, grad_out)):
@@ -379,11 +430,12 @@ def _sdpa_backward_override(grad_out, query, key, value, attn_bias, out, logsume
         t = lambda x: x.transpose(1, 2)  # noqa: E731
         q_t, k_t = t(query), t(key)
         try:
-            dq, dk, dv, _ = efficient_attention_backward(
-                t(grad_out), q_t, k_t, t(value), None, t(out), None, None, q_t.shape[1], k_t.shape[1], logsumexp,
-                0.0, philox_seed, philox_offset, 1 if is_causal else 0, False, scale=scale,
+            bias_grad = attn_bias is not None and bool(grad_input_mask[3])
+            dq, dk, dv, db = efficient_attention_backward(
+                t(grad_out), q_t, k_t, t(value), attn_bias, t(out), None, None, q_t.shape[1], k_t.shape[1], logsumexp,
+                float(dropout_p), philox_seed, philox_offset, 1 if is_causal else 0, bias_grad, scale=scale,
             )  # fmt: skip
-            return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None
+            return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), db
         except NotImplementedError as e:
             reason = f"NotImplementedError: {e}"
     logger.debug("SDPA efficient backward falls back to torch's kernel: %s", reason)
@@ -433,8 +485,8 @@ class use_for_sdpa:
 
     It registers a CUDA kernel for ``aten::_scaled_dot_product_efficient_attention_backward``
     that transposes the [B, H, M, K] inputs and calls ``efficient_attention_backward`` when
-    there is no attention bias, no dropout and the dtype is fp16 / bf16 / fp32 (and our op
-    does not raise NotImplementedError); anything else goes to
+    the dtype is fp16 / bf16 / fp32 (attention bias, its gradient and dropout included) and
+    our op does not raise NotImplementedError; anything else goes to
     ``aten._efficient_attention_backward`` exactly as torch's wrapper calls it (one DEBUG
     line on logger ``cute_kernels`` says why). Disabling removes the registration, so torch's
     kernel is dispatched again. Process-wide (all threads), not nestable per thread.

@@ -9,8 +9,18 @@ grad_bias). Any strides whose last is 1 (packed QKV, [B, H, M, K] transposed vie
 
 fp32 inputs run SIMT FMA matmuls (fp32 accuracy, no tensor cores). Head dims up to 512
 for fp16 / bf16 (above 256: dK / dV accumulated in an fp32 workspace; on sm_80 shared
-memory serves up to 384), up to 256 for fp32. Not implemented yet (clear
-NotImplementedError): attention bias and dropout (issue 6), head dims above those.
+memory serves up to 384), up to 256 for fp32.
+
+Attention bias: any tensor broadcastable to [B, H, Mq, Mk] in query's dtype (strides
+of 0 for broadcast dims are read as such; a last stride of 1 with 128-bit aligned
+strides takes cp.async, anything else one element per access). With
+``bias_requires_grad`` grad_bias has the bias's shape: [B, H, Mq, Mk] for a 4-D bias
+(as aten, also when expanded), else summed over the broadcast dims. Not with cu_seqlens.
+
+Dropout: the keep mask of torch's forward for ``philox_seed`` / ``philox_offset`` (int64
+scalar tensors, CPU or CUDA; read on the host), redrawn per block with Philox4x32-10.
+Bit-identical to torch for Mq * Mk and H * Mq * Mk below 2^31 (torch's kernels index
+the stream with 32-bit products; ours are 64-bit).
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from typing import Optional, Tuple
 
 import cutlass
 import cutlass.cute as cute
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -38,6 +49,7 @@ INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _build(dtype, cfg: tiling.AttentionBackwardConfig, varlen: bool, computes_delta: bool, arch: str):
+    """Compile one configuration; bias, its gradient and dropout are the config's flags."""
     vec = cfg.vec
     kernel = AttentionBackwardKernel(dtype, cfg, varlen, computes_delta)
     b, h, mq, mk, dqk, dv = (cute.sym_int() for _ in range(6))
@@ -63,14 +75,52 @@ def _build(dtype, cfg: tiling.AttentionBackwardConfig, varlen: bool, computes_de
             stride=(cute.sym_int64(divisibility=4), kv_words, 1), assumed_align=16,
         )
     cu_q, cu_k = (cc.fake_tensor(cutlass.Int32, (cute.sym_int(),), 1) if varlen else None for _ in range(2))
+    bias = grad_bias = None
+    if cfg.has_bias:
+        # aligned: last stride 1, the others multiples of 128 bits (0 for broadcast dims);
+        # else any strides (a last stride of 0 broadcasts over keys)
+        bias_vec = 128 // cfg.elem_bits if cfg.bias_aligned else 1
+        bias = cc.fake_tensor(dtype, (b, h, mq, mk), bias_vec, leading_dim=-1 if cfg.bias_aligned else None)
+    if cfg.grad_bias:
+        grad_bias = cc.fake_tensor(dtype, (b, h, mq, mk), 128 // cfg.elem_bits)
+    rng = (None,) * 5
+    if cfg.apply_dropout:
+        rng = (cutlass.Int64(0), cutlass.Int64(0), cutlass.Float32(0.5), cutlass.Float32(2.0), cutlass.Int64(1))
     return cc.compile_kernel(
-        kernel, q, k, v, o, do, lse, delta, gq, gk, gv, ws, ws_kv, cu_q, cu_k,
-        cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), cc.fake_stream(),
+        kernel, q, k, v, o, do, lse, delta, gq, gk, gv, ws, ws_kv, cu_q, cu_k, bias, grad_bias,
+        cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), *rng, cc.fake_stream(),
         arch=arch,
     )
 
 
 compiled = cc.CompileCache("mem_eff_attention_bwd", _build)
+
+
+def _build_dropout_mask(arch: str):
+    from cute_kernels.mem_eff_attention.dropout_mask import DropoutMaskKernel
+
+    s = [cute.sym_int() for _ in range(4)]
+    mask = cute.runtime.make_fake_tensor(
+        cutlass.Uint8, tuple(s), stride=(cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), 1), assumed_align=1
+    )
+    return cc.compile_kernel(
+        DropoutMaskKernel(), mask, cutlass.Int64(0), cutlass.Int64(0), cutlass.Float32(0.5), cc.fake_stream(), arch=arch
+    )
+
+
+compiled_dropout_mask = cc.CompileCache("mem_eff_dropout_mask", _build_dropout_mask)
+
+
+def mem_eff_dropout_mask(shape, dropout_p: float, philox_seed: int, philox_offset: int, device=None) -> Tensor:
+    """The keep mask [B, H, Mq, Mk] (bool) torch's memory-efficient attention draws for
+    (seed, offset), from our Philox (the backward's device function): for tests and
+    debugging. ``torch.ops.aten._fill_mem_eff_dropout_mask_`` gives torch's uniforms."""
+    b, h, mq, mk = (int(x) for x in shape)
+    mask = torch.empty((b, h, mq, mk), dtype=torch.uint8, device=device or "cuda")
+    if mask.numel():
+        fn = compiled_dropout_mask(cc.device_arch(mask.device.index))
+        fn(mask, int(philox_seed), int(philox_offset), float(np.float32(dropout_p)))
+    return mask.bool()
 
 
 def compile_configurations(arch: str, dtypes=(cutlass.Float16, cutlass.BFloat16), head_dims=(64, 128, 256, 512)) -> int:
@@ -93,11 +143,17 @@ def compile_configurations(arch: str, dtypes=(cutlass.Float16, cutlass.BFloat16)
 
 
 def compile_for_benchmark_cases(cases, arch: str) -> int:
-    """The configurations the ``attention_bwd`` suite runs: ((B, H, S, D), dtype, causal)."""
+    """The configurations the ``attention_bwd`` suite runs: ((B, H, S, D), dtype, causal[, feature])
+    with feature None, "bias", "bias_grad" or "dropout" (the suite's dense [B, H, S, S] bias)."""
     seen = set()
-    for (_, _, _, d), dtype_name, _ in cases:
+    for (_, _, _, d), dtype_name, _, *feature in cases:
+        feature = feature[0] if feature else None
+        features = {
+            None: {}, "dropout": dict(apply_dropout=True),
+            "bias": dict(has_bias=True, bias_aligned=True), "bias_grad": dict(has_bias=True, bias_aligned=True, grad_bias=True),
+        }[feature]  # fmt: skip
         dt = cc.cute_dtype(getattr(torch, dtype_name))
-        cfg = tiling.attention_backward_config(dt.width, d, d, True, arch)
+        cfg = tiling.attention_backward_config(dt.width, d, d, True, arch, **features)
         for computes_delta in (False, True):
             key = (dt, cfg, False, computes_delta, arch)
             if key not in seen:
@@ -174,14 +230,44 @@ def _check_inputs(grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, 
         raise ValueError("logsumexp must be contiguous along queries")
 
 
+def _check_bias(bias: Tensor, query: Tensor, key: Tensor, cu_seqlens_q) -> None:
+    check_cuda("bias", bias)
+    check_same_device("bias", bias, query)
+    if bias.dtype != query.dtype:
+        raise TypeError(f"bias must have the dtype of query ({query.dtype}), got {bias.dtype}")
+    if cu_seqlens_q is not None:
+        raise NotImplementedError("attention bias with cu_seqlens is not supported (torch's forward refuses it too)")
+    b, mq, h, _ = query.shape
+    full = (b, h, mq, key.shape[1])
+    try:
+        torch.broadcast_shapes(tuple(bias.shape), full)
+    except RuntimeError:
+        raise ValueError(f"bias of shape {tuple(bias.shape)} does not broadcast to [B, H, Mq, Mk] = {full}") from None
+    if bias.dim() > 4 or torch.broadcast_shapes(tuple(bias.shape), full) != full:
+        raise ValueError(f"bias of shape {tuple(bias.shape)} does not broadcast to [B, H, Mq, Mk] = {full}")
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
 # ------------------------------------------------------------------------------ launch
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(elem_bits, dqk, dv, aligned, arch, seqs, h, rows_q, rows_k, mask_type, window, varlen, num_splits_key, sms):
-    """Config, split count and checked Params of one problem shape (kept off the per-call path)."""
-    cfg = tiling.attention_backward_config(elem_bits, dqk, dv, aligned, arch)
-    params = Params(cfg, seqs, h, rows_q, rows_k, dqk, dv, mask_type, window, varlen=varlen)
+def _plan(elem_bits, dqk, dv, aligned, arch, seqs, h, rows_q, rows_k, mask_type, window, varlen, num_splits_key, sms,
+          bias_mode=None, dropout=False):  # fmt: skip
+    """Config, split count and checked Params of one problem shape (kept off the per-call path).
+
+    ``bias_mode``: None, or (bias_aligned, grad_bias)."""
+    features = dict(apply_dropout=bool(dropout))
+    if bias_mode is not None:
+        features.update(has_bias=True, bias_aligned=bias_mode[0], grad_bias=bias_mode[1])
+    cfg = tiling.attention_backward_config(elem_bits, dqk, dv, aligned, arch, **features)
+    params = Params(
+        cfg, seqs, h, rows_q, rows_k, dqk, dv, mask_type, window, varlen=varlen,
+        dropout_prob=0.5 if dropout else 0.0, has_bias=bias_mode is not None,
+    )  # fmt: skip
     # An explicit split count is clamped to one split per key block, as torch's launcher does.
     params.num_splits_key = (
         choose_num_splits_key(params, sms) if num_splits_key is None else min(num_splits_key, params.max_splits_key())
@@ -190,9 +276,26 @@ def _plan(elem_bits, dqk, dv, aligned, arch, seqs, h, rows_q, rows_k, mask_type,
     return params
 
 
+def _bias_aligned(bias: Tensor, vec: int) -> bool:
+    """BiasLoader's 128-bit path: last stride 1, the others and the address multiples of
+    128 bits, rows a whole number of vectors (a vector never crosses the row's end)."""
+    if bias.shape[-1] % vec or bias.stride(-1) != 1 or bias.data_ptr() % 16:
+        return False
+    return all(st % vec == 0 for n, st in zip(bias.shape[:-1], bias.stride()[:-1]) if n > 1)
+
+
+def _dropout_args(dropout_p, philox_seed, philox_offset, rows_q, rows_k):
+    """(seed, offset, p, 1 / (1 - p), Mq * Mk) as the kernel takes them: p as the float
+    torch's kernels compare with, the scale computed in double from it, as theirs."""
+    p32 = float(np.float32(dropout_p))
+    scale = float(np.float32(1.0 / (1.0 - p32)))
+    return int(philox_seed.item()), int(philox_offset.item()), p32, scale, rows_q * rows_k
+
+
 def _impl(
     grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,
     custom_mask_type, scale, num_splits_key, window_size, shared_storage_dqdkdv,
+    bias=None, bias_requires_grad=False, dropout_p=0.0, philox_seed=None, philox_offset=None,
 ):
     b, mq, h, dqk = query.shape
     mk, dv = key.shape[1], value.shape[3]
@@ -208,19 +311,31 @@ def _impl(
         grad_q, grad_k, grad_v = packed.unbind(2)
     else:
         grad_q, grad_k, grad_v = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (query, key, value))
+    grad_bias = None
+    bias_mode = None
+    vec = 128 // torch.finfo(query.dtype).bits
+    if bias is not None:
+        bias = bias.expand(b, h, mq, mk)  # a view: broadcast dims get stride 0
+        if bias_requires_grad:
+            # rows padded to 128 bits (the epilogue's vector stores), as torch pads them
+            padded = round_up(mk, vec)
+            alloc_b = torch.zeros if int(custom_mask_type) != 0 else torch.empty  # masked tiles are never written
+            grad_bias = alloc_b((b, h, mq, padded), dtype=query.dtype, device=query.device)[..., :mk]
+        bias_mode = (_bias_aligned(bias, vec), bool(bias_requires_grad))
     if min(b, h, mq, mk, dqk, dv, seqs) == 0 or rows_q == 0 or rows_k == 0:
-        for g in (grad_q, grad_k, grad_v):
+        for g in (grad_q, grad_k, grad_v) + (() if grad_bias is None else (grad_bias,)):
             g.zero_()
-        return grad_q, grad_k, grad_v
+        return grad_q, grad_k, grad_v, grad_bias
 
     elem_bits = torch.finfo(query.dtype).bits
     arch = cc.device_arch(query.device.index)
     # kIsAligned: 128-bit accesses on every tensor (head dims, strides, addresses)
     tensors = (query, key, value, out, grad_out, grad_q, grad_k, grad_v)
     aligned = cc.max_vector_elems(128, *((t, t.shape[-1]) for t in tensors)) * elem_bits == 128
+    dropout = float(dropout_p) > 0.0
     params = _plan(
         elem_bits, dqk, dv, aligned, arch, seqs, h, rows_q, rows_k, int(custom_mask_type), int(window_size or 0),
-        varlen, num_splits_key, cc.num_sms(query.device.index),
+        varlen, num_splits_key, cc.num_sms(query.device.index), bias_mode, dropout,
     )
     cfg = params.cfg
 
@@ -248,12 +363,16 @@ def _impl(
         workspace_kv = torch.empty(
             (seqs * h, params.num_splits_key, 2 * cfg.grad_kv_accum_words), dtype=torch.float32, device=query.device
         )
+    rng = (None,) * 5
+    if dropout:
+        rng = _dropout_args(dropout_p, philox_seed, philox_offset, rows_q, rows_k)
     fn = compiled(cc.cute_dtype(query.dtype), cfg, varlen, computes_delta, arch)
     fn(
         query, key, value, out, grad_out, logsumexp, delta, grad_q, grad_k, grad_v, workspace, workspace_kv,
-        cu_seqlens_q, cu_seqlens_k, float(scale), params.custom_mask_type, params.window_size, params.num_splits_key,
-    )
-    return grad_q, grad_k, grad_v
+        cu_seqlens_q, cu_seqlens_k, bias, grad_bias,
+        float(scale), params.custom_mask_type, params.window_size, params.num_splits_key, *rng,
+    )  # fmt: skip
+    return grad_q, grad_k, grad_v, grad_bias
 
 
 @torch.library.custom_op("cute_kernels::efficient_attention_backward", mutates_args=())
@@ -262,17 +381,27 @@ def _op(
     cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: Optional[int],
     max_seqlen_k: Optional[int], logsumexp: Tensor, custom_mask_type: int, scale: float,
     num_splits_key: Optional[int], window_size: Optional[int], shared_storage_dqdkdv: bool,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    return _impl(
+    bias: Optional[Tensor], bias_requires_grad: bool, dropout_p: float,
+    philox_seed: Optional[Tensor], philox_offset: Optional[Tensor],
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    gq, gk, gv, gb = _impl(
         grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,
         custom_mask_type, scale, num_splits_key, window_size, shared_storage_dqdkdv,
-    )
+        bias, bias_requires_grad, dropout_p, philox_seed, philox_offset,
+    )  # fmt: skip
+    # an op returns tensors: no bias gradient is an empty one (the wrapper gives None)
+    return gq, gk, gv, query.new_empty((0,)) if gb is None else gb
 
 
 @_op.register_fake
 def _(grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,
-      custom_mask_type, scale, num_splits_key, window_size, shared_storage_dqdkdv):
-    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+      custom_mask_type, scale, num_splits_key, window_size, shared_storage_dqdkdv,
+      bias, bias_requires_grad, dropout_p, philox_seed, philox_offset):  # fmt: skip
+    gb = query.new_empty((0,))
+    if bias is not None and bias_requires_grad:
+        b, mq, h, _ = query.shape
+        gb = query.new_empty((b, h, mq, key.shape[1]))
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), gb
 
 
 def efficient_attention_backward(
@@ -301,13 +430,15 @@ def efficient_attention_backward(
     """Our ``aten::_efficient_attention_backward``: (grad_q, grad_k, grad_v, grad_bias)."""
     for name, t in (("grad_out_", grad_out_), ("query", query), ("key", key), ("value", value), ("out", out), ("logsumexp", logsumexp)):
         check_tensor(name, t)
-    if bias is not None or bias_requires_grad:
-        raise NotImplementedError("attention bias (and its gradient) is not implemented yet in the memory-efficient backward (issue 6)")
     check_float("dropout_p", dropout_p)
     if not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if dropout_p > 0.0:
-        raise NotImplementedError("dropout (dropout_p > 0) is not implemented yet in the memory-efficient backward (issue 6)")
+    if float(dropout_p) > 0.0:
+        for name, t in (("philox_seed", philox_seed), ("philox_offset", philox_offset)):
+            if not isinstance(t, Tensor) or t.numel() != 1 or t.dtype != torch.int64:
+                raise ValueError(f"dropout needs {name} as the forward returned it (an int64 scalar tensor), got {t!r}")
+    if bias_requires_grad and bias is None:
+        raise ValueError("bias_requires_grad needs a bias")
     if not _is_int(custom_mask_type) or int(custom_mask_type) not in (0, 1, 2):
         raise ValueError(f"custom_mask_type must be 0 (none), 1 (causal from top-left) or 2 (causal from bottom-right), got {custom_mask_type!r}")
     if window_size is not None and (not _is_int(window_size) or int(window_size) < 0):
@@ -317,6 +448,8 @@ def efficient_attention_backward(
     if num_splits_key is not None and (not _is_int(num_splits_key) or int(num_splits_key) < 1):
         raise ValueError(f"num_splits_key must be a positive int, got {num_splits_key!r}")
     _check_inputs(grad_out_, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp)
+    if bias is not None:
+        _check_bias(bias, query, key, cu_seqlens_q)
     max_head_dim = tiling.MAX_K_FP32 if query.dtype == torch.float32 else tiling.MAX_K
     if max(query.shape[-1], value.shape[-1]) > max_head_dim:
         raise NotImplementedError(
@@ -331,7 +464,12 @@ def efficient_attention_backward(
         None if max_seqlen_q is None else int(max_seqlen_q), None if max_seqlen_k is None else int(max_seqlen_k),
         logsumexp, int(custom_mask_type), float(scale),
         None if num_splits_key is None else int(num_splits_key), None if window_size is None else int(window_size),
-        bool(shared_storage_dqdkdv),
+        bool(shared_storage_dqdkdv), bias, bool(bias_requires_grad), float(dropout_p),
+        philox_seed if float(dropout_p) > 0.0 else None, philox_offset if float(dropout_p) > 0.0 else None,
     )
-    grad_q, grad_k, grad_v = _impl(*args) if cc.eager(query) else _op(*args)
-    return grad_q, grad_k, grad_v, None
+    grad_q, grad_k, grad_v, grad_bias = _impl(*args) if cc.eager(query) else _op(*args)
+    if bias is None or not bias_requires_grad:
+        return grad_q, grad_k, grad_v, None
+    if tuple(bias.shape) != tuple(grad_bias.shape):  # a broadcast bias: autograd's gradient
+        grad_bias = grad_bias.sum_to_size(bias.shape)
+    return grad_q, grad_k, grad_v, grad_bias

@@ -225,9 +225,11 @@ def _attention_segments(query, key, cu_seqlens_q, cu_seqlens_k):
     return [(0, slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])) for i in range(len(cq) - 1)]
 
 
-def _attention_probs(q, k, scale, keep):
+def _attention_probs(q, k, scale, keep, bias=None):
     """Masked softmax in fp64: (P [H, Mq, Mk], lse [H, Mq]); P = 0 and lse = -inf on empty rows."""
     s = torch.einsum("nhk,mhk->hnm", q, k) * scale
+    if bias is not None:  # [H, Mq, Mk]: added to the scaled logits, before the mask
+        s = s + bias
     s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # -inf where a row keeps nothing
     finite = torch.isfinite(lse)
@@ -251,6 +253,9 @@ def attention_forward_ref(
     cu_seqlens_q: Optional[Tensor] = None,
     cu_seqlens_k: Optional[Tensor] = None,
     empty_row_lse: float = 0.0,
+    bias: Optional[Tensor] = None,
+    dropout_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
 ) -> Tuple[Tensor, Tensor]:
     """(out [B, Mq, H, Kv], lse) in fp64: softmax(scale q kᵀ + mask) v and its natural-log
     log-sum-exp.
@@ -258,22 +263,43 @@ def attention_forward_ref(
     lse is [B, H, Mq] (dense) or [num_seqs, H, max sequence length] (variable lengths,
     sequence i's query j at [i, :, j], +inf past its end, as torch pads). A query row with
     no key has out 0 and lse ``empty_row_lse`` (torch's kernel writes 0 there: mi and the
-    sum are reset before the log).
+    sum are reset before the log). ``bias`` (broadcastable to [B, H, Mq, Mk], dense only)
+    is added to the scaled logits; ``dropout_mask`` ([B, H, Mq, Mk] bool, True = kept)
+    drops probabilities after the softmax (kept ones scaled by 1 / (1 - dropout_p); lse
+    is the undropped softmax's).
     """
-    out, lse, _ = _attention_forward_parts(query, key, value, custom_mask_type, window_size, scale, cu_seqlens_q, cu_seqlens_k)
+    out, lse, _ = _attention_forward_parts(
+        query, key, value, custom_mask_type, window_size, scale, cu_seqlens_q, cu_seqlens_k, bias, dropout_mask, dropout_p
+    )
     return out, _lse_layout(lse, query, cu_seqlens_q, empty_row_lse)
 
 
-def _attention_forward_parts(query, key, value, custom_mask_type, window_size, scale, cu_seqlens_q, cu_seqlens_k):
+def _bias_and_dropout(query, key, cu_seqlens_q, bias, dropout_mask, dropout_p):
+    """(bias [B, H, Mq, Mk] fp64 or None, Z [B, H, Mq, Mk] fp64 (0 or 1 / (1 - p)) or None)."""
+    b, mq, h, _ = query.shape
+    full = (b, h, mq, key.shape[1])
+    if (bias is not None or dropout_mask is not None) and cu_seqlens_q is not None:
+        raise ValueError("the reference takes bias / dropout_mask for dense problems only")
+    bias64 = None if bias is None else bias.double().expand(full)
+    z = None
+    if dropout_mask is not None:
+        z = dropout_mask.expand(full).double() / (1.0 - dropout_p)
+    return bias64, z
+
+
+def _attention_forward_parts(query, key, value, custom_mask_type, window_size, scale, cu_seqlens_q, cu_seqlens_k,
+                             bias=None, dropout_mask=None, dropout_p=0.0):  # fmt: skip
     q, k, v = query.double(), key.double(), value.double()
     sc = _attention_scale(scale, query.shape[-1])
+    bias64, z = _bias_and_dropout(query, key, cu_seqlens_q, bias, dropout_mask, dropout_p)
     out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))
     lses, probs = [], []
     for b, rq, rk in _attention_segments(query, key, cu_seqlens_q, cu_seqlens_k):
         qs, ks, vs = q[b, rq], k[b, rk], v[b, rk]
         keep = attention_mask_ref(qs.shape[0], ks.shape[0], custom_mask_type, window_size, device=q.device)
-        p, lse = _attention_probs(qs, ks, sc, keep)
-        out[b, rq] = torch.einsum("hnm,mhd->nhd", p, vs)
+        p, lse = _attention_probs(qs, ks, sc, keep, None if bias64 is None else bias64[b])
+        pd = p if z is None else p * z[b]
+        out[b, rq] = torch.einsum("hnm,mhd->nhd", pd, vs)
         lses.append(lse)
         probs.append(p)
     return out, lses, probs
@@ -301,25 +327,102 @@ def attention_backward_ref(
     scale: Optional[float] = None,
     cu_seqlens_q: Optional[Tensor] = None,
     cu_seqlens_k: Optional[Tensor] = None,
-) -> Tuple[Tensor, Tensor, Tensor]:
+    bias: Optional[Tensor] = None,
+    dropout_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    return_grad_bias: bool = False,
+):
     """(dq, dk, dv) in fp64, the shapes of query, key, value, from the closed form
 
-    P = masked softmax(scale q kᵀ), dV = Pᵀ dO, dP = dO vᵀ, dS = P ∘ (dP - rowsum(dO ∘ O)),
-    dQ = scale dS k, dK = scale dSᵀ q. Rows without keys contribute nothing (P = 0), keys
-    no query sees get zero dK / dV, and rows outside every packed sequence stay 0.
+    P = masked softmax(scale q kᵀ + bias), Z = dropout_mask / (1 - p) (or 1),
+    dV = (P∘Z)ᵀ dO, dP = Z∘(dO vᵀ), dS = P ∘ (dP - rowsum(dO ∘ O)), dQ = scale dS k,
+    dK = scale dSᵀ q. Rows without keys contribute nothing (P = 0), keys no query sees
+    get zero dK / dV, and rows outside every packed sequence stay 0. With
+    ``return_grad_bias`` a fourth entry: dBias = dS, [B, H, Mq, Mk] (before any
+    reduction over broadcast dims).
     """
     q, k, v, do = query.double(), key.double(), value.double(), grad_out.double()
     sc = _attention_scale(scale, query.shape[-1])
+    bias64, z = _bias_and_dropout(query, key, cu_seqlens_q, bias, dropout_mask, dropout_p)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    db = q.new_zeros((q.shape[0], q.shape[2], q.shape[1], k.shape[1])) if cu_seqlens_q is None else None
     for b, rq, rk in _attention_segments(query, key, cu_seqlens_q, cu_seqlens_k):
         qs, ks, vs, dos = q[b, rq], k[b, rk], v[b, rk], do[b, rq]
         keep = attention_mask_ref(qs.shape[0], ks.shape[0], custom_mask_type, window_size, device=q.device)
-        p, _ = _attention_probs(qs, ks, sc, keep)  # [H, Mq, Mk]
-        o = torch.einsum("hnm,mhd->nhd", p, vs)
-        dv[b, rk] = torch.einsum("hnm,nhd->mhd", p, dos)
-        dp = torch.einsum("nhd,mhd->hnm", dos, vs)
+        p, _ = _attention_probs(qs, ks, sc, keep, None if bias64 is None else bias64[b])  # [H, Mq, Mk]
+        zb = 1.0 if z is None else z[b]
+        o = torch.einsum("hnm,mhd->nhd", p * zb, vs)
+        dv[b, rk] = torch.einsum("hnm,nhd->mhd", p * zb, dos)
+        dp = torch.einsum("nhd,mhd->hnm", dos, vs) * zb
         delta = (dos * o).sum(-1).t().unsqueeze(-1)  # [H, Mq, 1]
         ds = p * (dp - delta)
+        if db is not None:
+            db[b] = ds
         dq[b, rq] = sc * torch.einsum("hnm,mhk->nhk", ds, ks)
         dk[b, rk] = sc * torch.einsum("hnm,nhk->mhk", ds, qs)
+    if return_grad_bias:
+        return dq, dk, dv, db
     return dq, dk, dv
+
+
+# ------------------------------------------------------------- Philox4x32-10 (curand)
+# The CPU twin of cute_kernels/common/philox.py, vectorised over numpy uint32 arrays.
+
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+
+
+def philox4x32_10(counter, key):
+    """Philox4x32-10 of counters ``counter`` (4 uint32 arrays or ints) under ``key`` (2):
+    the four output words as uint32 arrays (Random123 / curand ``curand_Philox4x32_10``)."""
+    import numpy as np
+
+    mask = np.uint64(0xFFFFFFFF)
+    c = [np.asarray(x, dtype=np.uint64) & mask for x in counter]
+    k = [np.uint64(int(x) & 0xFFFFFFFF) for x in key]
+    for r in range(10):
+        if r > 0:
+            k = [(k[0] + np.uint64(_PHILOX_W[0])) & mask, (k[1] + np.uint64(_PHILOX_W[1])) & mask]
+        p0 = c[0] * np.uint64(_PHILOX_M[0])  # < 2^64: exact in uint64
+        p1 = c[2] * np.uint64(_PHILOX_M[1])
+        hi0, lo0 = p0 >> np.uint64(32), p0 & mask
+        hi1, lo1 = p1 >> np.uint64(32), p1 & mask
+        c = [hi1 ^ c[1] ^ k[0], lo1, hi0 ^ c[3] ^ k[1], lo0]
+    return tuple(x.astype(np.uint32) for x in c)
+
+
+def curand_philox_words(seed: int, word_index):
+    """Word ``word_index`` (uint64 array) of curand's Philox stream under ``seed``: what
+    ``curand_init(seed, 0, o)`` + ``skipahead(n)`` reads first for o + n = word_index."""
+    import numpy as np
+
+    idx = np.asarray(word_index, dtype=np.uint64)
+    ctr = idx >> np.uint64(2)
+    zero = np.zeros_like(ctr)
+    words = philox4x32_10((ctr & np.uint64(0xFFFFFFFF), ctr >> np.uint64(32), zero, zero), (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF))
+    stacked = np.stack(words, axis=-1)
+    return np.take_along_axis(stacked, (idx & np.uint64(3)).astype(np.int64)[..., None], axis=-1)[..., 0]
+
+
+def curand_uniform(words):
+    """``_curand_uniform``: float32(u32) * 2^-32 + 2^-33 in float32 (the product is exact)."""
+    import numpy as np
+
+    inv = np.float32(2.3283064e-10)
+    return np.asarray(words, dtype=np.uint32).astype(np.float32) * inv + inv / np.float32(2.0)
+
+
+def mem_eff_dropout_keep_mask(seed: int, offset: int, batches: int, heads: int, num_queries: int, num_keys: int, p: float):
+    """The keep mask [B, H, Mq, Mk] (bool) of torch's memory-efficient attention for
+    philox (seed, offset): element (b, h, n, m) is word offset + (b H + h) Mq Mk + n Mk + m,
+    kept when its uniform is > p (float32 compare, as the kernels)."""
+    import numpy as np
+
+    b = np.arange(batches, dtype=np.uint64).reshape(-1, 1, 1, 1)
+    h = np.arange(heads, dtype=np.uint64).reshape(1, -1, 1, 1)
+    n = np.arange(num_queries, dtype=np.uint64).reshape(1, 1, -1, 1)
+    m = np.arange(num_keys, dtype=np.uint64).reshape(1, 1, 1, -1)
+    mq_mk = np.uint64(num_queries * num_keys)
+    idx = np.uint64(offset) + (b * np.uint64(heads) + h) * mq_mk + n * np.uint64(num_keys) + m
+    u = curand_uniform(curand_philox_words(int(seed), idx))
+    return torch.from_numpy(u > np.float32(p))

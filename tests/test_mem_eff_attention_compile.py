@@ -129,7 +129,7 @@ def test_shared_storage_matches_layouts(d):
 
 
 def _params(**kw):
-    cfg = tiling.attention_backward_config(16, 128, 128, True)
+    cfg = tiling.attention_backward_config(16, 128, 128, True, **kw.pop("cfg", {}))
     base = dict(cfg=cfg, num_batches=2, num_heads=3, num_queries=1000, num_keys=700, head_dim=128, head_dim_value=128)
     base.update(kw)
     return Params(**base)
@@ -159,9 +159,10 @@ def test_params_workspace():
         (dict(head_dim=0), ValueError, "head_dim"),
         (dict(head_dim_value=130), ValueError, "kMaxK"),
         (dict(num_heads=0), ValueError, "num_heads"),
-        (dict(dropout_prob=0.1), NotImplementedError, "dropout"),
+        (dict(dropout_prob=0.1), ValueError, "kApplyDropout"),
         (dict(dropout_prob=1.5), ValueError, "dropout"),
-        (dict(has_bias=True), NotImplementedError, "bias"),
+        (dict(has_bias=True), ValueError, "has_bias"),
+        (dict(has_bias=True, varlen=True, cfg=dict(has_bias=True)), NotImplementedError, "CuSeqlen \\+ bias"),
     ],
 )
 def test_check_supported(kw, exc, msg):
@@ -185,9 +186,9 @@ def _meta(*shape, dtype=torch.bfloat16):
 def test_op_refuses_before_launch():
     q = _meta(1, 8, 2, 64)
     lse = _meta(1, 2, 32, dtype=torch.float32)
-    with pytest.raises(NotImplementedError, match="bias"):
-        M.efficient_attention_backward(q, q, q, q, q, q, None, None, 8, 8, lse, 0.0, None, None, 0, False)
-    with pytest.raises(NotImplementedError, match="dropout"):
+    with pytest.raises(ValueError, match="bias_requires_grad needs a bias"):
+        M.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.0, None, None, 0, True)
+    with pytest.raises(ValueError, match="philox_seed"):
         M.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.1, None, None, 0, False)
     with pytest.raises(ValueError, match="custom_mask_type"):
         M.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.0, None, None, 5, False)
@@ -217,3 +218,74 @@ def test_delta_for_head_dims_above_256_compiles(varlen):
     with pytest.raises(ValueError, match="512"):
         prepost_tiling.delta_head_dim_rounded(513)
     assert callable(compiled_compute_delta(cutlass.BFloat16, 512, 8, varlen, "sm_90a"))
+
+
+# Bias (aligned: cp.async; unaligned: element by element), its gradient, dropout, and all
+# together, over the tile classes, dtypes, both archs, with varlen / Δ passed in (split keys).
+# (dtype bits, head dim, arch, features, varlen, computes_delta)
+FEATURES = [
+    (16, 128, "sm_90a", dict(apply_dropout=True), False, True),
+    (16, 128, "sm_90a", dict(has_bias=True, bias_aligned=True), False, True),
+    (16, 128, "sm_90a", dict(has_bias=True, bias_aligned=True, grad_bias=True), False, False),
+    (16, 64, "sm_90a", dict(has_bias=True, bias_aligned=False, grad_bias=True), False, True),
+    (16, 128, "sm_90a", dict(has_bias=True, bias_aligned=True, grad_bias=True, apply_dropout=True), False, False),
+    (16, 64, "sm_90a", dict(apply_dropout=True), True, False),  # varlen + dropout, split keys
+    (16, 256, "sm_90a", dict(has_bias=True, bias_aligned=True, grad_bias=True, apply_dropout=True), False, True),
+    (16, 512, "sm_90a", dict(has_bias=True, bias_aligned=True, grad_bias=True, apply_dropout=True), False, False),
+    (16, 96, "sm_80", dict(has_bias=True, bias_aligned=True, grad_bias=True, apply_dropout=True), False, True),
+    (16, 256, "sm_80", dict(has_bias=True, bias_aligned=False, apply_dropout=True), False, True),
+    (16, 384, "sm_80", dict(apply_dropout=True), True, True),
+    (32, 64, "sm_90a", dict(has_bias=True, bias_aligned=True, grad_bias=True, apply_dropout=True), False, True),
+    (32, 256, "sm_90a", dict(has_bias=True, bias_aligned=False, grad_bias=True, apply_dropout=True), False, False),
+    (32, 128, "sm_80", dict(apply_dropout=True), True, True),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("bits,d,arch,features,varlen,computes_delta", FEATURES)
+def test_compiles_bias_and_dropout(bits, d, arch, features, varlen, computes_delta):
+    dtype = {32: cutlass.Float32, 16: cutlass.BFloat16 if d % 64 == 0 else cutlass.Float16}[bits]
+    cfg = tiling.attention_backward_config(bits, d, d, True, arch, **features)
+    assert cfg.smem_bytes() <= tiling.SMEM_CAPACITY[arch]
+    sizes = cfg.shared_storage_sizes()["part1"]
+    assert (sizes["bias"] > 0) == cfg.has_bias and (sizes["zij"] > 0) == cfg.apply_dropout
+    assert callable(M.compiled(dtype, cfg, varlen, computes_delta, arch))
+
+
+def test_bias_and_dropout_refused_where_unsupported():
+    cfg = tiling.attention_backward_config(16, 64, 64, True, "sm_90a", has_bias=True)
+    with pytest.raises(NotImplementedError, match="cu_seqlens"):
+        M.AttentionBackwardKernel(cutlass.BFloat16, cfg, True, True)
+    with pytest.raises(ValueError, match="grad_bias needs has_bias"):
+        tiling.attention_backward_config(16, 64, 64, True, "sm_90a", grad_bias=True)
+
+
+@pytest.mark.parametrize("bits,d", [(16, 64), (16, 128), (16, 256), (16, 512), (32, 64), (32, 256)])
+def test_zij_draw_covers_the_tile(bits, d):
+    """Every (query, key) of a block gets its flag from exactly one thread's quads, in the
+    C++'s split (threads per row = threads / queries, contiguous runs of keys)."""
+    cfg = tiling.attention_backward_config(bits, d, d, True, "sm_90a", apply_dropout=True)
+    tpr, quads = cfg.zij_threads_per_row, cfg.zij_quads_per_thread
+    seen = set()
+    for t in range(cfg.num_threads):
+        row, col = t // tpr, (t % tpr) * 4 * quads
+        for c in range(4 * quads):
+            seen.add((row, col + c))
+    assert len(seen) == cfg.num_threads * 4 * quads == cfg.block_size_i * cfg.block_size_j
+    assert seen == {(i, j) for i in range(cfg.block_size_i) for j in range(cfg.block_size_j)}
+    # flag rows stay 32-bit aligned (one Uint32 store per quad)
+    assert (cfg.smem_layout_zij().shape[1] + cfg.smem_layout_zij().pad) % 4 == 0
+
+
+def test_no_feature_config_is_unchanged():
+    """The flags are off by default: the plain kernel's storage has no bias / Zij bytes."""
+    cfg = tiling.attention_backward_config(16, 128, 128, True, "sm_90a")
+    assert not (cfg.has_bias or cfg.grad_bias or cfg.apply_dropout)
+    sizes = cfg.shared_storage_sizes()["part1"]
+    assert sizes["bias"] == 0 and sizes["zij"] == 0
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_dropout_mask_kernel_compiles(arch):
+    assert callable(M.compiled_dropout_mask(arch))

@@ -13,10 +13,19 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import ops
 from ops import attention as A
-from ops.reference import attention_backward_ref, attention_forward_ref, attention_mask_ref
+from ops.reference import (
+    attention_backward_ref,
+    attention_forward_ref,
+    attention_mask_ref,
+    curand_philox_words,
+    curand_uniform,
+    mem_eff_dropout_keep_mask,
+    philox4x32_10,
+)
 from tests.helpers import trace_custom_ops
 
 F64 = torch.float64
+FORWARD_SEED, FORWARD_OFFSET = 0x9234_5678_9ABC_DEF0 - (1 << 64), 37  # a seed with both key halves set (int64 as torch keeps it)
 
 
 # ------------------------------------------------------------- naive implementation
@@ -294,12 +303,13 @@ def test_cu_seqlens_values_are_checked(values, total, max_seqlen, fragment):
 def test_fake_implementation_shapes():
     with FakeTensorMode():
         q, k, v = fake_cuda(2, 70, 3, 64), fake_cuda(2, 50, 3, 64), fake_cuda(2, 50, 3, 40)
-        out, lse = A._mea_forward(q, k, v, None, None, 70, 50, 1, 0, None)
+        out, lse, seed, offset = A._mea_forward(q, k, v, None, None, 70, 50, 1, 0, None)
+        assert seed.dtype == offset.dtype == torch.int64 and seed.shape == offset.shape == ()
         assert out.shape == (2, 70, 3, 40) and out.dtype == torch.bfloat16
         assert lse.shape == (2, 3, 96) and lse.dtype == torch.float32  # rows padded to a multiple of 32
         q, k, v = fake_cuda(1, 90, 2, 32), fake_cuda(1, 80, 2, 32), fake_cuda(1, 80, 2, 32)
         cq, ck = fake_cuda(5, dtype=torch.int32), fake_cuda(5, dtype=torch.int32)
-        out, lse = A._mea_forward(q, k, v, cq, ck, 33, 40, 2, 8, 0.5)
+        out, lse, _, _ = A._mea_forward(q, k, v, cq, ck, 33, 40, 2, 8, 0.5)
         assert out.shape == (1, 90, 2, 32) and lse.shape == (4, 2, 64)  # [num_seqs, H, round_up(max_seqlen_q, 32)]
         out = ops.memory_efficient_attention(q, k, v, causal=True, window_size=4, cu_seqlens_q=cq, cu_seqlens_k=ck,
                                              max_seqlen_q=33, max_seqlen_k=40)  # fmt: skip
@@ -341,20 +351,27 @@ class BackwardStandIn:
     def __call__(self, grad_out_, query, key, value, bias, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                  logsumexp, dropout_p, philox_seed, philox_offset, custom_mask_type, bias_requires_grad, *,
                  scale=None, num_splits_key=None, window_size=None, shared_storage_dqdkdv=False):  # fmt: skip
-        self.calls.append(dict(mask=custom_mask_type, window=window_size, scale=scale, max=(max_seqlen_q, max_seqlen_k)))
-        assert bias is None and dropout_p == 0.0 and bias_requires_grad is False
+        self.calls.append(dict(mask=custom_mask_type, window=window_size, scale=scale, max=(max_seqlen_q, max_seqlen_k),
+                               bias=bias, dropout_p=dropout_p, bias_requires_grad=bias_requires_grad))  # fmt: skip
         assert philox_seed.dtype == philox_offset.dtype == torch.int64
         assert isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)
         b, mq, h, kv = out.shape
         rows = b if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
         assert logsumexp.dtype == torch.float32 and logsumexp.shape == (rows, h, A._lse_len(max_seqlen_q))
         assert grad_out_.shape == out.shape and query.shape[:3] == (b, mq, h)
-        dq, dk, dv = attention_backward_ref(
+        mask = None
+        if dropout_p > 0.0:  # the forward's bits, from the seed / offset it returned
+            mask = mem_eff_dropout_keep_mask(int(philox_seed), int(philox_offset), b, h, mq, key.shape[1], dropout_p)
+        if bias is not None:
+            assert bias.shape == (b, h, mq, key.shape[1])
+        dq, dk, dv, db = attention_backward_ref(
             query, key, value, grad_out_, custom_mask_type=custom_mask_type, window_size=window_size or 0,
-            scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, bias=bias, dropout_mask=mask,
+            dropout_p=dropout_p, return_grad_bias=True,
         )  # fmt: skip
         # fresh [B, M, H, K] tensors, as torch's at::empty(query.sizes())
-        return tuple(g.to(t.dtype).contiguous() for g, t in ((dq, query), (dk, key), (dv, value))) + (None,)
+        grads = tuple(g.to(t.dtype).contiguous() for g, t in ((dq, query), (dk, key), (dv, value)))
+        return grads + (db.to(bias.dtype) if bias_requires_grad else None,)
 
 
 @pytest.fixture
@@ -363,12 +380,18 @@ def cpu_attention(monkeypatch):
     the CPU key, the backward stand-in, CUDA checks off. Yields the stand-in."""
     lib = torch.library.Library("cute_kernels", "IMPL")
 
-    def forward(query, key, value, cq, ck, max_q, max_k, mask_type, window, scale):
+    def forward(query, key, value, cq, ck, max_q, max_k, mask_type, window, scale, attn_bias=None, dropout_p=0.0):
+        mask = None
+        seed, offset = torch.tensor(FORWARD_SEED), torch.tensor(FORWARD_OFFSET)
+        if dropout_p > 0.0:  # torch's forward's mask for its philox state: the twin's
+            b, mq, h, _ = query.shape
+            mask = mem_eff_dropout_keep_mask(FORWARD_SEED, FORWARD_OFFSET, b, h, mq, key.shape[1], dropout_p)
         out, lse = attention_forward_ref(query, key, value, custom_mask_type=mask_type, window_size=window, scale=scale,
-                                         cu_seqlens_q=cq, cu_seqlens_k=ck)  # fmt: skip
+                                         cu_seqlens_q=cq, cu_seqlens_k=ck, bias=attn_bias, dropout_mask=mask,
+                                         dropout_p=dropout_p)  # fmt: skip
         if cq is not None:
             assert lse.shape[-1] <= max_q
-        return out.to(query.dtype), _lse_padded(lse, max_q)
+        return out.to(query.dtype), _lse_padded(lse, max_q), seed, offset
 
     lib.impl("memory_efficient_attention", forward, "CPU")
     stand_in = BackwardStandIn()
@@ -518,8 +541,8 @@ def test_sdpa_override_translates_to_our_backward(sdpa_on_cpu, causal, scale):
 
 
 FALLS = [
-    ("bias", dict(attn_bias=True), "attn_bias is set"),
-    ("dropout", dict(dropout_p=0.1), "dropout_p = 0.1"),
+    ("bias-dtype", dict(attn_bias=torch.float64), "attn_bias dtype torch.float64"),
+    ("dropout-1", dict(dropout_p=1.0), "dropout_p = 1.0"),
     ("not implemented", dict(raise_ni=True), "NotImplementedError: head_dim 999"),
 ]
 
@@ -536,7 +559,7 @@ def test_sdpa_override_falls_through_like_torch(sdpa_on_cpu, caplog, monkeypatch
 
         monkeypatch.setattr(mea, "efficient_attention_backward", refuse)
     q, k, v, do, out, lse = _sdpa_inputs(causal=True)
-    bias = torch.randn(2, 3, 10, 14) if opts.get("attn_bias") else None
+    bias = torch.randn(2, 3, 10, 14, dtype=opts["attn_bias"]) if opts.get("attn_bias") else None
     p = opts.get("dropout_p", 0.0)
     seed, offset = _empty_long(), _empty_long()
     with caplog.at_level(logging.DEBUG, logger="cute_kernels"):
@@ -555,5 +578,194 @@ def test_sdpa_override_falls_through_like_torch(sdpa_on_cpu, caplog, monkeypatch
     assert len(msgs) == 1 and reason in msgs[0], msgs
 
 
+@pytest.mark.parametrize("bias_grad", [False, True])
+def test_sdpa_override_translates_bias_and_dropout(sdpa_on_cpu, bias_grad):
+    """SDPA's bias (its [B, H, Mq, Mk] expanded view) and dropout (philox seed / offset)
+    reach our backward; the bias gradient comes back when SDPA asks for it."""
+    stand_in, fallen = sdpa_on_cpu
+    b, h, mq, mk, p = 2, 3, 10, 14, 0.2
+    q, k, v, do, _, _ = _sdpa_inputs(causal=True)
+    gen = torch.Generator().manual_seed(5)
+    bias = torch.randn(1, h, mq, mk, generator=gen).expand(b, h, mq, mk)  # broadcast over batch, stride 0
+    mask = mem_eff_dropout_keep_mask(FORWARD_SEED, FORWARD_OFFSET, b, h, mq, mk, p)
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    out, lse = attention_forward_ref(t(q), t(k), t(v), custom_mask_type=1, bias=bias, dropout_mask=mask, dropout_p=p)
+    seed, offset = torch.tensor(FORWARD_SEED), torch.tensor(FORWARD_OFFSET)
+    dq, dk, dv, db = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        do, q, k, v, bias, t(out).float(), _lse_padded(lse, mq), seed, offset, p, [True, True, True, bias_grad], True
+    )
+    assert not fallen and len(stand_in.calls) == 1
+    call = stand_in.calls[0]
+    assert call["bias"].shape == (b, mq, h, mk)[:1] + (h, mq, mk) and call["dropout_p"] == p
+    assert call["bias_requires_grad"] == bias_grad
+    z = mask.double() / (1 - p)
+    leaves = [t(x).double().requires_grad_() for x in (q, k, v)] + [bias.double().clone().requires_grad_()]
+    want_out = naive_attention_bias_dropout(*leaves[:3], leaves[3], z, 1)
+    want = torch.autograd.grad(want_out, leaves, t(do).double())
+    for got, ref in zip((dq, dk, dv), want[:3]):
+        torch.testing.assert_close(t(got).double(), ref, atol=1e-5, rtol=1e-5)
+    if bias_grad:
+        assert db.shape == (b, h, mq, mk)  # full shape, as aten's: SDPA's autograd sums it
+        torch.testing.assert_close(db.double(), want[3], atol=1e-5, rtol=1e-5)
+    else:
+        assert db is None
+
+
 def test_sdpa_override_undefined_grad_out(sdpa_on_cpu):
     assert A._sdpa_backward_override(None, *([None] * 8), 0.0, [True] * 4) == (None, None, None, None)
+
+
+# ---------------------------------------------------------------- bias and dropout
+
+
+def naive_attention_bias_dropout(q, k, v, bias, z, mask_type=0, window=0, scale=None):
+    """[B, M, H, D] fp64 with autograd through q, k, v and bias [B, H, Mq, Mk]; z multiplies
+    the probabilities (the dropout's 0 or 1 / (1 - p))."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    keep = naive_keep(q.shape[1], k.shape[1], mask_type, window)
+    s = torch.einsum("bnhd,bmhd->bhnm", q, k) * scale + bias
+    s = s.masked_fill(~keep, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("bhnm,bmhd->bnhd", p * z, v)
+
+
+@pytest.mark.parametrize("mask_type,window", [(0, 0), (1, 0), (2, 3)])
+def test_reference_with_bias_and_dropout_matches_autograd(mask_type, window):
+    gen = torch.Generator().manual_seed(7 + mask_type)
+    b, h, mq, mk, d, dv, p = 2, 3, 9, 11, 8, 5, 0.3
+    q, k, v = rand(b, mq, h, d, gen=gen), rand(b, mk, h, d, gen=gen), rand(b, mk, h, dv, gen=gen)
+    bias = rand(b, h, mq, mk, gen=gen)
+    do = rand(b, mq, h, dv, gen=gen)
+    mask = mem_eff_dropout_keep_mask(99, 5, b, h, mq, mk, p)
+    assert 0 < mask.sum() < mask.numel()
+    z = mask.double() / (1 - p)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    out = naive_attention_bias_dropout(*leaves[:3], leaves[3], z, mask_type, window)
+    want = torch.autograd.grad(out, leaves, do)
+    got_out, _ = attention_forward_ref(q, k, v, custom_mask_type=mask_type, window_size=window, bias=bias,
+                                       dropout_mask=mask, dropout_p=p)  # fmt: skip
+    assert_close(got_out, out.detach())
+    got = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type, window_size=window, bias=bias,
+                                 dropout_mask=mask, dropout_p=p, return_grad_bias=True)  # fmt: skip
+    for g, w in zip(got, want):
+        assert_close(g, w)
+
+
+# Random123's known-answer vectors (kat_vectors, philox4x32 10): counter, key, output
+PHILOX_KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0), (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("counter,key,want", PHILOX_KAT)
+def test_philox_twin_known_answers(counter, key, want):
+    assert tuple(int(w) for w in philox4x32_10(counter, key)) == want
+
+
+class CurandPhiloxState:
+    """curand's curandStatePhilox4_32_10_t written from curand_philox4x32_x.h's semantics with
+    Python ints (an independent check of the twin's word indexing): curand_init, skipahead,
+    curand4 with its STATE mixing of the current and the next output."""
+
+    def __init__(self, seed, subsequence, offset):
+        self.key = (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF)
+        self.ctr = subsequence << 64  # skipahead_sequence: counter.zw += subsequence
+        self.state = 0
+        self.skipahead(offset)
+
+    def _output(self):
+        c = self.ctr % (1 << 128)
+        words = [(c >> (32 * i)) & 0xFFFFFFFF for i in range(4)]
+        return [int(w) for w in philox4x32_10(words, self.key)]
+
+    def skipahead(self, n):
+        self.state += n & 3
+        n //= 4
+        if self.state > 3:
+            n += 1
+            self.state -= 4
+        self.ctr += n
+        self.output = self._output()
+
+    def uniform4(self):
+        cur = self.output
+        self.ctr += 1  # Philox_State_Incr
+        self.output = self._output()
+        words = (cur + self.output)[self.state : self.state + 4]
+        return curand_uniform(words)
+
+
+@pytest.mark.parametrize("seed,offset,elem", [(0, 0, 0), (2**63 + 5, 3, 1), (123456789, 6, 10**6 + 2), (2**40 + 7, 2**33 + 1, 5)])
+def test_curand_skipahead_and_uniform4_match_word_indexing(seed, offset, elem):
+    """curand_init(seed, 0, offset) + skipahead(elem) + curand_uniform4 (PyTorch's pattern)
+    reads words offset + elem .. + 3: what the twin (and the DSL) index directly."""
+    import numpy as np
+
+    st = CurandPhiloxState(seed, 0, offset)
+    st.skipahead(elem)
+    got = np.concatenate([st.uniform4() for _ in range(3)])
+    idx = np.arange(12, dtype=np.uint64) + np.uint64(offset + elem)
+    want = curand_uniform(curand_philox_words(seed, idx))
+    assert np.array_equal(got, want)
+    assert got.dtype == np.float32 and (got > 0).all() and (got <= 1).all()
+
+
+def test_keep_mask_layout_and_rate():
+    """Element (b, h, n, m) is word offset + (b H + h) Mq Mk + n Mk + m; about 1 - p kept."""
+    import numpy as np
+
+    b, h, mq, mk, p, seed, off = 2, 3, 17, 13, 0.25, 2024, 11
+    mask = mem_eff_dropout_keep_mask(seed, off, b, h, mq, mk, p)
+    assert mask.shape == (b, h, mq, mk) and mask.dtype == torch.bool
+    words = curand_philox_words(seed, np.arange(b * h * mq * mk, dtype=np.uint64) + np.uint64(off))
+    assert torch.equal(mask.flatten(), torch.from_numpy(curand_uniform(words) > np.float32(p)))
+    rate = mask.double().mean().item()
+    assert abs(rate - (1 - p)) < 0.05
+    # a different offset draws a different mask; the same one the same mask
+    assert not torch.equal(mask, mem_eff_dropout_keep_mask(seed, off + 1, b, h, mq, mk, p))
+    assert torch.equal(mask, mem_eff_dropout_keep_mask(seed, off, b, h, mq, mk, p))
+
+
+BIAS_WIRING = [
+    # (bias shape, requires grad, dropout_p, causal)
+    ((1, 2, 9, 12), True, 0.0, False),  # broadcast over batch, rows padded (12 % 16)
+    ((2, 1, 9, 12), True, 0.2, True),  # broadcast over heads, with dropout
+    ((9, 12), True, 0.0, "bottom_right"),  # broadcast over batch and heads
+    ((2, 2, 9, 1), True, 0.1, False),  # broadcast over keys
+    ((2, 2, 9, 12), False, 0.3, False),  # no bias gradient
+    (None, False, 0.4, True),  # dropout alone
+]
+
+
+@pytest.mark.parametrize("case", BIAS_WIRING, ids=[str(i) for i in range(len(BIAS_WIRING))])
+def test_autograd_wiring_bias_dropout(cpu_attention, case):
+    """memory_efficient_attention(attn_bias=, dropout_p=): the forward's philox seed / offset
+    and the bias reach the backward, and the bias gradient comes back summed to its shape."""
+    shape, bias_grad, p, causal = case
+    gen = torch.Generator().manual_seed(3)
+    b, h, mq, mk, d = 2, 2, 9, 12, 8
+    q, k, v = (torch.randn(b, m, h, d, generator=gen).requires_grad_() for m in (mq, mk, mk))
+    bias = None if shape is None else torch.randn(shape, generator=gen).requires_grad_(bias_grad)
+    do = torch.randn(b, mq, h, d, generator=gen)
+    out = ops.memory_efficient_attention(q, k, v, causal=causal, attn_bias=bias, dropout_p=p)
+    out.backward(do)
+    (call,) = cpu_attention.calls
+    assert call["dropout_p"] == p and call["bias_requires_grad"] == bias_grad
+    mask_type = {False: 0, True: 1, "bottom_right": 2}[causal]
+    mask = mem_eff_dropout_keep_mask(FORWARD_SEED, FORWARD_OFFSET, b, h, mq, mk, p) if p > 0 else torch.ones(b, h, mq, mk, dtype=torch.bool)
+    z = mask.double() / (1 - p)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    full_bias = torch.zeros(b, h, mq, mk, dtype=F64) if bias is None else bias.detach().double().requires_grad_()
+    want_out = naive_attention_bias_dropout(*leaves, full_bias, z, mask_type)
+    torch.testing.assert_close(out.detach().double(), want_out.detach(), atol=1e-5, rtol=1e-5)
+    wrt = leaves + ([full_bias] if bias_grad else [])
+    want = torch.autograd.grad(want_out, wrt, do.double())
+    got = [q.grad, k.grad, v.grad] + ([bias.grad] if bias_grad else [])
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=1e-5)
+    if bias is not None and not bias_grad:
+        assert bias.grad is None
+

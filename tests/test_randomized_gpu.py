@@ -1,7 +1,7 @@
 """GPU: hypothesis-driven randomized agreement with the fp64 references, every op family.
 
 Families and their cases per run (CASES below, spread evenly over each family's classes
-and rounded up: 562 in all; at least 500 is checked by the last test when the whole file
+and rounded up: 770 in all; at least 500 is checked by the last test when the whole file
 runs):
 
 * dropout_bias_backward (144, 8 classes): shapes (2-D and 3-D), dtypes, p, activations, bias
@@ -14,7 +14,11 @@ runs):
   [B, S, H, D] / [total, H, D] views with permuted and padded strides;
 * efficient_attention_backward (144, 6 classes): B, H, Mq, Mk, Dqk != Dv up to 256, fp16 / bf16,
   custom_mask_type 0/1/2, windows, variable lengths, num_splits_key, and q / k / v / out /
-  dO that are permuted, padded views of bigger buffers (arbitrary strides).
+  dO that are permuted, padded views of bigger buffers (arbitrary strides);
+* efficient_attention_backward with bias / bias gradient / dropout (208, 8 classes): every
+  broadcast kind of bias (dense, padded and transposed strides), p, masks, windows, split
+  keys, variable lengths with dropout, fp16 / bf16 / fp32, head dims to 256; against the
+  fp64 reference with torch's dropout mask (tests/test_mem_eff_attention_features_gpu.py).
 
 Compile time is bounded by design: every distinct kernel configuration is a JIT compile
 (seconds each for the attention backward), so each family draws one of a few fixed
@@ -95,6 +99,7 @@ CASES = {
     "attention_bwd_convert_dq": 40,
     "attention_bwd_convert_dkv": 40,
     "efficient_attention_backward": 140,
+    "efficient_attention_backward_bias_dropout": 208,
 }
 MIN_TOTAL_CASES = 500
 assert sum(CASES.values()) >= MIN_TOTAL_CASES
@@ -739,6 +744,79 @@ _ME_IDS = [f"{_dt(c[0])}-k{c[1]}-{'aligned' if c[2] else 'unaligned'}-{'varlen' 
 @pytest.mark.parametrize("ci", range(len(ME_CLASSES)), ids=_ME_IDS)
 def test_efficient_attention_backward_randomized(ci):
     _mem_eff_family(ci)
+
+
+# ============================================== efficient_attention_backward: bias / dropout
+
+# (dtype, max_k, bias: None / "aligned" / "unaligned", bias grad, dropout, varlen): each a
+# compiled configuration (twice: split keys or not)
+BD_CLASSES = [
+    (F16, 64, "aligned", True, True, False),
+    (BF16, 128, "aligned", False, True, False),
+    (BF16, 128, "unaligned", True, False, False),
+    (F16, 128, None, False, True, True),
+    (BF16, 256, "aligned", True, True, False),
+    (F32, 64, "unaligned", True, True, False),
+    (F16, 96, "aligned", True, False, False),
+    (BF16, 64, None, False, True, False),
+]
+
+
+@st.composite
+def bias_dropout_specs(draw, ci):
+    dtype, max_k, bias, grad, dropout, varlen = BD_CLASSES[ci]
+    dqk = draw(st.sampled_from([d for d in range(max_k - 31, max_k + 1) if d % 8 == 0]))
+    dv = draw(st.sampled_from([dqk, draw(st.sampled_from(list(range(8, dqk + 1, 8))))]))
+    dqk, dv = (dqk, dv) if draw(st.booleans()) else (dv, dqk)
+    spec = dict(cls=ci, dtype=dtype, kd=dqk, kv=dv, h=draw(st.integers(1, 3)), mask_type=draw(st.sampled_from([0, 1, 2])),
+                scale=draw(st.sampled_from([None, None, 0.3])), splits=draw(st.sampled_from([None, 1, 2, 3])),
+                dropout_p=draw(st.sampled_from([0.05, 0.1, 0.3, 0.6])) if dropout else 0.0, seed=draw(st.integers(0, 2**31 - 1)))  # fmt: skip
+    if varlen:
+        lq = draw(st.lists(st.integers(0, 150), min_size=1, max_size=4).filter(lambda ls: sum(ls) > 0))
+        lk = draw(st.lists(st.integers(0, 200), min_size=len(lq), max_size=len(lq)).filter(lambda ls: sum(ls) > 0))
+        if spec["mask_type"] == 2:  # bottom right needs Mq <= Mk per sequence (torch's forward)
+            lk = [max(a, b) for a, b in zip(lq, lk)]
+        spec.update(b=1, mq=0, mk=0, lengths=(lq, lk), keys=max(lk))
+    else:
+        mq, mk = draw(st.integers(1, 260)), draw(st.integers(1, 300))
+        if spec["mask_type"] == 2:
+            mq = min(mq, mk)
+        spec.update(b=draw(st.integers(1, 3)), mq=mq, mk=mk, lengths=None, keys=mk)
+    spec["window"] = 0 if spec["mask_type"] == 0 else draw(st.one_of(st.just(0), st.integers(1, spec["keys"] + 16)))
+    if bias is not None:
+        b, h, mq, mk = spec["b"], spec["h"], spec["mq"], spec["mk"]
+        keep = draw(st.sampled_from(["full", "batch", "heads", "both", "queries", "keys"] if bias == "unaligned" else ["full", "batch", "heads", "both", "queries"]))
+        shape = {"full": (b, h, mq, mk), "batch": (1, h, mq, mk), "heads": (b, 1, mq, mk), "both": (mq, mk),
+                 "queries": (b, h, 1, mk), "keys": (b, h, mq, 1)}[keep]  # fmt: skip
+        layout = "dense"
+        if bias == "aligned":
+            spec["mk"] = mk = -(-mk // 8) * 8  # rows a whole number of 128-bit vectors
+            shape = shape[:-1] + (mk,)
+        elif keep != "keys":
+            layout = draw(st.sampled_from(["padded", "transposed"]))
+        spec.update(bias_shape=shape, bias_layout=layout, bias_grad=grad)
+    else:
+        spec.update(bias_shape=None, bias_layout="dense", bias_grad=False)
+    return spec
+
+
+def _bias_dropout_case(s):
+    from .test_mem_eff_attention_features_gpu import run_feature_case
+
+    run_feature_case(s["dtype"], s["b"], s["mq"], s["mk"], s["h"], s["kd"], s["kv"], bias_shape=s["bias_shape"],
+                     bias_layout=s["bias_layout"], bias_grad=s["bias_grad"], dropout_p=s["dropout_p"],
+                     mask_type=s["mask_type"], window=s["window"], scale=s["scale"], lengths=s["lengths"],
+                     splits=s["splits"], seed=s["seed"])  # fmt: skip
+
+
+_bias_dropout_family = _family("efficient_attention_backward_bias_dropout", BD_CLASSES, bias_dropout_specs, _bias_dropout_case)
+_BD_IDS = [f"{_dt(c[0])}-k{c[1]}-bias_{c[2]}{'_grad' if c[3] else ''}-{'dropout' if c[4] else 'nodropout'}-{'varlen' if c[5] else 'dense'}"
+           for c in BD_CLASSES]  # fmt: skip
+
+
+@pytest.mark.parametrize("ci", range(len(BD_CLASSES)), ids=_BD_IDS)
+def test_efficient_attention_backward_bias_dropout_randomized(ci):
+    _bias_dropout_family(ci)
 
 
 # ======================================================================== the count

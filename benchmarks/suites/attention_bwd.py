@@ -1,8 +1,13 @@
 """Suite attention_bwd: the memory-efficient attention backward (dQ, dK, dV), timed alone.
 
-Cases ``BxHxSxD:bf16[:causal]``: Q, K, V, dO [B, S, H, D] contiguous, seqlen_q = seqlen_k,
-no dropout, no bias. Each implementation's backward is timed alone, on the outputs of its
-own forward (computed once, outside the timing):
+Cases ``BxHxSxD:bf16[:causal][:feature]``: Q, K, V, dO [B, S, H, D] contiguous, seqlen_q =
+seqlen_k; feature (issue 6) none, ``bias`` (a [B, H, S, S] attention bias), ``bias_grad``
+(the same, its gradient computed too) or ``dropout`` (p = DROPOUT_P). Each implementation's
+backward is timed alone, on the outputs of its own forward (computed once, outside the
+timing); with a feature, only the peers that support it run (flash: dropout; cuDNN: bias
+without its gradient, dropout; FA4: neither), the others keep a row with status
+"unavailable". With dropout the peers draw their own masks: their gradients are not
+checked against sdpa_efficient (ours uses the same philox seed / offset, and is).
 
 - ``ours``: ``ops.efficient_attention_backward``, a drop-in for
   ``aten._efficient_attention_backward`` (same arguments), on the out / logsumexp /
@@ -38,13 +43,24 @@ import torch
 NAME = "attention_bwd"
 
 TOL = 2e-2  # max |grad - ref| / max |ref| (bf16 gradients)
+DROPOUT_P = 0.1
+FEATURES = (None, "bias", "bias_grad", "dropout")
 MATMUL_MNK = (8192, 8192, 8192)
 SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 NAN = float("nan")
 
 
-def _case_name(shape, dtype, causal):
-    return "x".join(map(str, shape)) + f":{SHORT[dtype]}" + (":causal" if causal else "")
+def _case_name(shape, dtype, causal, feature=None):
+    return "x".join(map(str, shape)) + f":{SHORT[dtype]}" + (":causal" if causal else "") + (f":{feature}" if feature else "")
+
+
+def _unpack(spec):
+    """(shape, dtype name, causal, feature): the feature entry is optional."""
+    shape, dtype_name, causal, *rest = spec
+    feature = rest[0] if rest else None
+    if feature not in FEATURES:
+        raise ValueError(f"unknown feature {feature!r} (one of {FEATURES})")
+    return shape, dtype_name, causal, feature
 
 
 def attention_bwd_flops(b, h, s, d, causal):
@@ -66,8 +82,10 @@ def _max_rel(got, ref):
 
 
 def _check(grads, ref):
-    """{"ok", "max_rel_err": {dq, dk, dv}, "tol"}: grads and ref both [B, S, H, D]."""
-    errs = {name: _max_rel(g, r) for name, g, r in zip(("dq", "dk", "dv"), grads, ref, strict=True)}
+    """{"ok", "max_rel_err": {dq, dk, dv[, dbias]}, "tol"}: grads and ref both [B, S, H, D]
+    (and the bias gradients [B, H, S, S] when both have one)."""
+    names = ("dq", "dk", "dv", "dbias")[: min(len(grads), len(ref))]
+    errs = {name: _max_rel(g, r) for name, g, r in zip(names, grads, ref)}
     return {"ok": all(e < TOL for e in errs.values()), "max_rel_err": errs, "tol": TOL}
 
 
@@ -77,31 +95,37 @@ def _check(grads, ref):
 # the row (op names, layouts).
 
 
-def _setup_efficient(q, k, v, dout, causal, backward=None):
+def _setup_efficient(q, k, v, dout, causal, backward=None, feature=None, bias=None):
     """aten._efficient_attention_forward once; ``backward`` (default the aten op) timed.
 
-    Layouts: q, k, v, out, grad_out [B, S, H, D]; logsumexp [B, H, round_up(S, 32)] fp32.
+    Layouts: q, k, v, out, grad_out [B, S, H, D]; logsumexp [B, H, round_up(S, 32)] fp32;
+    bias [B, H, S, S]. With dropout both backwards get the forward's philox seed / offset.
     """
     s = q.shape[1]
     mask = 1 if causal else 0  # custom_mask_type: 1 = causal from the top left
+    p = DROPOUT_P if feature == "dropout" else 0.0
+    bias = bias if feature in ("bias", "bias_grad") else None
+    bias_grad = feature == "bias_grad"
     out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
-        q, k, v, None, None, None, s, s, 0.0, mask, True, scale=None
+        q, k, v, bias, None, None, s, s, p, mask, True, scale=None
     )
     bwd = backward or torch.ops.aten._efficient_attention_backward
 
     def fn():
-        return bwd(dout, q, k, v, None, out, None, None, s, s, lse, 0.0, seed, offset, mask, False)
+        return bwd(dout, q, k, v, bias, out, None, None, s, s, lse, p, seed, offset, mask, bias_grad)
 
-    return fn, fn()[:3], {"op": "aten._efficient_attention_backward", "layout": "BSHD"}
+    grads = fn()
+    return fn, grads[:4] if bias_grad else grads[:3], {"op": "aten._efficient_attention_backward", "layout": "BSHD"}
 
 
-def _setup_ours(q, k, v, dout, causal):
+def _setup_ours(q, k, v, dout, causal, feature=None, bias=None):
     import ops
 
     ours = getattr(ops, "efficient_attention_backward", None)
     if ours is None:
         raise RuntimeError("ops.efficient_attention_backward does not exist")
-    fn, grads, _ = _setup_efficient(q, k, v, dout, causal, backward=ours)
+    torch.manual_seed(0)  # the same philox seed / offset as sdpa_efficient's forward
+    fn, grads, _ = _setup_efficient(q, k, v, dout, causal, backward=ours, feature=feature, bias=bias)
     return fn, grads, {"op": "ops.efficient_attention_backward", "layout": "BSHD"}
 
 
@@ -110,51 +134,63 @@ def _bhsd_grad_out(out_bhsd, dout):
     return torch.empty_like(out_bhsd).copy_(dout.transpose(1, 2))
 
 
-def _setup_flash(q, k, v, dout, causal):
+def _setup_flash(q, k, v, dout, causal, feature=None, bias=None):
     """aten._scaled_dot_product_flash_attention{,_backward} on [B, H, S, D] views of the
-    [B, S, H, D] tensors (the memory layout the flash kernels use)."""
+    [B, S, H, D] tensors (the memory layout the flash kernels use); no bias."""
+    if feature in ("bias", "bias_grad"):
+        raise NotImplementedError("flash attention takes no attention bias")
+    p = DROPOUT_P if feature == "dropout" else 0.0
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
-        qt, kt, vt, 0.0, causal, False, scale=None
+        qt, kt, vt, p, causal, False, scale=None
     )
     do = _bhsd_grad_out(out, dout)
 
     def fn():
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            do, qt, kt, vt, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=None
+            do, qt, kt, vt, out, lse, cum_q, cum_k, max_q, max_k, p, causal, rng_state, unused, scale=None
         )
 
     grads = [g.transpose(1, 2) for g in fn()]
     return fn, grads, {"op": "aten._scaled_dot_product_flash_attention_backward", "layout": "BHSD views of BSHD"}
 
 
-def _setup_cudnn(q, k, v, dout, causal):
-    """aten._scaled_dot_product_cudnn_attention{,_backward} on [B, H, S, D] views; no bias."""
+def _setup_cudnn(q, k, v, dout, causal, feature=None, bias=None):
+    """aten._scaled_dot_product_cudnn_attention{,_backward} on [B, H, S, D] views; the bias
+    (no gradient: the op returns none) or dropout when the case has them."""
+    if feature == "bias_grad":
+        raise NotImplementedError("cuDNN's SDPA backward returns no bias gradient")
+    p = DROPOUT_P if feature == "dropout" else 0.0
+    b = bias if feature == "bias" else None
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        qt, kt, vt, None, True, 0.0, causal, False, scale=None
+        qt, kt, vt, b, True, p, causal, False, scale=None
     )
     do = _bhsd_grad_out(out, dout)
 
     def fn():
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            do, qt, kt, vt, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal, scale=None
+            do, qt, kt, vt, out, lse, seed, offset, b, cum_q, cum_k, max_q, max_k, p, causal, scale=None
         )
 
     grads = [g.transpose(1, 2) for g in fn()]
     return fn, grads, {"op": "aten._scaled_dot_product_cudnn_attention_backward", "layout": "BHSD views of BSHD"}
 
 
-def _setup_cudnn_fwd_bwd(q, k, v, dout, causal):
+def _setup_cudnn_fwd_bwd(q, k, v, dout, causal, feature=None, bias=None):
     """Fallback: (fwd, fwd_bwd) through F.scaled_dot_product_attention under cuDNN."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if feature == "bias_grad":
+        raise NotImplementedError("cuDNN's SDPA backward returns no bias gradient")
+    p = DROPOUT_P if feature == "dropout" else 0.0
+    b = bias if feature == "bias" else None
     qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
     do = dout.transpose(1, 2)
 
     def fwd():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=b, dropout_p=p, is_causal=causal)
 
     def fwd_bwd():
         return torch.autograd.grad(fwd(), (qt, kt, vt), do)
@@ -227,17 +263,18 @@ def _run_case(spec, fa4, fa4_missing, matmul):
     """The rows of one case; ``matmul`` is (TFLOP/s, ms) or the error of measuring it."""
     from ..timing import bench_ms
 
-    shape, dtype_name, causal = spec
+    shape, dtype_name, causal, feature = _unpack(spec)
     b, h, s, d = shape
     dtype = getattr(torch, dtype_name)
-    case = _case_name(shape, dtype_name, causal)
+    case = _case_name(shape, dtype_name, causal, feature)
     flops = attention_bwd_flops(b, h, s, d, causal)
     q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(4))
+    bias = torch.randn(b, h, s, s, device="cuda", dtype=dtype) if feature in ("bias", "bias_grad") else None
     rows = []
 
     def row(impl, ms=NAN, **extra):
         tflops = flops / ms / 1e9 if ms > 0 else NAN  # NaN: not timed (or a fwd+bwd - fwd <= 0)
-        r = {"suite": NAME, "case": case, "impl": impl, "ms": ms, "tflops": tflops, "causal": causal}
+        r = {"suite": NAME, "case": case, "impl": impl, "ms": ms, "tflops": tflops, "causal": causal, "feature": feature}
         r.update(extra)
         rows.append(r)
 
@@ -254,14 +291,15 @@ def _run_case(spec, fa4, fa4_missing, matmul):
     # the reference: the C++ original, on these inputs
     ref = eff = None
     try:
-        fn, ref, info = _setup_efficient(q, k, v, dout, causal)
+        torch.manual_seed(0)  # the philox seed / offset ours gets too
+        fn, ref, info = _setup_efficient(q, k, v, dout, causal, feature=feature, bias=bias)
         eff = (fn, info)
     except Exception as e:
         row("sdpa_efficient", status="error", error=_err(e))
 
     # ours: correctness first, timed only when right
     try:
-        fn, grads, info = _setup_ours(q, k, v, dout, causal)
+        fn, grads, info = _setup_ours(q, k, v, dout, causal, feature, bias)
         if ref is None:
             row("ours", status="error", error="no reference (sdpa_efficient failed): not timed", **info)
         else:
@@ -279,22 +317,26 @@ def _run_case(spec, fa4, fa4_missing, matmul):
 
     # peers: their gradients are checked too (recorded), and timed either way
     peers = [("sdpa_flash", _setup_flash), ("sdpa_cudnn", _setup_cudnn)]
-    if fa4 is not None:
-        peers.append(("fa4", lambda *a: _setup_fa4(*a, fa4)))
+    if fa4 is not None and feature is None:
+        peers.append(("fa4", lambda *a: _setup_fa4(*a[:5], fa4)))
+    # with dropout a peer draws its own mask: its gradients cannot match the reference's
+    checkable = feature != "dropout"
     for impl, setup in peers:
         try:
-            fn, grads, info = setup(q, k, v, dout, causal)
-            check = _check(grads, ref) if ref is not None else None
+            fn, grads, info = setup(q, k, v, dout, causal, feature, bias)
+            check = _check(grads, ref) if ref is not None and checkable else None
             del grads
             timed(impl, fn, info, check)
+        except NotImplementedError as e:  # the feature is not supported by this peer
+            row(impl, status="unavailable", error=_err(e))
         except Exception as e:
             if impl != "sdpa_cudnn":
                 row(impl, status="error", error=_err(e))
                 continue
             direct_error = _err(e)
             try:
-                fwd, fwd_bwd, grads, info = _setup_cudnn_fwd_bwd(q, k, v, dout, causal)
-                check = _check(grads, ref) if ref is not None else None
+                fwd, fwd_bwd, grads, info = _setup_cudnn_fwd_bwd(q, k, v, dout, causal, feature, bias)
+                check = _check(grads, ref) if ref is not None and checkable else None
                 del grads
                 timed(impl, fwd_bwd, dict(info, direct_error=direct_error), check, fwd=fwd)
             except Exception as e2:
@@ -302,6 +344,8 @@ def _run_case(spec, fa4, fa4_missing, matmul):
         torch.cuda.synchronize()
     if fa4 is None:
         row("fa4", status="unavailable", error=fa4_missing)
+    elif feature is not None:
+        row("fa4", status="unavailable", error=f"FA4's interface takes no {feature}")
 
     if isinstance(matmul, tuple):
         tflops, mm_ms = matmul

@@ -22,9 +22,19 @@ are the C++'s, Python-cased:
 - ``advance_to_block``: the (batch, head) views, variable lengths (cu_seqlens) and the
   workspace slice.
 
+Bias and dropout (compile-time flags of the config, so the plain kernel pays nothing):
+
+- ``has_bias``: BiasLoader tiles B_ij (queries x keys, rows of the bias's own strides)
+  into shared memory, one query block ahead (cp.async when aligned, else element by
+  element); it is added to the scaled logits before the mask and the LSE.
+- ``grad_bias``: BiasGradEpilogue: dB_ij = dS_ij (before the softmax scale) is staged in
+  the bias tile and stored with 128-bit writes.
+- ``apply_dropout``: each step draws Zij (keep flags, ``ZijSharedStorage``) with curand's
+  Philox4x32-10 as torch's forward did (``common/philox.py``: per thread one skipahead
+  to (query, key) and four uniforms per draw), then keeps them as a bit mask in
+  registers: dV_j += (P∘Z)ᵀ dO_i, dP = Z∘(dO_i V_jᵀ), with Z = 0 or 1 / (1 - p).
+
 Layouts, swizzles, copy atoms and MMA atoms come from ``layouts/mem_eff_attention.py``.
-Bias and dropout are issue 6: their places exist (``zij`` in the storage, the
-config's ``apply_dropout``), the op refuses them for now.
 """
 
 import math
@@ -33,9 +43,10 @@ from types import SimpleNamespace
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, Uint32, Uint64, const_expr
 
 from cute_kernels.attention_bwd_prepost.compute_delta import compute_delta
+from cute_kernels.common.philox import keep_flags_quads
 from layouts.attention_bwd_prepost import ComputeDeltaTiles
 from layouts.mem_eff_attention import GMEM_TILE_ACCESS, GRAD_Q_HEADER_WORDS, AttentionBackwardConfig
 
@@ -86,8 +97,10 @@ class AttentionBackwardKernel:
             raise NotImplementedError(
                 "dK/dV accumulated in the workspace (kOutputInRF = false) needs fp16/bf16 and grad_q_atomic"
             )
-        if cfg.apply_dropout or cfg.preload:
-            raise NotImplementedError("kApplyDropout / kPreload are not implemented yet")
+        if cfg.preload:
+            raise NotImplementedError("kPreload is not implemented (stages_q prefetches Q_i / dO_i instead)")
+        if cfg.has_bias and varlen:
+            raise NotImplementedError("attention bias with cu_seqlens is not supported (as the C++)")
         self.dtype = dtype
         self.cfg = cfg
         self.varlen = varlen
@@ -115,10 +128,19 @@ class AttentionBackwardKernel:
         mWorkspaceGradKV: cute.Tensor,  # [B * H, splits, 2 * grad_kv_accum_words] fp32, None when output_in_rf
         mCuSeqlensQ: cute.Tensor,  # [sequences + 1] int32, or None
         mCuSeqlensK: cute.Tensor,
+        mBias: cute.Tensor,  # [B, H, Mq, Mk] (any strides, 0 for broadcast dims), or None
+        mGradBias: cute.Tensor,  # [B, H, Mq, Mk] rows 128-bit aligned, or None
         scale: Float32,
         custom_mask_type: Int32,
         window_size: Int32,
         num_splits_key: Int32,
+        # dropout (None without): philox seed / offset (Int64), p and 1 / (1 - p)
+        # (Float32), Mq * Mk of the forward's batch-head offsets (Int64)
+        philox_seed,
+        philox_offset,
+        dropout_p,
+        dropout_scale,
+        dropout_bh_elems,
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
@@ -127,7 +149,8 @@ class AttentionBackwardKernel:
         self.kernel(
             mQuery, mKey, mValue, mOutput, mGradOutput, mLogsumexp, mDelta,
             mGradQuery, mGradKey, mGradValue, mWorkspace, mWorkspaceGradKV, mCuSeqlensQ, mCuSeqlensK,
-            scale, custom_mask_type, window_size, SharedStorage,
+            mBias, mGradBias, scale, custom_mask_type, window_size,
+            philox_seed, philox_offset, dropout_p, dropout_scale, dropout_bh_elems, SharedStorage,
         ).launch(
             grid=[num_splits_key, mQuery.shape[2], num_batches],
             block=[cfg.num_threads, 1, 1],
@@ -167,6 +190,10 @@ class AttentionBackwardKernel:
         b.head_dim = t.mQuery.shape[3]
         b.head_dim_value = t.mValue.shape[3]
         b.workspace_gq = t.mWorkspace[batch * t.mQuery.shape[2] + head, None, None]
+        if const_expr(self.cfg.has_bias):  # (queries, keys) of this batch and head
+            b.bias = t.mBias[batch, head, None, None]
+        if const_expr(self.cfg.grad_bias):
+            b.grad_bias = t.mGradBias[batch, head, None, None]
         return b
 
     # ------------------------------------------------------------------------- kernel
@@ -187,9 +214,16 @@ class AttentionBackwardKernel:
         mWorkspaceGradKV: cute.Tensor,
         mCuSeqlensQ: cute.Tensor,
         mCuSeqlensK: cute.Tensor,
+        mBias: cute.Tensor,
+        mGradBias: cute.Tensor,
         scale: Float32,
         custom_mask_type: Int32,
         window_size: Int32,
+        philox_seed,
+        philox_offset,
+        dropout_p,
+        dropout_scale,
+        dropout_bh_elems,
         SharedStorage: cutlass.Constexpr,
     ):
         cfg = self.cfg
@@ -200,6 +234,7 @@ class AttentionBackwardKernel:
             mQuery=mQuery, mKey=mKey, mValue=mValue, mOutput=mOutput, mGradOutput=mGradOutput,
             mLogsumexp=mLogsumexp, mDelta=mDelta, mGradQuery=mGradQuery, mGradKey=mGradKey,
             mGradValue=mGradValue, mWorkspace=mWorkspace, mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK,
+            mBias=mBias, mGradBias=mGradBias,
         )
         p = self.advance_to_block(batch, head, tensors)
         if const_expr(not cfg.output_in_rf):
@@ -232,6 +267,24 @@ class AttentionBackwardKernel:
             s.tmp = part1.tmp_own.get_tensor(cfg.smem_layout_attn().build(self.dtype))
         else:
             s.tmp = part2.tmp_shared_storage.get_tensor(cfg.smem_layout_attn().build(self.dtype))
+        if const_expr(cfg.has_bias):
+            s.bias = part1.bias.get_tensor(cfg.smem_layout_bias().build(self.dtype))
+        rng = None
+        if const_expr(cfg.apply_dropout):
+            zij = cfg.smem_layout_zij()
+            s.zij = part1.zij.get_tensor(zij.build(cutlass.Uint8))
+            words = (zij.shape[1] + zij.pad) // 4  # one Uint32 store per quad of flags
+            s.zij32 = cute.make_tensor(
+                cute.recast_ptr(s.zij.iterator, dtype=Uint32), cute.make_layout((zij.shape[0], words), stride=(words, 1))
+            )
+            # curand_init(seed, 0, offset + batch_head_offset): the key and this
+            # (batch, head)'s first word; each block skips ahead from there.
+            seed = Int64(philox_seed)
+            rng = SimpleNamespace(
+                k0=Uint32(seed), k1=Uint32(seed >> Int64(32)),
+                base=Int64(philox_offset) + (Int64(batch) * Int64(mQuery.shape[2]) + Int64(head)) * Int64(dropout_bh_elems),
+                p=Float32(dropout_p), scale=Float32(dropout_scale),
+            )
 
         # Computes (dO*out).sum(-1) and writes it to Δ (the C++: once per CTA).
         if const_expr(self.kernel_computes_delta):
@@ -267,13 +320,16 @@ class AttentionBackwardKernel:
             visited = query_start < p.num_queries
             if query_start < p.num_queries:
                 self.load_query_block(_view(p), _view(s), _view(m), query_start, stage, tidx)
-            cute.arch.cp_async_commit_group()  # K_j, V_j and the first query block
+                if const_expr(cfg.has_bias):
+                    self.load_bias(_view(p), _view(s), _view(m), query_start, key_start, tidx)
+            cute.arch.cp_async_commit_group()  # K_j, V_j and the first query block (and its B_ij)
 
             next_key = key_start
             while (next_key == key_start) & (query_start < p.num_queries):
                 self.process_block_ij(
                     _view(p), it, _view(s), _view(m), acc_dk, acc_dv, query_start, key_start, num_keys_in_block,
                     scale, scale_log2, custom_mask_type, window_size, num_splits_key, split_key, stage, tidx,
+                    None if const_expr(rng is None) else _view(rng),
                 )
                 next_query, next_key = incr_iteration(it, query_start, key_start)
                 query_start = next_query
@@ -336,6 +392,10 @@ class AttentionBackwardKernel:
         tmp_t, k_t = transpose_view(s.tmp), transpose_view(s.k)
         m.gq_rA, m.gq_rB, m.gq_sA, m.gq_sB = _operands(thr, a_dq, b_dq, tmp_t, k_t)
         m.coord_q = thr.partition_C(cute.make_identity_tensor((cfg.block_size_i, cfg.max_k)))
+        if const_expr(cfg.has_bias):
+            m.copy_bias = cfg.bias_tiled_copy().build(dt)
+        if const_expr(cfg.grad_bias):
+            m.copy_grad_bias = cfg.grad_bias_tiled_copy().build(dt)
         return m
 
     # ------------------------------------------------------------------- tile loads
@@ -385,9 +445,58 @@ class AttentionBackwardKernel:
 
     # -------------------------------------------------------------- process_block_ij
     @cute.jit
+    def load_bias(self, p, s, m, query_start, key_start, tidx):
+        """BiasLoader::load: B_ij (queries x keys) into the bias tile, zeros outside."""
+        cfg = self.cfg
+        rows = cutlass.min(cfg.block_size_i, p.num_queries - query_start)
+        cols = cutlass.min(cfg.block_size_j, p.num_keys - key_start)
+        # block coordinates (starts are multiples of the block sizes) keep the 128-bit
+        # alignment of the tile start visible to the copy
+        tile = (cfg.block_size_i, cfg.block_size_j)
+        g = cute.local_tile(p.bias, tile, (query_start // cfg.block_size_i, key_start // cfg.block_size_j))
+        self.load_tile(m.copy_bias, g, s.bias, rows, cols, tidx)
+
+    @cute.jit
+    def draw_zij(self, p, s, rng, query_start, key_start, tidx):
+        """Zij of block (i, j): thread t draws ``zij_quads_per_thread`` quads of one query
+        row (the C++'s threads_per_row / elts_per_thread split), one skipahead to its first
+        (query, key), one Uint32 of four flags per quad. Rows and keys past the sequence
+        get flags too: their probabilities are 0."""
+        cfg = self.cfg
+        tpr = cfg.zij_threads_per_row
+        quads = cfg.zij_quads_per_thread
+        row = tidx // tpr
+        col = (tidx % tpr) * (4 * quads)
+        word = Int64(query_start + row) * Int64(p.num_keys) + Int64(key_start + col)
+        flags = keep_flags_quads(Uint64(rng.base + word), rng.k0, rng.k1, rng.p, quads)
+        for c in cutlass.range_constexpr(quads):
+            s.zij32[row, col // 4 + c] = flags[c]
+
+    @cute.jit
+    def store_grad_bias(self, p, s, m, query_start, key_start, tidx):
+        """BiasGradEpilogue: the staged dB_ij to global memory (128 bits per store). Our
+        grad_bias rows are padded to 128 bits, so a chunk over the last key stays inside."""
+        cfg = self.cfg
+        rows = cutlass.min(cfg.block_size_i, p.num_queries - query_start)
+        cols = cutlass.min(cfg.block_size_j, p.num_keys - key_start)
+        tile = (cfg.block_size_i, cfg.block_size_j)
+        g = cute.local_tile(p.grad_bias, tile, (query_start // cfg.block_size_i, key_start // cfg.block_size_j))
+        thr = m.copy_grad_bias.get_slice(tidx)
+        tG = thr.partition_D(g)
+        tS = thr.partition_S(s.bias)
+        tC = thr.partition_S(cute.make_identity_tensor(tile))
+        for r in cutlass.range_constexpr(cute.size(tS, mode=[1])):
+            for c in cutlass.range_constexpr(cute.size(tS, mode=[2])):
+                crd = tC[0, r, c]
+                if (crd[0] < rows) & (crd[1] < cols):
+                    frag = cute.make_fragment_like(tS[None, r, c])
+                    cute.autovec_copy(tS[None, r, c], frag)
+                    cute.autovec_copy(frag, tG[None, r, c])
+
+    @cute.jit
     def process_block_ij(
         self, p, it, s, m, acc_dk, acc_dv, query_start, key_start, num_keys_in_block,
-        scale, scale_log2, custom_mask_type, window_size, num_splits_key, split_key, stage, tidx,
+        scale, scale_log2, custom_mask_type, window_size, num_splits_key, split_key, stage, tidx, rng,
     ):
         cfg = self.cfg
         num_queries_in_block = cutlass.min(cfg.block_size_i, p.num_queries - query_start)
@@ -399,10 +508,14 @@ class AttentionBackwardKernel:
             if (next_key == key_start) & (next_query < p.num_queries):
                 self.load_query_block(_view(p), _view(s), _view(m), next_query, stage ^ 1, tidx)
             cute.arch.cp_async_commit_group()
+            if const_expr(cfg.apply_dropout):  # while the copies fly (zij's last readers are done)
+                self.draw_zij(_view(p), _view(s), _view(rng), query_start, key_start, tidx)
             cute.arch.cp_async_wait_group(1)  # everything but that prefetch has landed
         else:
             self.load_query_block(_view(p), _view(s), _view(m), query_start, stage, tidx)
             cute.arch.cp_async_commit_group()
+            if const_expr(cfg.apply_dropout):
+                self.draw_zij(_view(p), _view(s), _view(rng), query_start, key_start, tidx)
             cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
         qk_sB = m.qk_sB[None, None, None, stage]
@@ -433,14 +546,23 @@ class AttentionBackwardKernel:
                 keep = (kk < num_keys_in_block) & (qq < num_queries_in_block)
                 keep = keep & ~(causal & (kk > qq + shift))
                 keep = keep & ~(windowed & (kk <= qq + shift - window_size))
-                prob = cute.math.exp2(acc_s[e] * scale_log2 - s_lse[qq] * LOG2E, fastmath=True)
+                prob = cute.math.exp2(self.logit_log2(s, acc_s[e], scale_log2, kk, qq) - s_lse[qq] * LOG2E, fastmath=True)
                 acc_s[e] = cutlass.select_(keep, prob, Float32(0.0))
         else:
             for e in cutlass.range_constexpr(cute.size(acc_s)):
-                qq = m.coord_s[e][1]
-                acc_s[e] = cute.math.exp2(acc_s[e] * scale_log2 - s_lse[qq] * LOG2E, fastmath=True)
+                kk, qq = m.coord_s[e]
+                acc_s[e] = cute.math.exp2(self.logit_log2(s, acc_s[e], scale_log2, kk, qq) - s_lse[qq] * LOG2E, fastmath=True)
         r_p = cute.make_fragment_like(acc_s, self.dtype)
-        r_p.store(acc_s.load().to(self.dtype))
+        keep_bits = None
+        if const_expr(cfg.apply_dropout):
+            # Z_ij of this thread's fragment as bits (the C++'s dropout_keep_mask_doivj);
+            # attn_T holds the dropped P∘Z, the operand of dV.
+            keep_bits = self.fragment_keep_bits(s, m)
+            for e in cutlass.range_constexpr(cute.size(acc_s)):
+                kept = self.kept(keep_bits, e)
+                r_p[e] = Float32(cutlass.select_(kept, acc_s[e] * rng.scale, Float32(0.0))).to(self.dtype)
+        else:
+            r_p.store(acc_s.load().to(self.dtype))
         cute.copy(m.r2s_sdp, m.r2s_sdp.retile(r_p), m.attn_r2s)
 
         # ---- MatmulDOIVJ: dPᵀ = V_j dO_iᵀ; dS = (dP - Δ)·P · scale (P from registers).
@@ -448,13 +570,21 @@ class AttentionBackwardKernel:
         acc_dp.fill(0.0)
         gemm_smem(m.mma_sdp, acc_dp, m.doivj_rA, m.doivj_rB, m.doivj_sA, doivj_sB, m.s2r_a_sdp, m.s2r_b_sdp)
         for e in cutlass.range_constexpr(cute.size(acc_dp)):
-            qq = m.coord_s[e][1]
-            acc_dp[e] = acc_s[e] * (acc_dp[e] - s_di[qq]) * scale
+            kk, qq = m.coord_s[e]
+            dp = acc_dp[e]
+            if const_expr(cfg.apply_dropout):  # dP = dP_dropped * Zij
+                dp = Float32(cutlass.select_(self.kept(keep_bits, e), dp * rng.scale, Float32(0.0)))
+            ds = acc_s[e] * (dp - s_di[qq])
+            if const_expr(cfg.grad_bias):  # dB_ij = dS_ij, staged over this thread's own B_ij
+                s.bias[qq, kk] = ds.to(self.dtype)
+            acc_dp[e] = ds * scale
         r_ds = cute.make_fragment_like(acc_dp, self.dtype)
         r_ds.store(acc_dp.load().to(self.dtype))
         if const_expr(cfg.tmp_own_buffer):
             cute.copy(m.r2s_sdp, m.r2s_sdp.retile(r_ds), m.tmp_r2s)
-        cute.arch.barrier()  # attn_T (and tmp_T) are complete
+        cute.arch.barrier()  # attn_T (and tmp_T, dB_ij) are complete
+        if const_expr(cfg.grad_bias):
+            self.store_grad_bias(_view(p), _view(s), _view(m), query_start, key_start, tidx)
 
         # ---- MatmulGradV: dV_j += attn_T dO_i.
         if const_expr(cfg.output_in_rf):
@@ -467,6 +597,15 @@ class AttentionBackwardKernel:
             cute.arch.barrier()  # every warp is done with attn_T: tmp_T takes its bytes
             cute.copy(m.r2s_sdp, m.r2s_sdp.retile(r_ds), m.tmp_r2s)
             cute.arch.barrier()
+        if const_expr(cfg.has_bias):
+            # B_ij's readers (and dB_ij's writers) are done: fetch the next block's B_ij
+            # now, so that it lands behind this block's gradient matmuls.
+            if const_expr(cfg.tmp_own_buffer and cfg.grad_bias):
+                cute.arch.barrier()
+            next_query, next_key = incr_iteration(it, query_start, key_start)
+            if (next_key == key_start) & (next_query < p.num_queries):
+                self.load_bias(_view(p), _view(s), _view(m), next_query, key_start, tidx)
+            cute.arch.cp_async_commit_group()
 
         # ---- MatmulGradQ: dQ_i += dS K_j, accumulated in GradQTempStorage.
         if const_expr(cfg.output_in_rf):
@@ -483,6 +622,29 @@ class AttentionBackwardKernel:
             self.accumulate_grad_kv(
                 _view(p), it, True, s.tmp, s.q[None, None, stage], query_start, key_start, num_keys_in_block, _view(m), tidx
             )
+
+    def logit_log2(self, s, acc, scale_log2, kk, qq):
+        """log2(e) x (scale x (K_j Q_iᵀ) + B_ij): the logit before the LSE, in exp2 units."""
+        logit = acc * scale_log2
+        if const_expr(self.cfg.has_bias):
+            logit = logit + s.bias[qq, kk].to(Float32) * LOG2E
+        return logit
+
+    def fragment_keep_bits(self, s, m):
+        """The keep flags of this thread's attn_T fragment, 32 per Uint32."""
+        n = cute.size(m.coord_s)
+        words = []
+        for w in range((n + 31) // 32):
+            bits = Uint32(0)
+            for e in range(32 * w, min(n, 32 * w + 32)):
+                kk, qq = m.coord_s[e]
+                bits = bits | (Uint32(s.zij[qq, kk]) << Uint32(e - 32 * w))
+            words.append(bits)
+        return words
+
+    @staticmethod
+    def kept(keep_bits, e: int):
+        return (keep_bits[e // 32] & Uint32(1 << (e % 32))) != Uint32(0)
 
     # --------------------------------------------------------------------- GradQ
     @cute.jit

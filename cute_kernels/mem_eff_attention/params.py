@@ -79,9 +79,11 @@ class Params:
         if not 0.0 <= self.dropout_prob <= 1.0:
             raise ValueError(f"dropout_p must be in [0, 1], got {self.dropout_prob}")
         if self.dropout_prob > 0.0 and not self.cfg.apply_dropout:
-            raise NotImplementedError("dropout in the memory-efficient attention backward is not implemented yet (issue 6)")
-        if self.has_bias:
-            raise NotImplementedError("attention bias in the memory-efficient attention backward is not implemented yet (issue 6)")
+            raise ValueError("Set `kApplyDropout`=True to support `dropout_prob > 0` (the config's apply_dropout)")
+        if self.has_bias != self.cfg.has_bias:
+            raise ValueError("the config's has_bias must match whether a bias is given")
+        if self.has_bias and self.varlen:
+            raise NotImplementedError("CuSeqlen + bias not implemented yet (as the C++: torch's forward refuses it too)")
         for name, v in (("head_dim", self.head_dim), ("head_dim_value", self.head_dim_value)):
             if v <= 0:
                 raise ValueError(f"Invalid value for `{name}`: {v}")

@@ -5,7 +5,8 @@ preloading) and overlaps the per-phase fields in a union of parts. Ours keeps th
 block's K_j and V_j persistent (they serve every query block the CTA walks) and has
 two phases:
 
-    part1 (MatmulQK, MatmulGradV, MatmulDOIVJ): Q_i, dO_i, attn_T, zij (dropout)
+    part1 (MatmulQK, MatmulGradV, MatmulDOIVJ): Q_i, dO_i, attn_T, bias (BiasLoader's
+        B_ij, then the BiasGradEpilogue's dB_ij), zij (dropout keep flags)
     part2 (MatmulGradQ, MatmulGradK):           Q_i, dO_i, tmp_T (over attn_T's bytes)
 
 Q_i and dO_i sit at the same offsets in both parts (GradK still reads Q_i), so only
@@ -28,7 +29,8 @@ def _tile(dtype, spec):
 def make_shared_storage(cfg: AttentionBackwardConfig, dtype):
     """The ``@cute.struct`` for one configuration (call at trace time)."""
     i = cfg.block_size_i * cfg.stages_q
-    zij_elems = cfg.block_size_j * cfg.block_size_i if cfg.apply_dropout else 0
+    zij_bytes = cfg.smem_layout_zij().bytes if cfg.apply_dropout else 0
+    bias_elems = cfg.smem_layout_bias().bytes * 8 // cfg.elem_bits if cfg.has_bias else 0
     tmp_own_elems = cfg.block_size_j * cfg.block_size_i if cfg.tmp_own_buffer else 0
 
     @cute.struct
@@ -44,7 +46,9 @@ def make_shared_storage(cfg: AttentionBackwardConfig, dtype):
         mm_qk_q: _tile(dtype, cfg.smem_layout_q())  # Q_i: MatmulQK B
         mm_gradV_do: _tile(dtype, cfg.smem_layout_do())  # dO_i: MatmulGradV B, MatmulDOIVJ B
         attn_shared_storage: _tile(dtype, cfg.smem_layout_attn())  # attn_T = P_ijᵀ
-        zij: cute.struct.Align[cute.struct.MemRange[dtype, max(zij_elems, 1)], ALIGN]  # dropout keep mask (issue 6)
+        if cfg.has_bias:  # only then: the no-bias struct keeps its offsets
+            bias: cute.struct.Align[cute.struct.MemRange[dtype, bias_elems], ALIGN]  # B_ij / dB_ij (queries x keys)
+        zij: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, max(zij_bytes, 1)], ALIGN]  # ZijSharedStorage: keep flags
         tmp_own: cute.struct.Align[cute.struct.MemRange[dtype, max(tmp_own_elems, 1)], ALIGN]  # tmp_T (tmp_own_buffer)
 
     @cute.struct
