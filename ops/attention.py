@@ -40,6 +40,8 @@ from typing import List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from layouts.attention_bwd_prepost import round_up
+
 from . import _compile as cc
 from ._validate import check_cuda, check_float, check_int, check_same_device, check_tensor, validate_once
 
@@ -321,25 +323,16 @@ def _prepare_bias(attn_bias: Tensor, query: Tensor, key: Tensor, cu_seqlens_q) -
     """The [B, H, Mq, Mk] view torch's forward takes: broadcast dims expanded (stride 0),
     rows padded to 16 elements when they are not (differentiable ops, so autograd sums
     and crops the gradient back to ``attn_bias``'s shape)."""
-    check_tensor("attn_bias", attn_bias)
-    check_same_device("attn_bias", attn_bias, query)
-    if attn_bias.dtype != query.dtype:
-        raise TypeError(f"attn_bias must have query's dtype {query.dtype}, got {attn_bias.dtype}")
-    if cu_seqlens_q is not None:
-        raise NotImplementedError("attn_bias with cu_seqlens is not supported (torch's forward refuses it)")
+    from ops.mem_eff_attention import _check_bias
+
+    _check_bias(attn_bias, query, key, cu_seqlens_q, name="attn_bias")
     b, mq, h, _ = query.shape
     mk = key.shape[1]
     full = (b, h, mq, mk)
-    try:
-        ok = attn_bias.dim() <= 4 and torch.broadcast_shapes(tuple(attn_bias.shape), full) == full
-    except RuntimeError:
-        ok = False
-    if not ok:
-        raise ValueError(f"attn_bias of shape {tuple(attn_bias.shape)} does not broadcast to [B, H, Mq, Mk] = {full}")
     bias = attn_bias.expand(full)
     aligned = bias.stride(-1) == 1 and all(st % BIAS_ALIGN == 0 for st in bias.stride()[:-1])
     if not aligned:
-        padded = -(-mk // BIAS_ALIGN) * BIAS_ALIGN
+        padded = round_up(mk, BIAS_ALIGN)
         bias = torch.nn.functional.pad(attn_bias.expand(full), (0, padded - mk))[..., :mk]
     return bias
 

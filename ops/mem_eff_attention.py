@@ -38,6 +38,7 @@ from torch import Tensor
 from cute_kernels.mem_eff_attention.attention_backward_kernel import AttentionBackwardKernel
 from cute_kernels.mem_eff_attention.params import Params, choose_num_splits_key
 from layouts import mem_eff_attention as tiling
+from layouts.attention_bwd_prepost import round_up
 
 from . import _compile as cc
 from ._validate import check_cuda, check_dtype, check_float, check_same_device, check_tensor
@@ -230,25 +231,21 @@ def _check_inputs(grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, 
         raise ValueError("logsumexp must be contiguous along queries")
 
 
-def _check_bias(bias: Tensor, query: Tensor, key: Tensor, cu_seqlens_q) -> None:
-    check_cuda("bias", bias)
-    check_same_device("bias", bias, query)
+def _check_bias(bias: Tensor, query: Tensor, key: Tensor, cu_seqlens_q, name: str = "bias") -> None:
+    """A tensor on query's device, of its dtype, that broadcasts to [B, H, Mq, Mk]; no variable lengths."""
+    check_same_device(name, bias, query)
     if bias.dtype != query.dtype:
-        raise TypeError(f"bias must have the dtype of query ({query.dtype}), got {bias.dtype}")
+        raise TypeError(f"{name} must have the dtype of query ({query.dtype}), got {bias.dtype}")
     if cu_seqlens_q is not None:
-        raise NotImplementedError("attention bias with cu_seqlens is not supported (torch's forward refuses it too)")
+        raise NotImplementedError(f"{name} with cu_seqlens is not supported (torch's forward refuses it too)")
     b, mq, h, _ = query.shape
     full = (b, h, mq, key.shape[1])
     try:
-        torch.broadcast_shapes(tuple(bias.shape), full)
+        ok = bias.dim() <= 4 and torch.broadcast_shapes(tuple(bias.shape), full) == full
     except RuntimeError:
-        raise ValueError(f"bias of shape {tuple(bias.shape)} does not broadcast to [B, H, Mq, Mk] = {full}") from None
-    if bias.dim() > 4 or torch.broadcast_shapes(tuple(bias.shape), full) != full:
-        raise ValueError(f"bias of shape {tuple(bias.shape)} does not broadcast to [B, H, Mq, Mk] = {full}")
-
-
-def round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} of shape {tuple(bias.shape)} does not broadcast to [B, H, Mq, Mk] = {full}")
 
 
 # ------------------------------------------------------------------------------ launch
@@ -449,6 +446,7 @@ def efficient_attention_backward(
         raise ValueError(f"num_splits_key must be a positive int, got {num_splits_key!r}")
     _check_inputs(grad_out_, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp)
     if bias is not None:
+        check_cuda("bias", bias)
         _check_bias(bias, query, key, cu_seqlens_q)
     max_head_dim = tiling.MAX_K_FP32 if query.dtype == torch.float32 else tiling.MAX_K
     if max(query.shape[-1], value.shape[-1]) > max_head_dim:
