@@ -22,7 +22,7 @@ import ops
 from ops import mem_eff_attention as M
 from ops.reference import attention_backward_ref, attention_forward_ref, mem_eff_dropout_keep_mask
 
-from .test_mem_eff_attention_gpu import BF16, DEV, F16, F32, LSE_ALIGN, REF_TOL, check_grad, cu_seqlens, key_coverage
+from .test_mem_eff_attention_gpu import BF16, DEV, F16, F32, LSE_ALIGN, REF_TOL, check_grad, key_coverage, seq_args
 
 pytestmark = pytest.mark.gpu
 
@@ -96,11 +96,7 @@ def run_feature_case(dtype, b, mq, mk, h, kd, kv, *, bias_shape=None, bias_layou
         b, mq, mk = 1, sum(lengths[0]), sum(lengths[1])
     r = lambda *s: torch.randn(*s, device=DEV, dtype=dtype, generator=gen)  # noqa: E731
     q, k, v, do = r(b, mq, h, kd), r(b, mk, h, kd), r(b, mk, h, kv), r(b, mq, h, kv)
-    cq = ck = None
-    max_q, max_k = mq, mk
-    if lengths is not None:
-        cq, ck = cu_seqlens(lengths[0]), cu_seqlens(lengths[1])
-        max_q, max_k = max(max(lengths[0]), 1), max(max(lengths[1]), 1)
+    cq, ck, max_q, max_k = seq_args(mq, mk, lengths)
     bias = None
     if bias_shape is not None:
         if bias_layout == "dense":

@@ -57,6 +57,13 @@ def cu_seqlens(lengths):
     return torch.tensor([0] + list(lengths), device=DEV).cumsum(0).to(torch.int32)
 
 
+def seq_args(mq, mk, lengths):
+    """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k): Nones and (mq, mk) without ``lengths``."""
+    if lengths is None:
+        return None, None, mq, mk
+    return cu_seqlens(lengths[0]), cu_seqlens(lengths[1]), max(max(lengths[0]), 1), max(max(lengths[1]), 1)
+
+
 def make_qkv(b, mq, mk, h, kd, kv, dtype, gen, layout="bmhk"):
     """q, k, v, dO as [B, M, H, D] tensors: contiguous ("bmhk"), transposed [B, H, M, D]
     tensors ("bhmk", dO too) or q, k, v unbound from one packed [B, M, 3, H, D] ("packed")."""
@@ -140,11 +147,7 @@ def run_case(dtype, b, mq, mk, h, kd, kv, *, mask_type=0, window=0, scale=None, 
     if lengths is not None:
         b, mq, mk = 1, sum(lengths[0]), sum(lengths[1])
     q, k, v, do = make_qkv(b, mq, mk, h, kd, kv, dtype, gen, layout)
-    cq = ck = None
-    max_q, max_k = mq, mk
-    if lengths is not None:
-        cq, ck = cu_seqlens(lengths[0]), cu_seqlens(lengths[1])
-        max_q, max_k = max(max(lengths[0]), 1), max(max(lengths[1]), 1)
+    cq, ck, max_q, max_k = seq_args(mq, mk, lengths)
     segs = segments(b, mq, mk, lengths)
     win = window or None
     if torch_forward and torch_forward_ok(mask_type, segs):

@@ -78,6 +78,7 @@ from .test_mem_eff_attention_gpu import (
     key_coverage,
     ref_forward,
     segments,
+    seq_args,
     torch_backward_ok,
     torch_forward_ok,
 )
@@ -704,11 +705,7 @@ def _mem_eff_case(s):
     q, k, v, do = t["q"], t["k"], t["v"], t["grad_out"]
     b, mq, mk, dtype, mask_type, window, scale = s["batch"], s["mq"], s["mk"], s["dtype"], s["mask_type"], s["window"], s["scale"]
     lengths = s["lengths"]
-    cq = ck = None
-    max_q, max_k = mq, mk
-    if lengths is not None:
-        cq, ck = cu_seqlens(lengths[0]), cu_seqlens(lengths[1])
-        max_q, max_k = max(max(lengths[0]), 1), max(max(lengths[1]), 1)
+    cq, ck, max_q, max_k = seq_args(mq, mk, lengths)
     segs = segments(b, mq, mk, lengths)
     win = window or None
     qc, kc, vc, doc = (x.contiguous() for x in (q, k, v, do))
