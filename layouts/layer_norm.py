@@ -13,6 +13,9 @@ named configuration and derive it from (N, dtypes, arch) with one rule:
 * ``ctas_per_row`` (``CTAS_PER_ROW``): a row needing more than ``MAX_THREADS_PER_ROW``
   threads is split over a thread-block cluster (sm_90), whose CTAs exchange their row
   sums through distributed shared memory.
+* ``cluster_exchange`` (clusters only): ``"mbarrier"`` sends each warp's sums with
+  ``st.async`` and waits on a per-buffer transaction-count mbarrier; ``"barrier"``
+  stores them and waits at a full ``barrier.cluster`` per row (the original path).
 * ``rows_per_cta`` (``ROWS_PER_CTA``, ``WARPS_M`` rows of warps): a CTA has at least
   ``MIN_THREADS_PER_CTA`` threads; short rows stack.
 * ``stages``: depth of the shared-memory ring that cp.async fills ahead of the
@@ -50,6 +53,7 @@ MAX_ELEMS_PER_THREAD = 32  # beyond the largest cluster, threads take more of th
 MAX_THREADS_PER_ROW = 512  # per CTA; more threads per row go to more CTAs of a cluster
 MIN_THREADS_PER_CTA = 128
 MAX_CLUSTER = 8  # portable cluster size on sm_90
+CLUSTER_EXCHANGES = ("mbarrier", "barrier")
 BYTES_IN_FLIGHT = 64 * 1024  # per SM: x and dz bytes the cp.async ring keeps loading (96 KiB: 3 stages at N=4096 bf16, 9% slower)
 MAX_STAGES = 8
 SMEM_PER_SM = 200 * 1024  # of the 227 KiB an H100 SM offers, what the rings may take
@@ -94,6 +98,21 @@ class LnBwdTiles:
     rows_per_cta: int
     stages: int
     ctas_per_sm: int
+    cluster_exchange: str = "mbarrier"
+
+    def __post_init__(self):
+        if self.cluster_exchange not in CLUSTER_EXCHANGES:
+            raise ValueError(f"cluster_exchange must be one of {CLUSTER_EXCHANGES}, got {self.cluster_exchange!r}")
+
+    @property
+    def exchange_mbarriers(self) -> bool:
+        """Whether the cluster row exchange runs through st.async + mbarriers."""
+        return self.ctas_per_row > 1 and self.cluster_exchange == "mbarrier"
+
+    @property
+    def red_bytes(self) -> int:
+        """Bytes of one buffer of the row-sum exchange (every CTA's, every warp's two fp32 sums)."""
+        return self.ctas_per_row * self.rows_per_cta * self.warps_n * 2 * 4
 
     @property
     def num_threads(self) -> int:
@@ -150,9 +169,10 @@ class LnBwdTiles:
         return self.rows_per_cta * self.cols_per_cta * (in_bits + out_bits) // 8
 
     def smem_bytes(self, in_bits: int, out_bits: int, num_partials: int) -> int:
-        """The ring, the row-sum exchange (double-buffered) and the WARPS_M fold of the partials."""
+        """The ring, the row-sum exchange (double-buffered, with its two mbarriers) and the
+        WARPS_M fold of the partials."""
         ring = self.stages * self.stage_bytes(in_bits, out_bits)
-        red = 2 * self.ctas_per_row * self.rows_per_cta * self.warps_n * 2 * 4
+        red = 2 * self.red_bytes + (2 * 8 if self.exchange_mbarriers else 0)
         fold = num_partials * self.rows_per_cta * self.cols_per_cta * 4 if self.rows_per_cta > 1 else 0
         return ring + red + fold
 

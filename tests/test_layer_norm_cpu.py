@@ -65,6 +65,21 @@ def test_compiles_mixed_dtypes_and_flags(arch):
     assert callable(N._build(bf16, bf16, f32, t, False, True, True, arch))
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("exchange", tiling.CLUSTER_EXCHANGES)
+@pytest.mark.parametrize("n", [16384, 65536])
+def test_compiles_cluster_exchanges(n, exchange):
+    """Both cluster row exchanges (st.async + mbarrier, barrier.cluster) build for sm_90a."""
+    import cutlass
+
+    bf16, f32 = cutlass.BFloat16, cutlass.Float32
+    t = tiling.ln_bwd_tiles(n, 16, 16, 32, 8, "sm_90a", cluster_exchange=exchange)
+    assert t.ctas_per_row > 1 and t.cluster_exchange == exchange
+    assert t.exchange_mbarriers == (exchange == "mbarrier")
+    assert callable(N._build(bf16, bf16, f32, t, False, True, True, "sm_90a"))
+    assert callable(N._build(bf16, bf16, f32, t, True, True, False, "sm_90a"))
+
+
 def test_compile_only_covers_suite(monkeypatch):
     from benchmarks.suites import layer_norm_bwd
 
@@ -104,6 +119,17 @@ def test_tiles_beyond_the_largest_row_and_on_sm80():
         tiling.ln_bwd_tiles(64, 16, 16, 32, 16)
     with pytest.raises(ValueError, match=">= 1"):
         tiling.ln_bwd_tiles(0, 16, 16, 32, 1)
+
+
+def test_cluster_exchange_default_and_override():
+    t = tiling.ln_bwd_tiles(16384, 16, 16, 32, 8)
+    assert t.ctas_per_row == 2 and t.cluster_exchange == "mbarrier" and t.exchange_mbarriers
+    old = tiling.ln_bwd_tiles(16384, 16, 16, 32, 8, cluster_exchange="barrier", stages=3)
+    assert old.cluster_exchange == "barrier" and old.stages == 3 and not old.exchange_mbarriers
+    assert t.smem_bytes(16, 16, 2) == old.replace_stages(t.stages).smem_bytes(16, 16, 2) + 16  # two mbarriers
+    assert not tiling.ln_bwd_tiles(4096, 16, 16, 32, 8).exchange_mbarriers  # one CTA per row: sync_threads
+    with pytest.raises(ValueError, match="cluster_exchange"):
+        tiling.ln_bwd_tiles(16384, 16, 16, 32, 8, cluster_exchange="dsmem")
 
 
 def test_documented_table_matches_the_rule():

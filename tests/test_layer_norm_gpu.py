@@ -121,6 +121,37 @@ def test_deterministic():
         assert all(torch.equal(a, c) for a, c in zip(first, again))
 
 
+@pytest.mark.parametrize("n", [16384, 65536])
+def test_cluster_exchanges_agree(n):
+    """Many rows per CTA, so both exchange buffers and their mbarrier phases turn over
+    many times: the st.async + mbarrier exchange gives the bits of the barrier.cluster one,
+    run after run."""
+    from layouts import layer_norm as tiling
+    from ops import _compile as cc
+
+    rows = 2053
+    x, dz, w, b, mean, rstd = _inputs((rows, n), torch.bfloat16, torch.float32)
+    dev = x.device.index
+    arch = cc.device_arch(dev)
+    bf16, f32 = cc.cute_dtype(torch.bfloat16), cc.cute_dtype(torch.float32)
+    rdx, rdw, rdb = norm_backward_ref(dz, x, w, mean, rstd, True)
+    outs = {}
+    for mode in ("barrier", "mbarrier", "mbarrier"):
+        t = tiling.ln_bwd_tiles(n, 16, 16, 32, 8, arch, cluster_exchange=mode)
+        ctas = tiling.ctas_per_col(rows, t, cc.num_sms(dev))
+        assert t.ctas_per_row > 1 and rows // ctas >= 4
+        fn = N.compiled(bf16, bf16, f32, t, False, True, True, arch)
+        dx = poison(torch.empty_like(x))
+        pg, pb = (poison(torch.empty(ctas, n, device="cuda")) for _ in range(2))
+        fn(x, dz, w, mean, rstd, dx, pg, pb, ctas)
+        out = (dx, pg, pb)
+        assert rel_err(dx, rdx) < TOL[torch.bfloat16]
+        assert rel_err(pg.sum(0), rdw) < TOL[torch.bfloat16] and rel_err(pb.sum(0), rdb) < TOL[torch.bfloat16]
+        if outs:
+            assert all(torch.equal(o, r) for o, r in zip(out, outs["barrier"])), mode
+        outs.setdefault(mode, out)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [True, False])
 def test_layer_norm_module_matches_torch(dtype, bias):

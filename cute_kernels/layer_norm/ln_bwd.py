@@ -13,7 +13,10 @@ thread ``t`` of CTA ``bidn`` starts at column ((it * CTAS_PER_ROW + bidn) *
 THREADS_PER_ROW + t) * vec. The row all-reduce of (sum dy, sum dy*y) runs through warp
 shuffles, then shared memory across the warps of a row, then distributed shared memory
 across the CTAs of a cluster; every participant adds the same values in the same
-order, so all agree bit for bit and the results are deterministic.
+order, so all agree bit for bit and the results are deterministic. Across a cluster the
+sums travel by ``st.async`` and each CTA waits on a transaction-count mbarrier of its
+own (``tiles.cluster_exchange == "mbarrier"``), or by plain remote stores followed by a
+full cluster barrier per row (``"barrier"``).
 """
 
 import cuda.bindings.driver as cuda
@@ -31,6 +34,17 @@ def store_cluster(ptr: cute.Pointer, value: Float32, peer: Int32):
     """Store ``value`` at shared-memory address ``ptr`` of CTA ``peer`` of the cluster."""
     addr = cute.arch.map_dsmem_ptr(ptr, peer).toint()
     cute.arch.inline_ptx("st.shared::cluster.f32 [{$r0}], {$r1};", read_only_args=[Int32(addr), value])
+
+
+@cute.jit
+def store_async_cluster2(ptr: cute.Pointer, mbar: cute.Pointer, v0: Float32, v1: Float32, peer: Int32):
+    """(v0, v1) at 8-byte aligned ``ptr`` of CTA ``peer``; completes 8 tx bytes on ``mbar`` there."""
+    addr = cute.arch.map_dsmem_ptr(ptr, peer).toint()
+    bar = cute.arch.map_dsmem_ptr(mbar, peer).toint()
+    cute.arch.inline_ptx(
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [{$r0}], {{$r1}, {$r2}}, [{$r3}];",
+        read_only_args=[Int32(addr), v0, v1, Int32(bar)],
+    )
 
 
 class LnBwd:
@@ -140,7 +154,9 @@ class LnBwd:
 
         smem = cutlass.memory.SmemAllocator()
         exchange = warps_n > 1 or cpr > 1
+        use_mbar = t.exchange_mbarriers
         sRed = None
+        mbar = None
         if const_expr(exchange):
             # [buffer, rank in cluster, row of CTA, warp of row, (sum dy, sum dy*y)]
             sRed = smem.allocate_tensor(
@@ -148,8 +164,16 @@ class LnBwd:
                 cute.make_ordered_layout((2, cpr, rpc, warps_n, 2), order=(4, 3, 2, 1, 0)),
                 byte_alignment=16,
             )
+        if const_expr(use_mbar):
+            # one per sRed buffer: the local arrive.expect_tx plus every entry's complete_tx
+            mbar = smem.allocate_array(cutlass.Int64, 2, byte_alignment=8)
+            if tidx == 0:
+                cute.arch.mbarrier_init(mbar, 1)
+                cute.arch.mbarrier_init(mbar + 1, 1)
+            cute.arch.mbarrier_init_fence()
         if const_expr(cpr > 1):
-            # every CTA of the cluster runs before anyone writes into its shared memory
+            # every CTA of the cluster runs (and has its mbarriers initialised) before
+            # anyone writes into its shared memory
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
 
@@ -204,20 +228,37 @@ class LnBwd:
 
             if const_expr(exchange):
                 # each warp's sums to every CTA of the row; then all add them in one order
-                if lane == 0:
-                    for j in cutlass.range_constexpr(2):
-                        coord = (parity, bidn, row_in_cta, warp_n, j)
-                        if const_expr(cpr > 1):
-                            ptr = sRed.iterator + cute.crd2idx(coord, sRed.layout)
-                            for peer in cutlass.range_constexpr(cpr):
-                                store_cluster(ptr, sums[j], Int32(peer))
-                        else:
-                            sRed[coord] = sums[j]
-                if const_expr(cpr > 1):
-                    cute.arch.cluster_arrive()
-                    cute.arch.cluster_wait()
+                if const_expr(use_mbar):
+                    # Buffer ``parity`` is reused every second row; its mbarrier phase
+                    # flips then. No overwrite before it is read: a peer sends row k+2 into
+                    # it only after its wait for row k+1, which needs every warp of this CTA
+                    # to have sent row k+1, which each does after reading row k (sync_warp
+                    # orders all lanes' reads before lane 0's sends). A complete_tx landing
+                    # before this CTA's arrive.expect_tx only makes the tx-count negative
+                    # for a while: the phase also needs the arrival.
+                    if tidx == 0:
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + parity, t.red_bytes)
+                    cute.arch.sync_warp()
+                    if lane == 0:
+                        ptr = sRed.iterator + cute.crd2idx((parity, bidn, row_in_cta, warp_n, 0), sRed.layout)
+                        for peer in cutlass.range_constexpr(cpr):  # itself included
+                            store_async_cluster2(ptr, mbar + parity, sums[0], sums[1], Int32(peer))
+                    cute.arch.mbarrier_wait(mbar + parity, (k >> 1) & 1)
                 else:
-                    cute.arch.sync_threads()
+                    if lane == 0:
+                        for j in cutlass.range_constexpr(2):
+                            coord = (parity, bidn, row_in_cta, warp_n, j)
+                            if const_expr(cpr > 1):
+                                ptr = sRed.iterator + cute.crd2idx(coord, sRed.layout)
+                                for peer in cutlass.range_constexpr(cpr):
+                                    store_cluster(ptr, sums[j], Int32(peer))
+                            else:
+                                sRed[coord] = sums[j]
+                    if const_expr(cpr > 1):
+                        cute.arch.cluster_arrive()
+                        cute.arch.cluster_wait()
+                    else:
+                        cute.arch.sync_threads()
                 for j in cutlass.range_constexpr(2):
                     total = Float32(0.0)
                     for rank in cutlass.range_constexpr(cpr):
@@ -241,6 +282,11 @@ class LnBwd:
             mu = mu_next
             rs = rs_next
         cute.arch.cp_async_wait_group(0)  # nothing may land after the CTA exits
+        if const_expr(use_mbar):
+            # A CTA's last st.async into a peer may still be in flight when it is done;
+            # once all CTAs arrived here, each has waited for everything sent to it.
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
 
         # This CTA's column sums -> row ``bidm`` of the partials (Apex's WARPS_M fold).
         outs = []
