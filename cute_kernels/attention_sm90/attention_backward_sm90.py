@@ -1,0 +1,400 @@
+"""Hopper-native attention backward: dK, dV and the fp32 dQ accumulator of one key block per CTA.
+
+The decomposition (warpgroups, products, shared-memory operands) is in
+``layouts/attention_sm90.py``. Δ comes from our preprocess (``compute_dot_do_o``,
+which also zeroes the dQ accumulator) and dQ from our ``convert_dq``; this kernel adds
+``dS K`` of every (query block, key block) pair into the accumulator with TMA reduce-adds.
+
+Shared memory (one phase: everything lives for the whole CTA)::
+
+    sQ, sdO   [tile_m, d, stages]   TMA ring, mbarrier pipelines (with sLSE, sDelta)
+    sK, sV    [tile_n, d]           loaded once (kv mbarrier)
+    sdS       [tile_m, tile_n, 2]   dS of the block, A operand of dQ = dS K
+    sdQ       [tile_m, d] fp32      the block's dQ, source of the TMA reduce-add
+
+Synchronisation: the Q / dO pipelines (full: TMA transaction bytes, empty: the 8
+consumer warps); named barriers PDS (both consumer warpgroups wrote dS), DQ_EMPTY and
+DQ_FULL (sdQ handed between the consumers and the dQ-store warp).
+"""
+
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from layouts.attention_sm90 import CONSUMER_REGS, PRODUCER_REGS, AttentionSm90Tiles
+
+from .wgmma import acc_as_operand_a, acc_mn_layout, select_modes, transpose_view, wgmma
+
+# named barriers (0 is __syncthreads)
+BAR_PDS = 1
+BAR_DQ_EMPTY = 2
+BAR_DQ_FULL = 3
+LOG2_E = math.log2(math.e)
+
+
+class AttentionBackwardSm90:
+    """Configuration: element type, tiles, mask (0 none, 1 causal from the top-left, 2 from the bottom-right)."""
+
+    def __init__(self, dtype, tiles: AttentionSm90Tiles, mask_type: int):
+        self.dtype = dtype
+        self.tiles = tiles
+        self.mask_type = mask_type
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [B, Sq, H, D]
+        mK: cute.Tensor,  # [B, Sk, H, D]
+        mV: cute.Tensor,  # [B, Sk, H, D]
+        mdO: cute.Tensor,  # [B, Sq, H, D]
+        mLSE: cute.Tensor,  # [B, H, >= Sq] fp32, natural log
+        mDelta: cute.Tensor,  # [B, H, >= Sq] fp32
+        mdQaccum: cute.Tensor,  # [B, round_up(Sq, tile_m), H, D] fp32, zeroed
+        mdK: cute.Tensor,  # [B, Sk, H, D]
+        mdV: cute.Tensor,  # [B, Sk, H, D]
+        softmax_scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        t = self.tiles
+        d = t.head_dim
+        # (seq, d, heads, batch) and (seq, heads, batch): TMA tiles the first modes
+        mQ, mK, mV, mdO, mdQaccum, mdK, mdV = [select_modes(x, (1, 3, 2, 0)) for x in (mQ, mK, mV, mdO, mdQaccum, mdK, mdV)]
+        mLSE, mDelta = [select_modes(x, (2, 1, 0)) for x in (mLSE, mDelta)]
+
+        sQ_layout = t.smem_layout_rows(self.dtype, t.tile_m, t.stages)
+        sK_layout = t.smem_layout_rows(self.dtype, t.tile_n, None)
+        sdS_layout = t.smem_layout_ds(self.dtype)
+        sdQ_layout = t.smem_layout_dq()
+        sStat_layout = cute.make_layout((t.tile_m, t.stages))
+
+        tma_Q, gQ_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mQ, cute.select(sQ_layout, mode=[0, 1]), (t.tile_m, d))
+        tma_dO, gdO_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mdO, cute.select(sQ_layout, mode=[0, 1]), (t.tile_m, d))
+        tma_K, gK_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mK, sK_layout, (t.tile_n, d))
+        tma_V, gV_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mV, sK_layout, (t.tile_n, d))
+        tma_LSE, gLSE_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mLSE, cute.make_layout(t.tile_m), (t.tile_m,))
+        tma_Delta, gDelta_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mDelta, cute.make_layout(t.tile_m), (t.tile_m,))
+        tma_dQ, gdQ_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, sdQ_layout, (t.tile_m, d))  # fmt: skip
+
+        elem = self.dtype.width // 8
+        self.q_bytes = t.tile_m * d * elem + t.tile_m * 4  # Q + LSE (dO + Δ alike)
+        self.kv_bytes = 2 * t.tile_n * d * elem
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * t.stages]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * t.stages]
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 1]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
+
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        grid = (cute.ceil_div(seqlen_k, t.tile_n), mQ.shape[2], mQ.shape[3])
+        self.kernel(
+            gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, gdQ_tma, mdK, mdV,
+            tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ,
+            sQ_layout, sK_layout, sdS_layout, sdQ_layout, sStat_layout,
+            t.tiled_mma_sdp(self.dtype), t.tiled_mma_dkv(self.dtype), t.tiled_mma_dq(self.dtype),
+            seqlen_q, seqlen_k, softmax_scale, SharedStorage,
+        ).launch(grid=grid, block=[t.num_threads, 1, 1], min_blocks_per_mp=1, stream=stream)  # fmt: skip
+
+    # ------------------------------------------------------------------------------ kernel
+    @cute.kernel
+    def kernel(
+        self,
+        gQ_tma: cute.Tensor, gdO_tma: cute.Tensor, gK_tma: cute.Tensor, gV_tma: cute.Tensor,
+        gLSE_tma: cute.Tensor, gDelta_tma: cute.Tensor, gdQ_tma: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+        tma_Q: cute.CopyAtom, tma_dO: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
+        tma_LSE: cute.CopyAtom, tma_Delta: cute.CopyAtom, tma_dQ: cute.CopyAtom,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
+        sdQ_layout: cute.Layout, sStat_layout: cute.Layout,
+        tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
+        seqlen_q: Int32, seqlen_k: Int32, softmax_scale: Float32, SharedStorage: cutlass.Constexpr,
+    ):  # fmt: skip
+        t = self.tiles
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, head, batch = cute.arch.block_idx()
+        if warp_idx == 0:
+            for atom in (tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout)
+        sLSE = storage.sLSE.get_tensor(sStat_layout)
+        sDelta = storage.sDelta.get_tensor(sStat_layout)
+        mbar_kv = storage.mbar_kv.data_ptr()
+
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(mbar_kv, 1)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, t.num_mma_threads // 32)
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=t.stages,
+            producer_group=producer, consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True,
+        )  # fmt: skip
+        pipe_do = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_do.data_ptr(), num_stages=t.stages,
+            producer_group=producer, consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True,
+        )  # fmt: skip
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        m_min, m_max = self.m_block_range(n_block, seqlen_q, seqlen_k)
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp_idx == 0:
+                self.load(gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, sQ, sdO, sK, sV, sLSE, sDelta,
+                          tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, pipe_q, pipe_do, mbar_kv,
+                          n_block, head, batch, m_min, m_max)  # fmt: skip
+            if warp_idx == 1:
+                self.store_dq(gdQ_tma, sdQ, tma_dQ, head, batch, m_min, m_max)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            self.mma(sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
+                     pipe_q, pipe_do, mbar_kv, tidx - 128, n_block, head, batch, m_min, m_max,
+                     seqlen_q, seqlen_k, softmax_scale)  # fmt: skip
+
+    @cute.jit
+    def m_block_range(self, n_block, seqlen_q, seqlen_k):
+        """Query blocks that see key block ``n_block`` (causal: from the diagonal on)."""
+        t = self.tiles
+        m_max = cute.ceil_div(seqlen_q, t.tile_m)
+        m_min = Int32(0)
+        if const_expr(self.mask_type != 0):
+            first_q = n_block * t.tile_n - self.causal_offset(seqlen_q, seqlen_k)
+            if first_q > 0:
+                m_min = first_q // t.tile_m
+        return m_min, m_max
+
+    @cute.jit
+    def causal_offset(self, seqlen_q, seqlen_k):
+        """Key k sees query q when k <= q + offset."""
+        offset = Int32(0)
+        if const_expr(self.mask_type == 2):
+            offset = seqlen_k - seqlen_q
+        return offset
+
+    # ---------------------------------------------------------------------------- producer
+    @cute.jit
+    def load(self, gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, sQ, sdO, sK, sV, sLSE, sDelta,
+             tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, pipe_q, pipe_do, mbar_kv,
+             n_block, head, batch, m_min, m_max):  # fmt: skip
+        t = self.tiles
+        d = t.head_dim
+        gQ = cute.local_tile(gQ_tma[None, None, head, batch], (t.tile_m, d), (None, 0))
+        gdO = cute.local_tile(gdO_tma[None, None, head, batch], (t.tile_m, d), (None, 0))
+        gK = cute.local_tile(gK_tma[None, None, head, batch], (t.tile_n, d), (n_block, 0))
+        gV = cute.local_tile(gV_tma[None, None, head, batch], (t.tile_n, d), (n_block, 0))
+        gLSE = cute.local_tile(gLSE_tma[None, head, batch], (t.tile_m,), (None,))
+        gDelta = cute.local_tile(gDelta_tma[None, head, batch], (t.tile_m,), (None,))
+        one = cute.make_layout(1)
+        tQs, tQg = cpasync.tma_partition(tma_Q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tdOs, tdOg = cpasync.tma_partition(tma_dO, 0, one, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
+        tKs, tKg = cpasync.tma_partition(tma_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVs, tVg = cpasync.tma_partition(tma_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        tLs, tLg = cpasync.tma_partition(tma_LSE, 0, one, cute.group_modes(sLSE, 0, 1), cute.group_modes(gLSE, 0, 1))
+        tDs, tDg = cpasync.tma_partition(tma_Delta, 0, one, cute.group_modes(sDelta, 0, 1), cute.group_modes(gDelta, 0, 1))
+
+        if m_min < m_max:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar_kv, self.kv_bytes)
+            cute.copy(tma_K, tKg, tKs, tma_bar_ptr=mbar_kv)
+            cute.copy(tma_V, tVg, tVs, tma_bar_ptr=mbar_kv)
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, t.stages)
+            for m_block in cutlass.range(m_min, m_max, unroll=1):
+                pipe_q.producer_acquire(state)
+                bar = pipe_q.producer_get_barrier(state)
+                cute.copy(tma_Q, tQg[None, m_block], tQs[None, state.index], tma_bar_ptr=bar)
+                cute.copy(tma_LSE, tLg[None, m_block], tLs[None, state.index], tma_bar_ptr=bar)
+                pipe_do.producer_acquire(state)
+                bar = pipe_do.producer_get_barrier(state)
+                cute.copy(tma_dO, tdOg[None, m_block], tdOs[None, state.index], tma_bar_ptr=bar)
+                cute.copy(tma_Delta, tDg[None, m_block], tDs[None, state.index], tma_bar_ptr=bar)
+                state.advance()
+
+    @cute.jit
+    def store_dq(self, gdQ_tma, sdQ, tma_dQ, head, batch, m_min, m_max):
+        """Add each query block's dQ (staged in sdQ by the consumers) into the fp32 accumulator."""
+        t = self.tiles
+        gdQ = cute.local_tile(gdQ_tma[None, None, head, batch], (t.tile_m, t.head_dim), (None, 0))
+        tdQs, tdQg = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2))
+        handoff = 32 + t.num_mma_threads
+        for m_block in cutlass.range(m_min, m_max, unroll=1):
+            cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY, number_of_threads=handoff)
+            cute.arch.barrier(barrier_id=BAR_DQ_FULL, number_of_threads=handoff)
+            cute.copy(tma_dQ, tdQs, tdQg[None, m_block])
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ may be rewritten
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    # --------------------------------------------------------------------------- consumers
+    @cute.jit
+    def mma(self, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
+            pipe_q, pipe_do, mbar_kv, tidx, n_block, head, batch, m_min, m_max, seqlen_q, seqlen_k, softmax_scale):  # fmt: skip
+        t = self.tiles
+        d = t.head_dim
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        scale_log2 = softmax_scale * LOG2_E
+
+        # S^T = K Q^T, dP^T = V dO^T (this warpgroup's 64 keys)
+        wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
+        thr_sdp = tiled_mma_sdp.get_slice(tidx)
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        shape_sdp = thr_sdp.partition_shape_C((t.tile_n, t.tile_m))
+        # coordinates (key, query) of each accumulator value, as rows x columns
+        cS = thr_sdp.partition_C(cute.make_identity_tensor((t.tile_n, t.tile_m)))
+        cS_mn = cute.make_tensor(cS.iterator, acc_mn_layout(cS.layout))
+
+        # dV += P^T dO, dK += dS^T Q: B operands are the transposed views of dO / Q
+        wg_dkv = tiled_mma_dkv.get_slice(wg * 128)
+        tVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))
+        tKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))
+        thr_dkv = tiled_mma_dkv.get_slice(tidx)
+        acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((t.tile_n, d)), Float32)
+        acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((t.tile_n, d)), Float32)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+
+        # dQ = dS K
+        wg_dq = tiled_mma_dq.get_slice(wg * 128)
+        thr_dq = tiled_mma_dq.get_slice(tidx)
+        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        tQrK = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
+        shape_dq = thr_dq.partition_shape_C((t.tile_m, d))
+
+        # registers -> shared: dS^T into sdS (its (key, query) view), dQ into sdQ
+        r2s_ds = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma_sdp)
+        thr_r2s_ds = r2s_ds.get_slice(tidx)
+        tdSs = thr_r2s_ds.partition_D(transpose_view(sdS))
+        r2s_dq = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), tiled_mma_dq)
+        thr_r2s_dq = r2s_dq.get_slice(tidx)
+        tdQs = thr_r2s_dq.partition_D(sdQ)
+
+        handoff = 32 + t.num_mma_threads
+        offset = self.causal_offset(seqlen_q, seqlen_k)
+        key0 = n_block * t.tile_n
+        if m_min < m_max:
+            cute.arch.mbarrier_wait(mbar_kv, 0)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
+        for m_block in cutlass.range(m_min, m_max, unroll=1):
+            stage = state.index
+            ds_stage = (m_block - m_min) % t.ds_stages
+            q0 = m_block * t.tile_m
+            pipe_q.consumer_wait(state)
+            acc_S = cute.make_rmem_tensor(shape_sdp, Float32)
+            wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True)
+            pipe_do.consumer_wait(state)
+            acc_dP = cute.make_rmem_tensor(shape_sdp, Float32)
+            wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, stage], zero_init=True)
+
+            # P^T = exp(S^T * scale - LSE), zero where masked (after the exp: LSE may be +-inf there)
+            warpgroup.wait_group(1)
+            S = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
+            need_mask = q0 + t.tile_m > seqlen_q or key0 + t.tile_n > seqlen_k
+            if const_expr(self.mask_type != 0):
+                need_mask = need_mask or key0 + t.tile_n - 1 > q0 + offset
+            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                q_local = cS_mn[0, c][1]
+                lse_log2 = sLSE[q_local, stage] * LOG2_E
+                for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                    S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse_log2, fastmath=True)
+            if need_mask:
+                for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                    q = q0 + cS_mn[0, c][1]
+                    for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                        k = key0 + cS_mn[r, c][0]
+                        masked = q >= seqlen_q or k >= seqlen_k
+                        if const_expr(self.mask_type != 0):
+                            masked = masked or k > q + offset
+                        if masked:
+                            S[r, c] = Float32(0.0)
+
+            # dS^T = P^T (dP^T - Δ)
+            warpgroup.wait_group(0)
+            dP = cute.make_tensor(acc_dP.iterator, acc_mn_layout(acc_dP.layout))
+            for c in cutlass.range_constexpr(cute.size(dP, mode=[1])):
+                delta = sDelta[cS_mn[0, c][1], stage]
+                for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
+                    dP[r, c] = S[r, c] * (dP[r, c] - delta)
+
+            # dV += P^T dO (P^T from registers)
+            rP = cute.make_rmem_tensor(shape_sdp, self.dtype)
+            rP.store(acc_S.load().to(self.dtype))
+            wgmma(tiled_mma_dkv, acc_dV, cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout)),
+                  tVrdO[None, None, None, stage], zero_init=False)  # fmt: skip
+            # dS^T -> sdS for dQ; dK += dS^T Q
+            rdS = cute.make_rmem_tensor(shape_sdp, self.dtype)
+            rdS.store(acc_dP.load().to(self.dtype))
+            cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_stage])
+            wgmma(tiled_mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
+                  tKrQ[None, None, None, stage], zero_init=False)  # fmt: skip
+            # both warpgroups' dS in shared memory, visible to the async proxy
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
+            acc_dQ = cute.make_rmem_tensor(shape_dq, Float32)
+            wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_stage], tQrK, zero_init=True)
+            warpgroup.wait_group(0)
+            pipe_q.consumer_release(state)
+            pipe_do.consumer_release(state)
+
+            # dQ -> sdQ for the store warp's reduce-add
+            cute.arch.barrier(barrier_id=BAR_DQ_EMPTY, number_of_threads=handoff)
+            cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQs)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=handoff)
+            state.advance()
+
+        # epilogue: dK scaled by the softmax scale (dS was not), rows past seqlen_k dropped
+        acc_dK.store(acc_dK.load() * softmax_scale)
+        self.store_rows(acc_dK, mdK, tiled_mma_dkv, tidx, n_block, head, batch, seqlen_k)
+        self.store_rows(acc_dV, mdV, tiled_mma_dkv, tidx, n_block, head, batch, seqlen_k)
+
+    @cute.jit
+    def store_rows(self, acc, mOut, tiled_mma, tidx, n_block, head, batch, seqlen_k):
+        """fp32 accumulator -> element type -> global rows n_block * tile_n + .. (predicated)."""
+        t = self.tiles
+        tile = (t.tile_n, t.head_dim)
+        gOut = cute.local_tile(mOut[None, None, head, batch], tile, (n_block, 0))
+        cOut = cute.local_tile(cute.make_identity_tensor(mOut.shape[:2]), tile, (n_block, 0))
+        r2g = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma)
+        thr = r2g.get_slice(tidx)
+        tOg = thr.partition_D(gOut)
+        tOc = thr.partition_D(cOut)
+        rOut = cute.make_rmem_tensor(acc.shape, self.dtype)
+        rOut.store(acc.load().to(self.dtype))
+        tOr = thr.retile(rOut)
+        if (n_block + 1) * t.tile_n <= seqlen_k:
+            cute.copy(r2g, tOr, tOg)
+        else:
+            for i in cutlass.range_constexpr(cute.size(tOr, mode=[1])):
+                for j in cutlass.range_constexpr(cute.size(tOr, mode=[2])):
+                    if tOc[0, i, j][0] < seqlen_k:
+                        cute.copy(r2g, tOr[None, i, j], tOg[None, i, j])

@@ -1,0 +1,151 @@
+"""Tiles of the Hopper-native attention backward (sm_90a: TMA, wgmma, warp specialization).
+
+One CTA owns ``tile_n`` rows of K and V (a key block) and walks the query blocks of
+``tile_m`` rows that see it. It is the flash-attention-3 decomposition, in the
+transposed form that keeps P and dS in registers for the dK / dV products:
+
+* 3 warpgroups: warpgroup 0 is the producer (warp 0 issues the TMA loads of K, V once
+  and of Q, LSE, dO, Δ per query block into ``stages``-deep mbarrier pipelines; warp 1
+  adds each block's dQ into the fp32 accumulator with a TMA reduce-add); warpgroups 1
+  and 2 are the consumers, each owning 64 of the key block's rows.
+* per query block, consumer warpgroup w (keys 64w .. 64w+63):
+    S^T  = K_w Q^T            (wgmma SS: A = K  smem, K-major;  B = Q  smem, K-major)
+    dP^T = V_w dO^T           (wgmma SS: A = V  smem, K-major;  B = dO smem, K-major)
+    P^T  = exp2(S^T * scale * log2 e - LSE * log2 e),  dS^T = P^T (dP^T - Δ)
+    dV_w += P^T dO            (wgmma RS: A = P^T registers; B = dO smem, MN-major view)
+    dK_w += dS^T Q            (wgmma RS: A = dS^T registers; B = Q smem, MN-major view)
+    dS^T -> shared memory (m-contiguous), then dQ = dS K over the whole key block
+                              (wgmma SS: A = dS smem, MN-major; B = K smem, MN-major view)
+  the two warpgroups split dQ's columns (tile_m = 64) or rows (tile_m = 128).
+* Q, dO and K are stored once, row-major with a 128-byte swizzle; the K-major view
+  serves the first products and the transposed (MN-major) view the second ones: the
+  same 8 x 64 swizzle atom is legal for both.
+
+| head dim | tile_m | tile_n | Q / dO stages | dS stages | consumers | smem (bf16) |
+|----------|--------|--------|---------------|-----------|-----------|-------------|
+| 64       | 128    | 128    | 2             | 2         | 2 x 128   | 176 KiB     |
+| 128      | 64     | 128    | 2             | 2         | 2 x 128   | 192 KiB     |
+
+(tests/test_attention_sm90_cpu.py checks the table.) Everything else takes the
+sm80-structured memory-efficient kernel (``ops`` dispatch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory an H100 CTA may use
+HEAD_DIMS = (64, 128)
+NUM_CONSUMER_WG = 2
+PRODUCER_REGS = 24  # setmaxnreg for the producer warpgroup
+CONSUMER_REGS = 240  # for each consumer warpgroup (24 + 2 x 240 <= 504 per thread-slot budget)
+
+
+@dataclass(frozen=True)
+class AttentionSm90Tiles:
+    head_dim: int
+    tile_m: int
+    tile_n: int
+    stages: int = 2  # Q / LSE and dO / Δ pipelines
+    ds_stages: int = 2  # dS buffers: a warpgroup may write block i+1's dS while the other still reads block i's
+
+    @property
+    def num_threads(self) -> int:
+        return 128 * (NUM_CONSUMER_WG + 1)
+
+    @property
+    def num_mma_threads(self) -> int:
+        return 128 * NUM_CONSUMER_WG
+
+    @property
+    def dq_atoms(self) -> tuple:
+        """(M, N) warpgroups of the dQ product: split rows when there are 128, else columns."""
+        return (2, 1) if self.tile_m == 128 else (1, 2)
+
+    def smem_bytes(self, elem_bytes: int = 2) -> int:
+        d = self.head_dim
+        q_do = 2 * self.stages * self.tile_m * d * elem_bytes
+        kv = 2 * self.tile_n * d * elem_bytes
+        ds = self.ds_stages * self.tile_m * self.tile_n * elem_bytes
+        dq = self.tile_m * d * 4
+        stats = 2 * self.stages * self.tile_m * 4
+        barriers = 8 * (4 * self.stages + 2)
+        return q_do + kv + ds + dq + stats + barriers + 4 * 1024  # alignment slack
+
+    # ---- DSL objects (called while tracing) -------------------------------------------
+    def tiled_mma_sdp(self, dtype):
+        """S^T = K Q^T and dP^T = V dO^T: M = keys (64 per warpgroup), N = queries, K = head dim."""
+        from cutlass import Float32
+        from cutlass.cute.nvgpu import warpgroup
+        from cutlass.utils import hopper_helpers as hh
+
+        return hh.make_trivial_tiled_mma(
+            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            atom_layout_mnk=(NUM_CONSUMER_WG, 1, 1), tiler_mn=(64, self.tile_m),
+        )  # fmt: skip
+
+    def tiled_mma_dkv(self, dtype):
+        """dV += P^T dO and dK += dS^T Q: A from registers, B the MN-major view of dO / Q."""
+        from cutlass import Float32
+        from cutlass.cute.nvgpu import warpgroup
+        from cutlass.utils import hopper_helpers as hh
+
+        return hh.make_trivial_tiled_mma(
+            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(NUM_CONSUMER_WG, 1, 1), tiler_mn=(64, self.head_dim),
+            a_source=warpgroup.OperandSource.RMEM,
+        )  # fmt: skip
+
+    def tiled_mma_dq(self, dtype):
+        """dQ = dS K: A = dS (MN-major, queries contiguous), B = K's MN-major view."""
+        from cutlass import Float32
+        from cutlass.cute.nvgpu import warpgroup
+        from cutlass.utils import hopper_helpers as hh
+
+        am, an = self.dq_atoms
+        return hh.make_trivial_tiled_mma(
+            dtype, dtype, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(am, an, 1), tiler_mn=(64, self.head_dim // an),
+        )  # fmt: skip
+
+    def smem_layout_rows(self, dtype, rows: int, stages):
+        """(rows, head_dim[, stages]) row-major with the widest swizzle the head dim allows."""
+        import cutlass.cute as cute
+        from cutlass.cute.nvgpu import warpgroup
+        from cutlass.utils import LayoutEnum
+        from cutlass.utils import hopper_helpers as hh
+
+        atom = warpgroup.make_smem_layout_atom(hh.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, self.head_dim), dtype)
+        shape = (rows, self.head_dim) if stages is None else (rows, self.head_dim, stages)
+        return cute.tile_to_shape(atom, shape, order=(0, 1) if stages is None else (0, 1, 2))
+
+    def smem_layout_ds(self, dtype):
+        """(tile_m, tile_n, ds_stages), queries contiguous: dS^T's register pairs are adjacent."""
+        import cutlass.cute as cute
+        from cutlass.cute.nvgpu import warpgroup
+        from cutlass.utils import LayoutEnum
+        from cutlass.utils import hopper_helpers as hh
+
+        atom = warpgroup.make_smem_layout_atom(hh.get_smem_layout_atom(LayoutEnum.COL_MAJOR, dtype, self.tile_m), dtype)
+        return cute.tile_to_shape(atom, (self.tile_m, self.tile_n, self.ds_stages), order=(1, 0, 2))
+
+    def smem_layout_dq(self):
+        """(tile_m, head_dim) fp32, row-major: the image the TMA reduce-add adds into dQaccum."""
+        import cutlass.cute as cute
+
+        return cute.make_ordered_layout((self.tile_m, self.head_dim), order=(1, 0))
+
+
+def attention_sm90_tiles(head_dim: int, causal: bool = False, **overrides) -> AttentionSm90Tiles:
+    """The tiles for ``head_dim`` (see the module table); ``overrides`` for sweeps."""
+    if head_dim not in HEAD_DIMS:
+        raise NotImplementedError(f"the sm90 attention backward supports head dims {HEAD_DIMS}, got {head_dim}")
+    tile_m = 128 if head_dim <= 64 else 64
+    fields = dict(head_dim=head_dim, tile_m=tile_m, tile_n=128)
+    fields.update(overrides)
+    t = AttentionSm90Tiles(**fields)
+    if t.tile_m not in (64, 128) or t.tile_n != 64 * NUM_CONSUMER_WG:
+        raise ValueError(f"tile_m must be 64 or 128 and tile_n {64 * NUM_CONSUMER_WG}, got {t.tile_m}, {t.tile_n}")
+    if t.smem_bytes() > SMEM_LIMIT:
+        raise ValueError(f"tiles need {t.smem_bytes()} bytes of shared memory, more than {SMEM_LIMIT}")
+    return t
