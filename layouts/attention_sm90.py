@@ -130,10 +130,14 @@ class AttentionSm90Tiles:
         return cute.tile_to_shape(atom, (self.tile_m, self.tile_n, self.ds_stages), order=(1, 0, 2))
 
     def smem_layout_dq(self):
-        """(tile_m, head_dim) fp32, row-major: the image the TMA reduce-add adds into dQaccum."""
+        """(tile_m, head_dim) fp32 with a 128-byte swizzle: the accumulator's row pairs land in
+        distinct banks (row-major 512-byte rows were 8-way conflicts); TMA unswizzles it."""
         import cutlass.cute as cute
+        from cutlass import Float32
+        from cutlass.cute.nvgpu import warpgroup
 
-        return cute.make_ordered_layout((self.tile_m, self.head_dim), order=(1, 0))
+        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float32)
+        return cute.tile_to_shape(atom, (self.tile_m, self.head_dim), order=(0, 1))
 
 
 def attention_sm90_tiles(head_dim: int, causal: bool = False, **overrides) -> AttentionSm90Tiles:

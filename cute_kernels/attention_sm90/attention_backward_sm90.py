@@ -123,7 +123,7 @@ class AttentionBackwardSm90:
         tma_Q: cute.CopyAtom, tma_dO: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
         tma_LSE: cute.CopyAtom, tma_Delta: cute.CopyAtom, tma_dQ: cute.CopyAtom,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
-        sdQ_layout: cute.Layout, sStat_layout: cute.Layout,
+        sdQ_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
         tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
         seqlen_q: Int32, seqlen_k: Int32, softmax_scale: Float32, SharedStorage: cutlass.Constexpr,
     ):  # fmt: skip
@@ -142,7 +142,7 @@ class AttentionBackwardSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        sdQ = storage.sdQ.get_tensor(sdQ_layout)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
         sLSE = storage.sLSE.get_tensor(sStat_layout)
         sDelta = storage.sDelta.get_tensor(sStat_layout)
         mbar_kv = storage.mbar_kv.data_ptr()
@@ -350,19 +350,18 @@ class AttentionBackwardSm90:
             rP.store(acc_S.load().to(self.dtype))
             wgmma(tiled_mma_dkv, acc_dV, cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout)),
                   tVrdO[None, None, None, stage], zero_init=False)  # fmt: skip
-            # dS^T -> sdS for dQ; dK += dS^T Q
+            # dS^T -> sdS; once both warpgroups' halves are there (and visible to the async
+            # proxy): dQ = dS K, then dK += dS^T Q, so dQ can leave while dK runs
             rdS = cute.make_rmem_tensor(shape_sdp, self.dtype)
             rdS.store(acc_dP.load().to(self.dtype))
             cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_stage])
-            wgmma(tiled_mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
-                  tKrQ[None, None, None, stage], zero_init=False)  # fmt: skip
-            # both warpgroups' dS in shared memory, visible to the async proxy
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
             acc_dQ = cute.make_rmem_tensor(shape_dq, Float32)
             wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_stage], tQrK, zero_init=True)
-            warpgroup.wait_group(0)
-            pipe_q.consumer_release(state)
+            wgmma(tiled_mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
+                  tKrQ[None, None, None, stage], zero_init=False)  # fmt: skip
+            warpgroup.wait_group(1)  # dV and dQ done
             pipe_do.consumer_release(state)
 
             # dQ -> sdQ for the store warp's reduce-add
@@ -370,6 +369,8 @@ class AttentionBackwardSm90:
             cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQs)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=handoff)
+            warpgroup.wait_group(0)  # dK done: Q's stage is free
+            pipe_q.consumer_release(state)
             state.advance()
 
         # epilogue: dK scaled by the softmax scale (dS was not), rows past seqlen_k dropped
@@ -394,7 +395,7 @@ class AttentionBackwardSm90:
         if (n_block + 1) * t.tile_n <= seqlen_k:
             cute.copy(r2g, tOr, tOg)
         else:
-            for i in cutlass.range_constexpr(cute.size(tOr, mode=[1])):
-                for j in cutlass.range_constexpr(cute.size(tOr, mode=[2])):
-                    if tOc[0, i, j][0] < seqlen_k:
-                        cute.copy(r2g, tOr[None, i, j], tOg[None, i, j])
+            # element by element: a copy vector's values need not share a row
+            for e in cutlass.range_constexpr(cute.size(tOr)):
+                if tOc[e][0] < seqlen_k:
+                    tOg[e] = tOr[e]
