@@ -354,7 +354,7 @@ def _mea(dtype, b, mq, mk, h, kd, kv, *, mask=0, window=0, lengths=None, splits=
         )  # fmt: skip
     ops.efficient_attention_backward(
         do, q, k, v, None, out, cq, ck, max_q, max_k, lse, 0.0, seed, offset, mask, False,
-        num_splits_key=splits, window_size=win,
+        num_splits_key=splits, window_size=win, backend="mem_eff",
     )  # fmt: skip
 
 

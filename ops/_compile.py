@@ -16,6 +16,7 @@ from typing import Callable, Dict, Hashable, Optional, Sequence
 import cutlass
 import cutlass.cute as cute
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 TORCH_TO_CUTE = {
@@ -42,6 +43,16 @@ def arch_of(capability: Sequence[int]) -> str:
 @functools.lru_cache(maxsize=None)
 def device_arch(index: int) -> str:
     return arch_of(torch.cuda.get_device_capability(index))
+
+
+def tensor_arch(t: torch.Tensor) -> Optional[str]:
+    """The DSL target of a real CUDA tensor's device; None for CPU, meta and fake tensors.
+
+    A FakeTensor (torch.compile tracing, FakeTensorMode) reports device "cuda" without
+    there being one: asking the driver then fails on a CPU-only machine."""
+    if t.device.type != "cuda" or is_fake(t):
+        return None
+    return device_arch(t.device.index)
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,6 +10,9 @@
   (``aten::_scaled_dot_product_efficient_attention_backward``, CUDA) runs our backward for
   the configurations it supports (attention bias with its gradient and dropout included)
   and torch's own kernel for the rest, logging the reason (logger ``cute_kernels``, level DEBUG).
+* ``backend=`` ("auto" | "sm90" | "mem_eff"): which of our backwards runs, as
+  ``efficient_attention_backward`` takes it (auto: the Hopper-native kernel where it
+  applies; logger ``cute_kernels.attention`` says which, at DEBUG). ``use_for_sdpa`` uses "auto".
 
 Conventions (torch's, checked on torch 2.11 and 2.13):
 
@@ -212,6 +215,7 @@ def _mea_forward(
     scale: Optional[float],
     attn_bias: Optional[Tensor] = None,
     dropout_p: float = 0.0,
+    backend: str = "auto",  # the backward's (in the schema so that graphs keep it); the forward is torch's
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     varlen = cu_seqlens_q is not None
     out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
@@ -225,7 +229,7 @@ def _mea_forward(
 
 @_mea_forward.register_fake
 def _(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, custom_mask_type, window_size, scale,
-      attn_bias=None, dropout_p=0.0):  # fmt: skip
+      attn_bias=None, dropout_p=0.0, backend="auto"):  # fmt: skip
     b, mq, h, _ = query.shape
     out = query.new_empty((b, mq, h, value.shape[3]))
     rows = cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else b
@@ -235,11 +239,12 @@ def _(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
 
 
 def _mea_setup(ctx, inputs, output):
-    query, key, value, cu_q, cu_k, max_q, max_k, mask_type, window_size, scale, attn_bias, dropout_p = inputs
+    query, key, value, cu_q, cu_k, max_q, max_k, mask_type, window_size, scale, attn_bias, dropout_p, backend = inputs
     out, lse, seed, offset = output
     ctx.save_for_backward(query, key, value, out, lse, cu_q, cu_k, attn_bias, seed, offset)
     ctx.max_seqlens = (max_q, max_k)
     ctx.mask_type, ctx.window_size, ctx.scale, ctx.dropout_p = mask_type, window_size, scale, dropout_p
+    ctx.backend = backend
     ctx.mark_non_differentiable(lse, seed, offset)
 
 
@@ -250,14 +255,14 @@ def _mea_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
     query, key, value, out, lse, cu_q, cu_k, attn_bias, seed, offset = ctx.saved_tensors
     none = (None,) * 7
     if grad_out is None:
-        return (None,) * 12
+        return (None,) * 13
     bias_grad = attn_bias is not None and ctx.needs_input_grad[10]
     dq, dk, dv, db = efficient_attention_backward(
         grad_out, query, key, value, attn_bias, out, cu_q, cu_k, ctx.max_seqlens[0], ctx.max_seqlens[1], lse,
         ctx.dropout_p, seed, offset, ctx.mask_type, bias_grad,
-        scale=ctx.scale, window_size=ctx.window_size if ctx.window_size > 0 else None,
+        scale=ctx.scale, window_size=ctx.window_size if ctx.window_size > 0 else None, backend=ctx.backend,
     )  # fmt: skip
-    return (dq, dk, dv) + none + (db, None)
+    return (dq, dk, dv) + none + (db, None, None)
 
 
 torch.library.register_autograd("cute_kernels::memory_efficient_attention", _mea_backward, setup_context=_mea_setup)
@@ -277,6 +282,7 @@ def memory_efficient_attention(
     max_seqlen_k: Optional[int] = None,
     attn_bias: Optional[Tensor] = None,
     dropout_p: float = 0.0,
+    backend: str = "auto",
 ) -> Tensor:
     """dropout(softmax(scale q kᵀ + bias + mask)) v in the [B, M, H, K] layout; forward torch's, backward ours.
 
@@ -296,11 +302,18 @@ def memory_efficient_attention(
             the broadcast dims, as autograd does).
         dropout_p: dropout on the probabilities (torch's forward draws the mask, our
             backward redraws it bit for bit from the forward's philox seed and offset).
+        backend: the backward's kernel: "auto" (the Hopper-native sm90 kernel where it
+            applies, else the memory-efficient one), "sm90" (the backward raises
+            NotImplementedError where it does not apply) or "mem_eff"; see
+            ``ops.mem_eff_attention``.
 
     Returns:
         out [B, Mq, H, Kv] in query's dtype. Eager varlen calls read cu_seqlens back once to
         check them (non-decreasing from 0, within M, within max_seqlen).
     """
+    from ops.mem_eff_attention import _check_backend
+
+    _check_backend(backend)
     mask_type, window_size, max_q, max_k, scale = _validate(
         query, key, value, causal, window_size, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )
@@ -311,7 +324,8 @@ def memory_efficient_attention(
     if attn_bias is not None:
         attn_bias = _prepare_bias(attn_bias, query, key, cu_seqlens_q)
     out, _, _, _ = _mea_forward(
-        query, key, value, cu_seqlens_q, cu_seqlens_k, max_q, max_k, mask_type, window_size, scale, attn_bias, dropout_p
+        query, key, value, cu_seqlens_q, cu_seqlens_k, max_q, max_k, mask_type, window_size, scale, attn_bias, dropout_p,
+        backend,
     )
     return out
 

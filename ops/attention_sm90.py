@@ -2,26 +2,27 @@
 
 Three launches: our preprocess (Δ = rowsum(dO∘O) and a zeroed fp32 dQ accumulator),
 the sm90 kernel (dK, dV, dQ added into the accumulator), our ``convert_dq``.
-``supported`` says which problems this path takes; the memory-efficient op and
-``ops.attention`` fall back to the sm80-structured kernel for the others.
+``unsupported`` says why this path cannot take a problem (None: it can);
+``ops.efficient_attention_backward`` and ``ops.memory_efficient_attention`` choose
+between it and the sm80-structured kernel (``backend=``, see ``ops.mem_eff_attention``).
+dQ is summed by TMA reduce-adds in whatever order the key blocks finish: not bitwise
+reproducible from run to run.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
 from layouts import attention_sm90 as tiling
 
 from . import _compile as cc
-
-log = logging.getLogger("cute_kernels.attention")
 
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -45,10 +46,13 @@ compiled = cc.CompileCache("attention_bwd_sm90", _build)
 
 def unsupported(query, key, value, grad_out, out, *, mask_type=0, window_size=None, cu_seqlens_q=None,
                 bias=None, dropout_p=0.0, arch=None) -> Optional[str]:  # fmt: skip
-    """Why the sm90 path cannot take this problem (None: it can)."""
-    arch = arch or (cc.device_arch(query.device.index) if query.is_cuda else "cpu")
+    """Why the sm90 path cannot take this problem (None: it can).
+
+    ``arch``: the DSL target to judge for; by default the device's, known only for real
+    CUDA tensors (no CUDA call for CPU, meta or fake ones: they get a reason)."""
+    arch = arch or cc.tensor_arch(query)
     if arch != "sm_90a":
-        return f"needs sm_90a, the device is {arch}"
+        return f"needs sm_90a, the device is {arch or f'{query.device} (no CUDA arch known)'}"
     if query.dtype not in DTYPES:
         return f"dtype {query.dtype} (fp16 / bf16 only)"
     d = query.shape[-1]
@@ -67,7 +71,9 @@ def unsupported(query, key, value, grad_out, out, *, mask_type=0, window_size=No
     if mask_type not in (0, 1, 2):
         return f"mask type {mask_type}"
     for name, t in (("query", query), ("key", key), ("value", value), ("grad_out", grad_out), ("out", out)):
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1]):
+        # fake / meta tensors have no address to check (their real counterparts are checked at run time)
+        address = 0 if t.device.type == "meta" or is_fake(t) else t.data_ptr()
+        if t.stride(-1) != 1 or address % 16 or any(s % 8 for s in t.stride()[:-1]):
             return f"{name} is not TMA-aligned (last stride 1, other strides and address multiples of 16 bytes)"
     return None
 
@@ -91,13 +97,14 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
 
     b, sq, h, d = query.shape
     sk = key.shape[1]
-    dk = torch.empty_like(key)
-    dv = torch.empty_like(value)
+    # fresh [B, S, H, D] tensors whatever the inputs' strides, as aten's backward (and the
+    # fake implementation of the op that calls this) allocates them
+    dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+    dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
     if min(b, h, sq, sk) == 0:
         return torch.zeros_like(query), dk.zero_(), dv.zero_()
     delta, dq_accum = _preprocess_impl(out, grad_out, 1.0, None, None, True)
     fn = compiled(cc.cute_dtype(query.dtype), d, int(mask_type), cc.device_arch(query.device.index))
     fn(query, key, value, grad_out, _tma_stats(logsumexp.float()), delta, dq_accum, dk, dv, float(scale))
     dq = _convert_dq_impl(dq_accum, float(scale), d, sq, None, None, 0.0, query.dtype)
-    log.debug("attention backward: sm90 path (B=%d, H=%d, Sq=%d, Sk=%d, D=%d, mask %d)", b, h, sq, sk, d, mask_type)
     return dq, dk, dv

@@ -21,11 +21,19 @@ Dropout: the keep mask of torch's forward for ``philox_seed`` / ``philox_offset`
 scalar tensors, CPU or CUDA; read on the host), redrawn per block with Philox4x32-10.
 Bit-identical to torch for Mq * Mk and H * Mq * Mk below 2^31 (torch's kernels index
 the stream with 32-bit products; ours are 64-bit).
+
+Backends (``backend=``): "mem_eff" is the kernel above; "sm90" the Hopper-native one
+(``ops.attention_sm90``: sm_90a, fp16 / bf16, head dims 64 / 128 for Q, K and V alike,
+masks 0 / 1 / 2, TMA-aligned inputs; no bias, dropout, window, varlen, key splits or
+shared dQ / dK / dV storage); "auto" (default) takes sm90 where it applies, else mem_eff.
+Asking for "sm90" where it does not apply raises NotImplementedError with the reason.
+The choice is logged at DEBUG on logger ``cute_kernels.attention`` (one line per call).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from typing import Optional, Tuple
 
@@ -41,9 +49,13 @@ from layouts import mem_eff_attention as tiling
 from layouts.attention_bwd_prepost import round_up
 
 from . import _compile as cc
+from . import attention_sm90 as sm90
 from ._validate import check_cuda, check_dtype, check_float, check_same_device, check_tensor
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+BACKENDS = ("auto", "sm90", "mem_eff")
+
+log = logging.getLogger("cute_kernels.attention")
 
 
 # ----------------------------------------------------------------------------- compile
@@ -289,11 +301,70 @@ def _dropout_args(dropout_p, philox_seed, philox_offset, rows_q, rows_k):
     return int(philox_seed.item()), int(philox_offset.item()), p32, scale, rows_q * rows_k
 
 
+def _check_backend(backend) -> None:
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+
+
+def choose_backend(backend, grad_out, query, key, value, out, *, custom_mask_type=0, window_size=None,
+                   cu_seqlens_q=None, bias=None, dropout_p=0.0, num_splits_key=None,
+                   shared_storage_dqdkdv=False, arch=None) -> Tuple[str, str]:  # fmt: skip
+    """(backend, why) for one backward: "sm90" or "mem_eff" and the reason, as logged.
+
+    ``arch`` defaults to the device's, known only for real CUDA tensors (CPU, meta and
+    fake tensors are never sm90 unless ``arch`` says so). NotImplementedError when
+    ``backend == "sm90"`` and the sm90 path cannot take the problem."""
+    _check_backend(backend)
+    if backend == "mem_eff":
+        return "mem_eff", "backend='mem_eff'"
+    # what the op offers beyond unsupported()'s list: the sm90 kernel neither splits keys
+    # nor writes dQ / dK / dV into one packed buffer
+    if num_splits_key is not None:
+        reason = f"num_splits_key={num_splits_key} (the sm90 path does not split keys)"
+    elif shared_storage_dqdkdv:
+        reason = "shared_storage_dqdkdv (the sm90 path has no packed dQ / dK / dV outputs)"
+    else:
+        reason = sm90.unsupported(
+            query, key, value, grad_out, out, mask_type=int(custom_mask_type), window_size=window_size,
+            cu_seqlens_q=cu_seqlens_q, bias=bias, dropout_p=float(dropout_p), arch=arch,
+        )  # fmt: skip
+    if reason is None:
+        return "sm90", f"backend={backend!r}, supported"
+    if backend == "sm90":
+        raise NotImplementedError(f"backend='sm90' cannot take this attention backward: {reason}")
+    return "mem_eff", f"backend='auto', not on sm90: {reason}"
+
+
 def _impl(
+    grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,
+    custom_mask_type, scale, num_splits_key, window_size, shared_storage_dqdkdv,
+    bias=None, bias_requires_grad=False, dropout_p=0.0, philox_seed=None, philox_offset=None, backend="auto",
+):
+    """The backend choice (logged), then that backend's launches."""
+    choice, why = choose_backend(
+        backend, grad_out, query, key, value, out, custom_mask_type=custom_mask_type, window_size=window_size,
+        cu_seqlens_q=cu_seqlens_q, bias=bias, dropout_p=dropout_p, num_splits_key=num_splits_key,
+        shared_storage_dqdkdv=shared_storage_dqdkdv,
+    )  # fmt: skip
+    b, mq, h, d = query.shape
+    log.debug("attention backward: %s (%s; B=%d Mq=%d Mk=%d H=%d D=%d mask %d)",
+              choice, why, b, mq, key.shape[1], h, d, int(custom_mask_type))  # fmt: skip
+    if choice == "sm90":
+        dq, dk, dv = sm90.attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale, int(custom_mask_type))
+        return dq, dk, dv, None
+    return _mem_eff_impl(
+        grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,
+        custom_mask_type, scale, num_splits_key, window_size, shared_storage_dqdkdv,
+        bias, bias_requires_grad, dropout_p, philox_seed, philox_offset,
+    )  # fmt: skip
+
+
+def _mem_eff_impl(
     grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,
     custom_mask_type, scale, num_splits_key, window_size, shared_storage_dqdkdv,
     bias=None, bias_requires_grad=False, dropout_p=0.0, philox_seed=None, philox_offset=None,
 ):
+    """The memory-efficient kernel (``AttentionBackwardKernel``)."""
     b, mq, h, dqk = query.shape
     mk, dv = key.shape[1], value.shape[3]
     varlen = cu_seqlens_q is not None
@@ -379,12 +450,13 @@ def _op(
     max_seqlen_k: Optional[int], logsumexp: Tensor, custom_mask_type: int, scale: float,
     num_splits_key: Optional[int], window_size: Optional[int], shared_storage_dqdkdv: bool,
     bias: Optional[Tensor], bias_requires_grad: bool, dropout_p: float,
-    philox_seed: Optional[Tensor], philox_offset: Optional[Tensor],
+    philox_seed: Optional[Tensor], philox_offset: Optional[Tensor], backend: str,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    # the backend is chosen here, at run time, on the real tensors (their device's arch)
     gq, gk, gv, gb = _impl(
         grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,
         custom_mask_type, scale, num_splits_key, window_size, shared_storage_dqdkdv,
-        bias, bias_requires_grad, dropout_p, philox_seed, philox_offset,
+        bias, bias_requires_grad, dropout_p, philox_seed, philox_offset, backend,
     )  # fmt: skip
     # an op returns tensors: no bias gradient is an empty one (the wrapper gives None)
     return gq, gk, gv, query.new_empty((0,)) if gb is None else gb
@@ -393,11 +465,12 @@ def _op(
 @_op.register_fake
 def _(grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,
       custom_mask_type, scale, num_splits_key, window_size, shared_storage_dqdkdv,
-      bias, bias_requires_grad, dropout_p, philox_seed, philox_offset):  # fmt: skip
+      bias, bias_requires_grad, dropout_p, philox_seed, philox_offset, backend):  # fmt: skip
     gb = query.new_empty((0,))
     if bias is not None and bias_requires_grad:
         b, mq, h, _ = query.shape
         gb = query.new_empty((b, h, mq, key.shape[1]))
+    # either backend: fresh contiguous [B, M, H, D] gradients, whatever the inputs' strides
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), gb
 
 
@@ -423,8 +496,15 @@ def efficient_attention_backward(
     num_splits_key: Optional[int] = None,
     window_size: Optional[int] = None,
     shared_storage_dqdkdv: bool = False,
+    backend: str = "auto",
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """Our ``aten::_efficient_attention_backward``: (grad_q, grad_k, grad_v, grad_bias)."""
+    """Our ``aten::_efficient_attention_backward``: (grad_q, grad_k, grad_v, grad_bias).
+
+    ``backend``: "auto" (the sm90 kernel where it applies, else the memory-efficient
+    one), "sm90" (NotImplementedError where it does not apply) or "mem_eff"; see the
+    module notes. The choice is made when the backward runs (under torch.compile: at run
+    time, on the real tensors)."""
+    _check_backend(backend)
     for name, t in (("grad_out_", grad_out_), ("query", query), ("key", key), ("value", value), ("out", out), ("logsumexp", logsumexp)):
         check_tensor(name, t)
     check_float("dropout_p", dropout_p)
@@ -464,6 +544,7 @@ def efficient_attention_backward(
         None if num_splits_key is None else int(num_splits_key), None if window_size is None else int(window_size),
         bool(shared_storage_dqdkdv), bias, bool(bias_requires_grad), float(dropout_p),
         philox_seed if float(dropout_p) > 0.0 else None, philox_offset if float(dropout_p) > 0.0 else None,
+        backend,
     )
     grad_q, grad_k, grad_v, grad_bias = _impl(*args) if cc.eager(query) else _op(*args)
     if bias is None or not bias_requires_grad:

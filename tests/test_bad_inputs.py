@@ -460,10 +460,15 @@ EFFICIENT_ATTENTION_BACKWARD = [
     C("efficient_attention_backward", "max_seqlen_k-negative", lambda: eab_var(max_seqlen_k=-1), ValueError, "max_seqlen_k", "non-negative int"),
     C("efficient_attention_backward", "logsumexp-sequences", lambda: eab_var(logsumexp=f32(1, 2, 32)), ValueError, "logsumexp", "shape"),
     C("efficient_attention_backward", "shared_storage_dqdkdv-lengths", lambda: eab(shared_storage_dqdkdv=True), ValueError, "shared_storage_dqdkdv", "one length", gpu=True, late=True),
+    C("efficient_attention_backward", "backend-typo", lambda: eab(backend="hopper"), ValueError, "backend", "'auto', 'sm90', 'mem_eff'"),
+    C("efficient_attention_backward", "backend-none", lambda: eab(backend=None), ValueError, "backend", "got None"),
+    # the choice is made on the real tensors (their device's arch); Dqk != Dv is not on the sm90 path anyway
+    C("efficient_attention_backward", "backend-sm90-dqk-ne-dv", lambda: eab(backend="sm90"), NotImplementedError, "backend", "cannot take this attention backward", gpu=True, late=True),
 ]
 
 MEMORY_EFFICIENT_ATTENTION = [
     C("memory_efficient_attention", "query-on-cpu", lambda: mea(query=cpu(1, 40, 2, 64)), ValueError, "query", "CUDA"),
+    C("memory_efficient_attention", "backend-typo", lambda: mea(backend="sm_90a"), ValueError, "backend", "'auto', 'sm90', 'mem_eff'"),
     C("memory_efficient_attention", "key-on-cpu", lambda: mea(key=cpu(1, 48, 2, 64)), ValueError, "key", "cpu"),
     C("memory_efficient_attention", "value-not-a-tensor", lambda: mea(value=[1.0]), TypeError, "value", "torch.Tensor"),
     C("memory_efficient_attention", "query-int", lambda: mea(query=fc(1, 40, 2, 64, dtype=I32)), TypeError, "query", "dtype"),

@@ -350,9 +350,9 @@ class BackwardStandIn:
 
     def __call__(self, grad_out_, query, key, value, bias, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                  logsumexp, dropout_p, philox_seed, philox_offset, custom_mask_type, bias_requires_grad, *,
-                 scale=None, num_splits_key=None, window_size=None, shared_storage_dqdkdv=False):  # fmt: skip
+                 scale=None, num_splits_key=None, window_size=None, shared_storage_dqdkdv=False, backend="auto"):  # fmt: skip
         self.calls.append(dict(mask=custom_mask_type, window=window_size, scale=scale, max=(max_seqlen_q, max_seqlen_k),
-                               bias=bias, dropout_p=dropout_p, bias_requires_grad=bias_requires_grad))  # fmt: skip
+                               bias=bias, dropout_p=dropout_p, bias_requires_grad=bias_requires_grad, backend=backend))  # fmt: skip
         assert philox_seed.dtype == philox_offset.dtype == torch.int64
         assert isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)
         b, mq, h, kv = out.shape
@@ -380,7 +380,8 @@ def cpu_attention(monkeypatch):
     the CPU key, the backward stand-in, CUDA checks off. Yields the stand-in."""
     lib = torch.library.Library("cute_kernels", "IMPL")
 
-    def forward(query, key, value, cq, ck, max_q, max_k, mask_type, window, scale, attn_bias=None, dropout_p=0.0):
+    def forward(query, key, value, cq, ck, max_q, max_k, mask_type, window, scale, attn_bias=None, dropout_p=0.0,
+                backend="auto"):  # fmt: skip
         mask = None
         seed, offset = torch.tensor(FORWARD_SEED), torch.tensor(FORWARD_OFFSET)
         if dropout_p > 0.0:  # torch's forward's mask for its philox state: the twin's
@@ -443,6 +444,15 @@ def test_autograd_wiring_keeps_given_max_seqlens(cpu_attention):
     c = cu([4, 6])
     ops.memory_efficient_attention(q, k, v, cu_seqlens_q=c, cu_seqlens_k=c, max_seqlen_q=8, max_seqlen_k=9).sum().backward()
     assert cpu_attention.calls[0]["max"] == (8, 9)
+
+
+@pytest.mark.parametrize("backend", [None, "auto", "sm90", "mem_eff"])
+def test_autograd_wiring_passes_the_backend(cpu_attention, backend):
+    """memory_efficient_attention(backend=) reaches the backward unchanged ("auto" when not given)."""
+    q, k, v = (torch.randn(1, 10, 2, 8, requires_grad=True) for _ in range(3))
+    kw = {} if backend is None else dict(backend=backend)
+    ops.memory_efficient_attention(q, k, v, causal=True, **kw).sum().backward()
+    assert cpu_attention.calls[0]["backend"] == (backend or "auto")
 
 
 # ---------------------------------------------------------------------- use_for_sdpa

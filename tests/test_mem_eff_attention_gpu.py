@@ -21,6 +21,7 @@ one configuration are looped inside one test.
 """
 
 import copy
+import functools
 import logging
 
 import pytest
@@ -45,9 +46,11 @@ LSE_ALIGN = 32
 
 
 def _backward():
+    """The memory-efficient kernel, pinned: under backend="auto" an H100 would run the sm90
+    kernel for fp16 / bf16 head dims 64 / 128 (tests/test_attention_sm90_gpu.py covers it)."""
     from ops.mem_eff_attention import efficient_attention_backward
 
-    return efficient_attention_backward
+    return functools.partial(efficient_attention_backward, backend="mem_eff")
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -345,7 +348,7 @@ def _op_case(dtype, q, k, v, do, causal, window, scale, lengths):
     if lengths is not None:
         kw = dict(cu_seqlens_q=cu_seqlens(lengths[0]), cu_seqlens_k=cu_seqlens(lengths[1]))
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out = ops.memory_efficient_attention(q, k, v, causal=causal, window_size=window, scale=scale, **kw)
+    out = ops.memory_efficient_attention(q, k, v, causal=causal, window_size=window, scale=scale, backend="mem_eff", **kw)
     out.backward(do)
     mask_type = {False: 0, True: 1, "top_left": 1, "bottom_right": 2}[causal]
     cq, ck = kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k")
@@ -384,7 +387,7 @@ def test_memory_efficient_attention_compiles_fullgraph():
     q, k, v, do = make_qkv(2, 130, 130, 2, 64, 64, BF16, gen)
 
     def loss_fn(q, k, v):
-        out = ops.memory_efficient_attention(q, k, v, causal=True, scale=0.125)
+        out = ops.memory_efficient_attention(q, k, v, causal=True, scale=0.125, backend="mem_eff")
         return (out.float() * do.float()).sum()
 
     torch._dynamo.reset()
