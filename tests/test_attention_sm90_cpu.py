@@ -1,0 +1,359 @@
+"""CPU: the Hopper-native attention backward (``ops.attention_sm90``) compiles for every
+configuration it serves, its tiles agree with the table of ``layouts/attention_sm90.py``,
+``unsupported()`` names each feature it does not take (without CUDA calls for CPU, meta
+or fake tensors), and the ``backend=`` dispatch of ``efficient_attention_backward`` /
+``memory_efficient_attention`` picks the kernel the rules say, stopping before any launch
+(both backends' implementations are replaced by recorders)."""
+
+import logging
+import re
+
+import cutlass
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import ops
+from layouts import attention_sm90 as tiling
+from ops import _compile as cc
+from ops import attention as A
+from ops import attention_sm90 as S
+from ops import mem_eff_attention as M
+
+from .helpers import trace_custom_ops
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+CONFIGS = [(dt, d, mask) for dt in (cutlass.BFloat16, cutlass.Float16) for d in tiling.HEAD_DIMS for mask in (0, 1, 2)]
+
+
+# ------------------------------------------------------------------------- compile
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype,head_dim,mask_type", CONFIGS, ids=[f"{dt.__name__}-d{d}-mask{m}" for dt, d, m in CONFIGS])
+def test_compiles(dtype, head_dim, mask_type):
+    assert callable(S._build(dtype, head_dim, mask_type, "sm_90a"))
+
+
+# --------------------------------------------------------------------------- tiles
+
+
+def _table():
+    """{head_dim: row} from the markdown table in the module docstring of layouts/attention_sm90.py."""
+    rows = {}
+    for line in tiling.__doc__.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.lstrip().startswith("|") and cells[0].isdigit():
+            d, tile_m, tile_n, stages, ds_stages, consumers, smem = cells
+            wgs, threads = (int(x) for x in consumers.split("x"))
+            rows[int(d)] = dict(tile_m=int(tile_m), tile_n=int(tile_n), stages=int(stages), ds_stages=int(ds_stages),
+                                consumers=(wgs, threads), smem_kib=int(smem.split()[0]))  # fmt: skip
+    return rows
+
+
+def test_table_covers_the_head_dims():
+    assert sorted(_table()) == sorted(tiling.HEAD_DIMS)
+
+
+@pytest.mark.parametrize("head_dim", tiling.HEAD_DIMS)
+def test_tiles_match_the_table(head_dim):
+    row = _table()[head_dim]
+    t = tiling.attention_sm90_tiles(head_dim)
+    assert (t.tile_m, t.tile_n, t.stages, t.ds_stages) == (row["tile_m"], row["tile_n"], row["stages"], row["ds_stages"])
+    assert row["consumers"] == (tiling.NUM_CONSUMER_WG, 128)
+    assert t.num_threads == 128 * (tiling.NUM_CONSUMER_WG + 1) and t.num_mma_threads == 128 * tiling.NUM_CONSUMER_WG
+    assert t.tile_n == 64 * tiling.NUM_CONSUMER_WG  # each consumer warpgroup owns 64 keys
+    assert t.smem_bytes() <= tiling.SMEM_LIMIT and row["smem_kib"] * 1024 <= tiling.SMEM_LIMIT
+    # the dQ product covers the tile with the warpgroups it has
+    am, an = t.dq_atoms
+    assert am * an == tiling.NUM_CONSUMER_WG and (t.tile_m // am) % 64 == 0 and (head_dim // an) % 8 == 0
+
+
+@pytest.mark.parametrize("head_dim", [32, 80, 96, 192, 256])
+def test_other_head_dims_are_not_implemented(head_dim):
+    with pytest.raises(NotImplementedError, match=re.escape(str(tiling.HEAD_DIMS))):
+        tiling.attention_sm90_tiles(head_dim)
+
+
+def test_tile_overrides_are_checked():
+    with pytest.raises(ValueError, match="tile_m must be 64 or 128"):
+        tiling.attention_sm90_tiles(64, tile_m=32)
+    with pytest.raises(ValueError, match="tile_n"):
+        tiling.attention_sm90_tiles(128, tile_n=64)
+
+
+# --------------------------------------------------------------------- unsupported()
+
+
+def _problem(b=2, sq=100, sk=130, h=3, d=64, dv=None, hk=None, dtype=BF16, device="cpu"):
+    """(query, key, value, grad_out, out) [B, S, H, D] tensors of one problem."""
+    dv = d if dv is None else dv
+    hk = h if hk is None else hk
+    e = lambda *s: torch.zeros(s, dtype=dtype, device=device)  # noqa: E731
+    return e(b, sq, h, d), e(b, sk, hk, d), e(b, sk, hk, dv), e(b, sq, h, dv), e(b, sq, h, dv)
+
+
+def _misaligned_query():
+    q, k, v, do, o = _problem()
+    shifted = torch.zeros(q.numel() + 1, dtype=BF16)[1:].view(q.shape)  # 2 bytes past the allocation
+    return shifted, k, v, do, o
+
+
+def _row_strided_query():
+    q, k, v, do, o = _problem()
+    return torch.zeros(2, 100, 3, 68, dtype=BF16)[..., :64], k, v, do, o  # head stride 68: not 16 bytes
+
+
+UNSUPPORTED = [
+    # (id, problem, keyword arguments, fragment of the reason)
+    ("fp32", lambda: _problem(dtype=F32), {}, "dtype torch.float32"),
+    ("head-dim-96", lambda: _problem(d=96), {}, "head dims 96 / 96"),
+    ("head-dim-256", lambda: _problem(d=256), {}, "head dims 256 / 256"),
+    ("dqk-ne-dv", lambda: _problem(d=128, dv=64), {}, "head dims 128 / 64"),
+    ("gqa", lambda: _problem(h=4, hk=2), {}, "grouped-query heads"),
+    ("mqa", lambda: _problem(h=4, hk=1), {}, "grouped-query heads"),
+    ("varlen", _problem, dict(cu_seqlens_q=torch.tensor([0, 50, 100], dtype=torch.int32)), "variable lengths"),
+    ("window", _problem, dict(mask_type=1, window_size=16), "sliding window"),
+    ("bias", _problem, dict(bias=torch.zeros(2, 3, 100, 130, dtype=BF16)), "attention bias"),
+    ("dropout", _problem, dict(dropout_p=0.1), "dropout"),
+    ("mask-3", _problem, dict(mask_type=3), "mask type 3"),
+    ("misaligned", _misaligned_query, {}, "query is not TMA-aligned"),
+    ("row-stride", _row_strided_query, {}, "query is not TMA-aligned"),
+]
+
+
+@pytest.mark.parametrize("case", UNSUPPORTED, ids=[c[0] for c in UNSUPPORTED])
+def test_unsupported_names_the_feature(case):
+    _, problem, kw, fragment = case
+    reason = S.unsupported(*problem(), arch="sm_90a", **kw)
+    assert reason is not None and fragment in reason, reason
+
+
+@pytest.mark.parametrize("mask_type", [0, 1, 2])
+@pytest.mark.parametrize("dtype,d", [(BF16, 64), (F16, 128)])
+def test_supported_problems(dtype, d, mask_type):
+    assert S.unsupported(*_problem(d=d, dtype=dtype), mask_type=mask_type, arch="sm_90a") is None
+    # [B, H, S, D] tensors seen as [B, S, H, D] (SDPA's layout), more queries than keys
+    q, k, v, do, o = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in _problem(sq=200, sk=70, d=d, dtype=dtype))
+    assert S.unsupported(q, k, v, do, o, mask_type=mask_type, window_size=0, dropout_p=0.0, arch="sm_90a") is None
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_100a"])
+def test_other_archs_get_a_reason(arch):
+    assert S.unsupported(*_problem(), arch=arch) == f"needs sm_90a, the device is {arch}"
+
+
+def _no_cuda_calls(monkeypatch):
+    def refuse(*a):
+        raise AssertionError("a CUDA device was queried")
+
+    monkeypatch.setattr(cc, "device_arch", refuse)
+
+
+def test_no_arch_without_a_real_cuda_tensor(monkeypatch):
+    """CPU, meta and fake CUDA tensors: no device query, a reason instead of a guess."""
+    _no_cuda_calls(monkeypatch)
+    assert "the device is cpu" in S.unsupported(*_problem())
+    meta = _problem(device="meta")
+    assert cc.tensor_arch(meta[0]) is None and "the device is meta" in S.unsupported(*meta)
+    with FakeTensorMode():
+        fake = _problem(device="cuda")
+        assert cc.tensor_arch(fake[0]) is None
+        assert "no CUDA arch known" in S.unsupported(*fake)
+        # with the arch given, fake tensors are judged on their metadata (no data_ptr)
+        assert S.unsupported(*fake, mask_type=2, arch="sm_90a") is None
+        assert "grouped-query" in S.unsupported(*_problem(h=4, hk=2, device="cuda"), arch="sm_90a")
+    assert S.unsupported(*meta, arch="sm_90a") is None
+
+
+# ------------------------------------------------------------------------ dispatch
+
+
+class Recorder:
+    """Stands in for one backend: records the call, returns zero gradients (no launch)."""
+
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def __call__(self, grad_out, query, key, value, out, *rest):
+        self.calls.append((self.name, rest))
+        zeros = (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value))
+        if self.name == "sm90":
+            return zeros
+        bias, bias_requires_grad = rest[10:12]  # _mem_eff_impl's arguments after out
+        full = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])  # [B, H, Mq, Mk], as the kernel's
+        return zeros + (query.new_zeros(full) if bias is not None and bias_requires_grad else None,)
+
+
+@pytest.fixture
+def backends(monkeypatch):
+    """CPU tensors through ``efficient_attention_backward``: CUDA checks off, the device's arch
+    sm_90a (set ``cc.tensor_arch`` again to change it), both backends recorded. Yields the calls."""
+    calls = []
+    monkeypatch.setattr(M, "check_cuda", lambda *a: None)
+    monkeypatch.setattr(cc, "tensor_arch", lambda t: "sm_90a")
+    monkeypatch.setattr(S, "attention_backward_sm90", Recorder("sm90", calls))
+    monkeypatch.setattr(M, "_mem_eff_impl", Recorder("mem_eff", calls))
+    return calls
+
+
+def _eab(b=2, sq=100, sk=130, h=3, d=64, dv=None, dtype=BF16, mask_type=0, **kw):
+    """One efficient_attention_backward on CPU tensors (a problem the sm90 path takes by default)."""
+    q, k, v, do, o = _problem(b=b, sq=sq, sk=sk, h=h, d=d, dv=dv, dtype=dtype)
+    args = dict(bias=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=sq, max_seqlen_k=sk, dropout_p=0.0,
+                philox_seed=None, philox_offset=None, bias_requires_grad=False,
+                logsumexp=torch.zeros(b, h, (sq + 31) // 32 * 32))  # fmt: skip
+    args.update(kw)
+    return M.efficient_attention_backward(do, q, k, v, out=o, custom_mask_type=mask_type, **args)
+
+
+def _seed():
+    return torch.tensor(1, dtype=torch.int64)
+
+
+FALLS_BACK = [
+    # (id, keyword arguments of _eab, fragment of the logged reason)
+    ("num-splits-key", dict(num_splits_key=2), "num_splits_key=2"),
+    ("num-splits-key-1", dict(num_splits_key=1), "num_splits_key=1"),
+    ("shared-storage", dict(sq=100, sk=100, shared_storage_dqdkdv=True), "shared_storage_dqdkdv"),
+    ("window", dict(mask_type=1, window_size=8), "sliding window"),
+    ("bias", dict(bias=torch.zeros(2, 3, 100, 130, dtype=BF16)), "attention bias"),
+    ("bias-grad", dict(bias=torch.zeros(3, 100, 130, dtype=BF16), bias_requires_grad=True), "attention bias"),
+    ("dropout", dict(dropout_p=0.2, philox_seed=_seed(), philox_offset=_seed()), "dropout"),
+    ("varlen", dict(b=1, sq=100, sk=100, cu_seqlens_q=torch.tensor([0, 40, 100], dtype=torch.int32),
+                    cu_seqlens_k=torch.tensor([0, 30, 100], dtype=torch.int32), max_seqlen_q=60, max_seqlen_k=70,
+                    logsumexp=torch.zeros(2, 3, 64)), "variable lengths"),  # fmt: skip
+    ("fp32", dict(dtype=F32), "dtype torch.float32"),
+    ("head-dim-96", dict(d=96), "head dims 96"),
+    ("dqk-ne-dv", dict(d=128, dv=64), "head dims 128 / 64"),
+]
+
+
+@pytest.mark.parametrize("mask_type,sq,sk", [(0, 100, 130), (1, 130, 100), (2, 100, 130), (2, 130, 100)])
+@pytest.mark.parametrize("dtype,d", [(BF16, 64), (F16, 128)])
+def test_auto_takes_sm90_where_it_applies(backends, caplog, dtype, d, mask_type, sq, sk):
+    with caplog.at_level(logging.DEBUG, logger="cute_kernels.attention"):
+        dq, dk, dv, db = _eab(sq=sq, sk=sk, d=d, dtype=dtype, mask_type=mask_type, scale=0.3)
+    ((name, (lse, scale, mask)),) = backends  # the drop-in's logsumexp, scale and mask type, as given
+    assert name == "sm90" and lse.shape == (2, 3, (sq + 31) // 32 * 32) and (scale, mask) == (0.3, mask_type)
+    assert db is None and dq.shape == (2, sq, 3, d) and dk.shape == dv.shape == (2, sk, 3, d)
+    (msg,) = [r.getMessage() for r in caplog.records if r.name == "cute_kernels.attention"]
+    assert msg.startswith("attention backward: sm90 (backend='auto', supported") and f"mask {mask_type}" in msg
+
+
+@pytest.mark.parametrize("case", FALLS_BACK, ids=[c[0] for c in FALLS_BACK])
+def test_auto_falls_back_to_mem_eff(backends, caplog, case):
+    _, kw, fragment = case
+    with caplog.at_level(logging.DEBUG, logger="cute_kernels.attention"):
+        _eab(**kw)
+    assert [name for name, _ in backends] == ["mem_eff"]
+    (msg,) = [r.getMessage() for r in caplog.records if r.name == "cute_kernels.attention"]
+    assert msg.startswith("attention backward: mem_eff (backend='auto', not on sm90:") and fragment in msg, msg
+
+
+@pytest.mark.parametrize("case", FALLS_BACK, ids=[c[0] for c in FALLS_BACK])
+def test_sm90_refuses_what_it_cannot_take(backends, case):
+    _, kw, fragment = case
+    with pytest.raises(NotImplementedError, match=r"backend='sm90' cannot take this attention backward: .*" + re.escape(fragment)):
+        _eab(backend="sm90", **kw)
+    assert backends == []  # refused before either backend
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_100a", None])
+def test_auto_on_other_devices_takes_mem_eff(backends, monkeypatch, arch):
+    monkeypatch.setattr(cc, "tensor_arch", lambda t: arch)
+    _eab()
+    assert [name for name, _ in backends] == ["mem_eff"]
+    with pytest.raises(NotImplementedError, match="needs sm_90a"):
+        _eab(backend="sm90")
+
+
+def test_explicit_backends(backends):
+    _eab(backend="sm90", mask_type=1)
+    _eab(backend="mem_eff", mask_type=1)
+    _eab(backend="mem_eff", num_splits_key=3)
+    assert [name for name, _ in backends] == ["sm90", "mem_eff", "mem_eff"]
+
+
+def test_unsupported_is_the_rule(backends, monkeypatch):
+    """auto asks attention_sm90.unsupported() (with its features) and follows its answer."""
+    seen = []
+
+    def verdict(*args, **kw):
+        seen.append(kw)
+        return "a reason of its own"
+
+    monkeypatch.setattr(S, "unsupported", verdict)
+    _eab(mask_type=2, window_size=None)
+    assert [name for name, _ in backends] == ["mem_eff"]
+    assert seen == [dict(mask_type=2, window_size=None, cu_seqlens_q=None, bias=None, dropout_p=0.0, arch=None)]
+    with pytest.raises(NotImplementedError, match="a reason of its own"):
+        _eab(backend="sm90")
+
+
+@pytest.mark.parametrize("bad", ["hopper", "SM90", "", None, 90])
+def test_bad_backend_is_a_value_error(backends, bad):
+    with pytest.raises(ValueError, match="backend must be one of 'auto', 'sm90', 'mem_eff'"):
+        _eab(backend=bad)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        with FakeTensorMode():
+            q = torch.empty(1, 8, 2, 64, device="cuda", dtype=BF16)
+            ops.memory_efficient_attention(q, q, q, backend=bad)
+    assert backends == []
+
+
+def test_the_choice_is_made_at_run_time_under_fake_tensors(monkeypatch):
+    """FakeTensorMode (torch.compile's tracing): the fake implementation answers, for every
+    backend value, without asking a device; the real one decides when it runs."""
+    _no_cuda_calls(monkeypatch)
+    with FakeTensorMode():
+        q, k, v, do, o = _problem(d=128, dv=64, device="cuda")  # not an sm90 problem: decided later
+        lse = torch.empty(2, 3, 128, device="cuda")
+        for backend in ("auto", "sm90", "mem_eff"):
+            dq, dk, dv, db = M.efficient_attention_backward(do, q, k, v, None, o, None, None, 100, 130, lse, 0.0, None, None,
+                                                            1, False, backend=backend)  # fmt: skip
+            assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and db is None
+            assert dk.is_contiguous() and dv.is_contiguous()
+
+
+def test_schemas_carry_the_backend():
+    for op in (torch.ops.cute_kernels.efficient_attention_backward, torch.ops.cute_kernels.memory_efficient_attention):
+        assert "str backend" in str(op.default._schema), op.default._schema
+
+
+class _Captured(Exception):
+    """Raised instead of running the captured graph."""
+
+
+def test_graph_keeps_the_backend(monkeypatch):
+    """torch.compile(fullgraph=True) captures the op with the backend among its arguments."""
+    monkeypatch.setattr(M, "check_cuda", lambda *a: None)
+
+    def backend(gm, example_inputs):
+        args = [n.args for n in gm.graph.nodes if n.op == "call_function" and "efficient_attention_backward" in str(n.target)]
+
+        def run(*a):
+            raise _Captured(args)
+
+        return run
+
+    q, k, v, do, o = _problem(sq=64, sk=64)
+    lse = torch.zeros(2, 3, 64)
+
+    def fn(q, k, v, do, o, lse):
+        return M.efficient_attention_backward(do, q, k, v, None, o, None, None, 64, 64, lse, 0.0, None, None, 1, False,
+                                              backend="sm90")[0]  # fmt: skip
+
+    torch._dynamo.reset()
+    with pytest.raises(_Captured) as info:
+        torch.compile(fn, fullgraph=True, backend=backend)(q, k, v, do, o, lse)
+    torch._dynamo.reset()
+    (args,) = info.value.args[0]
+    assert args[-1] == "sm90", args
+
+
+def test_memory_efficient_attention_traces_with_backend(monkeypatch):
+    monkeypatch.setattr(A, "check_cuda", lambda *a: None)
+    q, k, v = torch.randn(1, 12, 2, 64), torch.randn(1, 12, 2, 64), torch.randn(1, 12, 2, 64)
+    found = trace_custom_ops(lambda q, k, v: ops.memory_efficient_attention(q, k, v, causal=True, backend="sm90") * 2, q, k, v)
+    assert any("memory_efficient_attention" in f for f in found)
