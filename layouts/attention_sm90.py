@@ -48,6 +48,10 @@ class AttentionSm90Tiles:
     tile_n: int
     stages: int = 2  # Q / LSE and dO / Δ pipelines
     ds_stages: int = 2  # dS buffers: a warpgroup may write block i+1's dS while the other still reads block i's
+    # what of block i+1 goes to the tensor cores before block i's dK is waited for:
+    # "none", "s" (S^T) or "sdp" (S^T and dP^T; more live registers)
+    overlap: str = "s"
+    dq_stages: int = 1  # dQ staging buffers (2 measured no faster: the reduce-add is read long before the next block)
 
     @property
     def num_threads(self) -> int:
@@ -63,14 +67,19 @@ class AttentionSm90Tiles:
         return (2, 1) if self.tile_m == 128 else (1, 2)
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
+        """Bytes of the kernel's SharedStorage, member by member with its alignments."""
         d = self.head_dim
-        q_do = 2 * self.stages * self.tile_m * d * elem_bytes
-        kv = 2 * self.tile_n * d * elem_bytes
-        ds = self.ds_stages * self.tile_m * self.tile_n * elem_bytes
-        dq = self.tile_m * d * 4
-        stats = 2 * self.stages * self.tile_m * 4
-        barriers = 8 * (4 * self.stages + 2)
-        return q_do + kv + ds + dq + stats + barriers + 4 * 1024  # alignment slack
+
+        def place(offset, size, align):
+            return -(-offset // align) * align + size
+
+        off = 8 * (4 * self.stages + 1)  # mbarriers: Q and dO pipelines (full + empty), K/V
+        off = place(off, 4 * self.stages * self.tile_m, 128)  # LSE
+        off = place(off, 4 * self.stages * self.tile_m, 128)  # Δ
+        for size in (self.stages * self.tile_m * d * elem_bytes,) * 2 + (self.tile_n * d * elem_bytes,) * 2:
+            off = place(off, size, 1024)  # Q, dO, K, V
+        off = place(off, self.ds_stages * self.tile_m * self.tile_n * elem_bytes, 1024)  # dS
+        return place(off, self.dq_stages * self.tile_m * d * 4, 1024)  # dQ staging
 
     # ---- DSL objects (called while tracing) -------------------------------------------
     def tiled_mma_sdp(self, dtype):
@@ -130,14 +139,15 @@ class AttentionSm90Tiles:
         return cute.tile_to_shape(atom, (self.tile_m, self.tile_n, self.ds_stages), order=(1, 0, 2))
 
     def smem_layout_dq(self):
-        """(tile_m, head_dim) fp32 with a 128-byte swizzle: the accumulator's row pairs land in
-        distinct banks (row-major 512-byte rows were 8-way conflicts); TMA unswizzles it."""
+        """(tile_m, head_dim, dq_stages) fp32 with a 128-byte swizzle: the accumulator's row
+        pairs land in distinct banks (row-major 512-byte rows were 8-way conflicts); TMA
+        unswizzles it."""
         import cutlass.cute as cute
         from cutlass import Float32
         from cutlass.cute.nvgpu import warpgroup
 
         atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float32)
-        return cute.tile_to_shape(atom, (self.tile_m, self.head_dim), order=(0, 1))
+        return cute.tile_to_shape(atom, (self.tile_m, self.head_dim, self.dq_stages), order=(0, 1, 2))
 
 
 def attention_sm90_tiles(head_dim: int, causal: bool = False, **overrides) -> AttentionSm90Tiles:

@@ -10,7 +10,7 @@ Shared memory (one phase: everything lives for the whole CTA)::
     sQ, sdO   [tile_m, d, stages]   TMA ring, mbarrier pipelines (with sLSE, sDelta)
     sK, sV    [tile_n, d]           loaded once (kv mbarrier)
     sdS       [tile_m, tile_n, 2]   dS of the block, A operand of dQ = dS K
-    sdQ       [tile_m, d] fp32      the block's dQ, source of the TMA reduce-add
+    sdQ       [tile_m, d, 2] fp32   the block's dQ, source of the TMA reduce-add
 
 Synchronisation: the Q / dO pipelines (full: TMA transaction bytes, empty: the 8
 consumer warps); named barriers PDS (both consumer warpgroups wrote dS), DQ_EMPTY and
@@ -83,7 +83,7 @@ class AttentionBackwardSm90:
         tma_Delta, gDelta_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mDelta, cute.make_layout(t.tile_m), (t.tile_m,))
         tma_dQ, gdQ_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, sdQ_layout, (t.tile_m, d))  # fmt: skip
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, cute.select(sdQ_layout, mode=[0, 1]), (t.tile_m, d))  # fmt: skip
 
         elem = self.dtype.width // 8
         self.q_bytes = t.tile_m * d * elem + t.tile_m * 4  # Q + LSE (dO + Δ alike)
@@ -245,11 +245,12 @@ class AttentionBackwardSm90:
         tdQs, tdQg = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2))
         handoff = 32 + t.num_mma_threads
         for m_block in cutlass.range(m_min, m_max, unroll=1):
+            # the buffer of this block is free once the reduce-add dq_stages blocks back has read it
+            cute.arch.cp_async_bulk_wait_group(t.dq_stages - 1, read=True)
             cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY, number_of_threads=handoff)
             cute.arch.barrier(barrier_id=BAR_DQ_FULL, number_of_threads=handoff)
-            cute.copy(tma_dQ, tdQs, tdQg[None, m_block])
+            cute.copy(tma_dQ, tdQs[None, (m_block - m_min) % t.dq_stages], tdQg[None, m_block])
             cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ may be rewritten
         cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     # --------------------------------------------------------------------------- consumers
@@ -301,19 +302,23 @@ class AttentionBackwardSm90:
         handoff = 32 + t.num_mma_threads
         offset = self.causal_offset(seqlen_q, seqlen_k)
         key0 = n_block * t.tile_n
+        acc_S = cute.make_rmem_tensor(shape_sdp, Float32)
+        acc_dP = cute.make_rmem_tensor(shape_sdp, Float32)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
+        state_next = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
         if m_min < m_max:
             cute.arch.mbarrier_wait(mbar_kv, 0)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
+            self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
+            if const_expr(t.overlap == "sdp"):
+                self.issue_dp(pipe_do, state_next, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
+            state_next.advance()
         for m_block in cutlass.range(m_min, m_max, unroll=1):
             stage = state.index
             ds_stage = (m_block - m_min) % t.ds_stages
             q0 = m_block * t.tile_m
-            pipe_q.consumer_wait(state)
-            acc_S = cute.make_rmem_tensor(shape_sdp, Float32)
-            wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], zero_init=True)
-            pipe_do.consumer_wait(state)
-            acc_dP = cute.make_rmem_tensor(shape_sdp, Float32)
-            wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, stage], zero_init=True)
+            # S^T (and with overlap "sdp" dP^T) of this block are in flight already
+            if const_expr(t.overlap != "sdp"):
+                self.issue_dp(pipe_do, state, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
 
             # P^T = exp(S^T * scale - LSE), zero where masked (after the exp: LSE may be +-inf there)
             warpgroup.wait_group(1)
@@ -364,19 +369,48 @@ class AttentionBackwardSm90:
             warpgroup.wait_group(1)  # dV and dQ done
             pipe_do.consumer_release(state)
 
-            # dQ -> sdQ for the store warp's reduce-add
+            # dQ -> sdQ for the store warp's reduce-add, while dK runs
             cute.arch.barrier(barrier_id=BAR_DQ_EMPTY, number_of_threads=handoff)
-            cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQs)
+            cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQs[None, None, None, (m_block - m_min) % t.dq_stages])
             cute.arch.fence_view_async_shared()
             cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=handoff)
-            warpgroup.wait_group(0)  # dK done: Q's stage is free
-            pipe_q.consumer_release(state)
+            # the next block's S^T (and dP^T) go to the tensor cores behind dK
+            if const_expr(t.overlap != "none"):
+                if m_block + 1 < m_max:
+                    self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
+                    if const_expr(t.overlap == "sdp"):
+                        self.issue_dp(pipe_do, state_next, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
+                        warpgroup.wait_group(2)  # dK done
+                    else:
+                        warpgroup.wait_group(1)
+                    state_next.advance()
+                else:
+                    warpgroup.wait_group(0)
+                pipe_q.consumer_release(state)
+            else:
+                warpgroup.wait_group(0)
+                pipe_q.consumer_release(state)
+                if m_block + 1 < m_max:
+                    self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
+                    state_next.advance()
             state.advance()
 
         # epilogue: dK scaled by the softmax scale (dS was not), rows past seqlen_k dropped
         acc_dK.store(acc_dK.load() * softmax_scale)
         self.store_rows(acc_dK, mdK, tiled_mma_dkv, tidx, n_block, head, batch, seqlen_k)
         self.store_rows(acc_dV, mdV, tiled_mma_dkv, tidx, n_block, head, batch, seqlen_k)
+
+    @cute.jit
+    def issue_s(self, pipe_q, state, tiled_mma_sdp, acc_S, tSrK, tSrQ):
+        """S^T = K Q^T of the block in pipeline ``state``: one wgmma group."""
+        pipe_q.consumer_wait(state)
+        wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state.index], zero_init=True)
+
+    @cute.jit
+    def issue_dp(self, pipe_do, state, tiled_mma_sdp, acc_dP, tPrV, tPrdO):
+        """dP^T = V dO^T of the block in pipeline ``state``: one wgmma group."""
+        pipe_do.consumer_wait(state)
+        wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, state.index], zero_init=True)
 
     @cute.jit
     def store_rows(self, acc, mOut, tiled_mma, tidx, n_block, head, batch, seqlen_k):
