@@ -1,0 +1,301 @@
+"""The Hopper-native attention backward on an H100 (sm_90a), through
+``ops.efficient_attention_backward(..., backend="sm90")`` on the out / logsumexp of
+``aten._efficient_attention_forward``:
+
+* against the fp64 reference: max |g - ref| <= TOL * max |ref| for dQ, dK, dV (partial
+  tiles, whole key blocks no query sees, both causal corners; bottom-right only with
+  Sq <= Sk, where torch's forward and the reference agree on rows without keys);
+* against the memory-efficient kernel on identical inputs, bottom-right with Sq > Sk
+  included (both read the same forward's statistics there);
+* ``memory_efficient_attention(backend="sm90")`` autograd (eager and captured) against
+  backend="mem_eff";
+* dispatch on the device: auto takes sm90 where it applies and the memory-efficient
+  kernel for bias / dropout / varlen / unaligned inputs; grouped-query heads get a reason;
+* layouts: contiguous [B, S, H, D], [B, H, S, D] transposed views, packed QKV.
+
+Outputs of the sm90 path are allocated inside it (no poisoning from here): every
+gradient is checked finite instead. Small shapes: each (dtype, head dim, mask) compiles
+once (a few seconds each).
+"""
+
+import logging
+
+import pytest
+import torch
+
+import ops
+from ops import _compile as cc
+from ops import mem_eff_attention as M
+from ops.reference import attention_backward_ref
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+F16, BF16 = torch.float16, torch.bfloat16
+TOL = {BF16: 2e-2, F16: 5e-3}  # max |g - ref| / max |ref|
+LOGGER = "cute_kernels.attention"
+
+
+@pytest.fixture(autouse=True)
+def _needs_sm90():
+    if cc.device_arch(torch.cuda.current_device()) != "sm_90a":
+        pytest.skip("the sm90 attention backward needs an sm_90a device (H100 / H200)")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def make_inputs(b, h, sq, sk, d, dtype, seed=0, layout="bshd"):
+    """q, k, v, dO [B, S, H, D]: contiguous ("bshd"), transposed [B, H, S, D] tensors
+    ("bhsd", dO too) or q, k, v unbound from one [B, S, 3, H, D] buffer ("packed", Sq == Sk)."""
+    gen = torch.Generator(DEV).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device=DEV, dtype=dtype, generator=gen)  # noqa: E731
+    if layout == "bshd":
+        return r(b, sq, h, d), r(b, sk, h, d), r(b, sk, h, d), r(b, sq, h, d)
+    if layout == "bhsd":
+        return tuple(r(b, h, s, d).transpose(1, 2) for s in (sq, sk, sk, sq))
+    assert layout == "packed" and sq == sk
+    q, k, v = r(b, sq, 3, h, d).unbind(2)
+    return q, k, v, r(b, sq, h, d)
+
+
+def forward(q, k, v, mask_type, scale=None):
+    """(out, logsumexp) of torch's forward, as the drop-in backward receives them."""
+    out, lse, _, _, _, _ = torch.ops.aten._efficient_attention_forward(
+        q, k, v, None, None, None, None, None, 0.0, mask_type, True, scale=scale
+    )
+    return out, lse
+
+
+def backward(backend, q, k, v, do, out, lse, mask_type, scale=None, **kw):
+    empty = torch.empty((), dtype=torch.int64)
+    dq, dk, dv, db = ops.efficient_attention_backward(
+        do, q, k, v, None, out, None, None, q.shape[1], k.shape[1], lse, 0.0, empty, empty, mask_type, False,
+        scale=scale, backend=backend, **kw,
+    )  # fmt: skip
+    assert db is None
+    return dq, dk, dv
+
+
+def max_rel(got, ref):
+    ref = ref.double()
+    return ((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def check(name, got, want, like, dtype):
+    """Shape, dtype, fresh contiguous [B, S, H, D] layout, finiteness, max relative error."""
+    assert got.shape == like.shape and got.dtype == dtype, (name, got.shape, got.dtype)
+    assert got.is_contiguous(), f"{name}: strides {got.stride()}"
+    assert torch.isfinite(got).all(), f"{name}: NaN / inf (unwritten rows?)"
+    err = max_rel(got, want)
+    assert err < TOL[dtype], f"{name}: max |g - ref| / max |ref| = {err:.3g} >= {TOL[dtype]}"
+
+
+def chosen(caplog):
+    """The backends the DEBUG lines of this test name, in order."""
+    msgs = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    return [m.split()[2] for m in msgs if m.startswith("attention backward:")]
+
+
+# --------------------------------------------------------------- vs the fp64 reference
+
+# (B, H, Sq, Sk, D, mask): tile_n = 128 keys; tile_m = 128 (d64) / 64 (d128) queries
+CASES = [
+    (1, 2, 128, 128, 64, 0),  # whole tiles
+    (2, 3, 100, 130, 64, 0),  # partial query and key blocks
+    (1, 2, 129, 1, 128, 0),  # one key
+    (2, 2, 257, 200, 128, 1),  # top-left, Sq > Sk
+    (1, 2, 77, 300, 64, 1),  # top-left, Sq < Sk: key blocks 1 and 2 seen by no query (dK, dV 0)
+    (2, 2, 130, 257, 128, 2),  # bottom-right, Sq < Sk
+    (1, 3, 200, 200, 64, 2),  # bottom-right, Sq == Sk
+    (1, 2, 1, 129, 128, 2),  # one query, which sees every key
+]
+REF_CASES = [(dt,) + c for dt in (BF16, F16) for c in CASES]
+
+
+def _id(c):
+    return f"{str(c[0])[6:]}-B{c[1]}H{c[2]}q{c[3]}k{c[4]}d{c[5]}m{c[6]}"
+
+
+@pytest.mark.parametrize("case", REF_CASES, ids=[_id(c) for c in REF_CASES])
+def test_against_fp64_reference(case, caplog):
+    dtype, b, h, sq, sk, d, mask_type = case
+    q, k, v, do = make_inputs(b, h, sq, sk, d, dtype, seed=sq + sk)
+    out, lse = forward(q, k, v, mask_type)
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        grads = backward("sm90", q, k, v, do, out, lse, mask_type)
+    assert chosen(caplog) == ["sm90"]
+    ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type)
+    for name, g, r, like in zip(("dq", "dk", "dv"), grads, ref, (q, k, v)):
+        check(f"{name} [{_id(case)}]", g, r, like, dtype)
+
+
+def test_explicit_scale():
+    q, k, v, do = make_inputs(2, 2, 150, 190, 64, BF16, seed=3)
+    for scale in (0.05, 1.0):
+        out, lse = forward(q, k, v, 1, scale=scale)
+        grads = backward("sm90", q, k, v, do, out, lse, 1, scale=scale)
+        ref = attention_backward_ref(q, k, v, do, custom_mask_type=1, scale=scale)
+        for name, g, r, like in zip(("dq", "dk", "dv"), grads, ref, (q, k, v)):
+            check(f"{name} scale {scale}", g, r, like, BF16)
+
+
+# ------------------------------------------------------------ vs the memory-efficient kernel
+
+VS_MEM_EFF = [
+    (BF16, 2, 2, 300, 100, 64, 2),  # bottom-right, Sq > Sk: the first 200 rows see no key
+    (F16, 1, 2, 257, 130, 128, 2),
+    (BF16, 1, 2, 65, 64, 128, 2),  # one row without keys
+    (F16, 2, 3, 100, 130, 64, 0),
+    (BF16, 1, 2, 200, 333, 128, 1),
+]
+
+
+@pytest.mark.parametrize("case", VS_MEM_EFF, ids=[_id(c) for c in VS_MEM_EFF])
+def test_against_mem_eff(case):
+    dtype, b, h, sq, sk, d, mask_type = case
+    q, k, v, do = make_inputs(b, h, sq, sk, d, dtype, seed=7)
+    out, lse = forward(q, k, v, mask_type)
+    ours = backward("sm90", q, k, v, do, out, lse, mask_type)
+    theirs = backward("mem_eff", q, k, v, do, out, lse, mask_type)
+    for name, g, r, like in zip(("dq", "dk", "dv"), ours, theirs, (q, k, v)):
+        check(f"{name} [{_id(case)}] vs mem_eff", g, r, like, dtype)
+    if mask_type == 2 and sq > sk:  # queries that see no key: no dQ from either
+        blind = sq - sk
+        assert (ours[0][:, :blind] == 0).all() and (theirs[0][:, :blind] == 0).all()
+
+
+# ------------------------------------------------------------------ autograd op
+
+
+def _op_grads(backend, q, k, v, do, causal, compile_=False):
+    qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+
+    def fn(q, k, v):
+        return ops.memory_efficient_attention(q, k, v, causal=causal, backend=backend)
+
+    if compile_:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, fullgraph=True, backend="aot_eager")  # our op as one node, no codegen
+    fn(qs, ks, vs).backward(do)
+    return qs.grad, ks.grad, vs.grad
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+def test_memory_efficient_attention_autograd(dtype, causal, caplog):
+    q, k, v, do = make_inputs(2, 2, 150, 200, 64, dtype, seed=11)
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        ours = _op_grads("sm90", q, k, v, do, causal)
+        theirs = _op_grads("mem_eff", q, k, v, do, causal)
+    assert chosen(caplog) == ["sm90", "mem_eff"]
+    for name, g, r, like in zip(("dq", "dk", "dv"), ours, theirs, (q, k, v)):
+        check(f"{name} (memory_efficient_attention causal={causal})", g, r, like, dtype)
+
+
+def test_memory_efficient_attention_captured(caplog):
+    """torch.compile(fullgraph=True): the backend reaches the backward through the graph."""
+    q, k, v, do = make_inputs(1, 2, 130, 130, 128, BF16, seed=12)
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        ours = _op_grads("sm90", q, k, v, do, True, compile_=True)
+    torch._dynamo.reset()
+    assert chosen(caplog) == ["sm90"]
+    ref = attention_backward_ref(q, k, v, do, custom_mask_type=1)
+    for name, g, r, like in zip(("dq", "dk", "dv"), ours, ref, (q, k, v)):
+        check(f"{name} (captured)", g, r, like, BF16)
+
+
+# ------------------------------------------------------------------------- dispatch
+
+
+def test_auto_takes_sm90(caplog):
+    q, k, v, do = make_inputs(2, 2, 100, 130, 128, F16, seed=13)
+    out, lse = forward(q, k, v, 1)
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        auto = backward("auto", q, k, v, do, out, lse, 1)
+    assert chosen(caplog) == ["sm90"]
+    ref = attention_backward_ref(q, k, v, do, custom_mask_type=1)
+    for name, g, r, like in zip(("dq", "dk", "dv"), auto, ref, (q, k, v)):
+        check(f"{name} (auto)", g, r, like, F16)
+
+
+def test_auto_falls_back_for_features(caplog):
+    """bias, dropout, window, varlen, key splits, unaligned inputs, fp32: the memory-efficient kernel."""
+    gen = torch.Generator(DEV).manual_seed(14)
+    b, h, s, d = 1, 2, 96, 64
+    q, k, v, do = make_inputs(b, h, s, s, d, BF16, seed=14)
+    empty = torch.empty((), dtype=torch.int64)
+    runs = []
+    # attention bias
+    bias = torch.randn(b, h, s, s, device=DEV, dtype=BF16, generator=gen)
+    out, lse, _, _, _, _ = torch.ops.aten._efficient_attention_forward(q, k, v, bias, None, None, None, None, 0.0, 0, True)
+    runs.append(lambda: ops.efficient_attention_backward(do, q, k, v, bias, out, None, None, s, s, lse, 0.0, empty, empty, 0, False))
+    # dropout (the forward's philox state)
+    out_d, lse_d, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(q, k, v, None, None, None, None, None, 0.2, 0, True)
+    runs.append(lambda: ops.efficient_attention_backward(do, q, k, v, None, out_d, None, None, s, s, lse_d, 0.2, seed, offset, 0, False))
+    # sliding window and key splits
+    out_c, lse_c = forward(q, k, v, 1)
+    runs.append(lambda: backward("auto", q, k, v, do, out_c, lse_c, 1, window_size=16))
+    runs.append(lambda: backward("auto", q, k, v, do, out_c, lse_c, 1, num_splits_key=2))
+    # variable lengths: B == 1, two sequences packed
+    cu = torch.tensor([0, 40, s], device=DEV, dtype=torch.int32)
+    out_v, lse_v, _, _, _, _ = torch.ops.aten._efficient_attention_forward(q, k, v, None, cu, cu, 56, 56, 0.0, 1, True)
+    runs.append(lambda: ops.efficient_attention_backward(do, q, k, v, None, out_v, cu, cu, 56, 56, lse_v, 0.0, empty, empty, 1, False))
+    # an input 2 bytes past a 16-byte boundary (TMA cannot read it)
+    q_off = torch.empty(q.numel() + 8, device=DEV, dtype=BF16)[1 : q.numel() + 1].view(q.shape).copy_(q)
+    runs.append(lambda: backward("auto", q_off, k, v, do, out_c, lse_c, 1))
+    # fp32
+    q32, k32, v32, do32 = (t.float() for t in (q, k, v, do))
+    out32, lse32 = forward(q32, k32, v32, 0)
+    runs.append(lambda: backward("auto", q32, k32, v32, do32, out32, lse32, 0))
+    reasons = ["attention bias", "dropout", "sliding window", "num_splits_key", "variable lengths", "not TMA-aligned", "dtype"]
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        for run in runs:
+            grads = run()
+            assert all(torch.isfinite(g).all() for g in grads[:3])
+    assert chosen(caplog) == ["mem_eff"] * len(runs)
+    msgs = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    for msg, reason in zip(msgs, reasons):
+        assert reason in msg, (reason, msg)
+
+
+def test_sm90_refuses_features():
+    q, k, v, do = make_inputs(1, 2, 96, 96, 64, BF16, seed=15)
+    out, lse = forward(q, k, v, 1)
+    for kw, reason in ((dict(window_size=16), "sliding window"), (dict(num_splits_key=1), "num_splits_key")):
+        with pytest.raises(NotImplementedError, match=reason):
+            backward("sm90", q, k, v, do, out, lse, 1, **kw)
+
+
+def test_grouped_query_heads_get_a_reason():
+    """Neither kernel takes key heads != query heads (the drop-in's validation refuses them);
+    the sm90 path's rule names them."""
+    q, _, _, do = make_inputs(1, 4, 64, 64, 64, BF16, seed=16)
+    k, v = (torch.randn(1, 64, 2, 64, device=DEV, dtype=BF16) for _ in range(2))
+    choice, why = M.choose_backend("auto", do, q, k, v, do)
+    assert choice == "mem_eff" and "grouped-query" in why
+    with pytest.raises(ValueError, match="key must have shape"):
+        backward("auto", q, k, v, do, do, torch.zeros(1, 4, 64, device=DEV), 0)
+
+
+# -------------------------------------------------------------------------- layouts
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "packed"])
+@pytest.mark.parametrize("dtype,d", [(BF16, 64), (F16, 128)], ids=["bf16-d64", "fp16-d128"])
+def test_strided_inputs(layout, dtype, d, caplog):
+    """[B, H, S, D] tensors seen as [B, S, H, D] (SDPA's layout, dO too) and a packed QKV:
+    the sm90 path takes them (TMA-aligned strides) and writes fresh [B, S, H, D] gradients."""
+    b, h, s = 2, 3, 150
+    q, k, v, do = make_inputs(b, h, s, s, d, dtype, seed=17, layout=layout)
+    assert not q.is_contiguous()
+    mask_type = 1
+    out, lse = forward(q, k, v, mask_type)
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        strided = backward("auto", q, k, v, do, out, lse, mask_type)
+        dense = backward("auto", *(t.contiguous() for t in (q, k, v, do, out)), lse, mask_type)
+    assert chosen(caplog) == ["sm90", "sm90"]
+    ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type)
+    for name, g, g_dense, r, like in zip(("dq", "dk", "dv"), strided, dense, ref, (q, k, v)):
+        check(f"{name} [{layout}]", g, r, like, dtype)
+        check(f"{name} [{layout} vs contiguous]", g, g_dense, like, dtype)
