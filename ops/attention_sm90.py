@@ -44,6 +44,22 @@ def _build(dtype, head_dim: int, mask_type: int, arch: str):
 compiled = cc.CompileCache("attention_bwd_sm90", _build)
 
 
+def compile_for_benchmark_cases(cases, arch: str) -> int:
+    """The configurations the ``attention_bwd`` suite's ours_sm90 rows run: ((B, H, S, D),
+    dtype, causal[, feature]) without a feature, head dims of the path; none for an arch
+    other than sm_90a (the path does not run there)."""
+    if arch != "sm_90a":
+        return 0
+    keys = set()
+    for (_, _, _, d), dtype_name, causal, *feature in cases:
+        if (feature and feature[0] is not None) or d not in tiling.HEAD_DIMS:
+            continue
+        keys.add((cc.cute_dtype(getattr(torch, dtype_name)), d, 1 if causal else 0, arch))  # causal: top-left
+    for key in sorted(keys, key=str):
+        compiled(*key)
+    return len(keys)
+
+
 def unsupported(query, key, value, grad_out, out, *, mask_type=0, window_size=None, cu_seqlens_q=None,
                 bias=None, dropout_p=0.0, arch=None) -> Optional[str]:  # fmt: skip
     """Why the sm90 path cannot take this problem (None: it can).

@@ -6,6 +6,7 @@ or fake tensors), and the ``backend=`` dispatch of ``efficient_attention_backwar
 (both backends' implementations are replaced by recorders)."""
 
 import logging
+import math
 import re
 
 import cutlass
@@ -357,3 +358,50 @@ def test_memory_efficient_attention_traces_with_backend(monkeypatch):
     q, k, v = torch.randn(1, 12, 2, 64), torch.randn(1, 12, 2, 64), torch.randn(1, 12, 2, 64)
     found = trace_custom_ops(lambda q, k, v: ops.memory_efficient_attention(q, k, v, causal=True, backend="sm90") * 2, q, k, v)
     assert any("memory_efficient_attention" in f for f in found)
+
+
+# ------------------------------------------------------------ the attention_bwd suite
+
+
+def test_suite_compile_only_covers_ours_sm90(monkeypatch):
+    """``python -m benchmarks`` without a GPU compiles the sm90 configurations of the
+    suite's no-feature cases too (sm_90a only), besides the memory-efficient ones."""
+    from benchmarks.suites import attention_bwd
+
+    seen = {"mem_eff": [], "sm90": []}
+    monkeypatch.setattr(M, "compiled", lambda *k: seen["mem_eff"].append(k))
+    monkeypatch.setattr(S, "compiled", lambda *k: seen["sm90"].append(k))
+    assert attention_bwd.compile_only("sm_90a") == len(seen["mem_eff"]) + len(seen["sm90"])
+    bf16 = cutlass.BFloat16
+    assert set(seen["sm90"]) == {(bf16, 64, 0, "sm_90a"), (bf16, 128, 0, "sm_90a"), (bf16, 128, 1, "sm_90a"), (bf16, 64, 1, "sm_90a")}
+    seen["sm90"].clear()
+    attention_bwd.compile_only("sm_80")
+    assert seen["sm90"] == []
+
+
+def test_suite_ratios():
+    from benchmarks.suites import attention_bwd as suite
+
+    nan = float("nan")
+    tf = {"ours": 200.0, "ours_sm90": 400.0, "sdpa_efficient": 100.0, "sdpa_flash": 250.0, "sdpa_cudnn": 500.0,
+          "fa4": nan, "matmul": 800.0}  # fmt: skip
+    rows = [{"impl": impl, "tflops": t} for impl, t in tf.items()]
+    suite._add_ratios(rows)
+    by = {r["impl"]: r for r in rows}
+    assert "ours_over_peer" not in by["ours"] and by["ours_sm90"]["ours_over_peer"] == 0.5
+    assert by["sdpa_efficient"]["ours_over_peer"] == 2.0 and "sm90_over_peer" not in by["sdpa_efficient"]
+    assert by["sdpa_flash"]["sm90_over_peer"] == 1.6 and by["sdpa_cudnn"]["sm90_over_peer"] == 0.8
+    assert math.isnan(by["fa4"]["sm90_over_peer"]) and math.isnan(by["fa4"]["ours_over_peer"])  # not timed
+    assert {r["impl"] for r in rows if "sm90_over_peer" in r} == set(suite.PEERS)
+    # a case without the sm90 row (or with it untimed): no ratio, or NaN
+    rows = [{"impl": "ours", "tflops": 1.0}, {"impl": "fa4", "tflops": 2.0}]
+    suite._add_ratios(rows)
+    assert "sm90_over_peer" not in rows[1] and rows[1]["ours_over_peer"] == 0.5
+
+
+@pytest.mark.parametrize("feature", ["bias", "bias_grad", "dropout"])
+def test_suite_sm90_row_unavailable_with_a_feature(feature):
+    from benchmarks.suites import attention_bwd as suite
+
+    with pytest.raises(NotImplementedError, match=f"the sm90 path takes no {feature}"):
+        suite._setup_ours_sm90(None, None, None, None, False, feature)

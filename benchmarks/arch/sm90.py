@@ -66,7 +66,8 @@ ATTN_BWD_POSTPROCESS = {
 ATTENTION_BWD = {
     # (batch, heads, seqlen, head_dim), dtype name, causal; Q, K, V, O, dO [B, S, H, D]
     # contiguous, seqlen_q = seqlen_k, no dropout, no bias. These tuples are what
-    # ops.mem_eff_attention.compile_for_benchmark_cases(cases, arch) receives on CPU.
+    # compile_for_benchmark_cases(cases, arch) of ops.mem_eff_attention and of
+    # ops.attention_sm90 (the cases without a feature) receive on CPU.
     "full": [
         ((8, 16, 1024, 64), "bfloat16", False),
         ((4, 16, 2048, 128), "bfloat16", False),

@@ -1,4 +1,4 @@
-"""Suite attention_bwd: the memory-efficient attention backward (dQ, dK, dV), timed alone.
+"""Suite attention_bwd: our attention backwards (dQ, dK, dV), timed alone against peers.
 
 Cases ``BxHxSxD:bf16[:causal][:feature]``: Q, K, V, dO [B, S, H, D] contiguous, seqlen_q =
 seqlen_k; feature (issue 6) none, ``bias`` (a [B, H, S, S] attention bias), ``bias_grad``
@@ -9,9 +9,12 @@ without its gradient, dropout; FA4: neither), the others keep a row with status
 "unavailable". With dropout the peers draw their own masks: their gradients are not
 checked against sdpa_efficient (ours uses the same philox seed / offset, and is).
 
-- ``ours``: ``ops.efficient_attention_backward``, a drop-in for
-  ``aten._efficient_attention_backward`` (same arguments), on the out / logsumexp /
-  philox of ``aten._efficient_attention_forward``;
+- ``ours``: ``ops.efficient_attention_backward(..., backend="mem_eff")`` (the
+  memory-efficient kernel), a drop-in for ``aten._efficient_attention_backward`` (same
+  arguments), on the out / logsumexp / philox of ``aten._efficient_attention_forward``;
+- ``ours_sm90``: the same call with ``backend="sm90"`` (the Hopper-native kernel,
+  ``ops.attention_sm90``) on the same forward's out / logsumexp; cases without a feature
+  only (with one its row says "unavailable"), checked like ``ours``;
 - ``sdpa_efficient``: ``aten._efficient_attention_backward`` on the same inputs (the
   C++ original; its gradients are the reference of every correctness check);
 - ``sdpa_flash``: ``aten._scaled_dot_product_flash_attention_backward`` after
@@ -28,14 +31,16 @@ checked against sdpa_efficient (ours uses the same philox seed / offset, and is)
 
 FLOPs counted: 2.5 x the forward's 4 B H S^2 D (five S x S x D matmuls), halved when causal.
 Rows: ms, tflops, ``check`` (max |grad - ref| / max |ref| of dQ, dK, dV against
-sdpa_efficient; ours is timed only when all are below TOL), ``ours_over_peer`` (ours'
-TFLOP/s over the peer's) on peer rows; an implementation that fails or is missing keeps
-its row with ms and tflops NaN, ``status`` ("error", "wrong" or "unavailable") and
-``error``.
+sdpa_efficient; ours and ours_sm90 are timed only when all are below TOL),
+``ours_over_peer`` (ours' TFLOP/s over the row's) on every other row, ``sm90_over_peer``
+(ours_sm90's TFLOP/s over the peer's) on the rows of the peers (PEERS); an
+implementation that fails or is missing keeps its row with ms and tflops NaN,
+``status`` ("error", "wrong" or "unavailable") and ``error``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -45,6 +50,7 @@ NAME = "attention_bwd"
 TOL = 2e-2  # max |grad - ref| / max |ref| (bf16 gradients)
 DROPOUT_P = 0.1
 FEATURES = (None, "bias", "bias_grad", "dropout")
+PEERS = ("sdpa_flash", "sdpa_cudnn", "fa4")  # the rows that get sm90_over_peer
 MATMUL_MNK = (8192, 8192, 8192)
 SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 NAN = float("nan")
@@ -118,15 +124,24 @@ def _setup_efficient(q, k, v, dout, causal, backward=None, feature=None, bias=No
     return fn, grads[:4] if bias_grad else grads[:3], {"op": "aten._efficient_attention_backward", "layout": "BSHD"}
 
 
-def _setup_ours(q, k, v, dout, causal, feature=None, bias=None):
+def _setup_ours(q, k, v, dout, causal, feature=None, bias=None, backend="mem_eff"):
+    """ops.efficient_attention_backward with ``backend`` pinned ("auto" would run the sm90
+    kernel on an H100 where it applies: each row measures one kernel)."""
     import ops
 
     ours = getattr(ops, "efficient_attention_backward", None)
     if ours is None:
         raise RuntimeError("ops.efficient_attention_backward does not exist")
     torch.manual_seed(0)  # the same philox seed / offset as sdpa_efficient's forward
+    ours = functools.partial(ours, backend=backend)
     fn, grads, _ = _setup_efficient(q, k, v, dout, causal, backward=ours, feature=feature, bias=bias)
-    return fn, grads, {"op": "ops.efficient_attention_backward", "layout": "BSHD"}
+    return fn, grads, {"op": f'ops.efficient_attention_backward(backend="{backend}")', "layout": "BSHD"}
+
+
+def _setup_ours_sm90(q, k, v, dout, causal, feature=None, bias=None):
+    if feature is not None:
+        raise NotImplementedError(f"the sm90 path takes no {feature} (yet)")
+    return _setup_ours(q, k, v, dout, causal, backend="sm90")
 
 
 def _bhsd_grad_out(out_bhsd, dout):
@@ -297,20 +312,23 @@ def _run_case(spec, fa4, fa4_missing, matmul):
     except Exception as e:
         row("sdpa_efficient", status="error", error=_err(e))
 
-    # ours: correctness first, timed only when right
-    try:
-        fn, grads, info = _setup_ours(q, k, v, dout, causal, feature, bias)
-        if ref is None:
-            row("ours", status="error", error="no reference (sdpa_efficient failed): not timed", **info)
-        else:
-            check = _check(grads, ref)
-            del grads
-            if check["ok"]:
-                timed("ours", fn, info, check)
+    # ours (both kernels): correctness first, timed only when right
+    for impl, setup in (("ours", _setup_ours), ("ours_sm90", _setup_ours_sm90)):
+        try:
+            fn, grads, info = setup(q, k, v, dout, causal, feature, bias)
+            if ref is None:
+                row(impl, status="error", error="no reference (sdpa_efficient failed): not timed", **info)
             else:
-                row("ours", status="wrong", check=check, error=f"max rel err {check['max_rel_err']} >= {TOL}: not timed", **info)
-    except Exception as e:
-        row("ours", status="error", error=_err(e))
+                check = _check(grads, ref)
+                del grads
+                if check["ok"]:
+                    timed(impl, fn, info, check)
+                else:
+                    row(impl, status="wrong", check=check, error=f"max rel err {check['max_rel_err']} >= {TOL}: not timed", **info)
+        except NotImplementedError as e:  # a feature the sm90 path does not take
+            row(impl, status="unavailable", error=_err(e))
+        except Exception as e:
+            row(impl, status="error", error=_err(e))
 
     if eff is not None:
         timed("sdpa_efficient", eff[0], eff[1], {"ok": True, "reference": True})
@@ -353,32 +371,44 @@ def _run_case(spec, fa4, fa4_missing, matmul):
     else:
         row("matmul", status="error", error=matmul, matmul_mnk=list(MATMUL_MNK))
 
-    ours = next((r for r in rows if r["impl"] == "ours"), None)
+    _add_ratios(rows)
+    return rows
+
+
+def _add_ratios(rows):
+    """``ours_over_peer`` on every row but ours, ``sm90_over_peer`` on the peers' rows
+    (TFLOP/s over TFLOP/s: NaN where either side was not timed)."""
+    by_impl = {r["impl"]: r for r in rows}
+    ours, sm90 = by_impl.get("ours"), by_impl.get("ours_sm90")
     for r in rows:
         if r["impl"] != "ours" and ours is not None:
             r["ours_over_peer"] = ours["tflops"] / r["tflops"]
-    return rows
+        if r["impl"] in PEERS and sm90 is not None:
+            r["sm90_over_peer"] = sm90["tflops"] / r["tflops"]
 
 
 def compile_only(arch: str):
     """Compile the kernel configurations of the suite's cases for ``arch`` (fake tensors),
-    through ``ops.mem_eff_attention.compile_for_benchmark_cases(cases, arch)`` when that
-    hook exists; 0 configurations otherwise."""
+    through ``compile_for_benchmark_cases(cases, arch)`` of ``ops.mem_eff_attention`` (ours)
+    and ``ops.attention_sm90`` (ours_sm90) where those hooks exist; the count compiled."""
     import importlib
 
     from ..arch import settings
 
-    try:
-        mod = importlib.import_module("ops.mem_eff_attention")
-    except ModuleNotFoundError as e:
-        if e.name not in ("ops.mem_eff_attention",):
-            raise
-        mod = None
-    hook = getattr(mod, "compile_for_benchmark_cases", None)
-    if hook is None:
-        print(f"  {NAME}: no compile hook yet (ops.mem_eff_attention.compile_for_benchmark_cases)")
-        return 0
     tables = settings(arch).ATTENTION_BWD
     cases = list(dict.fromkeys(tables["full"] + tables["quick"]))
-    n = hook(cases, arch)
-    return n if isinstance(n, int) else len(cases)
+    total = 0
+    for name in ("ops.mem_eff_attention", "ops.attention_sm90"):
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            mod = None
+        hook = getattr(mod, "compile_for_benchmark_cases", None)
+        if hook is None:
+            print(f"  {NAME}: no compile hook yet ({name}.compile_for_benchmark_cases)")
+            continue
+        n = hook(cases, arch)
+        total += n if isinstance(n, int) else len(cases)
+    return total
