@@ -12,7 +12,9 @@ named configuration and derive it from (N, dtypes, arch) with one rule:
   warp (the all-reduce then runs over the row's lanes only).
 * ``ctas_per_row`` (``CTAS_PER_ROW``): a row needing more than ``MAX_THREADS_PER_ROW``
   threads is split over a thread-block cluster (sm_90), whose CTAs exchange their row
-  sums through distributed shared memory.
+  sums through distributed shared memory. Its CTAs then have ``CLUSTER_THREADS_PER_ROW``
+  threads holding ``MAX_ELEMS_PER_THREAD`` elements each, one CTA per SM and
+  ``CLUSTER_STAGES`` ring stages (512 threads only for rows too long for that).
 * ``cluster_exchange`` (clusters only): ``"mbarrier"`` sends each warp's sums with
   ``st.async`` and waits on a per-buffer transaction-count mbarrier; ``"barrier"``
   stores them and waits at a full ``barrier.cluster`` per row (the original path).
@@ -32,8 +34,8 @@ named configuration and derive it from (N, dtypes, arch) with one rule:
 | 1000          | 8   | 2    | 64          | 1        | 2        |
 | 4096          | 8   | 2    | 256         | 1        | 1        |
 | 8192          | 8   | 2    | 512         | 1        | 1        |
-| 16384         | 8   | 2    | 512         | 2        | 1        |
-| 65536         | 8   | 2    | 512         | 8        | 1        |
+| 16384         | 8   | 4    | 256         | 2        | 1        |
+| 65536         | 8   | 4    | 256         | 8        | 1        |
 | 131072        | 8   | 4    | 512         | 8        | 1        |
 
 (tests/test_layer_norm_cpu.py checks this table against the rule.) fp32 halves
@@ -51,6 +53,10 @@ MAX_VECTOR_BITS = 128
 ELEMS_PER_THREAD = 16  # elements of a row per thread: 2x16 fp32 accumulators + data in registers
 MAX_ELEMS_PER_THREAD = 32  # beyond the largest cluster, threads take more of the row
 MAX_THREADS_PER_ROW = 512  # per CTA; more threads per row go to more CTAs of a cluster
+# A row split over a cluster: 256 threads per CTA holding 32 elements each, one CTA per SM,
+# 3 ring stages (4096x16384 bf16 with the mbarrier exchange: 161 us; 512 threads x 16: 189 us)
+CLUSTER_THREADS_PER_ROW = 256
+CLUSTER_STAGES = 3
 MIN_THREADS_PER_CTA = 128
 MAX_CLUSTER = 8  # portable cluster size on sm_90
 CLUSTER_EXCHANGES = ("mbarrier", "barrier")
@@ -209,8 +215,13 @@ def ln_bwd_tiles(
     tpr = _pow2_at_least(-(-vectors // ldgs))
     cpr = 1
     if tpr > MAX_THREADS_PER_ROW:
-        cpr = min(MAX_CLUSTER, tpr // MAX_THREADS_PER_ROW)
-        tpr = MAX_THREADS_PER_ROW
+        full = MAX_ELEMS_PER_THREAD // vec  # vectors per thread when threads hold the most
+        cpr = _pow2_at_least(-(-vectors // (CLUSTER_THREADS_PER_ROW * full)))
+        if cpr <= MAX_CLUSTER:
+            tpr = CLUSTER_THREADS_PER_ROW
+        else:  # the longest rows: more threads per CTA
+            cpr = min(MAX_CLUSTER, tpr // MAX_THREADS_PER_ROW)
+            tpr = MAX_THREADS_PER_ROW
         if cpr > 1 and not arch.startswith("sm_9"):
             raise NotImplementedError(
                 f"N={n} needs {cpr} CTAs per row, which uses sm_90 thread-block clusters; "
@@ -228,12 +239,14 @@ def ln_bwd_tiles(
     t = replace(t, **{k: v for k, v in overrides.items() if k not in ("ctas_per_sm", "stages")})
     regs = -(-register_estimate(t, in_bits, out_bits, w_bits, num_partials) // 8) * 8
     ctas_per_sm = max(1, min(REG_FILE // (regs * t.num_threads), MAX_THREADS_PER_SM // t.num_threads, MAX_CTAS_PER_SM))
-    if t.num_threads <= MAX_THREADS_PER_SM // 8:
+    if t.num_threads <= MAX_THREADS_PER_SM // 8 and t.ctas_per_row == 1:
         # ptxas fits two CTAs (min blocks per SM) with few spills; measured faster than one
         ctas_per_sm = max(ctas_per_sm, 2)
     ctas_per_sm = overrides.get("ctas_per_sm", ctas_per_sm)
     stage = t.stage_bytes(in_bits, out_bits)
     stages = max(2, min(MAX_STAGES, -(-BYTES_IN_FLIGHT // (stage * ctas_per_sm))))
+    if t.ctas_per_row > 1:
+        stages = max(stages, CLUSTER_STAGES)
     while stages > 1 and ctas_per_sm * t.replace_stages(stages).smem_bytes(in_bits, out_bits, num_partials) > SMEM_PER_SM:
         stages -= 1
     t = replace(t, ctas_per_sm=ctas_per_sm, stages=overrides.get("stages", stages))
