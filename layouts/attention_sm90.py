@@ -51,6 +51,7 @@ class AttentionSm90Tiles:
     # what of block i+1 goes to the tensor cores before block i's dK is waited for:
     # "none", "s" (S^T) or "sdp" (S^T and dP^T; more live registers)
     overlap: str = "s"
+    pds_split: bool = False  # one-way dS barriers per warpgroup, dK issued before waiting for the other half
     dq_stages: int = 1  # dQ staging buffers (2 measured no faster: the reduce-add is read long before the next block)
 
     @property

@@ -34,6 +34,7 @@ from .wgmma import acc_as_operand_a, acc_mn_layout, select_modes, transpose_view
 BAR_PDS = 1
 BAR_DQ_EMPTY = 2
 BAR_DQ_FULL = 3
+BAR_PDS_WG1 = 4  # with pds_split: warpgroup 1 announces its dS here, warpgroup 0 on BAR_PDS
 LOG2_E = math.log2(math.e)
 
 
@@ -361,44 +362,81 @@ class AttentionBackwardSm90:
             rdS.store(acc_dP.load().to(self.dtype))
             cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_stage])
             cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
-            acc_dQ = cute.make_rmem_tensor(shape_dq, Float32)
-            wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_stage], tQrK, zero_init=True)
-            wgmma(tiled_mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
-                  tKrQ[None, None, None, stage], zero_init=False)  # fmt: skip
-            warpgroup.wait_group(1)  # dV and dQ done
-            pipe_do.consumer_release(state)
-
-            # dQ -> sdQ for the store warp's reduce-add, while dK runs
-            cute.arch.barrier(barrier_id=BAR_DQ_EMPTY, number_of_threads=handoff)
-            cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQs[None, None, None, (m_block - m_min) % t.dq_stages])
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=handoff)
-            # the next block's S^T (and dP^T) go to the tensor cores behind dK
-            if const_expr(t.overlap != "none"):
+            if const_expr(t.pds_split):
+                acc_dQ = self.dq_dk_split(wg, stage, ds_stage, tiled_mma_dq, tiled_mma_dkv, acc_dK, rdS, tKrQ,
+                                          tQrdS, tQrK, shape_dq)  # fmt: skip
+                pipe_do.consumer_release(state)
+                pipe_q.consumer_release(state)
                 if m_block + 1 < m_max:
                     self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
-                    if const_expr(t.overlap == "sdp"):
-                        self.issue_dp(pipe_do, state_next, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
-                        warpgroup.wait_group(2)  # dK done
-                    else:
-                        warpgroup.wait_group(1)
                     state_next.advance()
+                self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, (m_block - m_min) % t.dq_stages, handoff)
+            else:
+                cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
+                acc_dQ = cute.make_rmem_tensor(shape_dq, Float32)
+                wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_stage], tQrK, zero_init=True)
+                wgmma(tiled_mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
+                      tKrQ[None, None, None, stage], zero_init=False)  # fmt: skip
+                warpgroup.wait_group(1)  # dV and dQ done
+                pipe_do.consumer_release(state)
+
+                # dQ -> sdQ for the store warp's reduce-add, while dK runs
+                self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, (m_block - m_min) % t.dq_stages, handoff)
+                # the next block's S^T (and dP^T) go to the tensor cores behind dK
+                if const_expr(t.overlap != "none"):
+                    if m_block + 1 < m_max:
+                        self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
+                        if const_expr(t.overlap == "sdp"):
+                            self.issue_dp(pipe_do, state_next, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
+                            warpgroup.wait_group(2)  # dK done
+                        else:
+                            warpgroup.wait_group(1)
+                        state_next.advance()
+                    else:
+                        warpgroup.wait_group(0)
+                    pipe_q.consumer_release(state)
                 else:
                     warpgroup.wait_group(0)
-                pipe_q.consumer_release(state)
-            else:
-                warpgroup.wait_group(0)
-                pipe_q.consumer_release(state)
-                if m_block + 1 < m_max:
-                    self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
-                    state_next.advance()
+                    pipe_q.consumer_release(state)
+                    if m_block + 1 < m_max:
+                        self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
+                        state_next.advance()
             state.advance()
 
         # epilogue: dK scaled by the softmax scale (dS was not), rows past seqlen_k dropped
         acc_dK.store(acc_dK.load() * softmax_scale)
         self.store_rows(acc_dK, mdK, tiled_mma_dkv, tidx, n_block, head, batch, seqlen_k)
         self.store_rows(acc_dV, mdV, tiled_mma_dkv, tidx, n_block, head, batch, seqlen_k)
+
+    @cute.jit
+    def stage_dq(self, acc_dQ, r2s_dq, thr_r2s_dq, tdQs, buf, handoff):
+        """dQ -> staging buffer ``buf`` for the store warp's reduce-add."""
+        cute.arch.barrier(barrier_id=BAR_DQ_EMPTY, number_of_threads=handoff)
+        cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQs[None, None, None, buf])
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=handoff)
+
+    @cute.jit
+    def dq_dk_split(self, wg, stage, ds_stage, tiled_mma_dq, tiled_mma_dkv, acc_dK, rdS, tKrQ, tQrdS, tQrK, shape_dq):
+        """dS handoff by two one-way barriers: each warpgroup announces its half of dS, issues
+        dK (registers only) and only then waits for the other half, so the wait overlaps dK.
+        A warpgroup announces block i+1 after its dQ of block i completed, which keeps the
+        two dS buffers safe. Returns dQ with dK and dQ both done."""
+        t = self.tiles
+        if wg == 0:
+            cute.arch.barrier_arrive(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
+        else:
+            cute.arch.barrier_arrive(barrier_id=BAR_PDS_WG1, number_of_threads=t.num_mma_threads)
+        wgmma(tiled_mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
+              tKrQ[None, None, None, stage], zero_init=False)  # fmt: skip
+        if wg == 0:
+            cute.arch.barrier(barrier_id=BAR_PDS_WG1, number_of_threads=t.num_mma_threads)
+        else:
+            cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
+        acc_dQ = cute.make_rmem_tensor(shape_dq, Float32)
+        wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_stage], tQrK, zero_init=True)
+        warpgroup.wait_group(0)
+        return acc_dQ
 
     @cute.jit
     def issue_s(self, pipe_q, state, tiled_mma_sdp, acc_S, tSrK, tSrQ):
