@@ -35,6 +35,8 @@ BAR_PDS = 1
 BAR_DQ_EMPTY = 2
 BAR_DQ_FULL = 3
 BAR_PDS_WG1 = 4  # with pds_split: warpgroup 1 announces its dS here, warpgroup 0 on BAR_PDS
+BAR_DQ_EMPTY_WG1 = 5  # with dq_per_wg: warpgroup 1's pair (warpgroup 0 uses BAR_DQ_EMPTY / BAR_DQ_FULL)
+BAR_DQ_FULL_WG1 = 6
 LOG2_E = math.log2(math.e)
 
 
@@ -83,8 +85,12 @@ class AttentionBackwardSm90:
             cpasync.CopyBulkTensorTileG2SOp(), mLSE, cute.make_layout(t.tile_m), (t.tile_m,))
         tma_Delta, gDelta_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mDelta, cute.make_layout(t.tile_m), (t.tile_m,))
-        tma_dQ, gdQ_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, cute.select(sdQ_layout, mode=[0, 1]), (t.tile_m, d))  # fmt: skip
+        if const_expr(t.dq_per_wg):
+            tma_dQ, gdQ_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, t.smem_layout_dq_sub(), t.dq_sub_tile)
+        else:
+            tma_dQ, gdQ_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, cute.select(sdQ_layout, mode=[0, 1]), (t.tile_m, d))
 
         elem = self.dtype.width // 8
         self.q_bytes = t.tile_m * d * elem + t.tile_m * 4  # Q + LSE (dO + Δ alike)
@@ -242,6 +248,9 @@ class AttentionBackwardSm90:
     def store_dq(self, gdQ_tma, sdQ, tma_dQ, head, batch, m_min, m_max):
         """Add each query block's dQ (staged in sdQ by the consumers) into the fp32 accumulator."""
         t = self.tiles
+        if const_expr(t.dq_per_wg):
+            self.store_dq_per_wg(gdQ_tma, sdQ, tma_dQ, head, batch, m_min, m_max)
+            return
         gdQ = cute.local_tile(gdQ_tma[None, None, head, batch], (t.tile_m, t.head_dim), (None, 0))
         tdQs, tdQg = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2))
         handoff = 32 + t.num_mma_threads
@@ -252,6 +261,30 @@ class AttentionBackwardSm90:
             cute.arch.barrier(barrier_id=BAR_DQ_FULL, number_of_threads=handoff)
             cute.copy(tma_dQ, tdQs[None, (m_block - m_min) % t.dq_stages], tdQg[None, m_block])
             cute.arch.cp_async_bulk_commit_group()
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
+    def store_dq_per_wg(self, gdQ_tma, sdQ, tma_dQ, head, batch, m_min, m_max):
+        """dq_per_wg: each warpgroup's part of a block's dQ is its own reduce-add and handoff."""
+        t = self.tiles
+        am, an = t.dq_atoms
+        sub = t.dq_sub_tile
+        gdQ = cute.local_tile(gdQ_tma[None, None, head, batch], sub, (None, None))  # (rows, cols, blocks m, blocks n)
+        parts = []
+        for w in cutlass.range_constexpr(2):
+            wm, wn = (w, 0) if am == 2 else (0, w)
+            sdQ_w = cute.local_tile(sdQ[None, None, 0], sub, (wm, wn))
+            tdQs, tdQg = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_w, 0, 2), cute.group_modes(gdQ, 0, 2))
+            parts.append((tdQs, tdQg, wm, wn))
+        handoff = 32 + 128
+        for m_block in cutlass.range(m_min, m_max, unroll=1):
+            for w in cutlass.range_constexpr(2):
+                tdQs, tdQg, wm, wn = parts[w]
+                cute.arch.cp_async_bulk_wait_group(1, read=True)  # this part's previous reduce-add has read it
+                cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY if w == 0 else BAR_DQ_EMPTY_WG1, number_of_threads=handoff)
+                cute.arch.barrier(barrier_id=BAR_DQ_FULL if w == 0 else BAR_DQ_FULL_WG1, number_of_threads=handoff)
+                cute.copy(tma_dQ, tdQs, tdQg[None, m_block * am + wm, wn])
+                cute.arch.cp_async_bulk_commit_group()
         cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     # --------------------------------------------------------------------------- consumers
@@ -370,7 +403,7 @@ class AttentionBackwardSm90:
                 if m_block + 1 < m_max:
                     self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
                     state_next.advance()
-                self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, (m_block - m_min) % t.dq_stages, handoff)
+                self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, (m_block - m_min) % t.dq_stages, handoff, wg)
             else:
                 cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
                 acc_dQ = cute.make_rmem_tensor(shape_dq, Float32)
@@ -381,7 +414,7 @@ class AttentionBackwardSm90:
                 pipe_do.consumer_release(state)
 
                 # dQ -> sdQ for the store warp's reduce-add, while dK runs
-                self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, (m_block - m_min) % t.dq_stages, handoff)
+                self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, (m_block - m_min) % t.dq_stages, handoff, wg)
                 # the next block's S^T (and dP^T) go to the tensor cores behind dK
                 if const_expr(t.overlap != "none"):
                     if m_block + 1 < m_max:
@@ -409,12 +442,25 @@ class AttentionBackwardSm90:
         self.store_rows(acc_dV, mdV, tiled_mma_dkv, tidx, n_block, head, batch, seqlen_k)
 
     @cute.jit
-    def stage_dq(self, acc_dQ, r2s_dq, thr_r2s_dq, tdQs, buf, handoff):
+    def stage_dq(self, acc_dQ, r2s_dq, thr_r2s_dq, tdQs, buf, handoff, wg):
         """dQ -> staging buffer ``buf`` for the store warp's reduce-add."""
-        cute.arch.barrier(barrier_id=BAR_DQ_EMPTY, number_of_threads=handoff)
-        cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQs[None, None, None, buf])
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=handoff)
+        if const_expr(self.tiles.dq_per_wg):
+            # only this warpgroup and the store warp meet
+            if wg == 0:
+                cute.arch.barrier(barrier_id=BAR_DQ_EMPTY, number_of_threads=32 + 128)
+            else:
+                cute.arch.barrier(barrier_id=BAR_DQ_EMPTY_WG1, number_of_threads=32 + 128)
+            cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQs[None, None, None, buf])
+            cute.arch.fence_view_async_shared()
+            if wg == 0:
+                cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=32 + 128)
+            else:
+                cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL_WG1, number_of_threads=32 + 128)
+        else:
+            cute.arch.barrier(barrier_id=BAR_DQ_EMPTY, number_of_threads=handoff)
+            cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQs[None, None, None, buf])
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=handoff)
 
     @cute.jit
     def dq_dk_split(self, wg, stage, ds_stage, tiled_mma_dq, tiled_mma_dkv, acc_dK, rdS, tKrQ, tQrdS, tQrK, shape_dq):
