@@ -23,8 +23,13 @@ transposed form that keeps P and dS in registers for the dK / dV products:
 
 | head dim | tile_m | tile_n | Q / dO stages | dS stages | consumers | smem (bf16) |
 |----------|--------|--------|---------------|-----------|-----------|-------------|
-| 64       | 128    | 128    | 2             | 2         | 2 x 128   | 176 KiB     |
-| 128      | 64     | 128    | 2             | 2         | 2 x 128   | 192 KiB     |
+| 64       | 128    | 128    | 2             | 2         | 2 x 128   | 195 KiB     |
+| 128      | 64     | 128    | 2             | 2         | 2 x 128   | 194 KiB     |
+
+d128 also hands each warpgroup's dQ half to the store warp separately (``dq_per_wg``) and
+announces each dS half before waiting for the other (``pds_split``); both warpgroups
+issue the next block's S^T before waiting for dK (``overlap="s"``). Measurements:
+cute_kernels/attention_sm90/notes.md.
 
 (tests/test_attention_sm90_cpu.py checks the table.) Everything else takes the
 sm80-structured memory-efficient kernel (``ops`` dispatch).
