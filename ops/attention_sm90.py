@@ -27,9 +27,9 @@ from . import _compile as cc
 DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _build(dtype, head_dim: int, mask_type: int, arch: str):
+def _build(dtype, head_dim: int, mask_type: int, has_window: bool, arch: str):
     tiles = tiling.attention_sm90_tiles(head_dim)
-    kernel = AttentionBackwardSm90(dtype, tiles, mask_type)
+    kernel = AttentionBackwardSm90(dtype, tiles, mask_type, has_window)
     b, h, mq, mk = (cute.sym_int() for _ in range(4))
     # TMA: last stride 1, the other strides and the addresses multiples of 16 bytes
     q, do = (cc.fake_tensor(dtype, (b, mq, h, head_dim), 8) for _ in range(2))
@@ -37,7 +37,8 @@ def _build(dtype, head_dim: int, mask_type: int, arch: str):
     lse, delta = (cc.fake_tensor(cutlass.Float32, (b, h, cute.sym_int()), 4) for _ in range(2))
     dq_accum = cc.fake_tensor(cutlass.Float32, (b, cute.sym_int(), h, head_dim), 4)
     return cc.compile_kernel(
-        kernel, q, k, v, do, lse, delta, dq_accum, dk, dv, cutlass.Float32(1.0), cc.fake_stream(), arch=arch
+        kernel, q, k, v, do, lse, delta, dq_accum, dk, dv, cutlass.Float32(1.0), cutlass.Int32(0), cc.fake_stream(),
+        arch=arch,
     )
 
 
@@ -54,7 +55,7 @@ def compile_for_benchmark_cases(cases, arch: str) -> int:
     for (_, _, _, d), dtype_name, causal, *feature in cases:
         if (feature and feature[0] is not None) or d not in tiling.HEAD_DIMS:
             continue
-        keys.add((cc.cute_dtype(getattr(torch, dtype_name)), d, 1 if causal else 0, arch))  # causal: top-left
+        keys.add((cc.cute_dtype(getattr(torch, dtype_name)), d, 1 if causal else 0, False, arch))  # causal: top-left
     for key in sorted(keys, key=str):
         compiled(*key)
     return len(keys)
@@ -78,8 +79,6 @@ def unsupported(query, key, value, grad_out, out, *, mask_type=0, window_size=No
         return "grouped-query heads (not yet on this path)"
     if cu_seqlens_q is not None:
         return "variable lengths (not yet on this path)"
-    if window_size:
-        return "sliding window (not yet on this path)"
     if bias is not None:
         return "attention bias (not yet on this path)"
     if dropout_p:
@@ -104,8 +103,11 @@ def _tma_stats(x: Tensor) -> Tensor:
     return padded
 
 
-def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: float, mask_type: int = 0):
-    """(dq, dk, dv) of softmax(scale Q K^T [+ causal mask]) V; tensors [B, S, H, D].
+def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: float, mask_type: int = 0,
+                            window_size: int = 0):
+    """(dq, dk, dv) of softmax(scale Q K^T [+ causal mask [+ window]]) V; tensors [B, S, H, D].
+    ``window_size`` > 0 (with a causal mask): key k sees query q when
+    q + offset - window_size < k <= q + offset, as the memory-efficient kernel.
 
     ``logsumexp``: the forward's natural-log row statistics [B, H, >= Sq] fp32. The caller
     has checked ``unsupported(...) is None``."""
@@ -120,7 +122,8 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     if min(b, h, sq, sk) == 0:
         return torch.zeros_like(query), dk.zero_(), dv.zero_()
     delta, dq_accum = _preprocess_impl(out, grad_out, 1.0, None, None, True)
-    fn = compiled(cc.cute_dtype(query.dtype), d, int(mask_type), cc.device_arch(query.device.index))
-    fn(query, key, value, grad_out, _tma_stats(logsumexp.float()), delta, dq_accum, dk, dv, float(scale))
+    window = int(window_size or 0)
+    fn = compiled(cc.cute_dtype(query.dtype), d, int(mask_type), window > 0, cc.device_arch(query.device.index))
+    fn(query, key, value, grad_out, _tma_stats(logsumexp.float()), delta, dq_accum, dk, dv, float(scale), window)
     dq = _convert_dq_impl(dq_accum, float(scale), d, sq, None, None, 0.0, query.dtype)
     return dq, dk, dv

@@ -350,7 +350,9 @@ def _impl(
     log.debug("attention backward: %s (%s; B=%d Mq=%d Mk=%d H=%d D=%d mask %d)",
               choice, why, b, mq, key.shape[1], h, d, int(custom_mask_type))  # fmt: skip
     if choice == "sm90":
-        dq, dk, dv = sm90.attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale, int(custom_mask_type))
+        dq, dk, dv = sm90.attention_backward_sm90(
+            grad_out, query, key, value, out, logsumexp, scale, int(custom_mask_type), int(window_size or 0)
+        )
         return dq, dk, dv, None
     return _mem_eff_impl(
         grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,

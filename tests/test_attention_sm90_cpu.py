@@ -25,6 +25,8 @@ from .helpers import trace_custom_ops
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 CONFIGS = [(dt, d, mask) for dt in (cutlass.BFloat16, cutlass.Float16) for d in tiling.HEAD_DIMS for mask in (0, 1, 2)]
+# a sliding window comes with a causal mask only
+WINDOW_CONFIGS = [(dt, d, mask) for dt in (cutlass.BFloat16, cutlass.Float16) for d in tiling.HEAD_DIMS for mask in (1, 2)]
 
 
 # ------------------------------------------------------------------------- compile
@@ -33,7 +35,20 @@ CONFIGS = [(dt, d, mask) for dt in (cutlass.BFloat16, cutlass.Float16) for d in 
 @pytest.mark.compile
 @pytest.mark.parametrize("dtype,head_dim,mask_type", CONFIGS, ids=[f"{dt.__name__}-d{d}-mask{m}" for dt, d, m in CONFIGS])
 def test_compiles(dtype, head_dim, mask_type):
-    assert callable(S._build(dtype, head_dim, mask_type, "sm_90a"))
+    assert callable(S._build(dtype, head_dim, mask_type, False, "sm_90a"))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype,head_dim,mask_type", WINDOW_CONFIGS, ids=[f"{dt.__name__}-d{d}-mask{m}" for dt, d, m in WINDOW_CONFIGS])
+def test_compiles_with_window(dtype, head_dim, mask_type):
+    assert callable(S._build(dtype, head_dim, mask_type, True, "sm_90a"))
+
+
+def test_window_needs_a_causal_mask():
+    from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
+
+    with pytest.raises(ValueError, match="causal"):
+        AttentionBackwardSm90(cutlass.BFloat16, tiling.attention_sm90_tiles(64), 0, has_window=True)
 
 
 # --------------------------------------------------------------------------- tiles
@@ -114,7 +129,6 @@ UNSUPPORTED = [
     ("gqa", lambda: _problem(h=4, hk=2), {}, "grouped-query heads"),
     ("mqa", lambda: _problem(h=4, hk=1), {}, "grouped-query heads"),
     ("varlen", _problem, dict(cu_seqlens_q=torch.tensor([0, 50, 100], dtype=torch.int32)), "variable lengths"),
-    ("window", _problem, dict(mask_type=1, window_size=16), "sliding window"),
     ("bias", _problem, dict(bias=torch.zeros(2, 3, 100, 130, dtype=BF16)), "attention bias"),
     ("dropout", _problem, dict(dropout_p=0.1), "dropout"),
     ("mask-3", _problem, dict(mask_type=3), "mask type 3"),
@@ -137,6 +151,8 @@ def test_supported_problems(dtype, d, mask_type):
     # [B, H, S, D] tensors seen as [B, S, H, D] (SDPA's layout), more queries than keys
     q, k, v, do, o = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in _problem(sq=200, sk=70, d=d, dtype=dtype))
     assert S.unsupported(q, k, v, do, o, mask_type=mask_type, window_size=0, dropout_p=0.0, arch="sm_90a") is None
+    if mask_type:  # with a sliding window too
+        assert S.unsupported(q, k, v, do, o, mask_type=mask_type, window_size=16, arch="sm_90a") is None
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_100a"])
@@ -217,7 +233,6 @@ FALLS_BACK = [
     ("num-splits-key", dict(num_splits_key=2), "num_splits_key=2"),
     ("num-splits-key-1", dict(num_splits_key=1), "num_splits_key=1"),
     ("shared-storage", dict(sq=100, sk=100, shared_storage_dqdkdv=True), "shared_storage_dqdkdv"),
-    ("window", dict(mask_type=1, window_size=8), "sliding window"),
     ("bias", dict(bias=torch.zeros(2, 3, 100, 130, dtype=BF16)), "attention bias"),
     ("bias-grad", dict(bias=torch.zeros(3, 100, 130, dtype=BF16), bias_requires_grad=True), "attention bias"),
     ("dropout", dict(dropout_p=0.2, philox_seed=_seed(), philox_offset=_seed()), "dropout"),
@@ -230,13 +245,19 @@ FALLS_BACK = [
 ]
 
 
+def test_auto_takes_sm90_with_a_window(backends):
+    _eab(mask_type=1, window_size=8)
+    ((name, (_, _, mask, window)),) = backends
+    assert (name, mask, window) == ("sm90", 1, 8)
+
+
 @pytest.mark.parametrize("mask_type,sq,sk", [(0, 100, 130), (1, 130, 100), (2, 100, 130), (2, 130, 100)])
 @pytest.mark.parametrize("dtype,d", [(BF16, 64), (F16, 128)])
 def test_auto_takes_sm90_where_it_applies(backends, caplog, dtype, d, mask_type, sq, sk):
     with caplog.at_level(logging.DEBUG, logger="cute_kernels.attention"):
         dq, dk, dv, db = _eab(sq=sq, sk=sk, d=d, dtype=dtype, mask_type=mask_type, scale=0.3)
-    ((name, (lse, scale, mask)),) = backends  # the drop-in's logsumexp, scale and mask type, as given
-    assert name == "sm90" and lse.shape == (2, 3, (sq + 31) // 32 * 32) and (scale, mask) == (0.3, mask_type)
+    ((name, (lse, scale, mask, window)),) = backends  # the drop-in's logsumexp, scale, mask type, window
+    assert name == "sm90" and lse.shape == (2, 3, (sq + 31) // 32 * 32) and (scale, mask, window) == (0.3, mask_type, 0)
     assert db is None and dq.shape == (2, sq, 3, d) and dk.shape == dv.shape == (2, sk, 3, d)
     (msg,) = [r.getMessage() for r in caplog.records if r.name == "cute_kernels.attention"]
     assert msg.startswith("attention backward: sm90 (backend='auto', supported") and f"mask {mask_type}" in msg
@@ -373,7 +394,8 @@ def test_suite_compile_only_covers_ours_sm90(monkeypatch):
     monkeypatch.setattr(S, "compiled", lambda *k: seen["sm90"].append(k))
     assert attention_bwd.compile_only("sm_90a") == len(seen["mem_eff"]) + len(seen["sm90"])
     bf16 = cutlass.BFloat16
-    assert set(seen["sm90"]) == {(bf16, 64, 0, "sm_90a"), (bf16, 128, 0, "sm_90a"), (bf16, 128, 1, "sm_90a"), (bf16, 64, 1, "sm_90a")}
+    # (dtype, head dim, mask type, has_window, arch)
+    assert set(seen["sm90"]) == {(bf16, d, m, False, "sm_90a") for d in (64, 128) for m in (0, 1)}
     seen["sm90"].clear()
     attention_bwd.compile_only("sm_80")
     assert seen["sm90"] == []

@@ -27,7 +27,7 @@ import torch
 import ops
 from ops import _compile as cc
 from ops import mem_eff_attention as M
-from ops.reference import attention_backward_ref
+from ops.reference import attention_backward_ref, attention_forward_ref
 
 pytestmark = pytest.mark.gpu
 
@@ -155,6 +155,46 @@ def test_explicit_scale():
             check(f"{name} scale {scale}", g, r, like, BF16, floor)
 
 
+# ------------------------------------------------------------------- sliding window
+
+# (dtype, B, H, Sq, Sk, D, mask, window): key k sees query q when q + shift - window < k <= q + shift
+WINDOW_CASES = [
+    (BF16, 1, 2, 300, 300, 64, 1, 50),  # windows inside a key block and across blocks
+    (F16, 2, 2, 200, 333, 128, 1, 100),  # top-left, Sq < Sk: the last key blocks see no query
+    (BF16, 1, 2, 257, 300, 128, 2, 70),  # bottom-right
+    (F16, 1, 2, 129, 129, 64, 2, 1),  # a window of one key: the diagonal
+    (BF16, 2, 3, 400, 260, 64, 1, 300),  # a window wider than the keys
+]
+
+
+def _padded_ref_forward(q, k, v, mask_type, window):
+    """(out, lse) of the fp64 reference in torch's layout (lse padded with +inf to 32):
+    torch's own forward is not used with windows (its bottom-right window has no shift)."""
+    out, lse = attention_forward_ref(q, k, v, custom_mask_type=mask_type, window_size=window)
+    b, h, n = lse.shape
+    padded = torch.full((b, h, (n + 31) // 32 * 32), float("inf"), device=DEV)
+    padded[..., :n] = lse.float()
+    return out.to(q.dtype), padded
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=[_id(c[:7]) + f"w{c[7]}" for c in WINDOW_CASES])
+def test_sliding_window(case, caplog):
+    dtype, b, h, sq, sk, d, mask_type, window = case
+    q, k, v, do = make_inputs(b, h, sq, sk, d, dtype, seed=sq + window)
+    out, lse = _padded_ref_forward(q, k, v, mask_type, window)
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        ours = backward("auto", q, k, v, do, out, lse, mask_type, window_size=window)
+    assert chosen(caplog) == ["sm90"]
+    ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type, window_size=window)
+    floors = rounding_floors(q, k, do, out, dtype)
+    for name, g, r, like, floor in zip(("dq", "dk", "dv"), ours, ref, (q, k, v), floors):
+        check(f"{name} [{_id(case[:7])} w{window}]", g, r, like, dtype, floor)
+    theirs = backward("mem_eff", q, k, v, do, out, lse, mask_type, window_size=window)
+    floors = [None if f is None else 2 * f for f in floors]
+    for name, g, r, like, floor in zip(("dq", "dk", "dv"), ours, theirs, (q, k, v), floors):
+        check(f"{name} [{_id(case[:7])} w{window}] vs mem_eff", g, r, like, dtype, floor)
+
+
 # ------------------------------------------------------------ vs the memory-efficient kernel
 
 VS_MEM_EFF = [
@@ -237,7 +277,7 @@ def test_auto_takes_sm90(caplog):
 
 
 def test_auto_falls_back_for_features(caplog):
-    """bias, dropout, window, varlen, key splits, unaligned inputs, fp32: the memory-efficient kernel."""
+    """bias, dropout, varlen, key splits, unaligned inputs, fp32: the memory-efficient kernel."""
     gen = torch.Generator(DEV).manual_seed(14)
     b, h, s, d = 1, 2, 96, 64
     q, k, v, do = make_inputs(b, h, s, s, d, BF16, seed=14)
@@ -250,9 +290,8 @@ def test_auto_falls_back_for_features(caplog):
     # dropout (the forward's philox state)
     out_d, lse_d, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(q, k, v, None, None, None, None, None, 0.2, 0, True)
     runs.append(lambda: ops.efficient_attention_backward(do, q, k, v, None, out_d, None, None, s, s, lse_d, 0.2, seed, offset, 0, False))
-    # sliding window and key splits
+    # key splits
     out_c, lse_c = forward(q, k, v, 1)
-    runs.append(lambda: backward("auto", q, k, v, do, out_c, lse_c, 1, window_size=16))
     runs.append(lambda: backward("auto", q, k, v, do, out_c, lse_c, 1, num_splits_key=2))
     # variable lengths: B == 1, two sequences packed
     cu = torch.tensor([0, 40, s], device=DEV, dtype=torch.int32)
@@ -265,7 +304,7 @@ def test_auto_falls_back_for_features(caplog):
     q32, k32, v32, do32 = (t.float() for t in (q, k, v, do))
     out32, lse32 = forward(q32, k32, v32, 0)
     runs.append(lambda: backward("auto", q32, k32, v32, do32, out32, lse32, 0))
-    reasons = ["attention bias", "dropout", "sliding window", "num_splits_key", "variable lengths", "not TMA-aligned", "dtype"]
+    reasons = ["attention bias", "dropout", "num_splits_key", "variable lengths", "not TMA-aligned", "dtype"]
     with caplog.at_level(logging.DEBUG, logger=LOGGER):
         for run in runs:
             grads = run()
@@ -279,7 +318,7 @@ def test_auto_falls_back_for_features(caplog):
 def test_sm90_refuses_features():
     q, k, v, do = make_inputs(1, 2, 96, 96, 64, BF16, seed=15)
     out, lse = forward(q, k, v, 1)
-    for kw, reason in ((dict(window_size=16), "sliding window"), (dict(num_splits_key=1), "num_splits_key")):
+    for kw, reason in ((dict(num_splits_key=1), "num_splits_key"),):
         with pytest.raises(NotImplementedError, match=reason):
             backward("sm90", q, k, v, do, out, lse, 1, **kw)
 

@@ -41,12 +41,17 @@ LOG2_E = math.log2(math.e)
 
 
 class AttentionBackwardSm90:
-    """Configuration: element type, tiles, mask (0 none, 1 causal from the top-left, 2 from the bottom-right)."""
+    """Configuration: element type, tiles, mask (0 none, 1 causal from the top-left, 2 from the
+    bottom-right) and, with a causal mask, a sliding window (key k sees query q when
+    q + offset - window_size < k <= q + offset; the window's size is a runtime argument)."""
 
-    def __init__(self, dtype, tiles: AttentionSm90Tiles, mask_type: int):
+    def __init__(self, dtype, tiles: AttentionSm90Tiles, mask_type: int, has_window: bool = False):
+        if has_window and mask_type == 0:
+            raise ValueError("a sliding window needs a causal mask (mask_type 1 or 2)")
         self.dtype = dtype
         self.tiles = tiles
         self.mask_type = mask_type
+        self.has_window = has_window
 
     @cute.jit
     def __call__(
@@ -61,6 +66,7 @@ class AttentionBackwardSm90:
         mdK: cute.Tensor,  # [B, Sk, H, D]
         mdV: cute.Tensor,  # [B, Sk, H, D]
         softmax_scale: Float32,
+        window_size: Int32,  # used with has_window
         stream: cuda.CUstream,
     ):
         t = self.tiles
@@ -118,7 +124,7 @@ class AttentionBackwardSm90:
             tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ,
             sQ_layout, sK_layout, sdS_layout, sdQ_layout, sStat_layout,
             t.tiled_mma_sdp(self.dtype), t.tiled_mma_dkv(self.dtype), t.tiled_mma_dq(self.dtype),
-            seqlen_q, seqlen_k, softmax_scale, SharedStorage,
+            seqlen_q, seqlen_k, softmax_scale, window_size, SharedStorage,
         ).launch(grid=grid, block=[t.num_threads, 1, 1], min_blocks_per_mp=1, stream=stream)  # fmt: skip
 
     # ------------------------------------------------------------------------------ kernel
@@ -132,7 +138,7 @@ class AttentionBackwardSm90:
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
         sdQ_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
         tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
-        seqlen_q: Int32, seqlen_k: Int32, softmax_scale: Float32, SharedStorage: cutlass.Constexpr,
+        seqlen_q: Int32, seqlen_k: Int32, softmax_scale: Float32, window_size: Int32, SharedStorage: cutlass.Constexpr,
     ):  # fmt: skip
         t = self.tiles
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -170,7 +176,7 @@ class AttentionBackwardSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        m_min, m_max = self.m_block_range(n_block, seqlen_q, seqlen_k)
+        m_min, m_max = self.m_block_range(n_block, seqlen_q, seqlen_k, window_size)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -184,18 +190,27 @@ class AttentionBackwardSm90:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.mma(sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
                      pipe_q, pipe_do, mbar_kv, tidx - 128, n_block, head, batch, m_min, m_max,
-                     seqlen_q, seqlen_k, softmax_scale)  # fmt: skip
+                     seqlen_q, seqlen_k, softmax_scale, window_size)  # fmt: skip
 
     @cute.jit
-    def m_block_range(self, n_block, seqlen_q, seqlen_k):
-        """Query blocks that see key block ``n_block`` (causal: from the diagonal on)."""
+    def m_block_range(self, n_block, seqlen_q, seqlen_k, window_size):
+        """Query blocks that see key block ``n_block`` (causal: from the diagonal on; a window
+        also ends them where the block's last key leaves it)."""
         t = self.tiles
         m_max = cute.ceil_div(seqlen_q, t.tile_m)
         m_min = Int32(0)
         if const_expr(self.mask_type != 0):
-            first_q = n_block * t.tile_n - self.causal_offset(seqlen_q, seqlen_k)
+            offset = self.causal_offset(seqlen_q, seqlen_k)
+            first_q = n_block * t.tile_n - offset
             if first_q > 0:
                 m_min = first_q // t.tile_m
+            if const_expr(self.has_window):
+                last_q = n_block * t.tile_n + t.tile_n - 1 - offset + window_size - 1
+                m_last = Int32(0)
+                if last_q >= 0:
+                    m_last = last_q // t.tile_m + 1
+                if m_last < m_max:
+                    m_max = m_last
         return m_min, m_max
 
     @cute.jit
@@ -290,7 +305,8 @@ class AttentionBackwardSm90:
     # --------------------------------------------------------------------------- consumers
     @cute.jit
     def mma(self, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
-            pipe_q, pipe_do, mbar_kv, tidx, n_block, head, batch, m_min, m_max, seqlen_q, seqlen_k, softmax_scale):  # fmt: skip
+            pipe_q, pipe_do, mbar_kv, tidx, n_block, head, batch, m_min, m_max, seqlen_q, seqlen_k, softmax_scale,
+            window_size):  # fmt: skip
         t = self.tiles
         d = t.head_dim
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -360,6 +376,8 @@ class AttentionBackwardSm90:
             need_mask = q0 + t.tile_m > seqlen_q or key0 + t.tile_n > seqlen_k
             if const_expr(self.mask_type != 0):
                 need_mask = need_mask or key0 + t.tile_n - 1 > q0 + offset
+            if const_expr(self.has_window):
+                need_mask = need_mask or key0 <= q0 + t.tile_m - 1 + offset - window_size
             for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
                 q_local = cS_mn[0, c][1]
                 lse_log2 = sLSE[q_local, stage] * LOG2_E
@@ -373,6 +391,8 @@ class AttentionBackwardSm90:
                         masked = q >= seqlen_q or k >= seqlen_k
                         if const_expr(self.mask_type != 0):
                             masked = masked or k > q + offset
+                        if const_expr(self.has_window):
+                            masked = masked or k <= q + offset - window_size
                         if masked:
                             S[r, c] = Float32(0.0)
 
