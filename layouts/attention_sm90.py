@@ -178,6 +178,28 @@ class AttentionSm90Tiles:
         return cute.tile_to_shape(atom, self.dq_sub_tile, order=self.dq_order)
 
 
+def smem_layouts_algebra(t: AttentionSm90Tiles) -> dict:
+    """The shared-memory tiles (one stage) in ``layouts.algebra`` form, for the catalogue and
+    its pictures: element offsets, swizzles in element units. The DSL objects above swizzle
+    byte addresses with the same 128-byte pattern: Swizzle<3,4,3> on bytes is <3,3,3> on
+    16-bit elements and <3,2,3> on fp32 (tests/test_attention_sm90_cpu.py compares them)."""
+    from .algebra import ComposedLayout, Layout, Swizzle
+
+    d, tm, tn = t.head_dim, t.tile_m, t.tile_n
+
+    def rows(r):  # K-major SW128 atoms (8 rows x 64 elements), rows first
+        return ComposedLayout(Swizzle(3, 3, 3), Layout(((8, r // 8), (64, d // 64)), ((64, 512), (1, r * 64))))
+
+    return {
+        "smem_q": (rows(tm), "bf16", "Q / dO stage: S^T / dP^T B (K-major), dK / dV B (MN-major view)"),
+        "smem_k": (rows(tn), "bf16", "K / V: S^T / dP^T A (K-major), dQ B (MN-major view)"),
+        "smem_ds": (ComposedLayout(Swizzle(3, 3, 3), Layout(((64, tm // 64), (8, tn // 8)), ((1, tn * 64), (64, 512)))),
+                    "bf16", "dS stage, queries contiguous: dQ A (MN-major)"),
+        "smem_dq": (ComposedLayout(Swizzle(3, 2, 3), Layout(((8, tm // 8), (32, d // 32)), ((32, 256), (1, tm * 32)))),
+                    "fp32", "dQ staging (fp32) for the TMA reduce-add"),
+    }
+
+
 def attention_sm90_tiles(head_dim: int, causal: bool = False, **overrides) -> AttentionSm90Tiles:
     """The tiles for ``head_dim`` (see the module table); ``overrides`` for sweeps."""
     if head_dim not in HEAD_DIMS:

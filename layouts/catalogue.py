@@ -15,7 +15,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from . import dropout_bias, mem_eff_attention
+from . import attention_sm90, dropout_bias, mem_eff_attention
 from .algebra import (
     AnyLayout,
     ComposedLayout,
@@ -269,6 +269,15 @@ def _register_mem_eff_attention() -> None:
                                    spec.layout(), "bf16", (copy,) if name != "smem_attn" else ()))
 
 
+def _register_attention_sm90() -> None:
+    for d in attention_sm90.HEAD_DIMS:
+        t = attention_sm90.attention_sm90_tiles(d)
+        base = f"attention_bwd_sm90.sm90.bf16.d{d}"
+        for name, (layout, dtype, what) in attention_sm90.smem_layouts_algebra(t).items():
+            tile = "x".join(str(_size(m)) for m in layout.shape)
+            register(SmemEntry(f"{base}.{name}", f"{what}: {tile}, {layout.swizzle} (element units)", layout, dtype))
+
+
 # --------------------------------------------------------------- reference entries
 
 SMEM_64 = ("reference.smem.fp16_64x64.unswizzled", "reference.smem.fp16_64x64.swizzle333")
@@ -294,4 +303,5 @@ def _register_reference() -> None:
 
 _register_dropout_bias()
 _register_mem_eff_attention()
+_register_attention_sm90()
 _register_reference()
