@@ -10,11 +10,13 @@ Shared memory (one phase: everything lives for the whole CTA)::
     sQ, sdO   [tile_m, d, stages]   TMA ring, mbarrier pipelines (with sLSE, sDelta)
     sK, sV    [tile_n, d]           loaded once (kv mbarrier)
     sdS       [tile_m, tile_n, 2]   dS of the block, A operand of dQ = dS K
-    sdQ       [tile_m, d, 2] fp32   the block's dQ, source of the TMA reduce-add
+    sdQ       [tile_m, d, dq_stages] fp32   the block's dQ, source of the TMA reduce-add
 
 Synchronisation: the Q / dO pipelines (full: TMA transaction bytes, empty: the 8
-consumer warps); named barriers PDS (both consumer warpgroups wrote dS), DQ_EMPTY and
-DQ_FULL (sdQ handed between the consumers and the dQ-store warp).
+consumer warps); named barriers PDS (both consumer warpgroups wrote dS; with pds_split
+one one-way barrier per warpgroup), DQ_EMPTY and DQ_FULL (sdQ handed between the
+consumers and the dQ-store warp; with dq_per_wg a pair per warpgroup). Options and their
+measurements: layouts/attention_sm90.py, notes.md next to this file.
 """
 
 import math
