@@ -44,6 +44,19 @@ HEAD_DIMS = (64, 128)
 NUM_CONSUMER_WG = 2
 PRODUCER_REGS = 24  # setmaxnreg for the producer warpgroup
 CONSUMER_REGS = 240  # for each consumer warpgroup (24 + 2 x 240 <= 504 per thread-slot budget)
+STORE_WARP_THREADS = 32  # the producer warpgroup's dQ-store warp
+SMEM_ALIGN = 1024  # bytes: every shared buffer starts on a whole 128-byte-swizzle period (8 x 128 B)
+TMA_ALIGN_BYTES = 16  # TMA: global strides (but the last) and addresses, in bytes
+STATS_ALIGN = 128  # bytes: the LSE / Δ stages (TMA destinations)
+# registers -> memory vector widths (bits): a thread's accumulator holds column pairs
+DS_STORE_BITS = 32  # dS^T pair of 16-bit values, adjacent in the query-contiguous sdS
+DQ_STORE_BITS = 64  # dQ fp32 pair into the swizzled staging buffer
+DKV_STORE_BITS = 32  # dK / dV pair of 16-bit values into global memory
+
+
+def tma_align_elems(elem_bits: int) -> int:
+    """Elements per TMA_ALIGN_BYTES (the divisibility of strides the sm90 path needs)."""
+    return TMA_ALIGN_BYTES * 8 // elem_bits
 
 
 @dataclass(frozen=True)
@@ -73,6 +86,12 @@ class AttentionSm90Tiles:
         """(M, N) warpgroups of the dQ product: split rows when there are 128, else columns."""
         return (2, 1) if self.tile_m == 128 else (1, 2)
 
+    @property
+    def dq_handoff_threads(self) -> int:
+        """Threads meeting at a dQ staging barrier: the store warp and one warpgroup
+        (dq_per_wg) or both."""
+        return STORE_WARP_THREADS + (128 if self.dq_per_wg else self.num_mma_threads)
+
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         """Bytes of the kernel's SharedStorage, member by member with its alignments."""
         d = self.head_dim
@@ -81,12 +100,12 @@ class AttentionSm90Tiles:
             return -(-offset // align) * align + size
 
         off = 8 * (4 * self.stages + 1)  # mbarriers: Q and dO pipelines (full + empty), K/V
-        off = place(off, 4 * self.stages * self.tile_m, 128)  # LSE
-        off = place(off, 4 * self.stages * self.tile_m, 128)  # Δ
+        off = place(off, 4 * self.stages * self.tile_m, STATS_ALIGN)  # LSE
+        off = place(off, 4 * self.stages * self.tile_m, STATS_ALIGN)  # Δ
         for size in (self.stages * self.tile_m * d * elem_bytes,) * 2 + (self.tile_n * d * elem_bytes,) * 2:
-            off = place(off, size, 1024)  # Q, dO, K, V
-        off = place(off, self.ds_stages * self.tile_m * self.tile_n * elem_bytes, 1024)  # dS
-        return place(off, self.dq_stages * self.tile_m * d * 4, 1024)  # dQ staging
+            off = place(off, size, SMEM_ALIGN)  # Q, dO, K, V
+        off = place(off, self.ds_stages * self.tile_m * self.tile_n * elem_bytes, SMEM_ALIGN)  # dS
+        return place(off, self.dq_stages * self.tile_m * d * 4, SMEM_ALIGN)  # dQ staging
 
     # ---- DSL objects (called while tracing) -------------------------------------------
     def tiled_mma_sdp(self, dtype):
@@ -123,6 +142,28 @@ class AttentionSm90Tiles:
             dtype, dtype, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN, Float32,
             atom_layout_mnk=(am, an, 1), tiler_mn=(64, self.head_dim // an),
         )  # fmt: skip
+
+    def r2s_copy_ds(self, dtype, tiled_mma_sdp):
+        """dS^T (the S^T / dP^T accumulator, cast) into the query-contiguous sdS."""
+        import cutlass.cute as cute
+
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=DS_STORE_BITS)
+        return cute.make_tiled_copy_C(atom, tiled_mma_sdp)
+
+    def r2s_copy_dq(self, tiled_mma_dq):
+        """The dQ accumulator (fp32) into its staging buffer."""
+        import cutlass.cute as cute
+        from cutlass import Float32
+
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=DQ_STORE_BITS)
+        return cute.make_tiled_copy_C(atom, tiled_mma_dq)
+
+    def r2g_copy_dkv(self, dtype, tiled_mma_dkv):
+        """dK / dV accumulators (cast) straight to global memory (once per CTA)."""
+        import cutlass.cute as cute
+
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=DKV_STORE_BITS)
+        return cute.make_tiled_copy_C(atom, tiled_mma_dkv)
 
     def smem_layout_rows(self, dtype, rows: int, stages):
         """(rows, head_dim[, stages]) row-major with the widest swizzle the head dim allows."""

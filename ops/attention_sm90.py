@@ -31,11 +31,12 @@ def _build(dtype, head_dim: int, mask_type: int, has_window: bool, arch: str):
     tiles = tiling.attention_sm90_tiles(head_dim)
     kernel = AttentionBackwardSm90(dtype, tiles, mask_type, has_window)
     b, h, mq, mk = (cute.sym_int() for _ in range(4))
-    # TMA: last stride 1, the other strides and the addresses multiples of 16 bytes
-    q, do = (cc.fake_tensor(dtype, (b, mq, h, head_dim), 8) for _ in range(2))
-    k, v, dk, dv = (cc.fake_tensor(dtype, (b, mk, h, head_dim), 8) for _ in range(4))
-    lse, delta = (cc.fake_tensor(cutlass.Float32, (b, h, cute.sym_int()), 4) for _ in range(2))
-    dq_accum = cc.fake_tensor(cutlass.Float32, (b, cute.sym_int(), h, head_dim), 4)
+    # TMA: last stride 1, the other strides and the addresses multiples of TMA_ALIGN_BYTES
+    vec, vec32 = tiling.tma_align_elems(dtype.width), tiling.tma_align_elems(32)
+    q, do = (cc.fake_tensor(dtype, (b, mq, h, head_dim), vec) for _ in range(2))
+    k, v, dk, dv = (cc.fake_tensor(dtype, (b, mk, h, head_dim), vec) for _ in range(4))
+    lse, delta = (cc.fake_tensor(cutlass.Float32, (b, h, cute.sym_int()), vec32) for _ in range(2))
+    dq_accum = cc.fake_tensor(cutlass.Float32, (b, cute.sym_int(), h, head_dim), vec32)
     return cc.compile_kernel(
         kernel, q, k, v, do, lse, delta, dq_accum, dk, dv, cutlass.Float32(1.0), cutlass.Int32(0), cc.fake_stream(),
         arch=arch,
@@ -85,20 +86,23 @@ def unsupported(query, key, value, grad_out, out, *, mask_type=0, window_size=No
         return "dropout (not yet on this path)"
     if mask_type not in (0, 1, 2):
         return f"mask type {mask_type}"
+    vec = tiling.tma_align_elems(8 * query.element_size())
     for name, t in (("query", query), ("key", key), ("value", value), ("grad_out", grad_out), ("out", out)):
         # fake / meta tensors have no address to check (their real counterparts are checked at run time)
         address = 0 if t.device.type == "meta" or is_fake(t) else t.data_ptr()
-        if t.stride(-1) != 1 or address % 16 or any(s % 8 for s in t.stride()[:-1]):
-            return f"{name} is not TMA-aligned (last stride 1, other strides and address multiples of 16 bytes)"
+        if t.stride(-1) != 1 or address % tiling.TMA_ALIGN_BYTES or any(s % vec for s in t.stride()[:-1]):
+            return (f"{name} is not TMA-aligned (last stride 1, other strides and address multiples of "
+                    f"{tiling.TMA_ALIGN_BYTES} bytes)")  # fmt: skip
     return None
 
 
 def _tma_stats(x: Tensor) -> Tensor:
     """An fp32 [B, H, S] statistic whose row stride and address TMA accepts (padded copy if not)."""
-    if x.stride(-1) == 1 and x.stride(1) % 4 == 0 and x.stride(0) % 4 == 0 and x.data_ptr() % 16 == 0:
+    vec = tiling.tma_align_elems(32)
+    if x.stride(-1) == 1 and x.stride(1) % vec == 0 and x.stride(0) % vec == 0 and x.data_ptr() % tiling.TMA_ALIGN_BYTES == 0:
         return x
     s = x.shape[-1]
-    padded = x.new_zeros(x.shape[:-1] + (-(-s // 4) * 4,))
+    padded = x.new_zeros(x.shape[:-1] + (-(-s // vec) * vec,))
     padded[..., :s] = x
     return padded
 

@@ -28,9 +28,10 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from layouts.attention_sm90 import CONSUMER_REGS, PRODUCER_REGS, AttentionSm90Tiles
+from cute_kernels.common.views import select_modes, transpose_view
+from layouts.attention_sm90 import CONSUMER_REGS, PRODUCER_REGS, SMEM_ALIGN, STATS_ALIGN, AttentionSm90Tiles
 
-from .wgmma import acc_as_operand_a, acc_mn_layout, select_modes, transpose_view, wgmma
+from .wgmma import acc_as_operand_a, acc_mn_layout, wgmma
 
 # named barriers (0 is __syncthreads)
 BAR_PDS = 1
@@ -109,14 +110,14 @@ class AttentionBackwardSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * t.stages]
             mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * t.stages]
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 1]
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
-            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], STATS_ALIGN]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], STATS_ALIGN]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], SMEM_ALIGN]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], SMEM_ALIGN]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], SMEM_ALIGN]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], SMEM_ALIGN]
 
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
@@ -270,7 +271,7 @@ class AttentionBackwardSm90:
             return
         gdQ = cute.local_tile(gdQ_tma[None, None, head, batch], (t.tile_m, t.head_dim), (None, 0))
         tdQs, tdQg = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2))
-        handoff = 32 + t.num_mma_threads
+        handoff = t.dq_handoff_threads
         for m_block in cutlass.range(m_min, m_max, unroll=1):
             # the buffer of this block is free once the reduce-add dq_stages blocks back has read it
             cute.arch.cp_async_bulk_wait_group(t.dq_stages - 1, read=True)
@@ -293,7 +294,7 @@ class AttentionBackwardSm90:
             sdQ_w = cute.local_tile(sdQ[None, None, 0], sub, (wm, wn))
             tdQs, tdQg = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_w, 0, 2), cute.group_modes(gdQ, 0, 2))
             parts.append((tdQs, tdQg, wm, wn))
-        handoff = 32 + 128
+        handoff = t.dq_handoff_threads
         for m_block in cutlass.range(m_min, m_max, unroll=1):
             for w in cutlass.range_constexpr(2):
                 tdQs, tdQg, wm, wn = parts[w]
@@ -344,14 +345,13 @@ class AttentionBackwardSm90:
         shape_dq = thr_dq.partition_shape_C((t.tile_m, d))
 
         # registers -> shared: dS^T into sdS (its (key, query) view), dQ into sdQ
-        r2s_ds = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma_sdp)
+        r2s_ds = t.r2s_copy_ds(self.dtype, tiled_mma_sdp)
         thr_r2s_ds = r2s_ds.get_slice(tidx)
         tdSs = thr_r2s_ds.partition_D(transpose_view(sdS))
-        r2s_dq = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), tiled_mma_dq)
+        r2s_dq = t.r2s_copy_dq(tiled_mma_dq)
         thr_r2s_dq = r2s_dq.get_slice(tidx)
         tdQs = thr_r2s_dq.partition_D(sdQ)
 
-        handoff = 32 + t.num_mma_threads
         offset = self.causal_offset(seqlen_q, seqlen_k)
         key0 = n_block * t.tile_n
         acc_S = cute.make_rmem_tensor(shape_sdp, Float32)
@@ -425,7 +425,7 @@ class AttentionBackwardSm90:
                 if m_block + 1 < m_max:
                     self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
                     state_next.advance()
-                self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, (m_block - m_min) % t.dq_stages, handoff, wg)
+                self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, (m_block - m_min) % t.dq_stages, wg)
             else:
                 cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
                 acc_dQ = cute.make_rmem_tensor(shape_dq, Float32)
@@ -436,7 +436,7 @@ class AttentionBackwardSm90:
                 pipe_do.consumer_release(state)
 
                 # dQ -> sdQ for the store warp's reduce-add, while dK runs
-                self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, (m_block - m_min) % t.dq_stages, handoff, wg)
+                self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, (m_block - m_min) % t.dq_stages, wg)
                 # the next block's S^T (and dP^T) go to the tensor cores behind dK
                 if const_expr(t.overlap != "none"):
                     if m_block + 1 < m_max:
@@ -464,20 +464,21 @@ class AttentionBackwardSm90:
         self.store_rows(acc_dV, mdV, tiled_mma_dkv, tidx, n_block, head, batch, seqlen_k)
 
     @cute.jit
-    def stage_dq(self, acc_dQ, r2s_dq, thr_r2s_dq, tdQs, buf, handoff, wg):
+    def stage_dq(self, acc_dQ, r2s_dq, thr_r2s_dq, tdQs, buf, wg):
         """dQ -> staging buffer ``buf`` for the store warp's reduce-add."""
+        handoff = self.tiles.dq_handoff_threads
         if const_expr(self.tiles.dq_per_wg):
             # only this warpgroup and the store warp meet
             if wg == 0:
-                cute.arch.barrier(barrier_id=BAR_DQ_EMPTY, number_of_threads=32 + 128)
+                cute.arch.barrier(barrier_id=BAR_DQ_EMPTY, number_of_threads=handoff)
             else:
-                cute.arch.barrier(barrier_id=BAR_DQ_EMPTY_WG1, number_of_threads=32 + 128)
+                cute.arch.barrier(barrier_id=BAR_DQ_EMPTY_WG1, number_of_threads=handoff)
             cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQs[None, None, None, buf])
             cute.arch.fence_view_async_shared()
             if wg == 0:
-                cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=32 + 128)
+                cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=handoff)
             else:
-                cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL_WG1, number_of_threads=32 + 128)
+                cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL_WG1, number_of_threads=handoff)
         else:
             cute.arch.barrier(barrier_id=BAR_DQ_EMPTY, number_of_threads=handoff)
             cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQs[None, None, None, buf])
@@ -525,7 +526,7 @@ class AttentionBackwardSm90:
         tile = (t.tile_n, t.head_dim)
         gOut = cute.local_tile(mOut[None, None, head, batch], tile, (n_block, 0))
         cOut = cute.local_tile(cute.make_identity_tensor(mOut.shape[:2]), tile, (n_block, 0))
-        r2g = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma)
+        r2g = t.r2g_copy_dkv(self.dtype, tiled_mma)
         thr = r2g.get_slice(tidx)
         tOg = thr.partition_D(gOut)
         tOc = thr.partition_D(cOut)

@@ -35,14 +35,3 @@ def acc_as_operand_a(acc_layout: cute.Layout) -> cute.Layout:
     shape = ((lay.shape[0][0], lay.shape[0][1], lay.shape[0][2][0]), lay.shape[1], (lay.shape[0][2][1], lay.shape[2]))
     stride = ((lay.stride[0][0], lay.stride[0][1], lay.stride[0][2][0]), lay.stride[1], (lay.stride[0][2][1], lay.stride[2]))
     return cute.make_layout(shape, stride=stride)
-
-
-def transpose_view(t: cute.Tensor) -> cute.Tensor:
-    """The same shared memory with its first two modes swapped (the MN-major view of a K-major tile)."""
-    shape = (t.shape[1], t.shape[0], *t.shape[2:])
-    order = (1, 0, *range(2, cute.rank(t)))
-    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
-
-
-def select_modes(t: cute.Tensor, modes) -> cute.Tensor:
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=list(modes)))

@@ -47,6 +47,7 @@ from cutlass import Float32, Int32, Int64, Uint32, Uint64, const_expr
 
 from cute_kernels.attention_bwd_prepost.compute_delta import compute_delta
 from cute_kernels.common.philox import keep_flags_quads
+from cute_kernels.common.views import transpose_view
 from layouts.attention_bwd_prepost import ComputeDeltaTiles
 from layouts.mem_eff_attention import GMEM_TILE_ACCESS, GRAD_Q_HEADER_WORDS, AttentionBackwardConfig
 
@@ -58,7 +59,7 @@ from .iteration import (
     is_last_key_for_query,
 )
 from .shared_storage import make_shared_storage
-from .warp_mma import col_chunk, gemm_smem, transpose_view
+from .warp_mma import col_chunk, gemm_smem
 
 LOG2E = math.log2(math.e)
 

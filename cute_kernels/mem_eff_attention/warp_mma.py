@@ -4,13 +4,6 @@ import cutlass
 import cutlass.cute as cute
 
 
-def transpose_view(t: cute.Tensor) -> cute.Tensor:
-    """The (cols x rows [x stages]) view of a (rows x cols [x stages]) shared tile (no data moves)."""
-    shape = (t.shape[1], t.shape[0], *t.shape[2:])
-    order = (1, 0, *range(2, cute.rank(t)))
-    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
-
-
 def col_chunk(t: cute.Tensor, cols: int, index: int) -> cute.Tensor:
     """Columns [index * cols, (index + 1) * cols) of a (rows x max_k) shared tile: the
     column loops' operand chunk (no data moves)."""

@@ -1,0 +1,15 @@
+"""Tensor views that move no data, shared by the attention kernels (sm80- and sm90-structured)."""
+
+import cutlass.cute as cute
+
+
+def transpose_view(t: cute.Tensor) -> cute.Tensor:
+    """The (cols x rows [x stages]) view of a (rows x cols [x stages]) shared tile (no data moves)."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+def select_modes(t: cute.Tensor, modes) -> cute.Tensor:
+    """``t`` with its modes reordered (e.g. [B, S, H, D] -> (S, D, H, B) for a TMA tile)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=list(modes)))
