@@ -43,3 +43,22 @@ def trace_custom_ops(fn, *args):
     with pytest.raises(_Traced) as info:
         torch.compile(fn, fullgraph=True, backend=backend)(*args)
     return info.value.args[0]
+
+
+UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
+
+
+def delta_rounding_floors(q, k, do, out, dtype, scale=None):
+    """(dq floor, dk floor): attention-backward rounding that does not shrink with the gradient.
+
+    dS = P (dP - Δ) with Δ from the rounded O: a query row that sees one key has dq ~ 0 plus
+    that rounding, eps |dO ∘ O|_2 (statistical) scale max|K| per row; dk = scale dS^T Q sums
+    it over dim 1 (the queries of dense [B, M, H, D] tensors)."""
+    import math
+
+    eps = UNIT_ROUNDOFF[dtype]
+    sm_scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    row = (do.double() * out.double()).norm(dim=-1, keepdim=True)
+    dq_floor = 4 * eps * sm_scale * row * k.double().abs().max().item()
+    dk_floor = 4 * eps * sm_scale * q.double().abs().max().item() * row.square().sum(1, keepdim=True).sqrt()
+    return dq_floor, dk_floor

@@ -19,7 +19,6 @@ once (a few seconds each).
 """
 
 import logging
-import math
 
 import pytest
 import torch
@@ -29,12 +28,13 @@ from ops import _compile as cc
 from ops import mem_eff_attention as M
 from ops.reference import attention_backward_ref, attention_forward_ref
 
+from .helpers import delta_rounding_floors
+
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
 F16, BF16 = torch.float16, torch.bfloat16
 TOL = {BF16: 2e-2, F16: 5e-3}  # max |g - ref| / max |ref|
-EPS = {BF16: 2.0**-8, F16: 2.0**-11}
 LOGGER = "cute_kernels.attention"
 
 
@@ -94,14 +94,8 @@ def check(name, got, want, like, dtype, floor=None):
 
 
 def rounding_floors(q, k, do, out, dtype, scale=None):
-    """dS = P (dP - Δ) with Δ from the rounded O: a query row that sees one key has dq ~ 0
-    plus that rounding, eps |dO ∘ O|_2 scale max|K| per row; dk sums it over the queries
-    (the memory-efficient tests allow the same)."""
-    sm_scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    row = (do.double() * out.double()).norm(dim=-1, keepdim=True)  # [B, Sq, H, 1]
-    dq_floor = 4 * EPS[dtype] * sm_scale * row * k.double().abs().max().item()
-    dk_floor = 4 * EPS[dtype] * sm_scale * q.double().abs().max().item() * row.square().sum(1, keepdim=True).sqrt()
-    return dq_floor, dk_floor, None
+    """dq / dk / dv allowances for Δ's rounding (tests.helpers.delta_rounding_floors)."""
+    return delta_rounding_floors(q, k, do, out, dtype, scale) + (None,)
 
 
 def chosen(caplog):
