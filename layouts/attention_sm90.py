@@ -67,7 +67,8 @@ class AttentionSm90Tiles:
     stages: int = 2  # Q / LSE and dO / Δ pipelines
     ds_stages: int = 2  # dS buffers: a warpgroup may write block i+1's dS while the other still reads block i's
     # what of block i+1 goes to the tensor cores before block i's dK is waited for:
-    # "none", "s" (S^T) or "sdp" (S^T and dP^T; more live registers)
+    # "none", "s" (S^T) or "sdp" (S^T and dP^T; more live registers). "s" / "sdp" make ptxas
+    # serialise the kernel's wgmmas (see the kernel); d64 is still faster with "s"
     overlap: str = "s"
     pds_split: bool = False  # one-way dS barriers per warpgroup, dK issued before waiting for the other half
     dq_per_wg: bool = False  # each warpgroup hands its part of dQ to the store warp alone (no joint barrier)
@@ -249,8 +250,9 @@ def attention_sm90_tiles(head_dim: int, causal: bool = False, **overrides) -> At
     fields = dict(head_dim=head_dim, tile_m=tile_m, tile_n=128)
     if tile_m == 64:
         # warpgroups split dQ's columns: each hands its half over alone, and announces its dS
-        # half before waiting for the other's (H100, 2x16x4096x128: 1.412 vs 1.451 ms)
-        fields.update(dq_per_wg=True, pds_split=True)
+        # half before waiting for the other's (H100, 2x16x4096x128: 1.412 vs 1.451 ms); S^T at
+        # the top of each step keeps ptxas from serialising the wgmmas (1.240 vs 1.484 ms)
+        fields.update(dq_per_wg=True, pds_split=True, overlap="none")
     fields.update(overrides)
     t = AttentionSm90Tiles(**fields)
     if t.dq_per_wg and t.dq_atoms != (1, 2):

@@ -16,7 +16,10 @@
 
 Conventions (torch's, checked on torch 2.11 and 2.13):
 
-* q [B, Mq, H, K], k [B, Mk, H, K], v [B, Mk, H, Kv], out [B, Mq, H, Kv]; any strides
+* q [B, Mq, H, K], k [B, Mk, Hk, K], v [B, Mk, Hk, Kv], out [B, Mq, H, Kv]; grouped-query
+  heads: Hk divides H, key head j serves query heads j*H/Hk .. (j+1)*H/Hk - 1 (torch's
+  forward gets key / value repeated per query head; the sm90 backward reads them as they
+  are, the memory-efficient one repeats them and sums dK / dV back); any strides
   whose last is 1. Variable lengths: B == 1, the sequences packed along M, int32
   ``cu_seqlens_q`` / ``cu_seqlens_k`` [num_seqs + 1] and the longest lengths
   ``max_seqlen_q`` / ``max_seqlen_k``.
@@ -86,8 +89,12 @@ def _check_qkv(query, key, value):
         raise ValueError(f"query must have head_dim >= 1, got shape {tuple(query.shape)}")
     if value.shape[3] < 1:
         raise ValueError(f"value must have head_dim >= 1, got shape {tuple(value.shape)}")
-    if tuple(key.shape) != (b, key.shape[1], h, d):
-        raise ValueError(f"key must have shape ({b}, Mk, {h}, {d}) (query's batch, heads and head_dim), got {tuple(key.shape)}")
+    hk = key.shape[2]
+    if tuple(key.shape) != (b, key.shape[1], hk, d) or hk < 1 or h % hk:
+        raise ValueError(
+            f"key must have shape ({b}, Mk, Hk, {d}) (query's batch and head_dim, Hk heads dividing query's {h}), "
+            f"got {tuple(key.shape)}"
+        )
     if tuple(value.shape[:3]) != tuple(key.shape[:3]):
         raise ValueError(f"value must have key's batch, seqlen and heads {tuple(key.shape[:3])}, got shape {tuple(value.shape)}")
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -218,6 +225,9 @@ def _mea_forward(
     backend: str = "auto",  # the backward's (in the schema so that graphs keep it); the forward is torch's
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     varlen = cu_seqlens_q is not None
+    group = query.shape[2] // key.shape[2]
+    if group > 1:  # torch's forward has one key head per query head
+        key, value = (t.repeat_interleave(group, dim=2) for t in (key, value))
     out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
         query, key, value, attn_bias, cu_seqlens_q, cu_seqlens_k,
         max_seqlen_q if varlen else None, max_seqlen_k if varlen else None,
@@ -288,7 +298,8 @@ def memory_efficient_attention(
 
     Args:
         query: [B, Mq, H, K] fp16 / bf16 / fp32, CUDA, last dim contiguous.
-        key: [B, Mk, H, K]; value: [B, Mk, H, Kv] (Kv may differ from K); query's dtype and device.
+        key: [B, Mk, Hk, K]; value: [B, Mk, Hk, Kv] (Kv may differ from K; Hk divides H:
+            grouped-query / multi-query heads); query's dtype and device.
         causal: False, True / "top_left" (query n sees keys m <= n) or "bottom_right"
             (m <= n + Mk - Mq, per sequence; needs Mq <= Mk, see the module notes).
         window_size: sliding window w (causal only): query n also drops keys m <= n + shift - w.

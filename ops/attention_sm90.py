@@ -30,11 +30,11 @@ DTYPES = (torch.float16, torch.bfloat16)
 def _build(dtype, head_dim: int, mask_type: int, has_window: bool, arch: str):
     tiles = tiling.attention_sm90_tiles(head_dim)
     kernel = AttentionBackwardSm90(dtype, tiles, mask_type, has_window)
-    b, h, mq, mk = (cute.sym_int() for _ in range(4))
+    b, h, hk, mq, mk = (cute.sym_int() for _ in range(5))
     # TMA: last stride 1, the other strides and the addresses multiples of TMA_ALIGN_BYTES
     vec, vec32 = tiling.tma_align_elems(dtype.width), tiling.tma_align_elems(32)
     q, do = (cc.fake_tensor(dtype, (b, mq, h, head_dim), vec) for _ in range(2))
-    k, v, dk, dv = (cc.fake_tensor(dtype, (b, mk, h, head_dim), vec) for _ in range(4))
+    k, v, dk, dv = (cc.fake_tensor(dtype, (b, mk, hk, head_dim), vec) for _ in range(4))
     lse, delta = (cc.fake_tensor(cutlass.Float32, (b, h, cute.sym_int()), vec32) for _ in range(2))
     dq_accum = cc.fake_tensor(cutlass.Float32, (b, cute.sym_int(), h, head_dim), vec32)
     return cc.compile_kernel(
@@ -76,8 +76,8 @@ def unsupported(query, key, value, grad_out, out, *, mask_type=0, window_size=No
     d = query.shape[-1]
     if d not in tiling.HEAD_DIMS or value.shape[-1] != d:
         return f"head dims {d} / {value.shape[-1]} (supported: equal, one of {tiling.HEAD_DIMS})"
-    if key.shape[2] != query.shape[2]:
-        return "grouped-query heads (not yet on this path)"
+    if key.shape[2] == 0 or query.shape[2] % key.shape[2]:
+        return f"query heads {query.shape[2]} not a multiple of key heads {key.shape[2]}"
     if cu_seqlens_q is not None:
         return "variable lengths (not yet on this path)"
     if bias is not None:
@@ -109,7 +109,8 @@ def _tma_stats(x: Tensor) -> Tensor:
 
 def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: float, mask_type: int = 0,
                             window_size: int = 0):
-    """(dq, dk, dv) of softmax(scale Q K^T [+ causal mask [+ window]]) V; tensors [B, S, H, D].
+    """(dq, dk, dv) of softmax(scale Q K^T [+ causal mask [+ window]]) V; tensors [B, S, H, D]
+    (key / value / dk / dv [B, S, Hk, D] with grouped-query heads: H a multiple of Hk).
     ``window_size`` > 0 (with a causal mask): key k sees query q when
     q + offset - window_size < k <= q + offset, as the memory-efficient kernel.
 

@@ -6,6 +6,9 @@
 [B, Mq, H, Kv], logsumexp fp32 [B, H, >= Mq]; with cu_seqlens B == 1, rows packed,
 logsumexp [sequences, H, >= max_seqlen_q]), same outputs (grad_q, grad_k, grad_v,
 grad_bias). Any strides whose last is 1 (packed QKV, [B, H, M, K] transposed views).
+Beyond aten: key / value may have Hk heads, Hk dividing H (grouped-query / multi-query
+attention, key head j serving query heads j*H/Hk ..); grad_k / grad_v then sum over each
+group (the memory-efficient kernel runs on key / value repeated per query head).
 
 fp32 inputs run SIMT FMA matmuls (fp32 accuracy, no tensor cores). Head dims up to 512
 for fp16 / bf16 (above 256: dK / dV accumulated in an fp32 workspace; on sm_80 shared
@@ -24,8 +27,8 @@ the stream with 32-bit products; ours are 64-bit).
 
 Backends (``backend=``): "mem_eff" is the kernel above; "sm90" the Hopper-native one
 (``ops.attention_sm90``: sm_90a, fp16 / bf16, head dims 64 / 128 for Q, K and V alike,
-masks 0 / 1 / 2, TMA-aligned inputs; no bias, dropout, window, varlen, key splits or
-shared dQ / dK / dV storage); "auto" (default) takes sm90 where it applies, else mem_eff.
+masks 0 / 1 / 2 with or without a window, grouped-query heads, TMA-aligned inputs; no
+bias, dropout, varlen, key splits or shared dQ / dK / dV storage); "auto" (default) takes sm90 where it applies, else mem_eff.
 Asking for "sm90" where it does not apply raises NotImplementedError with the reason.
 The choice is logged at DEBUG on logger ``cute_kernels.attention`` (one line per call).
 """
@@ -199,11 +202,14 @@ def _check_inputs(grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, 
         if t.dtype != query.dtype:
             raise TypeError(f"{name} must have the dtype of query ({query.dtype}), got {t.dtype}")
     b, mq, h, dqk = query.shape
-    mk = key.shape[1]
+    mk, hk = key.shape[1], key.shape[2]
     dv = value.shape[3]
+    # grouped-query heads: each key / value head serves h // hk consecutive query heads
+    if hk < 1 or h % hk:
+        raise ValueError(f"key must have a number of heads that divides query's {h} (grouped-query heads), got shape {tuple(key.shape)}")
     expect = {
-        "key": (b, mk, h, dqk),
-        "value": (b, mk, h, dv),
+        "key": (b, mk, hk, dqk),
+        "value": (b, mk, hk, dv),
         "out": (b, mq, h, dv),
         "grad_out": (b, mq, h, dv),
     }
@@ -367,6 +373,12 @@ def _mem_eff_impl(
     bias=None, bias_requires_grad=False, dropout_p=0.0, philox_seed=None, philox_offset=None,
 ):
     """The memory-efficient kernel (``AttentionBackwardKernel``)."""
+    if key.shape[2] != query.shape[2]:
+        return _mem_eff_grouped(
+            grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,
+            custom_mask_type, scale, num_splits_key, window_size, shared_storage_dqdkdv,
+            bias, bias_requires_grad, dropout_p, philox_seed, philox_offset,
+        )  # fmt: skip
     b, mq, h, dqk = query.shape
     mk, dv = key.shape[1], value.shape[3]
     varlen = cu_seqlens_q is not None
@@ -442,6 +454,21 @@ def _mem_eff_impl(
         cu_seqlens_q, cu_seqlens_k, bias, grad_bias,
         float(scale), params.custom_mask_type, params.window_size, params.num_splits_key, *rng,
     )  # fmt: skip
+    return grad_q, grad_k, grad_v, grad_bias
+
+
+def _mem_eff_grouped(grad_out, query, key, value, *args):
+    """Grouped-query heads on the memory-efficient kernel (which has one key head per query
+    head): key and value repeated per query head, dK and dV summed back over each group
+    (in fp32)."""
+    shared_storage_dqdkdv = args[10]
+    if shared_storage_dqdkdv:
+        raise ValueError("shared_storage_dqdkdv needs as many key heads as query heads")
+    b, mk, hk, _ = key.shape
+    group = query.shape[2] // hk
+    key_x, value_x = (t.repeat_interleave(group, dim=2) for t in (key, value))
+    grad_q, grad_k, grad_v, grad_bias = _mem_eff_impl(grad_out, query, key_x, value_x, *args)
+    grad_k, grad_v = (g.float().unflatten(2, (hk, group)).sum(3).to(g.dtype) for g in (grad_k, grad_v))
     return grad_q, grad_k, grad_v, grad_bias
 
 

@@ -238,6 +238,14 @@ def _attention_probs(q, k, scale, keep, bias=None):
     return p, lse
 
 
+def _query_heads_per_key_head(query, key) -> int:
+    """Grouped-query heads: key / value have Hk heads, Hk dividing query's H."""
+    h, hk = query.shape[2], key.shape[2]
+    if hk < 1 or h % hk:
+        raise ValueError(f"key heads ({hk}) must divide query heads ({h})")
+    return h // hk
+
+
 def _attention_scale(scale, head_dim):
     return float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
 
@@ -268,6 +276,8 @@ def attention_forward_ref(
     drops probabilities after the softmax (kept ones scaled by 1 / (1 - dropout_p); lse
     is the undropped softmax's).
     """
+    group = _query_heads_per_key_head(query, key)
+    key, value = (t.repeat_interleave(group, dim=2) for t in (key, value))
     out, lse, _ = _attention_forward_parts(
         query, key, value, custom_mask_type, window_size, scale, cu_seqlens_q, cu_seqlens_k, bias, dropout_mask, dropout_p
     )
@@ -339,8 +349,19 @@ def attention_backward_ref(
     dK = scale dSᵀ q. Rows without keys contribute nothing (P = 0), keys no query sees
     get zero dK / dV, and rows outside every packed sequence stay 0. With
     ``return_grad_bias`` a fourth entry: dBias = dS, [B, H, Mq, Mk] (before any
-    reduction over broadcast dims).
+    reduction over broadcast dims). Grouped-query heads (key / value with Hk heads, Hk
+    dividing H): dK / dV summed over the query heads of each group.
     """
+    group = _query_heads_per_key_head(query, key)
+    if group > 1:
+        grads = attention_backward_ref(
+            query, key.repeat_interleave(group, dim=2), value.repeat_interleave(group, dim=2), grad_out,
+            custom_mask_type=custom_mask_type, window_size=window_size, scale=scale, cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k, bias=bias, dropout_mask=dropout_mask, dropout_p=dropout_p,
+            return_grad_bias=return_grad_bias,
+        )  # fmt: skip
+        dk, dv = (g.unflatten(2, (key.shape[2], group)).sum(3) for g in grads[1:3])
+        return (grads[0], dk, dv) + tuple(grads[3:])
     q, k, v, do = query.double(), key.double(), value.double(), grad_out.double()
     sc = _attention_scale(scale, query.shape[-1])
     bias64, z = _bias_and_dropout(query, key, cu_seqlens_q, bias, dropout_mask, dropout_p)

@@ -126,8 +126,7 @@ UNSUPPORTED = [
     ("head-dim-96", lambda: _problem(d=96), {}, "head dims 96 / 96"),
     ("head-dim-256", lambda: _problem(d=256), {}, "head dims 256 / 256"),
     ("dqk-ne-dv", lambda: _problem(d=128, dv=64), {}, "head dims 128 / 64"),
-    ("gqa", lambda: _problem(h=4, hk=2), {}, "grouped-query heads"),
-    ("mqa", lambda: _problem(h=4, hk=1), {}, "grouped-query heads"),
+    ("heads-not-grouped", lambda: _problem(h=4, hk=3), {}, "query heads 4 not a multiple of key heads 3"),
     ("varlen", _problem, dict(cu_seqlens_q=torch.tensor([0, 50, 100], dtype=torch.int32)), "variable lengths"),
     ("bias", _problem, dict(bias=torch.zeros(2, 3, 100, 130, dtype=BF16)), "attention bias"),
     ("dropout", _problem, dict(dropout_p=0.1), "dropout"),
@@ -153,6 +152,8 @@ def test_supported_problems(dtype, d, mask_type):
     assert S.unsupported(q, k, v, do, o, mask_type=mask_type, window_size=0, dropout_p=0.0, arch="sm_90a") is None
     if mask_type:  # with a sliding window too
         assert S.unsupported(q, k, v, do, o, mask_type=mask_type, window_size=16, arch="sm_90a") is None
+    for hk in (1, 3):  # multi-query, grouped-query (H 6)
+        assert S.unsupported(*_problem(h=6, hk=hk, d=d, dtype=dtype), mask_type=mask_type, arch="sm_90a") is None
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_100a"])
@@ -179,7 +180,7 @@ def test_no_arch_without_a_real_cuda_tensor(monkeypatch):
         assert "no CUDA arch known" in S.unsupported(*fake)
         # with the arch given, fake tensors are judged on their metadata (no data_ptr)
         assert S.unsupported(*fake, mask_type=2, arch="sm_90a") is None
-        assert "grouped-query" in S.unsupported(*_problem(h=4, hk=2, device="cuda"), arch="sm_90a")
+        assert "not a multiple" in S.unsupported(*_problem(h=4, hk=3, device="cuda"), arch="sm_90a")
     assert S.unsupported(*meta, arch="sm_90a") is None
 
 
@@ -214,9 +215,9 @@ def backends(monkeypatch):
     return calls
 
 
-def _eab(b=2, sq=100, sk=130, h=3, d=64, dv=None, dtype=BF16, mask_type=0, **kw):
+def _eab(b=2, sq=100, sk=130, h=3, d=64, dv=None, hk=None, dtype=BF16, mask_type=0, **kw):
     """One efficient_attention_backward on CPU tensors (a problem the sm90 path takes by default)."""
-    q, k, v, do, o = _problem(b=b, sq=sq, sk=sk, h=h, d=d, dv=dv, dtype=dtype)
+    q, k, v, do, o = _problem(b=b, sq=sq, sk=sk, h=h, d=d, dv=dv, hk=hk, dtype=dtype)
     args = dict(bias=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=sq, max_seqlen_k=sk, dropout_p=0.0,
                 philox_seed=None, philox_offset=None, bias_requires_grad=False,
                 logsumexp=torch.zeros(b, h, (sq + 31) // 32 * 32))  # fmt: skip
@@ -243,6 +244,43 @@ FALLS_BACK = [
     ("head-dim-96", dict(d=96), "head dims 96"),
     ("dqk-ne-dv", dict(d=128, dv=64), "head dims 128 / 64"),
 ]
+
+
+@pytest.mark.parametrize("hk", [1, 2])
+def test_auto_takes_sm90_with_grouped_heads(backends, hk):
+    dq, dk, dv, _ = _eab(h=4, hk=hk, mask_type=1)
+    ((name, _),) = backends
+    assert name == "sm90" and dk.shape == (2, 130, hk, 64) and dv.shape == (2, 130, hk, 64) and dq.shape == (2, 100, 4, 64)
+
+
+@pytest.mark.parametrize("hk", [0, 3])
+def test_key_heads_must_divide_query_heads(backends, hk):
+    with pytest.raises(ValueError, match="divides query's 4"):
+        _eab(h=4, hk=hk)
+    assert backends == []
+
+
+def test_mem_eff_sums_grouped_heads(monkeypatch):
+    """The memory-efficient kernel has one key head per query head: it runs on key / value
+    repeated per query head, and dK / dV are summed back over each group (in fp32)."""
+    seen = []
+
+    def kernel(grad_out, query, key, value, *rest):
+        seen.append((key.shape, value.shape, torch.equal(key[:, :, 0], key[:, :, 1])))
+        # gradients that tell the query heads apart: head j's entries are j
+        heads = torch.arange(query.shape[2], dtype=torch.float32).view(1, 1, -1, 1)
+        return (torch.zeros_like(query), (key * 0 + heads).to(key.dtype), (value * 0 + 2 * heads).to(value.dtype), None)
+
+    monkeypatch.setattr(M, "_mem_eff_impl", kernel)
+    q, k, v, do, o = _problem(h=6, hk=2, dtype=F16)
+    k.normal_()
+    dq, dk, dv, db = M._mem_eff_grouped(do, q, k, v, o, *([None] * 5), 0, 0.1, None, None, False, None, False, 0.0, None, None)
+    assert seen == [((2, 130, 6, 64), (2, 130, 6, 64), True)]
+    # key head 0 serves query heads 0, 1, 2 (sum 3), key head 1 heads 3, 4, 5 (sum 12)
+    assert dk.shape == k.shape and dk.dtype == F16 and (dk[:, :, 0] == 3).all() and (dk[:, :, 1] == 12).all()
+    assert (dv[:, :, 0] == 6).all() and (dv[:, :, 1] == 24).all() and db is None
+    with pytest.raises(ValueError, match="shared_storage_dqdkdv"):
+        M._mem_eff_grouped(do, q, k, v, o, *([None] * 5), 0, 0.1, None, None, True, None, False, 0.0, None, None)
 
 
 def test_auto_takes_sm90_with_a_window(backends):

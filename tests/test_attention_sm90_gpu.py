@@ -10,7 +10,8 @@
 * ``memory_efficient_attention(backend="sm90")`` autograd (eager and captured) against
   backend="mem_eff";
 * dispatch on the device: auto takes sm90 where it applies and the memory-efficient
-  kernel for bias / dropout / varlen / unaligned inputs; grouped-query heads get a reason;
+  kernel for bias / dropout / varlen / unaligned inputs;
+* grouped-query heads (key / value with fewer heads) through both kernels, against fp64;
 * layouts: contiguous [B, S, H, D], [B, H, S, D] transposed views, packed QKV.
 
 Outputs of the sm90 path are allocated inside it (no poisoning from here): every
@@ -25,7 +26,6 @@ import torch
 
 import ops
 from ops import _compile as cc
-from ops import mem_eff_attention as M
 from ops.reference import attention_backward_ref, attention_forward_ref
 
 from .helpers import delta_rounding_floors
@@ -317,15 +317,54 @@ def test_sm90_refuses_features():
             backward("sm90", q, k, v, do, out, lse, 1, **kw)
 
 
-def test_grouped_query_heads_get_a_reason():
-    """Neither kernel takes key heads != query heads (the drop-in's validation refuses them);
-    the sm90 path's rule names them."""
-    q, _, _, do = make_inputs(1, 4, 64, 64, 64, BF16, seed=16)
-    k, v = (torch.randn(1, 64, 2, 64, device=DEV, dtype=BF16) for _ in range(2))
-    choice, why = M.choose_backend("auto", do, q, k, v, do)
-    assert choice == "mem_eff" and "grouped-query" in why
-    with pytest.raises(ValueError, match="key must have shape"):
-        backward("auto", q, k, v, do, do, torch.zeros(1, 4, 64, device=DEV), 0)
+# (dtype, B, H, Hk, Sq, Sk, D, mask, window): key head j serves query heads j*H/Hk ..
+GROUPED_CASES = [
+    (BF16, 2, 4, 2, 150, 200, 64, 0, 0),
+    (F16, 1, 6, 1, 130, 257, 128, 2, 0),  # multi-query, bottom-right
+    (BF16, 1, 8, 2, 300, 300, 128, 1, 0),  # four query heads per key head
+    (F16, 2, 4, 1, 200, 200, 64, 1, 50),  # with a sliding window
+]
+
+
+def _grouped_id(c):
+    return f"{str(c[0])[6:]}-B{c[1]}H{c[2]}Hk{c[3]}q{c[4]}k{c[5]}d{c[6]}m{c[7]}w{c[8]}"
+
+
+@pytest.mark.parametrize("case", GROUPED_CASES, ids=[_grouped_id(c) for c in GROUPED_CASES])
+def test_grouped_query_heads(case, caplog):
+    """dK / dV of a key head sum over its query heads: the sm90 kernel walks all of them in
+    one CTA, the memory-efficient one runs on repeated key / value and sums; both against fp64."""
+    dtype, b, h, hk, sq, sk, d, mask_type, window = case
+    q, _, _, do = make_inputs(b, h, sq, sk, d, dtype, seed=sq + h)
+    _, k, v, _ = make_inputs(b, hk, sq, sk, d, dtype, seed=sk + hk)
+    if window:
+        out, lse = _padded_ref_forward(q, k, v, mask_type, window)
+    else:
+        out, lse = forward(q, k.repeat_interleave(h // hk, 2), v.repeat_interleave(h // hk, 2), mask_type)
+    kw = dict(window_size=window) if window else {}
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        ours = backward("auto", q, k, v, do, out, lse, mask_type, **kw)
+        theirs = backward("mem_eff", q, k, v, do, out, lse, mask_type, **kw)
+    assert chosen(caplog) == ["sm90", "mem_eff"]
+    ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type, window_size=window)
+    floors = rounding_floors(q, k.repeat_interleave(h // hk, 2), do, out, dtype)
+    # dK / dV sum the floors of the group's query heads
+    floors = (floors[0], floors[1].unflatten(2, (hk, h // hk)).sum(3), None)
+    for backend, grads in (("sm90", ours), ("mem_eff", theirs)):
+        for name, g, r, like, floor in zip(("dq", "dk", "dv"), grads, ref, (q, k, v), floors):
+            check(f"{name} [{_grouped_id(case)}] {backend}", g, r, like, dtype, floor)
+
+
+def test_memory_efficient_attention_grouped_heads():
+    """The autograd op takes key / value with fewer heads (its forward repeats them for
+    torch's kernel); both backwards give the fp64 gradients of the grouped problem."""
+    q, _, _, do = make_inputs(2, 6, 140, 140, 64, BF16, seed=17)
+    _, k, v, _ = make_inputs(2, 2, 140, 140, 64, BF16, seed=18)
+    ref = attention_backward_ref(q, k, v, do, custom_mask_type=1)
+    for backend in ("sm90", "mem_eff"):
+        grads = _op_grads(backend, q, k, v, do, True)
+        for name, g, r, like in zip(("dq", "dk", "dv"), grads, ref, (q, k, v)):
+            check(f"{name} (memory_efficient_attention, grouped heads, {backend})", g, r, like, BF16)
 
 
 # -------------------------------------------------------------------------- layouts

@@ -150,6 +150,26 @@ def test_reference_dense_against_naive(shape):
             assert_close(dv, dv_n)
 
 
+@pytest.mark.parametrize("h,hk", [(4, 2), (3, 1)], ids=["gqa", "mqa"])
+def test_reference_grouped_heads_against_naive(h, hk):
+    """Key / value with Hk heads serve H / Hk consecutive query heads each: the reference
+    equals autograd through key / value repeated per query head."""
+    gen = torch.Generator().manual_seed(h * 10 + hk)
+    q, k, v, do = rand(2, 6, h, 8, gen=gen), rand(2, 9, hk, 8, gen=gen), rand(2, 9, hk, 5, gen=gen), rand(2, 6, h, 5, gen=gen)
+    kx, vx = (t.detach().requires_grad_() for t in (k, v))
+    out_n, lses = naive_attention(q, kx.repeat_interleave(h // hk, 2), vx.repeat_interleave(h // hk, 2), mask_type=2, window=4)
+    dk_n, dv_n = torch.autograd.grad(out_n, (kx, vx), do)
+    out, lse = attention_forward_ref(q, k, v, custom_mask_type=2, window_size=4)
+    assert_close(out, out_n)
+    assert_close(lse, torch.stack(lses))
+    dq, dk, dv = attention_backward_ref(q, k, v, do, custom_mask_type=2, window_size=4)
+    assert dk.shape == k.shape and dv.shape == v.shape
+    assert_close(dk, dk_n)
+    assert_close(dv, dv_n)
+    with pytest.raises(ValueError, match="must divide query heads"):
+        attention_backward_ref(q, rand(2, 9, h - 1, 8, gen=gen), rand(2, 9, h - 1, 5, gen=gen), do)
+
+
 VARLEN = [
     ([3, 0, 1, 6, 4], [5, 2, 0, 6, 1]),  # empty q, empty k, length 1, q longer than k
     ([1], [1]),
@@ -233,8 +253,8 @@ BAD = [
     ("value dtype", lambda: _mea(value=fake_cuda(1, 48, 2, 32, dtype=torch.float32)), TypeError, "value must have query's dtype"),
     ("3-D query", lambda: _mea(query=fake_cuda(40, 2, 64)), ValueError, "query must be 4-D"),
     ("5-D value", lambda: _mea(value=fake_cuda(1, 48, 2, 1, 32)), ValueError, "value must be 4-D"),
-    ("key heads", lambda: _mea(key=fake_cuda(1, 48, 3, 64)), ValueError, "key must have shape (1, Mk, 2, 64)"),
-    ("key head_dim", lambda: _mea(key=fake_cuda(1, 48, 2, 32)), ValueError, "key must have shape (1, Mk, 2, 64)"),
+    ("key heads", lambda: _mea(key=fake_cuda(1, 48, 3, 64)), ValueError, "Hk heads dividing query's 2"),
+    ("key head_dim", lambda: _mea(key=fake_cuda(1, 48, 2, 32)), ValueError, "key must have shape (1, Mk, Hk, 64)"),
     ("key batch", lambda: _mea(key=fake_cuda(2, 48, 2, 64)), ValueError, "key must have shape"),
     ("value seqlen", lambda: _mea(value=fake_cuda(1, 47, 2, 32)), ValueError, "value must have key's batch, seqlen and heads"),
     ("empty head_dim", lambda: _mea(query=fake_cuda(1, 40, 2, 0), key=fake_cuda(1, 48, 2, 0)), ValueError, "query must have head_dim >= 1"),

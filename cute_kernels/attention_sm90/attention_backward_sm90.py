@@ -60,14 +60,14 @@ class AttentionBackwardSm90:
     def __call__(
         self,
         mQ: cute.Tensor,  # [B, Sq, H, D]
-        mK: cute.Tensor,  # [B, Sk, H, D]
-        mV: cute.Tensor,  # [B, Sk, H, D]
+        mK: cute.Tensor,  # [B, Sk, Hk, D], H a multiple of Hk (grouped-query heads)
+        mV: cute.Tensor,  # [B, Sk, Hk, D]
         mdO: cute.Tensor,  # [B, Sq, H, D]
         mLSE: cute.Tensor,  # [B, H, >= Sq] fp32, natural log
         mDelta: cute.Tensor,  # [B, H, >= Sq] fp32
         mdQaccum: cute.Tensor,  # [B, round_up(Sq, tile_m), H, D] fp32, zeroed
-        mdK: cute.Tensor,  # [B, Sk, H, D]
-        mdV: cute.Tensor,  # [B, Sk, H, D]
+        mdK: cute.Tensor,  # [B, Sk, Hk, D]
+        mdV: cute.Tensor,  # [B, Sk, Hk, D]
         softmax_scale: Float32,
         window_size: Int32,  # used with has_window
         stream: cuda.CUstream,
@@ -121,13 +121,16 @@ class AttentionBackwardSm90:
 
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
-        grid = (cute.ceil_div(seqlen_k, t.tile_n), mQ.shape[2], mQ.shape[3])
+        # one CTA per (key block, key head): it walks the query blocks of every query head
+        # of its group, so dK / dV sum over the group in registers
+        group = mQ.shape[2] // mK.shape[2]
+        grid = (cute.ceil_div(seqlen_k, t.tile_n), mK.shape[2], mK.shape[3])
         self.kernel(
             gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, gdQ_tma, mdK, mdV,
             tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ,
             sQ_layout, sK_layout, sdS_layout, sdQ_layout, sStat_layout,
             t.tiled_mma_sdp(self.dtype), t.tiled_mma_dkv(self.dtype), t.tiled_mma_dq(self.dtype),
-            seqlen_q, seqlen_k, softmax_scale, window_size, SharedStorage,
+            seqlen_q, seqlen_k, group, softmax_scale, window_size, SharedStorage,
         ).launch(grid=grid, block=[t.num_threads, 1, 1], min_blocks_per_mp=1, stream=stream)  # fmt: skip
 
     # ------------------------------------------------------------------------------ kernel
@@ -141,12 +144,13 @@ class AttentionBackwardSm90:
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
         sdQ_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
         tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
-        seqlen_q: Int32, seqlen_k: Int32, softmax_scale: Float32, window_size: Int32, SharedStorage: cutlass.Constexpr,
+        seqlen_q: Int32, seqlen_k: Int32, group: Int32, softmax_scale: Float32, window_size: Int32,
+        SharedStorage: cutlass.Constexpr,
     ):  # fmt: skip
         t = self.tiles
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        n_block, head, batch = cute.arch.block_idx()
+        n_block, head_kv, batch = cute.arch.block_idx()
         if warp_idx == 0:
             for atom in (tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ):
                 cpasync.prefetch_descriptor(atom)
@@ -180,19 +184,21 @@ class AttentionBackwardSm90:
         cute.arch.sync_threads()
 
         m_min, m_max = self.m_block_range(n_block, seqlen_q, seqlen_k, window_size)
+        # the CTA's work: (query head of the group, query block) pairs, heads outer
+        work = (head_kv, group, m_min, m_max)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
                 self.load(gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, sQ, sdO, sK, sV, sLSE, sDelta,
                           tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, pipe_q, pipe_do, mbar_kv,
-                          n_block, head, batch, m_min, m_max)  # fmt: skip
+                          n_block, batch, work)  # fmt: skip
             if warp_idx == 1:
-                self.store_dq(gdQ_tma, sdQ, tma_dQ, head, batch, m_min, m_max)
+                self.store_dq(gdQ_tma, sdQ, tma_dQ, batch, work)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.mma(sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
-                     pipe_q, pipe_do, mbar_kv, tidx - 128, n_block, head, batch, m_min, m_max,
+                     pipe_q, pipe_do, mbar_kv, tidx - 128, n_block, batch, work,
                      seqlen_q, seqlen_k, softmax_scale, window_size)  # fmt: skip
 
     @cute.jit
@@ -224,26 +230,25 @@ class AttentionBackwardSm90:
             offset = seqlen_k - seqlen_q
         return offset
 
+    @cute.jit
+    def work_item(self, work, i):
+        """(query head, query block) of the CTA's i-th step."""
+        head_kv, group, m_min, m_max = work
+        g = i // (m_max - m_min)
+        return head_kv * group + g, m_min + i - g * (m_max - m_min)
+
     # ---------------------------------------------------------------------------- producer
     @cute.jit
     def load(self, gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, sQ, sdO, sK, sV, sLSE, sDelta,
-             tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, pipe_q, pipe_do, mbar_kv,
-             n_block, head, batch, m_min, m_max):  # fmt: skip
+             tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, pipe_q, pipe_do, mbar_kv, n_block, batch, work):  # fmt: skip
         t = self.tiles
         d = t.head_dim
-        gQ = cute.local_tile(gQ_tma[None, None, head, batch], (t.tile_m, d), (None, 0))
-        gdO = cute.local_tile(gdO_tma[None, None, head, batch], (t.tile_m, d), (None, 0))
-        gK = cute.local_tile(gK_tma[None, None, head, batch], (t.tile_n, d), (n_block, 0))
-        gV = cute.local_tile(gV_tma[None, None, head, batch], (t.tile_n, d), (n_block, 0))
-        gLSE = cute.local_tile(gLSE_tma[None, head, batch], (t.tile_m,), (None,))
-        gDelta = cute.local_tile(gDelta_tma[None, head, batch], (t.tile_m,), (None,))
+        head_kv, group, m_min, m_max = work
         one = cute.make_layout(1)
-        tQs, tQg = cpasync.tma_partition(tma_Q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-        tdOs, tdOg = cpasync.tma_partition(tma_dO, 0, one, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
+        gK = cute.local_tile(gK_tma[None, None, head_kv, batch], (t.tile_n, d), (n_block, 0))
+        gV = cute.local_tile(gV_tma[None, None, head_kv, batch], (t.tile_n, d), (n_block, 0))
         tKs, tKg = cpasync.tma_partition(tma_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVs, tVg = cpasync.tma_partition(tma_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-        tLs, tLg = cpasync.tma_partition(tma_LSE, 0, one, cute.group_modes(sLSE, 0, 1), cute.group_modes(gLSE, 0, 1))
-        tDs, tDg = cpasync.tma_partition(tma_Delta, 0, one, cute.group_modes(sDelta, 0, 1), cute.group_modes(gDelta, 0, 1))
 
         if m_min < m_max:
             with cute.arch.elect_one():
@@ -251,67 +256,74 @@ class AttentionBackwardSm90:
             cute.copy(tma_K, tKg, tKs, tma_bar_ptr=mbar_kv)
             cute.copy(tma_V, tVg, tVs, tma_bar_ptr=mbar_kv)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, t.stages)
-            for m_block in cutlass.range(m_min, m_max, unroll=1):
+            for i in cutlass.range(group * (m_max - m_min), unroll=1):
+                head, m_block = self.work_item(work, i)
                 pipe_q.producer_acquire(state)
                 bar = pipe_q.producer_get_barrier(state)
-                cute.copy(tma_Q, tQg[None, m_block], tQs[None, state.index], tma_bar_ptr=bar)
-                cute.copy(tma_LSE, tLg[None, m_block], tLs[None, state.index], tma_bar_ptr=bar)
+                self.tma_load_block(tma_Q, gQ_tma, sQ, head, batch, m_block, state.index, bar)
+                self.tma_load_block(tma_LSE, gLSE_tma, sLSE, head, batch, m_block, state.index, bar)
                 pipe_do.producer_acquire(state)
                 bar = pipe_do.producer_get_barrier(state)
-                cute.copy(tma_dO, tdOg[None, m_block], tdOs[None, state.index], tma_bar_ptr=bar)
-                cute.copy(tma_Delta, tDg[None, m_block], tDs[None, state.index], tma_bar_ptr=bar)
+                self.tma_load_block(tma_dO, gdO_tma, sdO, head, batch, m_block, state.index, bar)
+                self.tma_load_block(tma_Delta, gDelta_tma, sDelta, head, batch, m_block, state.index, bar)
                 state.advance()
 
     @cute.jit
-    def store_dq(self, gdQ_tma, sdQ, tma_dQ, head, batch, m_min, m_max):
-        """Add each query block's dQ (staged in sdQ by the consumers) into the fp32 accumulator."""
+    def tma_load_block(self, atom, g_tma, s, head, batch, m_block, stage, bar):
+        """Query block ``m_block`` of ``head`` (rows x head dim, or a statistic's rows) into stage ``stage``."""
         t = self.tiles
-        if const_expr(t.dq_per_wg):
-            self.store_dq_per_wg(gdQ_tma, sdQ, tma_dQ, head, batch, m_min, m_max)
-            return
-        gdQ = cute.local_tile(gdQ_tma[None, None, head, batch], (t.tile_m, t.head_dim), (None, 0))
-        tdQs, tdQg = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2))
-        handoff = t.dq_handoff_threads
-        for m_block in cutlass.range(m_min, m_max, unroll=1):
-            # the buffer of this block is free once the reduce-add dq_stages blocks back has read it
-            cute.arch.cp_async_bulk_wait_group(t.dq_stages - 1, read=True)
-            cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY, number_of_threads=handoff)
-            cute.arch.barrier(barrier_id=BAR_DQ_FULL, number_of_threads=handoff)
-            cute.copy(tma_dQ, tdQs[None, (m_block - m_min) % t.dq_stages], tdQg[None, m_block])
-            cute.arch.cp_async_bulk_commit_group()
-        cute.arch.cp_async_bulk_wait_group(0, read=False)
+        if const_expr(cute.rank(s) == 3):  # (rows, d, stages)
+            g = cute.local_tile(g_tma[None, None, head, batch], (t.tile_m, t.head_dim), (m_block, 0))
+            ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
+        else:  # (rows, stages)
+            g = cute.local_tile(g_tma[None, head, batch], (t.tile_m,), (m_block,))
+            ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 1), cute.group_modes(g, 0, 1))
+        cute.copy(atom, tg, ts[None, stage], tma_bar_ptr=bar)
 
     @cute.jit
-    def store_dq_per_wg(self, gdQ_tma, sdQ, tma_dQ, head, batch, m_min, m_max):
-        """dq_per_wg: each warpgroup's part of a block's dQ is its own reduce-add and handoff."""
+    def store_dq(self, gdQ_tma, sdQ, tma_dQ, batch, work):
+        """Add each query block's dQ (staged in sdQ by the consumers) into the fp32 accumulator."""
         t = self.tiles
+        head_kv, group, m_min, m_max = work
+        handoff = t.dq_handoff_threads
         am, an = t.dq_atoms
         sub = t.dq_sub_tile
-        gdQ = cute.local_tile(gdQ_tma[None, None, head, batch], sub, (None, None))  # (rows, cols, blocks m, blocks n)
-        parts = []
-        for w in cutlass.range_constexpr(2):
-            wm, wn = (w, 0) if am == 2 else (0, w)
-            sdQ_w = cute.local_tile(sdQ[None, None, 0], sub, (wm, wn))
-            tdQs, tdQg = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_w, 0, 2), cute.group_modes(gdQ, 0, 2))
-            parts.append((tdQs, tdQg, wm, wn))
-        handoff = t.dq_handoff_threads
-        for m_block in cutlass.range(m_min, m_max, unroll=1):
-            for w in cutlass.range_constexpr(2):
-                tdQs, tdQg, wm, wn = parts[w]
-                cute.arch.cp_async_bulk_wait_group(1, read=True)  # this part's previous reduce-add has read it
-                cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY if w == 0 else BAR_DQ_EMPTY_WG1, number_of_threads=handoff)
-                cute.arch.barrier(barrier_id=BAR_DQ_FULL if w == 0 else BAR_DQ_FULL_WG1, number_of_threads=handoff)
-                cute.copy(tma_dQ, tdQs, tdQg[None, m_block * am + wm, wn])
+        for i in cutlass.range(group * (m_max - m_min), unroll=1):
+            head, m_block = self.work_item(work, i)
+            if const_expr(t.dq_per_wg):
+                # each warpgroup's part of a block's dQ is its own reduce-add and handoff
+                gdQ = cute.local_tile(gdQ_tma[None, None, head, batch], sub, (None, None))  # (rows, cols, m, n)
+                for w in cutlass.range_constexpr(2):
+                    wm, wn = (w, 0) if am == 2 else (0, w)
+                    sdQ_w = cute.local_tile(sdQ[None, None, 0], sub, (wm, wn))
+                    tdQs, tdQg = cpasync.tma_partition(
+                        tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_w, 0, 2), cute.group_modes(gdQ, 0, 2))
+                    cute.arch.cp_async_bulk_wait_group(1, read=True)  # this part's previous reduce-add has read it
+                    cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY if w == 0 else BAR_DQ_EMPTY_WG1, number_of_threads=handoff)
+                    cute.arch.barrier(barrier_id=BAR_DQ_FULL if w == 0 else BAR_DQ_FULL_WG1, number_of_threads=handoff)
+                    cute.copy(tma_dQ, tdQs, tdQg[None, m_block * am + wm, wn])
+                    cute.arch.cp_async_bulk_commit_group()
+            else:
+                gdQ = cute.local_tile(gdQ_tma[None, None, head, batch], (t.tile_m, t.head_dim), (m_block, 0))
+                tdQs, tdQg = cpasync.tma_partition(
+                    tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2))
+                # the buffer of this block is free once the reduce-add dq_stages blocks back has read it
+                cute.arch.cp_async_bulk_wait_group(t.dq_stages - 1, read=True)
+                cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY, number_of_threads=handoff)
+                cute.arch.barrier(barrier_id=BAR_DQ_FULL, number_of_threads=handoff)
+                cute.copy(tma_dQ, tdQs[None, i % t.dq_stages], tdQg)
                 cute.arch.cp_async_bulk_commit_group()
         cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     # --------------------------------------------------------------------------- consumers
     @cute.jit
     def mma(self, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
-            pipe_q, pipe_do, mbar_kv, tidx, n_block, head, batch, m_min, m_max, seqlen_q, seqlen_k, softmax_scale,
+            pipe_q, pipe_do, mbar_kv, tidx, n_block, batch, work, seqlen_q, seqlen_k, softmax_scale,
             window_size):  # fmt: skip
         t = self.tiles
         d = t.head_dim
+        head_kv, group, m_min, m_max = work
+        steps = group * (m_max - m_min)
         wg = cute.arch.make_warp_uniform(tidx // 128)
         scale_log2 = softmax_scale * LOG2_E
 
@@ -358,110 +370,117 @@ class AttentionBackwardSm90:
         acc_dP = cute.make_rmem_tensor(shape_sdp, Float32)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
         state_next = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
+        # overlap "none": S^T is issued at the top of each step. "s" / "sdp" issue the next
+        # step's S^T (and dP^T) behind this step's dK; ptxas does not follow wgmma groups
+        # across the loop's back edge and serialises every wgmma of the kernel (warnings
+        # C7514 / C7515; also when the issue is made unconditional with a repeated last Q
+        # block). Measured: d128 gains 16% without it, d64 loses 4% (notes.md).
+        prefetch = const_expr(t.overlap != "none")
         if m_min < m_max:
             cute.arch.mbarrier_wait(mbar_kv, 0)
-            self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
-            if const_expr(t.overlap == "sdp"):
-                self.issue_dp(pipe_do, state_next, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
-            state_next.advance()
-        for m_block in cutlass.range(m_min, m_max, unroll=1):
-            stage = state.index
-            ds_stage = (m_block - m_min) % t.ds_stages
-            q0 = m_block * t.tile_m
-            # S^T (and with overlap "sdp" dP^T) of this block are in flight already
-            if const_expr(t.overlap != "sdp"):
-                self.issue_dp(pipe_do, state, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
+            if const_expr(prefetch):
+                self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
+                if const_expr(t.overlap == "sdp"):
+                    self.issue_dp(pipe_do, state_next, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
+                state_next.advance()
+            for i in cutlass.range(steps, unroll=1):
+                _, m_block = self.work_item(work, i)
+                stage = state.index
+                ds_stage = i % t.ds_stages
+                q0 = m_block * t.tile_m
+                if const_expr(not prefetch):
+                    self.issue_s(pipe_q, state, tiled_mma_sdp, acc_S, tSrK, tSrQ)
+                # S^T (and with overlap "sdp" dP^T) of this block are in flight already
+                if const_expr(t.overlap != "sdp"):
+                    self.issue_dp(pipe_do, state, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
 
-            # P^T = exp(S^T * scale - LSE), zero where masked (after the exp: LSE may be +-inf there)
-            warpgroup.wait_group(1)
-            S = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
-            need_mask = q0 + t.tile_m > seqlen_q or key0 + t.tile_n > seqlen_k
-            if const_expr(self.mask_type != 0):
-                need_mask = need_mask or key0 + t.tile_n - 1 > q0 + offset
-            if const_expr(self.has_window):
-                need_mask = need_mask or key0 <= q0 + t.tile_m - 1 + offset - window_size
-            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                q_local = cS_mn[0, c][1]
-                lse_log2 = sLSE[q_local, stage] * LOG2_E
-                for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                    S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse_log2, fastmath=True)
-            if need_mask:
+                # P^T = exp(S^T * scale - LSE), zero where masked (after the exp: LSE may be +-inf there)
+                warpgroup.wait_group(1)
+                S = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
+                need_mask = q0 + t.tile_m > seqlen_q or key0 + t.tile_n > seqlen_k
+                if const_expr(self.mask_type != 0):
+                    need_mask = need_mask or key0 + t.tile_n - 1 > q0 + offset
+                if const_expr(self.has_window):
+                    need_mask = need_mask or key0 <= q0 + t.tile_m - 1 + offset - window_size
                 for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                    q = q0 + cS_mn[0, c][1]
+                    q_local = cS_mn[0, c][1]
+                    lse_log2 = sLSE[q_local, stage] * LOG2_E
                     for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                        k = key0 + cS_mn[r, c][0]
-                        masked = q >= seqlen_q or k >= seqlen_k
-                        if const_expr(self.mask_type != 0):
-                            masked = masked or k > q + offset
-                        if const_expr(self.has_window):
-                            masked = masked or k <= q + offset - window_size
-                        if masked:
-                            S[r, c] = Float32(0.0)
+                        S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse_log2, fastmath=True)
+                if need_mask:
+                    for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                        q = q0 + cS_mn[0, c][1]
+                        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                            k = key0 + cS_mn[r, c][0]
+                            masked = q >= seqlen_q or k >= seqlen_k
+                            if const_expr(self.mask_type != 0):
+                                masked = masked or k > q + offset
+                            if const_expr(self.has_window):
+                                masked = masked or k <= q + offset - window_size
+                            if masked:
+                                S[r, c] = Float32(0.0)
 
-            # dS^T = P^T (dP^T - Δ)
-            warpgroup.wait_group(0)
-            dP = cute.make_tensor(acc_dP.iterator, acc_mn_layout(acc_dP.layout))
-            for c in cutlass.range_constexpr(cute.size(dP, mode=[1])):
-                delta = sDelta[cS_mn[0, c][1], stage]
-                for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
-                    dP[r, c] = S[r, c] * (dP[r, c] - delta)
+                # dS^T = P^T (dP^T - Δ)
+                warpgroup.wait_group(0)
+                dP = cute.make_tensor(acc_dP.iterator, acc_mn_layout(acc_dP.layout))
+                for c in cutlass.range_constexpr(cute.size(dP, mode=[1])):
+                    delta = sDelta[cS_mn[0, c][1], stage]
+                    for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
+                        dP[r, c] = S[r, c] * (dP[r, c] - delta)
 
-            # dV += P^T dO (P^T from registers)
-            rP = cute.make_rmem_tensor(shape_sdp, self.dtype)
-            rP.store(acc_S.load().to(self.dtype))
-            wgmma(tiled_mma_dkv, acc_dV, cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout)),
-                  tVrdO[None, None, None, stage], zero_init=False)  # fmt: skip
-            # dS^T -> sdS; once both warpgroups' halves are there (and visible to the async
-            # proxy): dQ = dS K, then dK += dS^T Q, so dQ can leave while dK runs
-            rdS = cute.make_rmem_tensor(shape_sdp, self.dtype)
-            rdS.store(acc_dP.load().to(self.dtype))
-            cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_stage])
-            cute.arch.fence_view_async_shared()
-            if const_expr(t.pds_split):
-                acc_dQ = self.dq_dk_split(wg, stage, ds_stage, tiled_mma_dq, tiled_mma_dkv, acc_dK, rdS, tKrQ,
-                                          tQrdS, tQrK, shape_dq)  # fmt: skip
-                pipe_do.consumer_release(state)
-                pipe_q.consumer_release(state)
-                if m_block + 1 < m_max:
-                    self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
-                    state_next.advance()
-                self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, (m_block - m_min) % t.dq_stages, wg)
-            else:
-                cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
-                acc_dQ = cute.make_rmem_tensor(shape_dq, Float32)
-                wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_stage], tQrK, zero_init=True)
-                wgmma(tiled_mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
-                      tKrQ[None, None, None, stage], zero_init=False)  # fmt: skip
-                warpgroup.wait_group(1)  # dV and dQ done
-                pipe_do.consumer_release(state)
+                # dV += P^T dO (P^T from registers)
+                rP = cute.make_rmem_tensor(shape_sdp, self.dtype)
+                rP.store(acc_S.load().to(self.dtype))
+                wgmma(tiled_mma_dkv, acc_dV, cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout)),
+                      tVrdO[None, None, None, stage], zero_init=False)  # fmt: skip
+                # dS^T -> sdS; once both warpgroups' halves are there (and visible to the async
+                # proxy): dQ = dS K, then dK += dS^T Q, so dQ can leave while dK runs
+                rdS = cute.make_rmem_tensor(shape_sdp, self.dtype)
+                rdS.store(acc_dP.load().to(self.dtype))
+                cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_stage])
+                cute.arch.fence_view_async_shared()
+                if const_expr(t.pds_split):
+                    acc_dQ = self.dq_dk_split(wg, stage, ds_stage, tiled_mma_dq, tiled_mma_dkv, acc_dK, rdS, tKrQ,
+                                              tQrdS, tQrK, shape_dq)  # fmt: skip
+                    pipe_do.consumer_release(state)
+                    pipe_q.consumer_release(state)
+                    if const_expr(prefetch):
+                        if i + 1 < steps:
+                            self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
+                            state_next.advance()
+                    self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, i % t.dq_stages, wg)
+                else:
+                    cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
+                    acc_dQ = cute.make_rmem_tensor(shape_dq, Float32)
+                    wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_stage], tQrK, zero_init=True)
+                    wgmma(tiled_mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
+                          tKrQ[None, None, None, stage], zero_init=False)  # fmt: skip
+                    warpgroup.wait_group(1)  # dV and dQ done
+                    pipe_do.consumer_release(state)
 
-                # dQ -> sdQ for the store warp's reduce-add, while dK runs
-                self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, (m_block - m_min) % t.dq_stages, wg)
-                # the next block's S^T (and dP^T) go to the tensor cores behind dK
-                if const_expr(t.overlap != "none"):
-                    if m_block + 1 < m_max:
-                        self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
-                        if const_expr(t.overlap == "sdp"):
-                            self.issue_dp(pipe_do, state_next, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
-                            warpgroup.wait_group(2)  # dK done
+                    # dQ -> sdQ for the store warp's reduce-add, while dK runs
+                    self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, i % t.dq_stages, wg)
+                    # the next block's S^T (and dP^T) go to the tensor cores behind dK
+                    if const_expr(prefetch):
+                        if i + 1 < steps:
+                            self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
+                            if const_expr(t.overlap == "sdp"):
+                                self.issue_dp(pipe_do, state_next, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
+                                warpgroup.wait_group(2)  # dK done
+                            else:
+                                warpgroup.wait_group(1)
+                            state_next.advance()
                         else:
-                            warpgroup.wait_group(1)
-                        state_next.advance()
+                            warpgroup.wait_group(0)
                     else:
                         warpgroup.wait_group(0)
                     pipe_q.consumer_release(state)
-                else:
-                    warpgroup.wait_group(0)
-                    pipe_q.consumer_release(state)
-                    if m_block + 1 < m_max:
-                        self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
-                        state_next.advance()
-            state.advance()
+                state.advance()
 
         # epilogue: dK scaled by the softmax scale (dS was not), rows past seqlen_k dropped
         acc_dK.store(acc_dK.load() * softmax_scale)
-        self.store_rows(acc_dK, mdK, tiled_mma_dkv, tidx, n_block, head, batch, seqlen_k)
-        self.store_rows(acc_dV, mdV, tiled_mma_dkv, tidx, n_block, head, batch, seqlen_k)
+        self.store_rows(acc_dK, mdK, tiled_mma_dkv, tidx, n_block, head_kv, batch, seqlen_k)
+        self.store_rows(acc_dV, mdV, tiled_mma_dkv, tidx, n_block, head_kv, batch, seqlen_k)
 
     @cute.jit
     def stage_dq(self, acc_dQ, r2s_dq, thr_r2s_dq, tdQs, buf, wg):
