@@ -223,6 +223,7 @@ def _mea_forward(
     attn_bias: Optional[Tensor] = None,
     dropout_p: float = 0.0,
     backend: str = "auto",  # the backward's (in the schema so that graphs keep it); the forward is torch's
+    deterministic: bool = False,  # the backward's, as backend
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     varlen = cu_seqlens_q is not None
     group = query.shape[2] // key.shape[2]
@@ -239,7 +240,7 @@ def _mea_forward(
 
 @_mea_forward.register_fake
 def _(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, custom_mask_type, window_size, scale,
-      attn_bias=None, dropout_p=0.0, backend="auto"):  # fmt: skip
+      attn_bias=None, dropout_p=0.0, backend="auto", deterministic=False):  # fmt: skip
     b, mq, h, _ = query.shape
     out = query.new_empty((b, mq, h, value.shape[3]))
     rows = cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else b
@@ -249,12 +250,12 @@ def _(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
 
 
 def _mea_setup(ctx, inputs, output):
-    query, key, value, cu_q, cu_k, max_q, max_k, mask_type, window_size, scale, attn_bias, dropout_p, backend = inputs
+    query, key, value, cu_q, cu_k, max_q, max_k, mask_type, window_size, scale, attn_bias, dropout_p, backend, det = inputs
     out, lse, seed, offset = output
     ctx.save_for_backward(query, key, value, out, lse, cu_q, cu_k, attn_bias, seed, offset)
     ctx.max_seqlens = (max_q, max_k)
     ctx.mask_type, ctx.window_size, ctx.scale, ctx.dropout_p = mask_type, window_size, scale, dropout_p
-    ctx.backend = backend
+    ctx.backend, ctx.deterministic = backend, det
     ctx.mark_non_differentiable(lse, seed, offset)
 
 
@@ -265,14 +266,15 @@ def _mea_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
     query, key, value, out, lse, cu_q, cu_k, attn_bias, seed, offset = ctx.saved_tensors
     none = (None,) * 7
     if grad_out is None:
-        return (None,) * 13
+        return (None,) * 14
     bias_grad = attn_bias is not None and ctx.needs_input_grad[10]
     dq, dk, dv, db = efficient_attention_backward(
         grad_out, query, key, value, attn_bias, out, cu_q, cu_k, ctx.max_seqlens[0], ctx.max_seqlens[1], lse,
         ctx.dropout_p, seed, offset, ctx.mask_type, bias_grad,
         scale=ctx.scale, window_size=ctx.window_size if ctx.window_size > 0 else None, backend=ctx.backend,
+        deterministic=ctx.deterministic,
     )  # fmt: skip
-    return (dq, dk, dv) + none + (db, None, None)
+    return (dq, dk, dv) + none + (db, None, None, None)
 
 
 torch.library.register_autograd("cute_kernels::memory_efficient_attention", _mea_backward, setup_context=_mea_setup)
@@ -293,6 +295,7 @@ def memory_efficient_attention(
     attn_bias: Optional[Tensor] = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
+    deterministic: Optional[bool] = None,
 ) -> Tensor:
     """dropout(softmax(scale q kᵀ + bias + mask)) v in the [B, M, H, K] layout; forward torch's, backward ours.
 
@@ -317,6 +320,8 @@ def memory_efficient_attention(
             applies, else the memory-efficient one), "sm90" (the backward raises
             NotImplementedError where it does not apply) or "mem_eff"; see
             ``ops.mem_eff_attention``.
+        deterministic: the backward's gradients the same bits from run to run (default:
+            ``torch.are_deterministic_algorithms_enabled()`` when this is called).
 
     Returns:
         out [B, Mq, H, Kv] in query's dtype. Eager varlen calls read cu_seqlens back once to
@@ -325,6 +330,10 @@ def memory_efficient_attention(
     from ops.mem_eff_attention import _check_backend
 
     _check_backend(backend)
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool or None, got {deterministic!r}")
     mask_type, window_size, max_q, max_k, scale = _validate(
         query, key, value, causal, window_size, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )
@@ -336,7 +345,7 @@ def memory_efficient_attention(
         attn_bias = _prepare_bias(attn_bias, query, key, cu_seqlens_q)
     out, _, _, _ = _mea_forward(
         query, key, value, cu_seqlens_q, cu_seqlens_k, max_q, max_k, mask_type, window_size, scale, attn_bias, dropout_p,
-        backend,
+        backend, deterministic,
     )
     return out
 

@@ -5,8 +5,8 @@ the sm90 kernel (dK, dV, dQ added into the accumulator), our ``convert_dq``.
 ``unsupported`` says why this path cannot take a problem (None: it can);
 ``ops.efficient_attention_backward`` and ``ops.memory_efficient_attention`` choose
 between it and the sm80-structured kernel (``backend=``, see ``ops.mem_eff_attention``).
-dQ is summed by TMA reduce-adds in whatever order the key blocks finish: not bitwise
-reproducible from run to run.
+dQ is summed by TMA reduce-adds in whatever order the key blocks finish (not bitwise
+reproducible from run to run) unless ``deterministic``: then in ascending key-block order.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from . import _compile as cc
 DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _build(dtype, head_dim: int, mask_type: int, has_window: bool, arch: str):
+def _build(dtype, head_dim: int, mask_type: int, has_window: bool, arch: str, deterministic: bool = False):
     tiles = tiling.attention_sm90_tiles(head_dim)
-    kernel = AttentionBackwardSm90(dtype, tiles, mask_type, has_window)
+    kernel = AttentionBackwardSm90(dtype, tiles, mask_type, has_window, deterministic)
     b, h, hk, mq, mk = (cute.sym_int() for _ in range(5))
     # TMA: last stride 1, the other strides and the addresses multiples of TMA_ALIGN_BYTES
     vec, vec32 = tiling.tma_align_elems(dtype.width), tiling.tma_align_elems(32)
@@ -37,9 +37,10 @@ def _build(dtype, head_dim: int, mask_type: int, has_window: bool, arch: str):
     k, v, dk, dv = (cc.fake_tensor(dtype, (b, mk, hk, head_dim), vec) for _ in range(4))
     lse, delta = (cc.fake_tensor(cutlass.Float32, (b, h, cute.sym_int()), vec32) for _ in range(2))
     dq_accum = cc.fake_tensor(cutlass.Float32, (b, cute.sym_int(), h, head_dim), vec32)
+    semaphore = cc.fake_tensor(cutlass.Int32, (b, h, cute.sym_int()), 1) if deterministic else None
     return cc.compile_kernel(
-        kernel, q, k, v, do, lse, delta, dq_accum, dk, dv, cutlass.Float32(1.0), cutlass.Int32(0), cc.fake_stream(),
-        arch=arch,
+        kernel, q, k, v, do, lse, delta, dq_accum, dk, dv, semaphore, cutlass.Float32(1.0), cutlass.Int32(0),
+        cc.fake_stream(), arch=arch,
     )
 
 
@@ -108,14 +109,16 @@ def _tma_stats(x: Tensor) -> Tensor:
 
 
 def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: float, mask_type: int = 0,
-                            window_size: int = 0):
+                            window_size: int = 0, deterministic: bool = False):
     """(dq, dk, dv) of softmax(scale Q K^T [+ causal mask [+ window]]) V; tensors [B, S, H, D]
     (key / value / dk / dv [B, S, Hk, D] with grouped-query heads: H a multiple of Hk).
     ``window_size`` > 0 (with a causal mask): key k sees query q when
     q + offset - window_size < k <= q + offset, as the memory-efficient kernel.
 
     ``logsumexp``: the forward's natural-log row statistics [B, H, >= Sq] fp32. The caller
-    has checked ``unsupported(...) is None``."""
+    has checked ``unsupported(...) is None``. ``deterministic``: dQ's fp32 sums in a fixed
+    order (the same bits from run to run; a zeroed semaphore per query block, and key
+    blocks wait for their turn)."""
     from .attention_bwd_prepost import _convert_dq_impl, _preprocess_impl
 
     b, sq, h, d = query.shape
@@ -128,7 +131,13 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
         return torch.zeros_like(query), dk.zero_(), dv.zero_()
     delta, dq_accum = _preprocess_impl(out, grad_out, 1.0, None, None, True)
     window = int(window_size or 0)
-    fn = compiled(cc.cute_dtype(query.dtype), d, int(mask_type), window > 0, cc.device_arch(query.device.index))
-    fn(query, key, value, grad_out, _tma_stats(logsumexp.float()), delta, dq_accum, dk, dv, float(scale), window)
+    arch = cc.device_arch(query.device.index)
+    fn = compiled(cc.cute_dtype(query.dtype), d, int(mask_type), window > 0, arch, bool(deterministic))
+    semaphore = None
+    if deterministic:
+        tile_m = tiling.attention_sm90_tiles(d).tile_m
+        semaphore = torch.zeros((b, h, -(-sq // tile_m)), dtype=torch.int32, device=query.device)
+    fn(query, key, value, grad_out, _tma_stats(logsumexp.float()), delta, dq_accum, dk, dv, semaphore, float(scale),
+       window)  # fmt: skip
     dq = _convert_dq_impl(dq_accum, float(scale), d, sq, None, None, 0.0, query.dtype)
     return dq, dk, dv

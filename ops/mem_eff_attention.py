@@ -345,6 +345,7 @@ def _impl(
     grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,
     custom_mask_type, scale, num_splits_key, window_size, shared_storage_dqdkdv,
     bias=None, bias_requires_grad=False, dropout_p=0.0, philox_seed=None, philox_offset=None, backend="auto",
+    deterministic=False,
 ):
     """The backend choice (logged), then that backend's launches."""
     choice, why = choose_backend(
@@ -357,9 +358,12 @@ def _impl(
               choice, why, b, mq, key.shape[1], h, d, int(custom_mask_type))  # fmt: skip
     if choice == "sm90":
         dq, dk, dv = sm90.attention_backward_sm90(
-            grad_out, query, key, value, out, logsumexp, scale, int(custom_mask_type), int(window_size or 0)
+            grad_out, query, key, value, out, logsumexp, scale, int(custom_mask_type), int(window_size or 0),
+            bool(deterministic),
         )
         return dq, dk, dv, None
+    if deterministic:  # one key split: each query block's dQ is summed by one CTA, in order
+        num_splits_key = 1
     return _mem_eff_impl(
         grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,
         custom_mask_type, scale, num_splits_key, window_size, shared_storage_dqdkdv,
@@ -479,13 +483,13 @@ def _op(
     max_seqlen_k: Optional[int], logsumexp: Tensor, custom_mask_type: int, scale: float,
     num_splits_key: Optional[int], window_size: Optional[int], shared_storage_dqdkdv: bool,
     bias: Optional[Tensor], bias_requires_grad: bool, dropout_p: float,
-    philox_seed: Optional[Tensor], philox_offset: Optional[Tensor], backend: str,
+    philox_seed: Optional[Tensor], philox_offset: Optional[Tensor], backend: str, deterministic: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     # the backend is chosen here, at run time, on the real tensors (their device's arch)
     gq, gk, gv, gb = _impl(
         grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,
         custom_mask_type, scale, num_splits_key, window_size, shared_storage_dqdkdv,
-        bias, bias_requires_grad, dropout_p, philox_seed, philox_offset, backend,
+        bias, bias_requires_grad, dropout_p, philox_seed, philox_offset, backend, deterministic,
     )  # fmt: skip
     # an op returns tensors: no bias gradient is an empty one (the wrapper gives None)
     return gq, gk, gv, query.new_empty((0,)) if gb is None else gb
@@ -494,7 +498,7 @@ def _op(
 @_op.register_fake
 def _(grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,
       custom_mask_type, scale, num_splits_key, window_size, shared_storage_dqdkdv,
-      bias, bias_requires_grad, dropout_p, philox_seed, philox_offset, backend):  # fmt: skip
+      bias, bias_requires_grad, dropout_p, philox_seed, philox_offset, backend, deterministic=False):  # fmt: skip
     gb = query.new_empty((0,))
     if bias is not None and bias_requires_grad:
         b, mq, h, _ = query.shape
@@ -526,14 +530,24 @@ def efficient_attention_backward(
     window_size: Optional[int] = None,
     shared_storage_dqdkdv: bool = False,
     backend: str = "auto",
+    deterministic: Optional[bool] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """Our ``aten::_efficient_attention_backward``: (grad_q, grad_k, grad_v, grad_bias).
 
     ``backend``: "auto" (the sm90 kernel where it applies, else the memory-efficient
     one), "sm90" (NotImplementedError where it does not apply) or "mem_eff"; see the
     module notes. The choice is made when the backward runs (under torch.compile: at run
-    time, on the real tensors)."""
+    time, on the real tensors).
+
+    ``deterministic`` (default: ``torch.are_deterministic_algorithms_enabled()``): the
+    gradients are the same bits from run to run. The sm90 kernel adds dQ's partial sums
+    in key-block order (semaphores; slower), the memory-efficient kernel runs one key
+    split (``num_splits_key`` must be None or 1)."""
     _check_backend(backend)
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool or None, got {deterministic!r}")
     for name, t in (("grad_out_", grad_out_), ("query", query), ("key", key), ("value", value), ("out", out), ("logsumexp", logsumexp)):
         check_tensor(name, t)
     check_float("dropout_p", dropout_p)
@@ -553,6 +567,8 @@ def efficient_attention_backward(
         raise ValueError("window_size needs a causal custom_mask_type (1 or 2)")
     if num_splits_key is not None and (not _is_int(num_splits_key) or int(num_splits_key) < 1):
         raise ValueError(f"num_splits_key must be a positive int, got {num_splits_key!r}")
+    if deterministic and num_splits_key is not None and int(num_splits_key) > 1:
+        raise ValueError(f"deterministic needs num_splits_key None or 1 (key splits add dQ in any order), got {num_splits_key}")
     _check_inputs(grad_out_, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp)
     if bias is not None:
         check_cuda("bias", bias)
@@ -573,7 +589,7 @@ def efficient_attention_backward(
         None if num_splits_key is None else int(num_splits_key), None if window_size is None else int(window_size),
         bool(shared_storage_dqdkdv), bias, bool(bias_requires_grad), float(dropout_p),
         philox_seed if float(dropout_p) > 0.0 else None, philox_offset if float(dropout_p) > 0.0 else None,
-        backend,
+        backend, deterministic,
     )
     grad_q, grad_k, grad_v, grad_bias = _impl(*args) if cc.eager(query) else _op(*args)
     if bias is None or not bias_requires_grad:

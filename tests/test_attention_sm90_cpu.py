@@ -44,6 +44,13 @@ def test_compiles_with_window(dtype, head_dim, mask_type):
     assert callable(S._build(dtype, head_dim, mask_type, True, "sm_90a"))
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("head_dim,mask_type,window", [(64, 0, False), (128, 1, False), (64, 2, True), (128, 1, True)])
+def test_compiles_deterministic(head_dim, mask_type, window):
+    """dQ added in key-block order: the store warp's semaphore wait / release."""
+    assert callable(S._build(cutlass.BFloat16, head_dim, mask_type, window, "sm_90a", True))
+
+
 def test_window_needs_a_causal_mask():
     from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
 
@@ -283,10 +290,35 @@ def test_mem_eff_sums_grouped_heads(monkeypatch):
         M._mem_eff_grouped(do, q, k, v, o, *([None] * 5), 0, 0.1, None, None, True, None, False, 0.0, None, None)
 
 
+@pytest.mark.parametrize("flag", [False, True])
+def test_deterministic_reaches_either_backend(backends, flag):
+    """deterministic=None follows torch.are_deterministic_algorithms_enabled(); the sm90
+    kernel gets the flag, the memory-efficient one a single key split."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(flag)
+    try:
+        _eab(mask_type=1)
+        _eab(mask_type=1, backend="mem_eff")
+    finally:
+        torch.use_deterministic_algorithms(before)
+    (sm90_call, mem_eff_call) = backends
+    assert sm90_call[0] == "sm90" and sm90_call[1][-1] is flag
+    assert mem_eff_call[0] == "mem_eff" and mem_eff_call[1][7] == (1 if flag else None)  # num_splits_key
+
+
+def test_deterministic_refuses_key_splits(backends):
+    with pytest.raises(ValueError, match="deterministic needs num_splits_key None or 1"):
+        _eab(deterministic=True, num_splits_key=2)
+    _eab(deterministic=True, num_splits_key=1, backend="mem_eff")
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        _eab(deterministic="yes")
+    assert [c[0] for c in backends] == ["mem_eff"]
+
+
 def test_auto_takes_sm90_with_a_window(backends):
     _eab(mask_type=1, window_size=8)
-    ((name, (_, _, mask, window)),) = backends
-    assert (name, mask, window) == ("sm90", 1, 8)
+    ((name, (_, _, mask, window, deterministic)),) = backends
+    assert (name, mask, window, deterministic) == ("sm90", 1, 8, False)
 
 
 @pytest.mark.parametrize("mask_type,sq,sk", [(0, 100, 130), (1, 130, 100), (2, 100, 130), (2, 130, 100)])
@@ -294,8 +326,10 @@ def test_auto_takes_sm90_with_a_window(backends):
 def test_auto_takes_sm90_where_it_applies(backends, caplog, dtype, d, mask_type, sq, sk):
     with caplog.at_level(logging.DEBUG, logger="cute_kernels.attention"):
         dq, dk, dv, db = _eab(sq=sq, sk=sk, d=d, dtype=dtype, mask_type=mask_type, scale=0.3)
-    ((name, (lse, scale, mask, window)),) = backends  # the drop-in's logsumexp, scale, mask type, window
-    assert name == "sm90" and lse.shape == (2, 3, (sq + 31) // 32 * 32) and (scale, mask, window) == (0.3, mask_type, 0)
+    # the drop-in's logsumexp, scale, mask type, window, deterministic
+    ((name, (lse, scale, mask, window, deterministic)),) = backends
+    assert name == "sm90" and lse.shape == (2, 3, (sq + 31) // 32 * 32)
+    assert (scale, mask, window, deterministic) == (0.3, mask_type, 0, False)
     assert db is None and dq.shape == (2, sq, 3, d) and dk.shape == dv.shape == (2, sk, 3, d)
     (msg,) = [r.getMessage() for r in caplog.records if r.name == "cute_kernels.attention"]
     assert msg.startswith("attention backward: sm90 (backend='auto', supported") and f"mask {mask_type}" in msg
@@ -379,14 +413,17 @@ def test_the_choice_is_made_at_run_time_under_fake_tensors(monkeypatch):
 def test_schemas_carry_the_backend():
     for op in (torch.ops.cute_kernels.efficient_attention_backward, torch.ops.cute_kernels.memory_efficient_attention):
         assert "str backend" in str(op.default._schema), op.default._schema
+        assert "bool deterministic" in str(op.default._schema), op.default._schema
 
 
 class _Captured(Exception):
     """Raised instead of running the captured graph."""
 
 
-def test_graph_keeps_the_backend(monkeypatch):
-    """torch.compile(fullgraph=True) captures the op with the backend among its arguments."""
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_graph_keeps_the_backend(monkeypatch, deterministic):
+    """torch.compile(fullgraph=True) captures the op with the backend and the deterministic
+    flag among its arguments."""
     monkeypatch.setattr(M, "check_cuda", lambda *a: None)
 
     def backend(gm, example_inputs):
@@ -402,14 +439,14 @@ def test_graph_keeps_the_backend(monkeypatch):
 
     def fn(q, k, v, do, o, lse):
         return M.efficient_attention_backward(do, q, k, v, None, o, None, None, 64, 64, lse, 0.0, None, None, 1, False,
-                                              backend="sm90")[0]  # fmt: skip
+                                              backend="sm90", deterministic=deterministic)[0]  # fmt: skip
 
     torch._dynamo.reset()
     with pytest.raises(_Captured) as info:
         torch.compile(fn, fullgraph=True, backend=backend)(q, k, v, do, o, lse)
     torch._dynamo.reset()
     (args,) = info.value.args[0]
-    assert args[-1] == "sm90", args
+    assert args[-2:] == ("sm90", deterministic), args
 
 
 def test_memory_efficient_attention_traces_with_backend(monkeypatch):

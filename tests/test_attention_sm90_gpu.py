@@ -12,6 +12,7 @@
 * dispatch on the device: auto takes sm90 where it applies and the memory-efficient
   kernel for bias / dropout / varlen / unaligned inputs;
 * grouped-query heads (key / value with fewer heads) through both kernels, against fp64;
+* deterministic mode: three runs bitwise equal, and against fp64;
 * layouts: contiguous [B, S, H, D], [B, H, S, D] transposed views, packed QKV.
 
 Outputs of the sm90 path are allocated inside it (no poisoning from here): every
@@ -365,6 +366,51 @@ def test_memory_efficient_attention_grouped_heads():
         grads = _op_grads(backend, q, k, v, do, True)
         for name, g, r, like in zip(("dq", "dk", "dv"), grads, ref, (q, k, v)):
             check(f"{name} (memory_efficient_attention, grouped heads, {backend})", g, r, like, BF16)
+
+
+# -------------------------------------------------------------------- deterministic mode
+
+# (dtype, B, H, Hk, Sq, Sk, D, mask, window): several key blocks add into each query block
+DETERMINISTIC_CASES = [
+    (BF16, 2, 4, 2, 600, 700, 128, 0, 0),  # grouped heads, no mask
+    (F16, 1, 3, 3, 900, 900, 64, 1, 0),
+    (BF16, 1, 2, 2, 700, 400, 128, 2, 0),  # bottom-right, Sq > Sk: query blocks no key block sees
+    (BF16, 1, 2, 1, 800, 800, 64, 1, 200),  # a window: query block m starts at a later key block
+    (F16, 1, 2, 2, 640, 900, 128, 2, 130),
+]
+
+
+@pytest.mark.parametrize("case", DETERMINISTIC_CASES, ids=[_grouped_id(c) for c in DETERMINISTIC_CASES])
+def test_deterministic_is_bitwise_repeatable(case):
+    """Three runs give the same bits (dQ's fp32 adds in key-block order), and the gradients
+    are the fp64 ones."""
+    dtype, b, h, hk, sq, sk, d, mask_type, window = case
+    q, _, _, do = make_inputs(b, h, sq, sk, d, dtype, seed=sq + d)
+    _, k, v, _ = make_inputs(b, hk, sq, sk, d, dtype, seed=sk + d)
+    out, lse = _padded_ref_forward(q, k, v, mask_type, window)
+    kw = dict(window_size=window) if window else {}
+    runs = [backward("sm90", q, k, v, do, out, lse, mask_type, deterministic=True, **kw) for _ in range(3)]
+    for later in runs[1:]:
+        for name, g0, g in zip(("dq", "dk", "dv"), runs[0], later):
+            assert torch.equal(g0, g), f"{name}: deterministic runs differ"
+    ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type, window_size=window)
+    floors = rounding_floors(q, k.repeat_interleave(h // hk, 2), do, out, dtype)
+    floors = (floors[0], floors[1].unflatten(2, (hk, h // hk)).sum(3), None)
+    for name, g, r, like, floor in zip(("dq", "dk", "dv"), runs[0], ref, (q, k, v), floors):
+        check(f"{name} [{_grouped_id(case)}] deterministic", g, r, like, dtype, floor)
+
+
+def test_deterministic_follows_torch_flag():
+    """deterministic=None: torch.use_deterministic_algorithms(True) makes repeated backwards equal."""
+    q, k, v, do = make_inputs(1, 2, 1000, 1000, 128, BF16, seed=21)
+    out, lse = forward(q, k, v, 0)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        first, second = (backward("sm90", q, k, v, do, out, lse, 0) for _ in range(2))
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 # -------------------------------------------------------------------------- layouts

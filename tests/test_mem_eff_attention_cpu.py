@@ -370,9 +370,11 @@ class BackwardStandIn:
 
     def __call__(self, grad_out_, query, key, value, bias, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                  logsumexp, dropout_p, philox_seed, philox_offset, custom_mask_type, bias_requires_grad, *,
-                 scale=None, num_splits_key=None, window_size=None, shared_storage_dqdkdv=False, backend="auto"):  # fmt: skip
+                 scale=None, num_splits_key=None, window_size=None, shared_storage_dqdkdv=False, backend="auto",
+                 deterministic=None):  # fmt: skip
         self.calls.append(dict(mask=custom_mask_type, window=window_size, scale=scale, max=(max_seqlen_q, max_seqlen_k),
-                               bias=bias, dropout_p=dropout_p, bias_requires_grad=bias_requires_grad, backend=backend))  # fmt: skip
+                               bias=bias, dropout_p=dropout_p, bias_requires_grad=bias_requires_grad, backend=backend,
+                               deterministic=deterministic))  # fmt: skip
         assert philox_seed.dtype == philox_offset.dtype == torch.int64
         assert isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)
         b, mq, h, kv = out.shape
@@ -401,7 +403,7 @@ def cpu_attention(monkeypatch):
     lib = torch.library.Library("cute_kernels", "IMPL")
 
     def forward(query, key, value, cq, ck, max_q, max_k, mask_type, window, scale, attn_bias=None, dropout_p=0.0,
-                backend="auto"):  # fmt: skip
+                backend="auto", deterministic=False):  # fmt: skip
         mask = None
         seed, offset = torch.tensor(FORWARD_SEED), torch.tensor(FORWARD_OFFSET)
         if dropout_p > 0.0:  # torch's forward's mask for its philox state: the twin's
@@ -473,6 +475,28 @@ def test_autograd_wiring_passes_the_backend(cpu_attention, backend):
     kw = {} if backend is None else dict(backend=backend)
     ops.memory_efficient_attention(q, k, v, causal=True, **kw).sum().backward()
     assert cpu_attention.calls[0]["backend"] == (backend or "auto")
+
+
+@pytest.mark.parametrize("deterministic,torch_flag", [(None, False), (None, True), (True, False), (False, True)])
+def test_autograd_wiring_passes_deterministic(cpu_attention, deterministic, torch_flag):
+    """memory_efficient_attention(deterministic=) reaches the backward; None takes torch's
+    deterministic-algorithms flag at the call."""
+    q, k, v = (torch.randn(1, 10, 2, 8, requires_grad=True) for _ in range(3))
+    kw = {} if deterministic is None else dict(deterministic=deterministic)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(torch_flag)
+    try:
+        out = ops.memory_efficient_attention(q, k, v, causal=True, **kw)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    out.sum().backward()
+    assert cpu_attention.calls[0]["deterministic"] is (torch_flag if deterministic is None else deterministic)
+
+
+def test_memory_efficient_attention_deterministic_must_be_a_bool(cpu_attention):
+    q, k, v = (torch.randn(1, 10, 2, 8) for _ in range(3))
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        ops.memory_efficient_attention(q, k, v, deterministic=1)
 
 
 # ---------------------------------------------------------------------- use_for_sdpa

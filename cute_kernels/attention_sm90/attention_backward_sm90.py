@@ -20,6 +20,7 @@ measurements: layouts/attention_sm90.py, notes.md next to this file.
 """
 
 import math
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -46,15 +47,21 @@ LOG2_E = math.log2(math.e)
 class AttentionBackwardSm90:
     """Configuration: element type, tiles, mask (0 none, 1 causal from the top-left, 2 from the
     bottom-right) and, with a causal mask, a sliding window (key k sees query q when
-    q + offset - window_size < k <= q + offset; the window's size is a runtime argument)."""
+    q + offset - window_size < k <= q + offset; the window's size is a runtime argument).
 
-    def __init__(self, dtype, tiles: AttentionSm90Tiles, mask_type: int, has_window: bool = False):
+    ``deterministic``: each query block's dQ is added by the key blocks that see it in
+    ascending order (a semaphore per query block and query head counts the adds), so the
+    fp32 sums, and dQ, are the same bits from run to run."""
+
+    def __init__(self, dtype, tiles: AttentionSm90Tiles, mask_type: int, has_window: bool = False,
+                 deterministic: bool = False):  # fmt: skip
         if has_window and mask_type == 0:
             raise ValueError("a sliding window needs a causal mask (mask_type 1 or 2)")
         self.dtype = dtype
         self.tiles = tiles
         self.mask_type = mask_type
         self.has_window = has_window
+        self.deterministic = deterministic
 
     @cute.jit
     def __call__(
@@ -68,6 +75,7 @@ class AttentionBackwardSm90:
         mdQaccum: cute.Tensor,  # [B, round_up(Sq, tile_m), H, D] fp32, zeroed
         mdK: cute.Tensor,  # [B, Sk, Hk, D]
         mdV: cute.Tensor,  # [B, Sk, Hk, D]
+        mSemaphore: Optional[cute.Tensor],  # [B, H, query blocks] int32, zeroed (deterministic), or None
         softmax_scale: Float32,
         window_size: Int32,  # used with has_window
         stream: cuda.CUstream,
@@ -77,6 +85,8 @@ class AttentionBackwardSm90:
         # (seq, d, heads, batch) and (seq, heads, batch): TMA tiles the first modes
         mQ, mK, mV, mdO, mdQaccum, mdK, mdV = [select_modes(x, (1, 3, 2, 0)) for x in (mQ, mK, mV, mdO, mdQaccum, mdK, mdV)]
         mLSE, mDelta = [select_modes(x, (2, 1, 0)) for x in (mLSE, mDelta)]
+        if const_expr(self.deterministic):
+            mSemaphore = select_modes(mSemaphore, (2, 1, 0))  # (query blocks, heads, batch)
 
         sQ_layout = t.smem_layout_rows(self.dtype, t.tile_m, t.stages)
         sK_layout = t.smem_layout_rows(self.dtype, t.tile_n, None)
@@ -126,7 +136,7 @@ class AttentionBackwardSm90:
         group = mQ.shape[2] // mK.shape[2]
         grid = (cute.ceil_div(seqlen_k, t.tile_n), mK.shape[2], mK.shape[3])
         self.kernel(
-            gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, gdQ_tma, mdK, mdV,
+            gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, gdQ_tma, mdK, mdV, mSemaphore,
             tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ,
             sQ_layout, sK_layout, sdS_layout, sdQ_layout, sStat_layout,
             t.tiled_mma_sdp(self.dtype), t.tiled_mma_dkv(self.dtype), t.tiled_mma_dq(self.dtype),
@@ -139,7 +149,7 @@ class AttentionBackwardSm90:
         self,
         gQ_tma: cute.Tensor, gdO_tma: cute.Tensor, gK_tma: cute.Tensor, gV_tma: cute.Tensor,
         gLSE_tma: cute.Tensor, gDelta_tma: cute.Tensor, gdQ_tma: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-        tma_Q: cute.CopyAtom, tma_dO: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
+        mSemaphore: Optional[cute.Tensor], tma_Q: cute.CopyAtom, tma_dO: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
         tma_LSE: cute.CopyAtom, tma_Delta: cute.CopyAtom, tma_dQ: cute.CopyAtom,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
         sdQ_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
@@ -194,7 +204,7 @@ class AttentionBackwardSm90:
                           tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, pipe_q, pipe_do, mbar_kv,
                           n_block, batch, work)  # fmt: skip
             if warp_idx == 1:
-                self.store_dq(gdQ_tma, sdQ, tma_dQ, batch, work)
+                self.store_dq(gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, work, seqlen_q, seqlen_k, window_size)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.mma(sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
@@ -281,15 +291,24 @@ class AttentionBackwardSm90:
         cute.copy(atom, tg, ts[None, stage], tma_bar_ptr=bar)
 
     @cute.jit
-    def store_dq(self, gdQ_tma, sdQ, tma_dQ, batch, work):
+    def store_dq(self, gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, work, seqlen_q, seqlen_k, window_size):
         """Add each query block's dQ (staged in sdQ by the consumers) into the fp32 accumulator."""
         t = self.tiles
         head_kv, group, m_min, m_max = work
         handoff = t.dq_handoff_threads
         am, an = t.dq_atoms
         sub = t.dq_sub_tile
+        lane = cute.arch.lane_idx()
         for i in cutlass.range(group * (m_max - m_min), unroll=1):
             head, m_block = self.work_item(work, i)
+            if const_expr(self.deterministic):
+                # this key block's turn: the key blocks before it that see the block have added
+                sem = mSemaphore.iterator + cute.crd2idx((m_block, head, batch), mSemaphore.layout)
+                turn = n_block - self.first_key_block(m_block, seqlen_q, seqlen_k, window_size)
+                if lane == 0:
+                    while cute.arch.load(sem, Int32, sem="acquire", scope="gpu") != turn:
+                        cute.arch.inline_ptx("nanosleep.u32 20;")
+                cute.arch.sync_warp()
             if const_expr(t.dq_per_wg):
                 # each warpgroup's part of a block's dQ is its own reduce-add and handoff
                 gdQ = cute.local_tile(gdQ_tma[None, None, head, batch], sub, (None, None))  # (rows, cols, m, n)
@@ -313,7 +332,27 @@ class AttentionBackwardSm90:
                 cute.arch.barrier(barrier_id=BAR_DQ_FULL, number_of_threads=handoff)
                 cute.copy(tma_dQ, tdQs[None, i % t.dq_stages], tdQg)
                 cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.deterministic):
+                # the adds are done (written, not only read) before the next key block's turn
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
+                if lane == 0:
+                    cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
         cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
+    def first_key_block(self, m_block, seqlen_q, seqlen_k, window_size):
+        """The first key block that sees query block ``m_block`` (the inverse of m_block_range:
+        the key blocks that see a query block are consecutive). Without a window the first
+        key block sees every query block any key block sees."""
+        t = self.tiles
+        n_first = Int32(0)
+        if const_expr(self.has_window):
+            # key block n sees query block m iff its last key is inside the window of the block's
+            # first query: n * tile_n >= m * tile_m + offset - window_size + 2 - tile_n
+            need = m_block * t.tile_m + self.causal_offset(seqlen_q, seqlen_k) - window_size + 2 - t.tile_n
+            if need > 0:
+                n_first = (need + t.tile_n - 1) // t.tile_n
+        return n_first
 
     # --------------------------------------------------------------------------- consumers
     @cute.jit
