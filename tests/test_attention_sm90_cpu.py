@@ -436,7 +436,7 @@ def test_suite_sm90_row_unavailable_with_a_feature(feature):
 @pytest.mark.parametrize("d", tiling.HEAD_DIMS)
 def test_catalogue_forms_match_the_kernel_layouts(d):
     """The catalogue's algebra forms of the shared-memory tiles give the offsets of the DSL
-    layouts the kernel allocates (their 128-byte swizzle acts on byte addresses)."""
+    layouts the kernel allocates (their swizzles act on byte addresses), atoms included."""
     import cutlass.cute as cute
 
     from layouts.algebra import Swizzle, parse_layout
@@ -448,8 +448,8 @@ def test_catalogue_forms_match_the_kernel_layouts(d):
     def trace():
         bf16 = cutlass.BFloat16
         for name, lay in (
-            ("smem_q", cute.select(t.smem_layout_rows(bf16, t.tile_m, t.stages), mode=[0, 1])),
-            ("smem_k", t.smem_layout_rows(bf16, t.tile_n, None)),
+            ("smem_q", cute.select(t.smem_layout_q(bf16), mode=[0, 1])),
+            ("smem_k", t.smem_layout_k(bf16)),
             ("smem_ds", cute.select(t.smem_layout_ds(bf16), mode=[0, 1])),
             ("smem_dq", cute.select(t.smem_layout_dq(), mode=[0, 1])),
         ):
@@ -459,8 +459,9 @@ def test_catalogue_forms_match_the_kernel_layouts(d):
     forms = tiling.smem_layouts_algebra(t)
     for name, (layout, dtype, _) in forms.items():
         inner, outer = printed[name]
-        assert inner == "S<3,4,3>", (name, inner)  # on bytes
-        dsl, byte_swizzle, elem = parse_layout(outer), Swizzle(3, 4, 3), 2 if dtype == "bf16" else 4
+        bits = layout.swizzle.bits
+        assert inner == f"S<{bits},4,3>", (name, inner)  # the same atom, on bytes
+        dsl, byte_swizzle, elem = parse_layout(outer), Swizzle(bits, 4, 3), 2 if dtype == "bf16" else 4
         assert dsl.size() == layout.size(), name
         for i in range(layout.size()):
             assert layout(i) == byte_swizzle(dsl(i) * elem) // elem, (name, i)

@@ -78,8 +78,8 @@ class AttentionBackwardSm90:
         mQ, mK, mV, mdO, mdQaccum, mdK, mdV = [select_modes(x, (1, 3, 2, 0)) for x in (mQ, mK, mV, mdO, mdQaccum, mdK, mdV)]
         mLSE, mDelta = [select_modes(x, (2, 1, 0)) for x in (mLSE, mDelta)]
 
-        sQ_layout = t.smem_layout_rows(self.dtype, t.tile_m, t.stages)
-        sK_layout = t.smem_layout_rows(self.dtype, t.tile_n, None)
+        sQ_layout = t.smem_layout_q(self.dtype)
+        sK_layout = t.smem_layout_k(self.dtype)
         sdS_layout = t.smem_layout_ds(self.dtype)
         sdQ_layout = t.smem_layout_dq()
         sStat_layout = cute.make_layout((t.tile_m, t.stages))
