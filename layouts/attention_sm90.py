@@ -27,14 +27,21 @@ transposed form that keeps P and dS in registers for the dK / dV products:
 | head dim | tile_m | tile_n | Q / dO stages | dS stages | consumers | smem (bf16) |
 |----------|--------|--------|---------------|-----------|-----------|-------------|
 | 64       | 128    | 128    | 2             | 2         | 2 x 128   | 195 KiB     |
+| 96       | 64     | 128    | 2             | 2         | 2 x 128   | 154 KiB     |
 | 128      | 64     | 128    | 2             | 2         | 2 x 128   | 194 KiB     |
 
-Swizzle atoms: 128-byte for every tile of d64 and d128.
+Swizzle atoms: 128-byte for every tile of d64 and d128. d96 rows are 192 bytes, which
+a 128-byte atom does not divide: Q / dO take the 64-byte atom (32 columns; dK / dV read
+all 96 columns of the MN-major view), K / V the 32-byte one (16 columns: each warpgroup's
+dQ takes 48 columns of K's MN-major view, and with 32-column atoms warpgroup 1's slice
+would start mid-atom, which no wgmma descriptor expresses: the DSL refuses to partition
+it), the fp32 dQ staging the 64-byte one (16 columns: each warpgroup's 48-column part is
+whole atoms, reduce-added as three 16-column TMA boxes).
 
-d128 also hands each warpgroup's dQ half to the store warp separately (``dq_per_wg``) and
-announces each dS half before waiting for the other (``pds_split``); both warpgroups
-issue the next block's S^T before waiting for dK (``overlap="s"``). Measurements:
-cute_kernels/attention_sm90/notes.md.
+d96 and d128 also hand each warpgroup's dQ half to the store warp separately
+(``dq_per_wg``) and announce each dS half before waiting for the other (``pds_split``);
+all issue the next block's S^T before waiting for dK (``overlap="s"``). Measurements:
+cute_kernels/attention_sm90/notes.md (d96 takes d128's options, not measured on its own).
 
 (tests/test_attention_sm90_cpu.py checks the table.) Everything else takes the
 sm80-structured memory-efficient kernel (``ops`` dispatch).
@@ -45,7 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory an H100 CTA may use
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 96, 128)
 NUM_CONSUMER_WG = 2
 PRODUCER_REGS = 24  # setmaxnreg for the producer warpgroup
 CONSUMER_REGS = 240  # for each consumer warpgroup (24 + 2 x 240 <= 504 per thread-slot budget)
@@ -300,7 +307,7 @@ def attention_sm90_tiles(head_dim: int, causal: bool = False, **overrides) -> At
     tile_m = 128 if head_dim <= 64 else 64
     fields = dict(head_dim=head_dim, tile_m=tile_m, tile_n=128)
     if tile_m == 64:
-        # warpgroups split dQ's columns: each hands its half over alone, and announces its dS
+        # (d96, d128) warpgroups split dQ's columns: each hands its half over alone, and announces its dS
         # half before waiting for the other's (H100, 2x16x4096x128: 1.412 vs 1.451 ms)
         fields.update(dq_per_wg=True, pds_split=True)
     fields.update(overrides)

@@ -85,10 +85,25 @@ def test_tiles_match_the_table(head_dim):
     assert am * an == tiling.NUM_CONSUMER_WG and (t.tile_m // am) % 64 == 0 and (head_dim // an) % 8 == 0
 
 
-@pytest.mark.parametrize("head_dim", [32, 80, 96, 192, 256])
+@pytest.mark.parametrize("head_dim", [32, 80, 160, 192, 256])
 def test_other_head_dims_are_not_implemented(head_dim):
     with pytest.raises(NotImplementedError, match=re.escape(str(tiling.HEAD_DIMS))):
         tiling.attention_sm90_tiles(head_dim)
+
+
+# (Q / dO, K / V, fp32 dQ staging) swizzle-atom columns: the module docstring's paragraph
+ATOM_COLS = {64: (64, 64, 32), 96: (32, 16, 16), 128: (64, 64, 32)}
+
+
+@pytest.mark.parametrize("head_dim", tiling.HEAD_DIMS)
+def test_swizzle_atoms(head_dim):
+    """Every column slice a wgmma or a dQ reduce-add takes of a tile starts on a whole
+    atom; d96's 192-byte rows get narrower atoms than the 128-byte ones."""
+    t = tiling.attention_sm90_tiles(head_dim)
+    q, k, dq = (tiling.atom_cols(t.q_slice_cols, 16), tiling.atom_cols(t.k_slice_cols, 16), tiling.atom_cols(t.dq_box_cols, 32))
+    assert (q, k, dq) == ATOM_COLS[head_dim]
+    assert t.q_slice_cols % q == 0 and t.k_slice_cols % k == 0 and t.dq_box_cols % dq == 0
+    assert t.k_slice_cols == head_dim // t.dq_atoms[1]  # one warpgroup's dQ columns
 
 
 def test_tile_overrides_are_checked():
@@ -123,7 +138,7 @@ def _row_strided_query():
 UNSUPPORTED = [
     # (id, problem, keyword arguments, fragment of the reason)
     ("fp32", lambda: _problem(dtype=F32), {}, "dtype torch.float32"),
-    ("head-dim-96", lambda: _problem(d=96), {}, "head dims 96 / 96"),
+    ("head-dim-80", lambda: _problem(d=80), {}, "head dims 80 / 80"),
     ("head-dim-256", lambda: _problem(d=256), {}, "head dims 256 / 256"),
     ("dqk-ne-dv", lambda: _problem(d=128, dv=64), {}, "head dims 128 / 64"),
     ("gqa", lambda: _problem(h=4, hk=2), {}, "grouped-query heads"),
@@ -145,7 +160,7 @@ def test_unsupported_names_the_feature(case):
 
 
 @pytest.mark.parametrize("mask_type", [0, 1, 2])
-@pytest.mark.parametrize("dtype,d", [(BF16, 64), (F16, 128)])
+@pytest.mark.parametrize("dtype,d", [(BF16, 64), (F16, 96), (F16, 128)])
 def test_supported_problems(dtype, d, mask_type):
     assert S.unsupported(*_problem(d=d, dtype=dtype), mask_type=mask_type, arch="sm_90a") is None
     # [B, H, S, D] tensors seen as [B, S, H, D] (SDPA's layout), more queries than keys
@@ -240,7 +255,7 @@ FALLS_BACK = [
                     cu_seqlens_k=torch.tensor([0, 30, 100], dtype=torch.int32), max_seqlen_q=60, max_seqlen_k=70,
                     logsumexp=torch.zeros(2, 3, 64)), "variable lengths"),  # fmt: skip
     ("fp32", dict(dtype=F32), "dtype torch.float32"),
-    ("head-dim-96", dict(d=96), "head dims 96"),
+    ("head-dim-80", dict(d=80), "head dims 80"),
     ("dqk-ne-dv", dict(d=128, dv=64), "head dims 128 / 64"),
 ]
 
@@ -252,7 +267,7 @@ def test_auto_takes_sm90_with_a_window(backends):
 
 
 @pytest.mark.parametrize("mask_type,sq,sk", [(0, 100, 130), (1, 130, 100), (2, 100, 130), (2, 130, 100)])
-@pytest.mark.parametrize("dtype,d", [(BF16, 64), (F16, 128)])
+@pytest.mark.parametrize("dtype,d", [(BF16, 64), (BF16, 96), (F16, 128)])
 def test_auto_takes_sm90_where_it_applies(backends, caplog, dtype, d, mask_type, sq, sk):
     with caplog.at_level(logging.DEBUG, logger="cute_kernels.attention"):
         dq, dk, dv, db = _eab(sq=sq, sk=sk, d=d, dtype=dtype, mask_type=mask_type, scale=0.3)
