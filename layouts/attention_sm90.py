@@ -231,13 +231,15 @@ class AttentionSm90Tiles:
         return cute.tile_to_shape(atom, (self.tile_m, self.tile_n, self.ds_stages), order=(1, 0, 2))
 
     @property
-    def dq_box_cols(self) -> int:
-        """Columns of one dQ reduce-add: a warpgroup's part (dq_per_wg) or all of d."""
-        return self.dq_sub_tile[1] if self.dq_per_wg else self.head_dim
+    def dq_slice_cols(self) -> int:
+        """Columns of one warpgroup's dQ: the register -> shared copy of its accumulator cuts
+        the staging buffer into slices this wide, and dq_per_wg's reduce-add box is one."""
+        return self.dq_sub_tile[1]
 
     def dq_atom(self):
         """fp32 swizzle atom of the dQ staging buffer: 128-byte (32 columns) where the
-        reduce-add box allows, else 64-byte (16 columns; d96's 48-column parts). Both put
+        warpgroup slices allow, else 64-byte (16 columns; d96's 48-column slices: with
+        32-column atoms the DSL partitions neither the copy nor the box). Both put
         a warp's 64-bit accumulator pairs (8 rows x 4 pairs) in 2 wavefronts, the least
         for 256 bytes (row-major 512-byte rows were 8-way conflicts); TMA unswizzles it."""
         from cutlass import Float32
@@ -245,7 +247,7 @@ class AttentionSm90Tiles:
         from cutlass.utils import LayoutEnum
         from cutlass.utils import hopper_helpers as hh
 
-        return warpgroup.make_smem_layout_atom(hh.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, Float32, self.dq_box_cols), Float32)
+        return warpgroup.make_smem_layout_atom(hh.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, Float32, self.dq_slice_cols), Float32)
 
     def smem_layout_dq(self):
         """(tile_m, head_dim, dq_stages) fp32, swizzled (``dq_atom``)."""
@@ -296,7 +298,7 @@ def smem_layouts_algebra(t: AttentionSm90Tiles) -> dict:
         "smem_k": (rows(tn, atom_cols(t.k_slice_cols, 16), 16), "bf16",
                    "K / V: S^T / dP^T A (K-major), dQ B (MN-major view)"),
         "smem_ds": (ComposedLayout(swizzle(wds, 16), ds), "bf16", "dS stage, queries contiguous: dQ A (MN-major)"),
-        "smem_dq": (rows(tm, atom_cols(t.dq_box_cols, 32), 32), "fp32", "dQ staging (fp32) for the TMA reduce-add"),
+        "smem_dq": (rows(tm, atom_cols(t.dq_slice_cols, 32), 32), "fp32", "dQ staging (fp32) for the TMA reduce-add"),
     }  # fmt: skip
 
 

@@ -44,6 +44,15 @@ def test_compiles_with_window(dtype, head_dim, mask_type):
     assert callable(S._build(dtype, head_dim, mask_type, True, "sm_90a"))
 
 
+@pytest.mark.compile
+def test_d96_compiles_without_dq_per_wg(monkeypatch):
+    """The dQ staging atom follows the warpgroups' 48-column slices, not the reduce-add box:
+    one joint handoff of the whole tile compiles too (32-column atoms could not be partitioned)."""
+    tiles = tiling.attention_sm90_tiles
+    monkeypatch.setattr(tiling, "attention_sm90_tiles", lambda d: tiles(d, dq_per_wg=False))
+    assert callable(S._build(cutlass.BFloat16, 96, 1, False, "sm_90a"))
+
+
 def test_window_needs_a_causal_mask():
     from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
 
@@ -100,9 +109,9 @@ def test_swizzle_atoms(head_dim):
     """Every column slice a wgmma or a dQ reduce-add takes of a tile starts on a whole
     atom; d96's 192-byte rows get narrower atoms than the 128-byte ones."""
     t = tiling.attention_sm90_tiles(head_dim)
-    q, k, dq = (tiling.atom_cols(t.q_slice_cols, 16), tiling.atom_cols(t.k_slice_cols, 16), tiling.atom_cols(t.dq_box_cols, 32))
+    q, k, dq = (tiling.atom_cols(t.q_slice_cols, 16), tiling.atom_cols(t.k_slice_cols, 16), tiling.atom_cols(t.dq_slice_cols, 32))
     assert (q, k, dq) == ATOM_COLS[head_dim]
-    assert t.q_slice_cols % q == 0 and t.k_slice_cols % k == 0 and t.dq_box_cols % dq == 0
+    assert t.q_slice_cols % q == 0 and t.k_slice_cols % k == 0 and t.dq_slice_cols % dq == 0
     assert t.k_slice_cols == head_dim // t.dq_atoms[1]  # one warpgroup's dQ columns
 
 
