@@ -17,19 +17,31 @@ transposed form that keeps P and dS in registers for the dK / dV products:
     dS^T -> shared memory (m-contiguous), then dQ = dS K over the whole key block
                               (wgmma SS: A = dS smem, MN-major; B = K smem, MN-major view)
   the two warpgroups split dQ's columns (tile_m = 64) or rows (tile_m = 128).
-* Q, dO and K are stored once, row-major with a 128-byte swizzle; the K-major view
-  serves the first products and the transposed (MN-major) view the second ones: the
-  same 8 x 64 swizzle atom is legal for both.
+* Q, dO and K are stored once, row-major and swizzled; the K-major view serves the
+  first products and the transposed (MN-major) view the second ones. One swizzle atom
+  (8 rows x 16 / 32 / 64 elements: 32-, 64- or 128-byte rows) is legal for both views when
+  its width divides every column slice a wgmma takes of the MN-major view: all of d for
+  Q / dO (dK, dV: N = d), d / 2 for K when the warpgroups split dQ's columns. So the
+  atom is the widest that divides d (Q / dO) or that slice (K / V), see ``atom_cols``.
 
 | head dim | tile_m | tile_n | Q / dO stages | dS stages | consumers | smem (bf16) |
 |----------|--------|--------|---------------|-----------|-----------|-------------|
 | 64       | 128    | 128    | 2             | 2         | 2 x 128   | 195 KiB     |
+| 96       | 64     | 128    | 2             | 2         | 2 x 128   | 154 KiB     |
 | 128      | 64     | 128    | 2             | 2         | 2 x 128   | 194 KiB     |
 
-d128 also hands each warpgroup's dQ half to the store warp separately (``dq_per_wg``) and
-announces each dS half before waiting for the other (``pds_split``); both warpgroups
-issue the next block's S^T before waiting for dK (``overlap="s"``). Measurements:
-cute_kernels/attention_sm90/notes.md.
+Swizzle atoms: 128-byte for every tile of d64 and d128. d96 rows are 192 bytes, which
+a 128-byte atom does not divide: Q / dO take the 64-byte atom (32 columns; dK / dV read
+all 96 columns of the MN-major view), K / V the 32-byte one (16 columns: each warpgroup's
+dQ takes 48 columns of K's MN-major view, and with 32-column atoms warpgroup 1's slice
+would start mid-atom, which no wgmma descriptor expresses: the DSL refuses to partition
+it), the fp32 dQ staging the 64-byte one (16 columns: each warpgroup's 48-column part is
+whole atoms, reduce-added as three 16-column TMA boxes).
+
+d96 and d128 also hand each warpgroup's dQ half to the store warp separately
+(``dq_per_wg``) and announce each dS half before waiting for the other (``pds_split``);
+all issue the next block's S^T before waiting for dK (``overlap="s"``). Measurements:
+cute_kernels/attention_sm90/notes.md (d96 takes d128's options, not measured on its own).
 
 (tests/test_attention_sm90_cpu.py checks the table.) Everything else takes the
 sm80-structured memory-efficient kernel (``ops`` dispatch).
@@ -40,12 +52,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory an H100 CTA may use
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 96, 128)
 NUM_CONSUMER_WG = 2
 PRODUCER_REGS = 24  # setmaxnreg for the producer warpgroup
 CONSUMER_REGS = 240  # for each consumer warpgroup (24 + 2 x 240 <= 504 per thread-slot budget)
 STORE_WARP_THREADS = 32  # the producer warpgroup's dQ-store warp
 SMEM_ALIGN = 1024  # bytes: every shared buffer starts on a whole 128-byte-swizzle period (8 x 128 B)
+SWIZZLE_ROW_BITS = (1024, 512, 256)  # the wgmma / TMA swizzle atoms' rows (128, 64, 32 bytes), widest first
 TMA_ALIGN_BYTES = 16  # TMA: global strides (but the last) and addresses, in bytes
 STATS_ALIGN = 128  # bytes: the LSE / Δ stages (TMA destinations)
 # registers -> memory vector widths (bits): a thread's accumulator holds column pairs
@@ -57,6 +70,16 @@ DKV_STORE_BITS = 32  # dK / dV pair of 16-bit values into global memory
 def tma_align_elems(elem_bits: int) -> int:
     """Elements per TMA_ALIGN_BYTES (the divisibility of strides the sm90 path needs)."""
     return TMA_ALIGN_BYTES * 8 // elem_bits
+
+
+def atom_cols(cols: int, elem_bits: int) -> int:
+    """Columns of the widest swizzle atom whose row divides ``cols`` elements (the rule of
+    ``hopper_helpers.get_smem_layout_atom``, which the DSL side calls; the catalogue test
+    checks the two agree)."""
+    for row_bits in SWIZZLE_ROW_BITS:
+        if cols * elem_bits % row_bits == 0:
+            return row_bits // elem_bits
+    raise ValueError(f"{cols} columns of {elem_bits}-bit elements fit no swizzle atom")
 
 
 @dataclass(frozen=True)
@@ -166,16 +189,37 @@ class AttentionSm90Tiles:
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=DKV_STORE_BITS)
         return cute.make_tiled_copy_C(atom, tiled_mma_dkv)
 
-    def smem_layout_rows(self, dtype, rows: int, stages):
-        """(rows, head_dim[, stages]) row-major with the widest swizzle the head dim allows."""
+    @property
+    def q_slice_cols(self) -> int:
+        """Columns of the narrowest slice a wgmma takes of Q's / dO's MN-major view (dK / dV:
+        one warpgroup's N is all of d)."""
+        return self.head_dim
+
+    @property
+    def k_slice_cols(self) -> int:
+        """The same for K (B operand of dQ): one warpgroup's dQ columns."""
+        return self.dq_sub_tile[1]
+
+    def smem_layout_rows(self, dtype, rows: int, stages, slice_cols: int):
+        """(rows, head_dim[, stages]) row-major, swizzle atoms as wide as ``slice_cols``
+        allows: a wgmma's MN-major slice must start on a whole atom."""
         import cutlass.cute as cute
         from cutlass.cute.nvgpu import warpgroup
         from cutlass.utils import LayoutEnum
         from cutlass.utils import hopper_helpers as hh
 
-        atom = warpgroup.make_smem_layout_atom(hh.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, self.head_dim), dtype)
+        atom = warpgroup.make_smem_layout_atom(hh.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, slice_cols), dtype)
         shape = (rows, self.head_dim) if stages is None else (rows, self.head_dim, stages)
         return cute.tile_to_shape(atom, shape, order=(0, 1) if stages is None else (0, 1, 2))
+
+    def smem_layout_q(self, dtype):
+        """Q / dO ring: (tile_m, head_dim, stages)."""
+        return self.smem_layout_rows(dtype, self.tile_m, self.stages, self.q_slice_cols)
+
+    def smem_layout_k(self, dtype):
+        """K / V: (tile_n, head_dim). V is only read K-major but shares K's layout (one
+        shape for both TMA loads)."""
+        return self.smem_layout_rows(dtype, self.tile_n, None, self.k_slice_cols)
 
     def smem_layout_ds(self, dtype):
         """(tile_m, tile_n, ds_stages), queries contiguous: dS^T's register pairs are adjacent."""
@@ -187,21 +231,35 @@ class AttentionSm90Tiles:
         atom = warpgroup.make_smem_layout_atom(hh.get_smem_layout_atom(LayoutEnum.COL_MAJOR, dtype, self.tile_m), dtype)
         return cute.tile_to_shape(atom, (self.tile_m, self.tile_n, self.ds_stages), order=(1, 0, 2))
 
-    def smem_layout_dq(self):
-        """(tile_m, head_dim, dq_stages) fp32 with a 128-byte swizzle: the accumulator's row
-        pairs land in distinct banks (row-major 512-byte rows were 8-way conflicts); TMA
-        unswizzles it."""
-        import cutlass.cute as cute
+    @property
+    def dq_slice_cols(self) -> int:
+        """Columns of one warpgroup's dQ: the register -> shared copy of its accumulator cuts
+        the staging buffer into slices this wide, and dq_per_wg's reduce-add box is one."""
+        return self.dq_sub_tile[1]
+
+    def dq_atom(self):
+        """fp32 swizzle atom of the dQ staging buffer: 128-byte (32 columns) where the
+        warpgroup slices allow, else 64-byte (16 columns; d96's 48-column slices: with
+        32-column atoms the DSL partitions neither the copy nor the box). Both put
+        a warp's 64-bit accumulator pairs (8 rows x 4 pairs) in 2 wavefronts, the least
+        for 256 bytes (row-major 512-byte rows were 8-way conflicts); TMA unswizzles it."""
         from cutlass import Float32
         from cutlass.cute.nvgpu import warpgroup
+        from cutlass.utils import LayoutEnum
+        from cutlass.utils import hopper_helpers as hh
 
-        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float32)
-        return cute.tile_to_shape(atom, (self.tile_m, self.head_dim, self.dq_stages), order=self.dq_order + (2,))
+        return warpgroup.make_smem_layout_atom(hh.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, Float32, self.dq_slice_cols), Float32)
+
+    def smem_layout_dq(self):
+        """(tile_m, head_dim, dq_stages) fp32, swizzled (``dq_atom``)."""
+        import cutlass.cute as cute
+
+        return cute.tile_to_shape(self.dq_atom(), (self.tile_m, self.head_dim, self.dq_stages), order=self.dq_order + (2,))
 
     @property
     def dq_order(self) -> tuple:
-        """Tiling order of the dQ staging atoms: rows first, so a column half (dq_per_wg's
-        part when the warpgroups split columns) is one run and a TMA box covers 32 columns."""
+        """Tiling order of the dQ staging atoms: rows first, so a column part (dq_per_wg's
+        when the warpgroups split columns) is one run and a TMA box covers one atom's columns."""
         return (0, 1)
 
     @property
@@ -213,33 +271,36 @@ class AttentionSm90Tiles:
     def smem_layout_dq_sub(self):
         """One warpgroup's part of the dQ staging buffer (the TMA box of dq_per_wg)."""
         import cutlass.cute as cute
-        from cutlass import Float32
-        from cutlass.cute.nvgpu import warpgroup
 
-        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float32)
-        return cute.tile_to_shape(atom, self.dq_sub_tile, order=self.dq_order)
+        return cute.tile_to_shape(self.dq_atom(), self.dq_sub_tile, order=self.dq_order)
 
 
 def smem_layouts_algebra(t: AttentionSm90Tiles) -> dict:
     """The shared-memory tiles (one stage) in ``layouts.algebra`` form, for the catalogue and
     its pictures: element offsets, swizzles in element units. The DSL objects above swizzle
-    byte addresses with the same 128-byte pattern: Swizzle<3,4,3> on bytes is <3,3,3> on
-    16-bit elements and <3,2,3> on fp32 (tests/test_attention_sm90_cpu.py compares them)."""
+    byte addresses: Swizzle<B,4,3> on bytes (B = 3, 2, 1 for 128-, 64-, 32-byte atom rows)
+    is <B,3,3> on 16-bit elements and <B,2,3> on fp32 (tests/test_attention_sm90_cpu.py
+    compares them)."""
     from .algebra import ComposedLayout, Layout, Swizzle
 
     d, tm, tn = t.head_dim, t.tile_m, t.tile_n
 
-    def rows(r):  # K-major SW128 atoms (8 rows x 64 elements), rows first
-        return ComposedLayout(Swizzle(3, 3, 3), Layout(((8, r // 8), (64, d // 64)), ((64, 512), (1, r * 64))))
+    def swizzle(w, bits):  # atom rows of w elements: 16-byte chunks XORed with the row mod 2^B
+        return Swizzle((w * bits // 128).bit_length() - 1, (128 // bits).bit_length() - 1, 3)
 
+    def rows(r, w, bits):  # K-major atoms (8 rows x w elements), rows first
+        return ComposedLayout(swizzle(w, bits), Layout(((8, r // 8), (w, d // w)), ((w, 8 * w), (1, r * w))))
+
+    wds = atom_cols(tm, 16)  # MN-major dS: queries contiguous
+    ds = Layout(((wds, tm // wds), (8, tn // 8)), ((1, tn * wds), (wds, 8 * wds)))
     return {
-        "smem_q": (rows(tm), "bf16", "Q / dO stage: S^T / dP^T B (K-major), dK / dV B (MN-major view)"),
-        "smem_k": (rows(tn), "bf16", "K / V: S^T / dP^T A (K-major), dQ B (MN-major view)"),
-        "smem_ds": (ComposedLayout(Swizzle(3, 3, 3), Layout(((64, tm // 64), (8, tn // 8)), ((1, tn * 64), (64, 512)))),
-                    "bf16", "dS stage, queries contiguous: dQ A (MN-major)"),
-        "smem_dq": (ComposedLayout(Swizzle(3, 2, 3), Layout(((8, tm // 8), (32, d // 32)), ((32, 256), (1, tm * 32)))),
-                    "fp32", "dQ staging (fp32) for the TMA reduce-add"),
-    }
+        "smem_q": (rows(tm, atom_cols(t.q_slice_cols, 16), 16), "bf16",
+                   "Q / dO stage: S^T / dP^T B (K-major), dK / dV B (MN-major view)"),
+        "smem_k": (rows(tn, atom_cols(t.k_slice_cols, 16), 16), "bf16",
+                   "K / V: S^T / dP^T A (K-major), dQ B (MN-major view)"),
+        "smem_ds": (ComposedLayout(swizzle(wds, 16), ds), "bf16", "dS stage, queries contiguous: dQ A (MN-major)"),
+        "smem_dq": (rows(tm, atom_cols(t.dq_slice_cols, 32), 32), "fp32", "dQ staging (fp32) for the TMA reduce-add"),
+    }  # fmt: skip
 
 
 def attention_sm90_tiles(head_dim: int, causal: bool = False, **overrides) -> AttentionSm90Tiles:
@@ -249,9 +310,9 @@ def attention_sm90_tiles(head_dim: int, causal: bool = False, **overrides) -> At
     tile_m = 128 if head_dim <= 64 else 64
     fields = dict(head_dim=head_dim, tile_m=tile_m, tile_n=128)
     if tile_m == 64:
-        # warpgroups split dQ's columns: each hands its half over alone, and announces its dS
-        # half before waiting for the other's (H100, 2x16x4096x128: 1.412 vs 1.451 ms); S^T at
-        # the top of each step keeps ptxas from serialising the wgmmas (1.240 vs 1.484 ms)
+        # (d96, d128) warpgroups split dQ's columns: each hands its half over alone, and announces
+        # its dS half before waiting for the other's (H100, 2x16x4096x128: 1.412 vs 1.451 ms); S^T
+        # at the top of each step keeps ptxas from serialising the wgmmas (1.240 vs 1.484 ms)
         fields.update(dq_per_wg=True, pds_split=True, overlap="none")
     fields.update(overrides)
     t = AttentionSm90Tiles(**fields)

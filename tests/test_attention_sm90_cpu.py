@@ -45,10 +45,19 @@ def test_compiles_with_window(dtype, head_dim, mask_type):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("head_dim,mask_type,window", [(64, 0, False), (128, 1, False), (64, 2, True), (128, 1, True)])
+@pytest.mark.parametrize("head_dim,mask_type,window", [(64, 0, False), (96, 0, False), (128, 1, False), (64, 2, True), (128, 1, True)])
 def test_compiles_deterministic(head_dim, mask_type, window):
     """dQ added in key-block order: the store warp's semaphore wait / release."""
     assert callable(S._build(cutlass.BFloat16, head_dim, mask_type, window, "sm_90a", True))
+
+
+@pytest.mark.compile
+def test_d96_compiles_without_dq_per_wg(monkeypatch):
+    """The dQ staging atom follows the warpgroups' 48-column slices, not the reduce-add box:
+    one joint handoff of the whole tile compiles too (32-column atoms could not be partitioned)."""
+    tiles = tiling.attention_sm90_tiles
+    monkeypatch.setattr(tiling, "attention_sm90_tiles", lambda d: tiles(d, dq_per_wg=False))
+    assert callable(S._build(cutlass.BFloat16, 96, 1, False, "sm_90a"))
 
 
 def test_window_needs_a_causal_mask():
@@ -92,10 +101,25 @@ def test_tiles_match_the_table(head_dim):
     assert am * an == tiling.NUM_CONSUMER_WG and (t.tile_m // am) % 64 == 0 and (head_dim // an) % 8 == 0
 
 
-@pytest.mark.parametrize("head_dim", [32, 80, 96, 192, 256])
+@pytest.mark.parametrize("head_dim", [32, 80, 160, 192, 256])
 def test_other_head_dims_are_not_implemented(head_dim):
     with pytest.raises(NotImplementedError, match=re.escape(str(tiling.HEAD_DIMS))):
         tiling.attention_sm90_tiles(head_dim)
+
+
+# (Q / dO, K / V, fp32 dQ staging) swizzle-atom columns: the module docstring's paragraph
+ATOM_COLS = {64: (64, 64, 32), 96: (32, 16, 16), 128: (64, 64, 32)}
+
+
+@pytest.mark.parametrize("head_dim", tiling.HEAD_DIMS)
+def test_swizzle_atoms(head_dim):
+    """Every column slice a wgmma or a dQ reduce-add takes of a tile starts on a whole
+    atom; d96's 192-byte rows get narrower atoms than the 128-byte ones."""
+    t = tiling.attention_sm90_tiles(head_dim)
+    q, k, dq = (tiling.atom_cols(t.q_slice_cols, 16), tiling.atom_cols(t.k_slice_cols, 16), tiling.atom_cols(t.dq_slice_cols, 32))
+    assert (q, k, dq) == ATOM_COLS[head_dim]
+    assert t.q_slice_cols % q == 0 and t.k_slice_cols % k == 0 and t.dq_slice_cols % dq == 0
+    assert t.k_slice_cols == head_dim // t.dq_atoms[1]  # one warpgroup's dQ columns
 
 
 def test_tile_overrides_are_checked():
@@ -130,7 +154,7 @@ def _row_strided_query():
 UNSUPPORTED = [
     # (id, problem, keyword arguments, fragment of the reason)
     ("fp32", lambda: _problem(dtype=F32), {}, "dtype torch.float32"),
-    ("head-dim-96", lambda: _problem(d=96), {}, "head dims 96 / 96"),
+    ("head-dim-80", lambda: _problem(d=80), {}, "head dims 80 / 80"),
     ("head-dim-256", lambda: _problem(d=256), {}, "head dims 256 / 256"),
     ("dqk-ne-dv", lambda: _problem(d=128, dv=64), {}, "head dims 128 / 64"),
     ("heads-not-grouped", lambda: _problem(h=4, hk=3), {}, "query heads 4 not a multiple of key heads 3"),
@@ -151,7 +175,7 @@ def test_unsupported_names_the_feature(case):
 
 
 @pytest.mark.parametrize("mask_type", [0, 1, 2])
-@pytest.mark.parametrize("dtype,d", [(BF16, 64), (F16, 128)])
+@pytest.mark.parametrize("dtype,d", [(BF16, 64), (F16, 96), (F16, 128)])
 def test_supported_problems(dtype, d, mask_type):
     assert S.unsupported(*_problem(d=d, dtype=dtype), mask_type=mask_type, arch="sm_90a") is None
     # [B, H, S, D] tensors seen as [B, S, H, D] (SDPA's layout), more queries than keys
@@ -248,7 +272,7 @@ FALLS_BACK = [
                     cu_seqlens_k=torch.tensor([0, 30, 100], dtype=torch.int32), max_seqlen_q=60, max_seqlen_k=70,
                     logsumexp=torch.zeros(2, 3, 64)), "variable lengths"),  # fmt: skip
     ("fp32", dict(dtype=F32), "dtype torch.float32"),
-    ("head-dim-96", dict(d=96), "head dims 96"),
+    ("head-dim-80", dict(d=80), "head dims 80"),
     ("dqk-ne-dv", dict(d=128, dv=64), "head dims 128 / 64"),
 ]
 
@@ -322,7 +346,7 @@ def test_auto_takes_sm90_with_a_window(backends):
 
 
 @pytest.mark.parametrize("mask_type,sq,sk", [(0, 100, 130), (1, 130, 100), (2, 100, 130), (2, 130, 100)])
-@pytest.mark.parametrize("dtype,d", [(BF16, 64), (F16, 128)])
+@pytest.mark.parametrize("dtype,d", [(BF16, 64), (BF16, 96), (F16, 128)])
 def test_auto_takes_sm90_where_it_applies(backends, caplog, dtype, d, mask_type, sq, sk):
     with caplog.at_level(logging.DEBUG, logger="cute_kernels.attention"):
         dq, dk, dv, db = _eab(sq=sq, sk=sk, d=d, dtype=dtype, mask_type=mask_type, scale=0.3)
@@ -511,7 +535,7 @@ def test_suite_sm90_row_unavailable_with_a_feature(feature):
 @pytest.mark.parametrize("d", tiling.HEAD_DIMS)
 def test_catalogue_forms_match_the_kernel_layouts(d):
     """The catalogue's algebra forms of the shared-memory tiles give the offsets of the DSL
-    layouts the kernel allocates (their 128-byte swizzle acts on byte addresses)."""
+    layouts the kernel allocates (their swizzles act on byte addresses), atoms included."""
     import cutlass.cute as cute
 
     from layouts.algebra import Swizzle, parse_layout
@@ -523,8 +547,8 @@ def test_catalogue_forms_match_the_kernel_layouts(d):
     def trace():
         bf16 = cutlass.BFloat16
         for name, lay in (
-            ("smem_q", cute.select(t.smem_layout_rows(bf16, t.tile_m, t.stages), mode=[0, 1])),
-            ("smem_k", t.smem_layout_rows(bf16, t.tile_n, None)),
+            ("smem_q", cute.select(t.smem_layout_q(bf16), mode=[0, 1])),
+            ("smem_k", t.smem_layout_k(bf16)),
             ("smem_ds", cute.select(t.smem_layout_ds(bf16), mode=[0, 1])),
             ("smem_dq", cute.select(t.smem_layout_dq(), mode=[0, 1])),
         ):
@@ -534,8 +558,9 @@ def test_catalogue_forms_match_the_kernel_layouts(d):
     forms = tiling.smem_layouts_algebra(t)
     for name, (layout, dtype, _) in forms.items():
         inner, outer = printed[name]
-        assert inner == "S<3,4,3>", (name, inner)  # on bytes
-        dsl, byte_swizzle, elem = parse_layout(outer), Swizzle(3, 4, 3), 2 if dtype == "bf16" else 4
+        bits = layout.swizzle.bits
+        assert inner == f"S<{bits},4,3>", (name, inner)  # the same atom, on bytes
+        dsl, byte_swizzle, elem = parse_layout(outer), Swizzle(bits, 4, 3), 2 if dtype == "bf16" else 4
         assert dsl.size() == layout.size(), name
         for i in range(layout.size()):
             assert layout(i) == byte_swizzle(dsl(i) * elem) // elem, (name, i)

@@ -107,7 +107,7 @@ def chosen(caplog):
 
 # --------------------------------------------------------------- vs the fp64 reference
 
-# (B, H, Sq, Sk, D, mask): tile_n = 128 keys; tile_m = 128 (d64) / 64 (d128) queries
+# (B, H, Sq, Sk, D, mask): tile_n = 128 keys; tile_m = 128 (d64) / 64 (d96, d128) queries
 CASES = [
     (1, 2, 128, 128, 64, 0),  # whole tiles
     (2, 3, 100, 130, 64, 0),  # partial query and key blocks
@@ -117,6 +117,10 @@ CASES = [
     (2, 2, 130, 257, 128, 2),  # bottom-right, Sq < Sk
     (1, 3, 200, 200, 64, 2),  # bottom-right, Sq == Sk
     (1, 2, 1, 129, 128, 2),  # one query, which sees every key
+    # d96: 64-byte Q / dO atoms, 32-byte K / V, dQ parts of 48 columns
+    (1, 2, 100, 130, 96, 0),  # partial query and key blocks
+    (1, 2, 200, 200, 96, 1),  # top-left, Sq == Sk
+    (2, 2, 130, 257, 96, 2),  # bottom-right, Sq < Sk
 ]
 REF_CASES = [(dt,) + c for dt in (BF16, F16) for c in CASES]
 
@@ -159,6 +163,7 @@ WINDOW_CASES = [
     (BF16, 1, 2, 257, 300, 128, 2, 70),  # bottom-right
     (F16, 1, 2, 129, 129, 64, 2, 1),  # a window of one key: the diagonal
     (BF16, 2, 3, 400, 260, 64, 1, 300),  # a window wider than the keys
+    (F16, 1, 2, 300, 300, 96, 1, 50),  # d96
 ]
 
 
@@ -198,6 +203,7 @@ VS_MEM_EFF = [
     (BF16, 1, 2, 65, 64, 128, 2),  # one row without keys
     (F16, 2, 3, 100, 130, 64, 0),
     (BF16, 1, 2, 200, 333, 128, 1),
+    (BF16, 2, 2, 300, 100, 96, 2),  # d96, bottom-right, Sq > Sk
 ]
 
 
@@ -417,7 +423,7 @@ def test_deterministic_follows_torch_flag():
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "packed"])
-@pytest.mark.parametrize("dtype,d", [(BF16, 64), (F16, 128)], ids=["bf16-d64", "fp16-d128"])
+@pytest.mark.parametrize("dtype,d", [(BF16, 64), (BF16, 96), (F16, 128)], ids=["bf16-d64", "bf16-d96", "fp16-d128"])
 def test_strided_inputs(layout, dtype, d, caplog):
     """[B, H, S, D] tensors seen as [B, S, H, D] (SDPA's layout, dO too) and a packed QKV:
     the sm90 path takes them (TMA-aligned strides) and writes fresh [B, S, H, D] gradients."""

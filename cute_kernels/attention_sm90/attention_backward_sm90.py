@@ -88,8 +88,8 @@ class AttentionBackwardSm90:
         if const_expr(self.deterministic):
             mSemaphore = select_modes(mSemaphore, (2, 1, 0))  # (query blocks, heads, batch)
 
-        sQ_layout = t.smem_layout_rows(self.dtype, t.tile_m, t.stages)
-        sK_layout = t.smem_layout_rows(self.dtype, t.tile_n, None)
+        sQ_layout = t.smem_layout_q(self.dtype)
+        sK_layout = t.smem_layout_k(self.dtype)
         sdS_layout = t.smem_layout_ds(self.dtype)
         sdQ_layout = t.smem_layout_dq()
         sStat_layout = cute.make_layout((t.tile_m, t.stages))
