@@ -6,7 +6,7 @@ the sm90 kernel (dK, dV, dQ added into the accumulator), our ``convert_dq``.
 ``ops.efficient_attention_backward`` and ``ops.memory_efficient_attention`` choose
 between it and the sm80-structured kernel (``backend=``, see ``ops.mem_eff_attention``).
 dQ is summed by TMA reduce-adds in whatever order the key blocks finish (not bitwise
-reproducible from run to run) unless ``deterministic``: then in ascending key-block order.
+reproducible from run to run) unless ``deterministic``: then in a fixed key-block order.
 """
 
 from __future__ import annotations

@@ -49,9 +49,10 @@ class AttentionBackwardSm90:
     bottom-right) and, with a causal mask, a sliding window (key k sees query q when
     q + offset - window_size < k <= q + offset; the window's size is a runtime argument).
 
-    ``deterministic``: each query block's dQ is added by the key blocks that see it in
-    ascending order (a semaphore per query block and query head counts the adds), so the
-    fp32 sums, and dQ, are the same bits from run to run."""
+    ``deterministic``: each query block's dQ is added by the key blocks that see it in a
+    fixed order (ascending without a mask, descending with one; a semaphore per query
+    block and query head counts the adds), so the fp32 sums, and dQ, are the same bits
+    from run to run."""
 
     def __init__(self, dtype, tiles: AttentionSm90Tiles, mask_type: int, has_window: bool = False,
                  deterministic: bool = False):  # fmt: skip
@@ -204,7 +205,7 @@ class AttentionBackwardSm90:
                           tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, pipe_q, pipe_do, mbar_kv,
                           n_block, batch, work)  # fmt: skip
             if warp_idx == 1:
-                self.store_dq(gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, work, seqlen_q, seqlen_k, window_size)
+                self.store_dq(gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, work, seqlen_q, seqlen_k)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.mma(sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
@@ -291,7 +292,7 @@ class AttentionBackwardSm90:
         cute.copy(atom, tg, ts[None, stage], tma_bar_ptr=bar)
 
     @cute.jit
-    def store_dq(self, gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, work, seqlen_q, seqlen_k, window_size):
+    def store_dq(self, gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, work, seqlen_q, seqlen_k):
         """Add each query block's dQ (staged in sdQ by the consumers) into the fp32 accumulator."""
         t = self.tiles
         head_kv, group, m_min, m_max = work
@@ -301,14 +302,9 @@ class AttentionBackwardSm90:
         lane = cute.arch.lane_idx()
         for i in cutlass.range(group * (m_max - m_min), unroll=1):
             head, m_block = self.work_item(work, i)
+            sem = None
             if const_expr(self.deterministic):
-                # this key block's turn: the key blocks before it that see the block have added
                 sem = mSemaphore.iterator + cute.crd2idx((m_block, head, batch), mSemaphore.layout)
-                turn = n_block - self.first_key_block(m_block, seqlen_q, seqlen_k, window_size)
-                if lane == 0:
-                    while cute.arch.load(sem, Int32, sem="acquire", scope="gpu") != turn:
-                        cute.arch.inline_ptx("nanosleep.u32 20;")
-                cute.arch.sync_warp()
             if const_expr(t.dq_per_wg):
                 # each warpgroup's part of a block's dQ is its own reduce-add and handoff
                 gdQ = cute.local_tile(gdQ_tma[None, None, head, batch], sub, (None, None))  # (rows, cols, m, n)
@@ -320,6 +316,8 @@ class AttentionBackwardSm90:
                     cute.arch.cp_async_bulk_wait_group(1, read=True)  # this part's previous reduce-add has read it
                     cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY if w == 0 else BAR_DQ_EMPTY_WG1, number_of_threads=handoff)
                     cute.arch.barrier(barrier_id=BAR_DQ_FULL if w == 0 else BAR_DQ_FULL_WG1, number_of_threads=handoff)
+                    if const_expr(self.deterministic and w == 0):
+                        self.wait_turn(sem, self.dq_turn(m_block, n_block, seqlen_q, seqlen_k), lane)
                     cute.copy(tma_dQ, tdQs, tdQg[None, m_block * am + wm, wn])
                     cute.arch.cp_async_bulk_commit_group()
             else:
@@ -330,6 +328,8 @@ class AttentionBackwardSm90:
                 cute.arch.cp_async_bulk_wait_group(t.dq_stages - 1, read=True)
                 cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY, number_of_threads=handoff)
                 cute.arch.barrier(barrier_id=BAR_DQ_FULL, number_of_threads=handoff)
+                if const_expr(self.deterministic):
+                    self.wait_turn(sem, self.dq_turn(m_block, n_block, seqlen_q, seqlen_k), lane)
                 cute.copy(tma_dQ, tdQs[None, i % t.dq_stages], tdQg)
                 cute.arch.cp_async_bulk_commit_group()
             if const_expr(self.deterministic):
@@ -340,19 +340,32 @@ class AttentionBackwardSm90:
         cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
-    def first_key_block(self, m_block, seqlen_q, seqlen_k, window_size):
-        """The first key block that sees query block ``m_block`` (the inverse of m_block_range:
-        the key blocks that see a query block are consecutive). Without a window the first
-        key block sees every query block any key block sees."""
+    def wait_turn(self, sem, turn, lane):
+        """Deterministic mode: wait until ``turn`` key blocks have added into this query block
+        (after the block's dQ is staged, so the consumers go on meanwhile)."""
+        if lane == 0:
+            while cute.arch.load(sem, Int32, sem="acquire", scope="gpu") != turn:
+                cute.arch.inline_ptx("nanosleep.u32 20;")
+        cute.arch.sync_warp()
+
+    @cute.jit
+    def dq_turn(self, m_block, n_block, seqlen_q, seqlen_k):
+        """Deterministic mode: how many key blocks add into query block ``m_block`` before
+        key block ``n_block``. Without a mask every key block sees every query block and
+        they go in ascending order, the order CTAs are launched (a CTA never waits for one
+        not yet resident behind it). With a causal mask key block n starts at the diagonal,
+        so the last key block that sees a query block reaches it first: descending order.
+        The key blocks that see a query block are consecutive (a window cuts the low end)."""
         t = self.tiles
-        n_first = Int32(0)
-        if const_expr(self.has_window):
-            # key block n sees query block m iff its last key is inside the window of the block's
-            # first query: n * tile_n >= m * tile_m + offset - window_size + 2 - tile_n
-            need = m_block * t.tile_m + self.causal_offset(seqlen_q, seqlen_k) - window_size + 2 - t.tile_n
-            if need > 0:
-                n_first = (need + t.tile_n - 1) // t.tile_n
-        return n_first
+        turn = n_block
+        if const_expr(self.mask_type != 0):
+            n_last = cute.ceil_div(seqlen_k, t.tile_n) - 1
+            # the block's last query sees keys up to here (>= 0 for a block some key block sees)
+            reach = (m_block + 1) * t.tile_m - 1 + self.causal_offset(seqlen_q, seqlen_k)
+            if reach // t.tile_n < n_last:
+                n_last = reach // t.tile_n
+            turn = n_last - n_block
+        return turn
 
     # --------------------------------------------------------------------------- consumers
     @cute.jit
