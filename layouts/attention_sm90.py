@@ -39,9 +39,17 @@ it), the fp32 dQ staging the 64-byte one (16 columns: each warpgroup's 48-column
 whole atoms, reduce-added as three 16-column TMA boxes).
 
 d96 and d128 also hand each warpgroup's dQ half to the store warp separately
-(``dq_per_wg``) and announce each dS half before waiting for the other (``pds_split``);
-all issue the next block's S^T before waiting for dK (``overlap="s"``). Measurements:
-cute_kernels/attention_sm90/notes.md (d96 takes d128's options, not measured on its own).
+(``dq_per_wg``) and announce each dS half before waiting for the other (``pds_split``),
+and issue each block's S^T at the top of its step (``overlap="none"``). d64 issues the
+next block's S^T before waiting for dK (``overlap="s"``): ptxas then serialises every
+wgmma of the kernel (its warning C7515), yet d64 measured faster so (0.499 vs 0.520 ms
+causal 2x16x4096); d128 gained 16% without it. Measurements:
+cute_kernels/attention_sm90/notes.md (d96 takes d128's options).
+
+Grouped-query heads: a CTA owns a key block of one key head and walks the query blocks of
+every query head of its group (dK / dV summed in registers). Deterministic mode: the
+store warp adds a query block's dQ when its turn comes (a semaphore per query block and
+query head; see the kernel).
 
 (tests/test_attention_sm90_cpu.py checks the table.) Everything else takes the
 sm80-structured memory-efficient kernel (``ops`` dispatch).
