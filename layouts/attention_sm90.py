@@ -57,6 +57,7 @@ sm80-structured memory-efficient kernel (``ops`` dispatch).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory an H100 CTA may use
@@ -311,6 +312,7 @@ def smem_layouts_algebra(t: AttentionSm90Tiles) -> dict:
     }  # fmt: skip
 
 
+@functools.lru_cache(maxsize=None)  # also read on the call path (deterministic mode's semaphore shape)
 def attention_sm90_tiles(head_dim: int, causal: bool = False, **overrides) -> AttentionSm90Tiles:
     """The tiles for ``head_dim`` (see the module table); ``overrides`` for sweeps."""
     if head_dim not in HEAD_DIMS:

@@ -327,13 +327,10 @@ def memory_efficient_attention(
         out [B, Mq, H, Kv] in query's dtype. Eager varlen calls read cu_seqlens back once to
         check them (non-decreasing from 0, within M, within max_seqlen).
     """
-    from ops.mem_eff_attention import _check_backend
+    from ops.mem_eff_attention import _check_backend, _resolve_deterministic
 
     _check_backend(backend)
-    if deterministic is None:
-        deterministic = torch.are_deterministic_algorithms_enabled()
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool or None, got {deterministic!r}")
+    deterministic = _resolve_deterministic(deterministic)
     mask_type, window_size, max_q, max_k, scale = _validate(
         query, key, value, causal, window_size, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )

@@ -313,6 +313,15 @@ def _check_backend(backend) -> None:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
 
 
+def _resolve_deterministic(deterministic) -> bool:
+    """``deterministic=`` of the attention entry points: None follows torch's flag at the call."""
+    if deterministic is None:
+        return torch.are_deterministic_algorithms_enabled()
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool or None, got {deterministic!r}")
+    return deterministic
+
+
 def choose_backend(backend, grad_out, query, key, value, out, *, custom_mask_type=0, window_size=None,
                    cu_seqlens_q=None, bias=None, dropout_p=0.0, num_splits_key=None,
                    shared_storage_dqdkdv=False, arch=None) -> Tuple[str, str]:  # fmt: skip
@@ -462,17 +471,22 @@ def _mem_eff_impl(
     return grad_q, grad_k, grad_v, grad_bias
 
 
-def _mem_eff_grouped(grad_out, query, key, value, *args):
+def _mem_eff_grouped(
+    grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,
+    custom_mask_type, scale, num_splits_key, window_size, shared_storage_dqdkdv, *features,
+):
     """Grouped-query heads on the memory-efficient kernel (which has one key head per query
     head): key and value repeated per query head, dK and dV summed back over each group
-    (in fp32)."""
-    shared_storage_dqdkdv = args[10]
+    (in fp32). ``features``: _mem_eff_impl's bias / dropout arguments, passed on."""
     if shared_storage_dqdkdv:
         raise ValueError("shared_storage_dqdkdv needs as many key heads as query heads")
     b, mk, hk, _ = key.shape
     group = query.shape[2] // hk
     key_x, value_x = (t.repeat_interleave(group, dim=2) for t in (key, value))
-    grad_q, grad_k, grad_v, grad_bias = _mem_eff_impl(grad_out, query, key_x, value_x, *args)
+    grad_q, grad_k, grad_v, grad_bias = _mem_eff_impl(
+        grad_out, query, key_x, value_x, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,
+        custom_mask_type, scale, num_splits_key, window_size, shared_storage_dqdkdv, *features,
+    )  # fmt: skip
     grad_k, grad_v = (g.float().unflatten(2, (hk, group)).sum(3).to(g.dtype) for g in (grad_k, grad_v))
     return grad_q, grad_k, grad_v, grad_bias
 
@@ -545,10 +559,7 @@ def efficient_attention_backward(
     in key-block order (semaphores; slower), the memory-efficient kernel runs one key
     split (``num_splits_key`` must be None or 1)."""
     _check_backend(backend)
-    if deterministic is None:
-        deterministic = torch.are_deterministic_algorithms_enabled()
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool or None, got {deterministic!r}")
+    deterministic = _resolve_deterministic(deterministic)
     for name, t in (("grad_out_", grad_out_), ("query", query), ("key", key), ("value", value), ("out", out), ("logsumexp", logsumexp)):
         check_tensor(name, t)
     check_float("dropout_p", dropout_p)

@@ -95,8 +95,11 @@ def check(name, got, want, like, dtype, floor=None):
 
 
 def rounding_floors(q, k, do, out, dtype, scale=None):
-    """dq / dk / dv allowances for Δ's rounding (tests.helpers.delta_rounding_floors)."""
-    return delta_rounding_floors(q, k, do, out, dtype, scale) + (None,)
+    """dq / dk / dv allowances for Δ's rounding (tests.helpers.delta_rounding_floors); with
+    grouped-query heads (k has fewer heads) a key head's dk floor sums its query heads'."""
+    group = q.shape[2] // k.shape[2]
+    dq_floor, dk_floor = delta_rounding_floors(q, k.repeat_interleave(group, 2), do, out, dtype, scale)
+    return dq_floor, dk_floor.unflatten(2, (k.shape[2], group)).sum(3), None
 
 
 def chosen(caplog):
@@ -354,9 +357,7 @@ def test_grouped_query_heads(case, caplog):
         theirs = backward("mem_eff", q, k, v, do, out, lse, mask_type, **kw)
     assert chosen(caplog) == ["sm90", "mem_eff"]
     ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type, window_size=window)
-    floors = rounding_floors(q, k.repeat_interleave(h // hk, 2), do, out, dtype)
-    # dK / dV sum the floors of the group's query heads
-    floors = (floors[0], floors[1].unflatten(2, (hk, h // hk)).sum(3), None)
+    floors = rounding_floors(q, k, do, out, dtype)
     for backend, grads in (("sm90", ours), ("mem_eff", theirs)):
         for name, g, r, like, floor in zip(("dq", "dk", "dv"), grads, ref, (q, k, v), floors):
             check(f"{name} [{_grouped_id(case)}] {backend}", g, r, like, dtype, floor)
@@ -400,8 +401,7 @@ def test_deterministic_is_bitwise_repeatable(case):
         for name, g0, g in zip(("dq", "dk", "dv"), runs[0], later):
             assert torch.equal(g0, g), f"{name}: deterministic runs differ"
     ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type, window_size=window)
-    floors = rounding_floors(q, k.repeat_interleave(h // hk, 2), do, out, dtype)
-    floors = (floors[0], floors[1].unflatten(2, (hk, h // hk)).sum(3), None)
+    floors = rounding_floors(q, k, do, out, dtype)
     for name, g, r, like, floor in zip(("dq", "dk", "dv"), runs[0], ref, (q, k, v), floors):
         check(f"{name} [{_grouped_id(case)}] deterministic", g, r, like, dtype, floor)
 
