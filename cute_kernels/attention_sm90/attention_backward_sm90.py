@@ -435,99 +435,101 @@ class AttentionBackwardSm90:
                 if const_expr(t.overlap == "sdp"):
                     self.issue_dp(pipe_do, state_next, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
                 state_next.advance()
-            for i in cutlass.range(steps, unroll=1):
-                _, m_block = self.work_item(work, i)
-                stage = state.index
-                ds_stage = i % t.ds_stages
-                q0 = m_block * t.tile_m
-                if const_expr(not prefetch):
-                    self.issue_s(pipe_q, state, tiled_mma_sdp, acc_S, tSrK, tSrQ)
-                # S^T (and with overlap "sdp" dP^T) of this block are in flight already
-                if const_expr(t.overlap != "sdp"):
-                    self.issue_dp(pipe_do, state, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
+        # the loop stays outside that if (it runs 0 steps without work): nested in it, ptxas
+        # spilled 384 bytes in d64 and the kernel ran ~10% slower (notes.md)
+        for i in cutlass.range(steps, unroll=1):
+            _, m_block = self.work_item(work, i)
+            stage = state.index
+            ds_stage = i % t.ds_stages
+            q0 = m_block * t.tile_m
+            if const_expr(not prefetch):
+                self.issue_s(pipe_q, state, tiled_mma_sdp, acc_S, tSrK, tSrQ)
+            # S^T (and with overlap "sdp" dP^T) of this block are in flight already
+            if const_expr(t.overlap != "sdp"):
+                self.issue_dp(pipe_do, state, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
 
-                # P^T = exp(S^T * scale - LSE), zero where masked (after the exp: LSE may be +-inf there)
-                warpgroup.wait_group(1)
-                S = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
-                need_mask = q0 + t.tile_m > seqlen_q or key0 + t.tile_n > seqlen_k
-                if const_expr(self.mask_type != 0):
-                    need_mask = need_mask or key0 + t.tile_n - 1 > q0 + offset
-                if const_expr(self.has_window):
-                    need_mask = need_mask or key0 <= q0 + t.tile_m - 1 + offset - window_size
+            # P^T = exp(S^T * scale - LSE), zero where masked (after the exp: LSE may be +-inf there)
+            warpgroup.wait_group(1)
+            S = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
+            need_mask = q0 + t.tile_m > seqlen_q or key0 + t.tile_n > seqlen_k
+            if const_expr(self.mask_type != 0):
+                need_mask = need_mask or key0 + t.tile_n - 1 > q0 + offset
+            if const_expr(self.has_window):
+                need_mask = need_mask or key0 <= q0 + t.tile_m - 1 + offset - window_size
+            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                q_local = cS_mn[0, c][1]
+                lse_log2 = sLSE[q_local, stage] * LOG2_E
+                for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                    S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse_log2, fastmath=True)
+            if need_mask:
                 for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                    q_local = cS_mn[0, c][1]
-                    lse_log2 = sLSE[q_local, stage] * LOG2_E
+                    q = q0 + cS_mn[0, c][1]
                     for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                        S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse_log2, fastmath=True)
-                if need_mask:
-                    for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                        q = q0 + cS_mn[0, c][1]
-                        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                            k = key0 + cS_mn[r, c][0]
-                            masked = q >= seqlen_q or k >= seqlen_k
-                            if const_expr(self.mask_type != 0):
-                                masked = masked or k > q + offset
-                            if const_expr(self.has_window):
-                                masked = masked or k <= q + offset - window_size
-                            if masked:
-                                S[r, c] = Float32(0.0)
+                        k = key0 + cS_mn[r, c][0]
+                        masked = q >= seqlen_q or k >= seqlen_k
+                        if const_expr(self.mask_type != 0):
+                            masked = masked or k > q + offset
+                        if const_expr(self.has_window):
+                            masked = masked or k <= q + offset - window_size
+                        if masked:
+                            S[r, c] = Float32(0.0)
 
-                # dS^T = P^T (dP^T - Δ)
-                warpgroup.wait_group(0)
-                dP = cute.make_tensor(acc_dP.iterator, acc_mn_layout(acc_dP.layout))
-                for c in cutlass.range_constexpr(cute.size(dP, mode=[1])):
-                    delta = sDelta[cS_mn[0, c][1], stage]
-                    for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
-                        dP[r, c] = S[r, c] * (dP[r, c] - delta)
+            # dS^T = P^T (dP^T - Δ)
+            warpgroup.wait_group(0)
+            dP = cute.make_tensor(acc_dP.iterator, acc_mn_layout(acc_dP.layout))
+            for c in cutlass.range_constexpr(cute.size(dP, mode=[1])):
+                delta = sDelta[cS_mn[0, c][1], stage]
+                for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
+                    dP[r, c] = S[r, c] * (dP[r, c] - delta)
 
-                # dV += P^T dO (P^T from registers)
-                rP = cute.make_rmem_tensor(shape_sdp, self.dtype)
-                rP.store(acc_S.load().to(self.dtype))
-                wgmma(tiled_mma_dkv, acc_dV, cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout)),
-                      tVrdO[None, None, None, stage], zero_init=False)  # fmt: skip
-                # dS^T -> sdS; once both warpgroups' halves are there (and visible to the async
-                # proxy): dQ = dS K, then dK += dS^T Q, so dQ can leave while dK runs
-                rdS = cute.make_rmem_tensor(shape_sdp, self.dtype)
-                rdS.store(acc_dP.load().to(self.dtype))
-                cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_stage])
-                cute.arch.fence_view_async_shared()
-                if const_expr(t.pds_split):
-                    acc_dQ = self.dq_dk_split(wg, stage, ds_stage, tiled_mma_dq, tiled_mma_dkv, acc_dK, rdS, tKrQ,
-                                              tQrdS, tQrK, shape_dq)  # fmt: skip
-                    pipe_do.consumer_release(state)
-                    pipe_q.consumer_release(state)
-                    if const_expr(prefetch):
-                        if i + 1 < steps:
-                            self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
-                            state_next.advance()
-                    self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, i % t.dq_stages, wg)
-                else:
-                    cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
-                    acc_dQ = cute.make_rmem_tensor(shape_dq, Float32)
-                    wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_stage], tQrK, zero_init=True)
-                    wgmma(tiled_mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
-                          tKrQ[None, None, None, stage], zero_init=False)  # fmt: skip
-                    warpgroup.wait_group(1)  # dV and dQ done
-                    pipe_do.consumer_release(state)
+            # dV += P^T dO (P^T from registers)
+            rP = cute.make_rmem_tensor(shape_sdp, self.dtype)
+            rP.store(acc_S.load().to(self.dtype))
+            wgmma(tiled_mma_dkv, acc_dV, cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout)),
+                  tVrdO[None, None, None, stage], zero_init=False)  # fmt: skip
+            # dS^T -> sdS; once both warpgroups' halves are there (and visible to the async
+            # proxy): dQ = dS K, then dK += dS^T Q, so dQ can leave while dK runs
+            rdS = cute.make_rmem_tensor(shape_sdp, self.dtype)
+            rdS.store(acc_dP.load().to(self.dtype))
+            cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_stage])
+            cute.arch.fence_view_async_shared()
+            if const_expr(t.pds_split):
+                acc_dQ = self.dq_dk_split(wg, stage, ds_stage, tiled_mma_dq, tiled_mma_dkv, acc_dK, rdS, tKrQ,
+                                          tQrdS, tQrK, shape_dq)  # fmt: skip
+                pipe_do.consumer_release(state)
+                pipe_q.consumer_release(state)
+                if const_expr(prefetch):
+                    if i + 1 < steps:
+                        self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
+                        state_next.advance()
+                self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, i % t.dq_stages, wg)
+            else:
+                cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
+                acc_dQ = cute.make_rmem_tensor(shape_dq, Float32)
+                wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_stage], tQrK, zero_init=True)
+                wgmma(tiled_mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
+                      tKrQ[None, None, None, stage], zero_init=False)  # fmt: skip
+                warpgroup.wait_group(1)  # dV and dQ done
+                pipe_do.consumer_release(state)
 
-                    # dQ -> sdQ for the store warp's reduce-add, while dK runs
-                    self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, i % t.dq_stages, wg)
-                    # the next block's S^T (and dP^T) go to the tensor cores behind dK
-                    if const_expr(prefetch):
-                        if i + 1 < steps:
-                            self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
-                            if const_expr(t.overlap == "sdp"):
-                                self.issue_dp(pipe_do, state_next, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
-                                warpgroup.wait_group(2)  # dK done
-                            else:
-                                warpgroup.wait_group(1)
-                            state_next.advance()
+                # dQ -> sdQ for the store warp's reduce-add, while dK runs
+                self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, i % t.dq_stages, wg)
+                # the next block's S^T (and dP^T) go to the tensor cores behind dK
+                if const_expr(prefetch):
+                    if i + 1 < steps:
+                        self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
+                        if const_expr(t.overlap == "sdp"):
+                            self.issue_dp(pipe_do, state_next, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
+                            warpgroup.wait_group(2)  # dK done
                         else:
-                            warpgroup.wait_group(0)
+                            warpgroup.wait_group(1)
+                        state_next.advance()
                     else:
                         warpgroup.wait_group(0)
-                    pipe_q.consumer_release(state)
-                state.advance()
+                else:
+                    warpgroup.wait_group(0)
+                pipe_q.consumer_release(state)
+            state.advance()
 
         # epilogue: dK scaled by the softmax scale (dS was not), rows past seqlen_k dropped
         acc_dK.store(acc_dK.load() * softmax_scale)
