@@ -44,7 +44,7 @@ def _build(dtype, head_dim: int, mask_type: int, has_window: bool, arch: str, de
     cu_q, cu_k = (cc.fake_tensor(cutlass.Int32, (cute.sym_int(),), 1) if varlen else None for _ in range(2))
     return cc.compile_kernel(
         kernel, q, k, v, do, lse, delta, dq_accum, dk, dv, semaphore, cu_q, cu_k, cutlass.Float32(1.0),
-        cutlass.Int32(0), cutlass.Int32(0), cc.fake_stream(), arch=arch,
+        cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), cc.fake_stream(), arch=arch,
     )  # fmt: skip
 
 
@@ -146,11 +146,12 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     window = int(window_size or 0)
     arch = cc.device_arch(query.device.index)
     fn = compiled(cc.cute_dtype(query.dtype), d, int(mask_type), window > 0, arch, bool(deterministic), varlen)
+    tiles = tiling.attention_sm90_tiles(d)
     semaphore = None
     if deterministic:
-        tile_m = tiling.attention_sm90_tiles(d).tile_m
-        semaphore = torch.zeros((seqs, h, -(-rows_q // tile_m)), dtype=torch.int32, device=query.device)
+        semaphore = torch.zeros((seqs, h, -(-rows_q // tiles.tile_m)), dtype=torch.int32, device=query.device)
+    chunk = tiles.lpt_heads_per_chunk(rows_q, h // key.shape[2], query.element_size())
     fn(query, key, value, grad_out, _tma_stats(logsumexp.float()), delta, dq_accum.unsqueeze(0) if varlen else dq_accum,
-       dk, dv, semaphore, cu_seqlens_q, cu_seqlens_k, float(scale), window, rows_k)  # fmt: skip
+       dk, dv, semaphore, cu_seqlens_q, cu_seqlens_k, float(scale), window, rows_k, chunk)  # fmt: skip
     dq = _convert_dq_impl(dq_accum, float(scale), d, sq, cu_seqlens_q, max_seqlen_q, 0.0, query.dtype)
     return (dq.unsqueeze(0) if varlen else dq), dk, dv

@@ -71,6 +71,34 @@ def test_d96_compiles_without_dq_per_wg(monkeypatch):
     assert callable(S._build(cutlass.BFloat16, 96, 1, False, "sm_90a"))
 
 
+@pytest.mark.parametrize("mask_type,deterministic,lpt", [(0, False, False), (1, False, True), (2, False, True), (1, True, False)])
+def test_heavy_first_order_only_where_it_applies(mask_type, deterministic, lpt):
+    """Causal masks walk key blocks heavy-first; deterministic mode keeps the launch order
+    its dQ turns rely on (a CTA must not wait for one that cannot launch)."""
+    from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
+
+    kernel = AttentionBackwardSm90(cutlass.BFloat16, tiling.attention_sm90_tiles(64), mask_type, deterministic=deterministic)
+    assert kernel.lpt is lpt
+
+
+@pytest.mark.parametrize("seqlen_q,group,d", [(4096, 1, 128), (8192, 4, 64), (1, 1, 96), (10**7, 8, 128)])
+def test_lpt_chunk_fits_the_l2_budget(seqlen_q, group, d):
+    t = tiling.attention_sm90_tiles(d)
+    per_head = group * seqlen_q * d * (2 * 2 + 4)  # Q, dO (bf16) and the fp32 dQ accumulator
+    chunk = t.lpt_heads_per_chunk(seqlen_q, group)
+    assert chunk >= 1 and (chunk == 1 or chunk * per_head <= tiling.LPT_L2_BYTES < (chunk + 1) * per_head)
+
+
+@pytest.mark.compile
+def test_d64_compiles_with_dq_per_wg(monkeypatch):
+    """d64's warpgroups split dQ's rows: each can hand its own 64 rows to the store warp
+    (the staging atoms then tile columns first, so those rows are one TMA box)."""
+    tiles = tiling.attention_sm90_tiles
+    monkeypatch.setattr(tiling, "attention_sm90_tiles", lambda d: tiles(d, dq_per_wg=True, pds_split=True))
+    assert tiling.attention_sm90_tiles(64).dq_order == (1, 0)
+    assert callable(S._build(cutlass.BFloat16, 64, 1, False, "sm_90a"))
+
+
 def test_window_needs_a_causal_mask():
     from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
 

@@ -72,6 +72,9 @@ class AttentionBackwardSm90:
         self.has_window = has_window
         self.deterministic = deterministic
         self.varlen = varlen
+        # heavy-first CTA order for causal masks (cta_coords); deterministic mode keeps the
+        # launch order its dQ turns are built on (a CTA must never wait for one not launched)
+        self.lpt = tiles.lpt and mask_type != 0 and not deterministic
         if varlen and tiles.tile_m > VARLEN_ACCUM_PAD:
             raise ValueError(f"tile_m {tiles.tile_m} overruns the dQ accumulator's {VARLEN_ACCUM_PAD} rows of slack")
 
@@ -93,6 +96,7 @@ class AttentionBackwardSm90:
         softmax_scale: Float32,
         window_size: Int32,  # used with has_window
         max_seqlen_k: Int32,  # varlen: sizes the grid
+        heads_per_chunk: Int32,  # the heavy-first order's L2 chunk (``lpt``; see cta_coords)
         stream: cuda.CUstream,
     ):
         t = self.tiles
@@ -149,15 +153,19 @@ class AttentionBackwardSm90:
         # one CTA per (key block, key head): it walks the query blocks of every query head
         # of its group, so dK / dV sum over the group in registers
         group = mQ.shape[2] // mK.shape[2]
-        grid = (cute.ceil_div(seqlen_k, t.tile_n), mK.shape[2], mK.shape[3])
-        if const_expr(self.varlen):
-            grid = (cute.ceil_div(max_seqlen_k, t.tile_n), mK.shape[2], mCuSeqlensK.shape[0] - 1)
+        n_blocks = cute.ceil_div(max_seqlen_k if const_expr(self.varlen) else seqlen_k, t.tile_n)
+        heads_kv = mK.shape[2]
+        batches = mCuSeqlensK.shape[0] - 1 if const_expr(self.varlen) else mK.shape[3]
+        grid = (n_blocks, heads_kv, batches)
+        if const_expr(self.lpt):
+            grid = (n_blocks * heads_kv * batches, 1, 1)
+        sched = (n_blocks, heads_kv, batches, heads_per_chunk)
         self.kernel(
             gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, gdQ_tma, mdK, mdV, mSemaphore,
             mCuSeqlensQ, mCuSeqlensK, tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ,
             sQ_layout, sK_layout, sdS_layout, sdQ_layout, sStat_layout,
             t.tiled_mma_sdp(self.dtype), t.tiled_mma_dkv(self.dtype), t.tiled_mma_dq(self.dtype),
-            seqlen_q, seqlen_k, group, softmax_scale, window_size, SharedStorage,
+            seqlen_q, seqlen_k, group, softmax_scale, window_size, sched, SharedStorage,
         ).launch(grid=grid, block=[t.num_threads, 1, 1], min_blocks_per_mp=1, stream=stream)  # fmt: skip
 
     # ------------------------------------------------------------------------------ kernel
@@ -173,12 +181,12 @@ class AttentionBackwardSm90:
         sdQ_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
         tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
         seqlen_q: Int32, seqlen_k: Int32, group: Int32, softmax_scale: Float32, window_size: Int32,
-        SharedStorage: cutlass.Constexpr,
+        sched: tuple, SharedStorage: cutlass.Constexpr,
     ):  # fmt: skip
         t = self.tiles
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        n_block, head_kv, batch = cute.arch.block_idx()
+        n_block, head_kv, batch = self.cta_coords(sched)
         if warp_idx == 0:
             for atom in (tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ):
                 cpasync.prefetch_descriptor(atom)
@@ -236,6 +244,30 @@ class AttentionBackwardSm90:
             self.mma(sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
                      pipe_q, pipe_do, mbar_kv, tidx - 128, n_block, batch, work, rows,
                      seqlen_q, seqlen_k, softmax_scale, window_size)  # fmt: skip
+
+    @cute.jit
+    def cta_coords(self, sched):
+        """(key block, key head, batch) of this CTA. With ``lpt`` (causal masks) the 1-D grid
+        is walked heavy-first: key block n sees the query blocks from its diagonal on, so
+        block 0 carries the most work; all (batch, head) pairs of a chunk of
+        ``heads_per_chunk`` take block 0, then block 1, ... (the light blocks fill the last
+        wave instead of a head's block 0 starting late). The chunk keeps the Q / dO / dQ
+        rows the running CTAs share within L2."""
+        if const_expr(not self.lpt):
+            return cute.arch.block_idx()
+        n_blocks, heads_kv, batches, heads_per_chunk = sched
+        cta, _, _ = cute.arch.block_idx()
+        per_chunk = heads_per_chunk * n_blocks
+        chunk = cta // per_chunk
+        r = cta - chunk * per_chunk
+        first = chunk * heads_per_chunk
+        width = heads_kv * batches - first  # the last chunk may hold fewer heads
+        if width > heads_per_chunk:
+            width = heads_per_chunk
+        n_block = r // width
+        bh = first + r - n_block * width
+        batch = bh // heads_kv
+        return n_block, bh - batch * heads_kv, batch
 
     @cute.jit
     def m_block_range(self, n_block, seqlen_q, seqlen_k, window_size):
