@@ -69,8 +69,8 @@ and both consumer warpgroups own all of them, splitting the other dimension of e
   other still reads.
 
 Swizzle atoms follow the same rule: Q / dO slices are d / 2 (dK / dV), K's and the dQ
-staging's d / 4 (d192: 48 columns, so 32-byte K / V atoms and 64-byte fp32 ones; d256:
-128-byte atoms). Shared memory decides the stages: Q, dO, K and V are 24 (d192) / 32 KiB
+staging's d / 4 (d192: 96 and 48 columns, so 64-byte Q / dO atoms, 32-byte K / V ones and
+64-byte fp32 ones; d256: 128-byte atoms everywhere). Shared memory decides the stages: Q, dO, K and V are 24 (d192) / 32 KiB
 (d256) each per stage, P / dS 4 x 8 KiB, dQ staging 48 / 64 KiB. d192 fits two Q / dO
 stages (226 of 227 KiB); d256 only one (225 KiB; two would be 257 KiB), so its producer
 loads block i+1 only once block i is released (dO after dV, Q after dK): correctness
