@@ -28,23 +28,27 @@ from . import _compile as cc
 DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _build(dtype, head_dim: int, mask_type: int, has_window: bool, arch: str, deterministic: bool = False):
+def _build(dtype, head_dim: int, mask_type: int, has_window: bool, arch: str, deterministic: bool = False,
+           varlen: bool = False):  # fmt: skip
     tiles = tiling.attention_sm90_tiles(head_dim)
     # d192 / d256: the 64 x 64 decomposition (P^T / dS^T through shared memory)
     cls = AttentionBackwardSm90Wide if isinstance(tiles, tiling.AttentionSm90WideTiles) else AttentionBackwardSm90
-    kernel = cls(dtype, tiles, mask_type, has_window, deterministic)
+    kernel = cls(dtype, tiles, mask_type, has_window, deterministic, varlen)
     b, h, hk, mq, mk = (cute.sym_int() for _ in range(5))
     # TMA: last stride 1, the other strides and the addresses multiples of TMA_ALIGN_BYTES
     vec, vec32 = tiling.tma_align_elems(dtype.width), tiling.tma_align_elems(32)
     q, do = (cc.fake_tensor(dtype, (b, mq, h, head_dim), vec) for _ in range(2))
     k, v, dk, dv = (cc.fake_tensor(dtype, (b, mk, hk, head_dim), vec) for _ in range(4))
-    lse, delta = (cc.fake_tensor(cutlass.Float32, (b, h, cute.sym_int()), vec32) for _ in range(2))
+    # per-sequence tensors: with varlen the sequences are not the packed tensors' batch (1)
+    seqs = cute.sym_int() if varlen else b
+    lse, delta = (cc.fake_tensor(cutlass.Float32, (seqs, h, cute.sym_int()), vec32) for _ in range(2))
     dq_accum = cc.fake_tensor(cutlass.Float32, (b, cute.sym_int(), h, head_dim), vec32)
-    semaphore = cc.fake_tensor(cutlass.Int32, (b, h, cute.sym_int()), 1) if deterministic else None
+    semaphore = cc.fake_tensor(cutlass.Int32, (seqs, h, cute.sym_int()), 1) if deterministic else None
+    cu_q, cu_k = (cc.fake_tensor(cutlass.Int32, (cute.sym_int(),), 1) if varlen else None for _ in range(2))
     return cc.compile_kernel(
-        kernel, q, k, v, do, lse, delta, dq_accum, dk, dv, semaphore, cutlass.Float32(1.0), cutlass.Int32(0),
-        cc.fake_stream(), arch=arch,
-    )
+        kernel, q, k, v, do, lse, delta, dq_accum, dk, dv, semaphore, cu_q, cu_k, cutlass.Float32(1.0),
+        cutlass.Int32(0), cutlass.Int32(0), cc.fake_stream(), arch=arch,
+    )  # fmt: skip
 
 
 compiled = cc.CompileCache("attention_bwd_sm90", _build)
@@ -66,8 +70,8 @@ def compile_for_benchmark_cases(cases, arch: str) -> int:
     return len(keys)
 
 
-def unsupported(query, key, value, grad_out, out, *, mask_type=0, window_size=None, cu_seqlens_q=None,
-                bias=None, dropout_p=0.0, arch=None) -> Optional[str]:  # fmt: skip
+def unsupported(query, key, value, grad_out, out, *, mask_type=0, window_size=None, bias=None, dropout_p=0.0,
+                arch=None) -> Optional[str]:  # fmt: skip
     """Why the sm90 path cannot take this problem (None: it can).
 
     ``arch``: the DSL target to judge for; by default the device's, known only for real
@@ -82,8 +86,6 @@ def unsupported(query, key, value, grad_out, out, *, mask_type=0, window_size=No
         return f"head dims {d} / {value.shape[-1]} (supported: equal, one of {tiling.HEAD_DIMS})"
     if key.shape[2] == 0 or query.shape[2] % key.shape[2]:
         return f"query heads {query.shape[2]} not a multiple of key heads {key.shape[2]}"
-    if cu_seqlens_q is not None:
-        return "variable lengths (not yet on this path)"
     if bias is not None:
         return "attention bias (not yet on this path)"
     if dropout_p:
@@ -112,7 +114,8 @@ def _tma_stats(x: Tensor) -> Tensor:
 
 
 def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: float, mask_type: int = 0,
-                            window_size: int = 0, deterministic: bool = False):
+                            window_size: int = 0, deterministic: bool = False, cu_seqlens_q=None, cu_seqlens_k=None,
+                            max_seqlen_q=None, max_seqlen_k=None):  # fmt: skip
     """(dq, dk, dv) of softmax(scale Q K^T [+ causal mask [+ window]]) V; tensors [B, S, H, D]
     (key / value / dk / dv [B, S, Hk, D] with grouped-query heads: H a multiple of Hk).
     ``window_size`` > 0 (with a causal mask): key k sees query q when
@@ -121,26 +124,36 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     ``logsumexp``: the forward's natural-log row statistics [B, H, >= Sq] fp32. The caller
     has checked ``unsupported(...) is None``. ``deterministic``: dQ's fp32 sums in a fixed
     order (the same bits from run to run; a zeroed semaphore per query block, and key
-    blocks wait for their turn)."""
+    blocks wait for their turn).
+
+    Variable lengths (the memory-efficient op's convention): B == 1, sequence i is rows
+    cu_seqlens_q[i] .. cu_seqlens_q[i + 1] (keys alike) of the packed tensors, bounded by
+    ``max_seqlen_q / _k``; logsumexp [sequences, H, >= max_seqlen_q]. Masks are per sequence."""
     from .attention_bwd_prepost import _convert_dq_impl, _preprocess_impl
 
+    varlen = cu_seqlens_q is not None
     b, sq, h, d = query.shape
     sk = key.shape[1]
+    seqs = cu_seqlens_q.numel() - 1 if varlen else b
+    rows_q = int(max_seqlen_q) if varlen else sq
+    rows_k = int(max_seqlen_k) if varlen else sk
     # fresh [B, S, H, D] tensors whatever the inputs' strides, as aten's backward (and the
     # fake implementation of the op that calls this) allocates them
     dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
     dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
-    if min(b, h, sq, sk) == 0:
+    if min(seqs, h, sq, sk, rows_q, rows_k) == 0:
         return torch.zeros_like(query), dk.zero_(), dv.zero_()
-    delta, dq_accum = _preprocess_impl(out, grad_out, 1.0, None, None, True)
+    # the pre / postprocess take packed sequences as [total, H, D]
+    pack = (lambda x: x[0]) if varlen else (lambda x: x)
+    delta, dq_accum = _preprocess_impl(pack(out), pack(grad_out), 1.0, cu_seqlens_q, max_seqlen_q, True)
     window = int(window_size or 0)
     arch = cc.device_arch(query.device.index)
-    fn = compiled(cc.cute_dtype(query.dtype), d, int(mask_type), window > 0, arch, bool(deterministic))
+    fn = compiled(cc.cute_dtype(query.dtype), d, int(mask_type), window > 0, arch, bool(deterministic), varlen)
     semaphore = None
     if deterministic:
         tile_m = tiling.attention_sm90_tiles(d).tile_m
-        semaphore = torch.zeros((b, h, -(-sq // tile_m)), dtype=torch.int32, device=query.device)
-    fn(query, key, value, grad_out, _tma_stats(logsumexp.float()), delta, dq_accum, dk, dv, semaphore, float(scale),
-       window)  # fmt: skip
-    dq = _convert_dq_impl(dq_accum, float(scale), d, sq, None, None, 0.0, query.dtype)
-    return dq, dk, dv
+        semaphore = torch.zeros((seqs, h, -(-rows_q // tile_m)), dtype=torch.int32, device=query.device)
+    fn(query, key, value, grad_out, _tma_stats(logsumexp.float()), delta, dq_accum.unsqueeze(0) if varlen else dq_accum,
+       dk, dv, semaphore, cu_seqlens_q, cu_seqlens_k, float(scale), window, rows_k)  # fmt: skip
+    dq = _convert_dq_impl(dq_accum, float(scale), d, sq, cu_seqlens_q, max_seqlen_q, 0.0, query.dtype)
+    return (dq.unsqueeze(0) if varlen else dq), dk, dv

@@ -28,7 +28,8 @@ the stream with 32-bit products; ours are 64-bit).
 Backends (``backend=``): "mem_eff" is the kernel above; "sm90" the Hopper-native one
 (``ops.attention_sm90``: sm_90a, fp16 / bf16, head dims 64 / 96 / 128 / 192 / 256 for Q, K and V alike,
 masks 0 / 1 / 2 with or without a window, grouped-query heads, deterministic mode,
-TMA-aligned inputs; no bias, dropout, varlen, key splits or shared dQ / dK / dV storage);
+variable lengths, TMA-aligned inputs; no bias, dropout, key splits or shared dQ / dK / dV
+storage);
 "auto" (default) takes sm90 where it applies, else mem_eff.
 Asking for "sm90" where it does not apply raises NotImplementedError with the reason.
 The choice is logged at DEBUG on logger ``cute_kernels.attention`` (one line per call).
@@ -323,7 +324,7 @@ def _resolve_deterministic(deterministic) -> bool:
 
 
 def choose_backend(backend, grad_out, query, key, value, out, *, custom_mask_type=0, window_size=None,
-                   cu_seqlens_q=None, bias=None, dropout_p=0.0, num_splits_key=None,
+                   bias=None, dropout_p=0.0, num_splits_key=None,
                    shared_storage_dqdkdv=False, arch=None) -> Tuple[str, str]:  # fmt: skip
     """(backend, why) for one backward: "sm90" or "mem_eff" and the reason, as logged.
 
@@ -342,7 +343,7 @@ def choose_backend(backend, grad_out, query, key, value, out, *, custom_mask_typ
     else:
         reason = sm90.unsupported(
             query, key, value, grad_out, out, mask_type=int(custom_mask_type), window_size=window_size,
-            cu_seqlens_q=cu_seqlens_q, bias=bias, dropout_p=float(dropout_p), arch=arch,
+            bias=bias, dropout_p=float(dropout_p), arch=arch,
         )  # fmt: skip
     if reason is None:
         return "sm90", f"backend={backend!r}, supported"
@@ -360,7 +361,7 @@ def _impl(
     """The backend choice (logged), then that backend's launches."""
     choice, why = choose_backend(
         backend, grad_out, query, key, value, out, custom_mask_type=custom_mask_type, window_size=window_size,
-        cu_seqlens_q=cu_seqlens_q, bias=bias, dropout_p=dropout_p, num_splits_key=num_splits_key,
+        bias=bias, dropout_p=dropout_p, num_splits_key=num_splits_key,
         shared_storage_dqdkdv=shared_storage_dqdkdv,
     )  # fmt: skip
     b, mq, h, d = query.shape
@@ -369,8 +370,9 @@ def _impl(
     if choice == "sm90":
         dq, dk, dv = sm90.attention_backward_sm90(
             grad_out, query, key, value, out, logsumexp, scale, int(custom_mask_type), int(window_size or 0),
-            bool(deterministic),
-        )
+            deterministic=bool(deterministic), cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        )  # fmt: skip
         return dq, dk, dv, None
     if deterministic:  # one key split: each query block's dQ is summed by one CTA, in order
         num_splits_key = 1

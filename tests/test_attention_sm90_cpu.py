@@ -55,6 +55,18 @@ def test_compiles_deterministic(head_dim, mask_type, window):
     assert callable(S._build(cutlass.BFloat16, head_dim, mask_type, window, "sm_90a", True))
 
 
+VARLEN_CONFIGS = [(64, 0, False, False), (96, 2, False, False), (128, 1, False, False), (64, 1, True, False),
+                  (128, 2, True, True), (96, 0, False, True), (192, 1, False, False), (192, 2, True, True),
+                  (256, 0, False, True), (256, 2, True, False)]  # (head dim, mask, window, deterministic)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("head_dim,mask_type,window,deterministic", VARLEN_CONFIGS)
+def test_compiles_varlen(head_dim, mask_type, window, deterministic):
+    """Packed sequences (cu_seqlens): per-sequence row offsets of every TMA view and store."""
+    assert callable(S._build(cutlass.BFloat16, head_dim, mask_type, window, "sm_90a", deterministic, True))
+
+
 @pytest.mark.compile
 def test_d96_compiles_without_dq_per_wg(monkeypatch):
     """The dQ staging atom follows the warpgroups' 48-column slices, not the reduce-add box:
@@ -199,7 +211,6 @@ UNSUPPORTED = [
     ("dqk-ne-dv-wide", lambda: _problem(d=256, dv=192), {}, "head dims 256 / 192"),
     ("dqk-ne-dv", lambda: _problem(d=128, dv=64), {}, "head dims 128 / 64"),
     ("heads-not-grouped", lambda: _problem(h=4, hk=3), {}, "query heads 4 not a multiple of key heads 3"),
-    ("varlen", _problem, dict(cu_seqlens_q=torch.tensor([0, 50, 100], dtype=torch.int32)), "variable lengths"),
     ("bias", _problem, dict(bias=torch.zeros(2, 3, 100, 130, dtype=BF16)), "attention bias"),
     ("dropout", _problem, dict(dropout_p=0.1), "dropout"),
     ("mask-3", _problem, dict(mask_type=3), "mask type 3"),
@@ -265,8 +276,8 @@ class Recorder:
     def __init__(self, name, calls):
         self.name, self.calls = name, calls
 
-    def __call__(self, grad_out, query, key, value, out, *rest):
-        self.calls.append((self.name, rest))
+    def __call__(self, grad_out, query, key, value, out, *rest, **kw):
+        self.calls.append((self.name, rest, kw))
         zeros = (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value))
         if self.name == "sm90":
             return zeros
@@ -309,9 +320,6 @@ FALLS_BACK = [
     ("bias", dict(bias=torch.zeros(2, 3, 100, 130, dtype=BF16)), "attention bias"),
     ("bias-grad", dict(bias=torch.zeros(3, 100, 130, dtype=BF16), bias_requires_grad=True), "attention bias"),
     ("dropout", dict(dropout_p=0.2, philox_seed=_seed(), philox_offset=_seed()), "dropout"),
-    ("varlen", dict(b=1, sq=100, sk=100, cu_seqlens_q=torch.tensor([0, 40, 100], dtype=torch.int32),
-                    cu_seqlens_k=torch.tensor([0, 30, 100], dtype=torch.int32), max_seqlen_q=60, max_seqlen_k=70,
-                    logsumexp=torch.zeros(2, 3, 64)), "variable lengths"),  # fmt: skip
     ("fp32", dict(dtype=F32), "dtype torch.float32"),
     ("head-dim-80", dict(d=80), "head dims 80"),
     ("dqk-ne-dv", dict(d=128, dv=64), "head dims 128 / 64"),
@@ -321,8 +329,19 @@ FALLS_BACK = [
 @pytest.mark.parametrize("hk", [1, 2])
 def test_auto_takes_sm90_with_grouped_heads(backends, hk):
     dq, dk, dv, _ = _eab(h=4, hk=hk, mask_type=1)
-    ((name, _),) = backends
+    ((name, _, _),) = backends
     assert name == "sm90" and dk.shape == (2, 130, hk, 64) and dv.shape == (2, 130, hk, 64) and dq.shape == (2, 100, 4, 64)
+
+
+@pytest.mark.parametrize("hk", [1, 3])
+def test_auto_takes_sm90_with_varlen(backends, hk):
+    """Packed sequences go to the sm90 path with their offsets and bounds."""
+    cu_q, cu_k = torch.tensor([0, 40, 100], dtype=torch.int32), torch.tensor([0, 30, 130], dtype=torch.int32)
+    dq, dk, dv, _ = _eab(b=1, hk=hk, mask_type=2, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=60,
+                         max_seqlen_k=100, logsumexp=torch.zeros(2, 3, 64))  # fmt: skip
+    ((name, _, kw),) = backends
+    assert name == "sm90" and dq.shape == (1, 100, 3, 64) and dk.shape == (1, 130, hk, 64)
+    assert kw["cu_seqlens_q"] is cu_q and kw["cu_seqlens_k"] is cu_k and (kw["max_seqlen_q"], kw["max_seqlen_k"]) == (60, 100)
 
 
 @pytest.mark.parametrize("hk", [0, 3])
@@ -367,7 +386,7 @@ def test_deterministic_reaches_either_backend(backends, flag):
     finally:
         torch.use_deterministic_algorithms(before)
     (sm90_call, mem_eff_call) = backends
-    assert sm90_call[0] == "sm90" and sm90_call[1][-1] is flag
+    assert sm90_call[0] == "sm90" and sm90_call[2]["deterministic"] is flag
     assert mem_eff_call[0] == "mem_eff" and mem_eff_call[1][7] == (1 if flag else None)  # num_splits_key
 
 
@@ -382,8 +401,8 @@ def test_deterministic_refuses_key_splits(backends):
 
 def test_auto_takes_sm90_with_a_window(backends):
     _eab(mask_type=1, window_size=8)
-    ((name, (_, _, mask, window, deterministic)),) = backends
-    assert (name, mask, window, deterministic) == ("sm90", 1, 8, False)
+    ((name, (_, _, mask, window), kw),) = backends
+    assert (name, mask, window, kw["deterministic"], kw["cu_seqlens_q"]) == ("sm90", 1, 8, False, None)
 
 
 @pytest.mark.parametrize("mask_type,sq,sk", [(0, 100, 130), (1, 130, 100), (2, 100, 130), (2, 130, 100)])
@@ -392,9 +411,9 @@ def test_auto_takes_sm90_where_it_applies(backends, caplog, dtype, d, mask_type,
     with caplog.at_level(logging.DEBUG, logger="cute_kernels.attention"):
         dq, dk, dv, db = _eab(sq=sq, sk=sk, d=d, dtype=dtype, mask_type=mask_type, scale=0.3)
     # the drop-in's logsumexp, scale, mask type, window, deterministic
-    ((name, (lse, scale, mask, window, deterministic)),) = backends
+    ((name, (lse, scale, mask, window), kw),) = backends
     assert name == "sm90" and lse.shape == (2, 3, (sq + 31) // 32 * 32)
-    assert (scale, mask, window, deterministic) == (0.3, mask_type, 0, False)
+    assert (scale, mask, window, kw["deterministic"]) == (0.3, mask_type, 0, False)
     assert db is None and dq.shape == (2, sq, 3, d) and dk.shape == dv.shape == (2, sk, 3, d)
     (msg,) = [r.getMessage() for r in caplog.records if r.name == "cute_kernels.attention"]
     assert msg.startswith("attention backward: sm90 (backend='auto', supported") and f"mask {mask_type}" in msg
@@ -405,7 +424,7 @@ def test_auto_falls_back_to_mem_eff(backends, caplog, case):
     _, kw, fragment = case
     with caplog.at_level(logging.DEBUG, logger="cute_kernels.attention"):
         _eab(**kw)
-    assert [name for name, _ in backends] == ["mem_eff"]
+    assert [name for name, *_ in backends] == ["mem_eff"]
     (msg,) = [r.getMessage() for r in caplog.records if r.name == "cute_kernels.attention"]
     assert msg.startswith("attention backward: mem_eff (backend='auto', not on sm90:") and fragment in msg, msg
 
@@ -422,7 +441,7 @@ def test_sm90_refuses_what_it_cannot_take(backends, case):
 def test_auto_on_other_devices_takes_mem_eff(backends, monkeypatch, arch):
     monkeypatch.setattr(cc, "tensor_arch", lambda t: arch)
     _eab()
-    assert [name for name, _ in backends] == ["mem_eff"]
+    assert [name for name, *_ in backends] == ["mem_eff"]
     with pytest.raises(NotImplementedError, match="needs sm_90a"):
         _eab(backend="sm90")
 
@@ -431,7 +450,7 @@ def test_explicit_backends(backends):
     _eab(backend="sm90", mask_type=1)
     _eab(backend="mem_eff", mask_type=1)
     _eab(backend="mem_eff", num_splits_key=3)
-    assert [name for name, _ in backends] == ["sm90", "mem_eff", "mem_eff"]
+    assert [name for name, *_ in backends] == ["sm90", "mem_eff", "mem_eff"]
 
 
 def test_unsupported_is_the_rule(backends, monkeypatch):
@@ -444,8 +463,8 @@ def test_unsupported_is_the_rule(backends, monkeypatch):
 
     monkeypatch.setattr(S, "unsupported", verdict)
     _eab(mask_type=2, window_size=None)
-    assert [name for name, _ in backends] == ["mem_eff"]
-    assert seen == [dict(mask_type=2, window_size=None, cu_seqlens_q=None, bias=None, dropout_p=0.0, arch=None)]
+    assert [name for name, *_ in backends] == ["mem_eff"]
+    assert seen == [dict(mask_type=2, window_size=None, bias=None, dropout_p=0.0, arch=None)]
     with pytest.raises(NotImplementedError, match="a reason of its own"):
         _eab(backend="sm90")
 

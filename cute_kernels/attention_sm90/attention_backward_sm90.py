@@ -30,6 +30,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cute_kernels.common.views import select_modes, transpose_view
+from layouts.attention_bwd_prepost import VARLEN_ACCUM_PAD
 from layouts.attention_sm90 import CONSUMER_REGS, PRODUCER_REGS, SMEM_ALIGN, STATS_ALIGN, AttentionSm90Tiles
 
 from .wgmma import acc_as_operand_a, acc_mn_layout, wgmma
@@ -52,10 +53,17 @@ class AttentionBackwardSm90:
     ``deterministic``: each query block's dQ is added by the key blocks that see it in a
     fixed order (ascending without a mask, descending with one; a semaphore per query
     block and query head counts the adds), so the fp32 sums, and dQ, are the same bits
-    from run to run."""
+    from run to run.
+
+    ``varlen``: sequences of different lengths packed along the rows of batch-1 tensors
+    (``cu_seqlens_q / _k``: int32 [sequences + 1], sequence b is rows cu[b] .. cu[b + 1]);
+    the grid's z is the sequence and every mask is per sequence. A tile that runs past its
+    sequence reads the next one's rows (or TMA's zeros past the end): masked like rows
+    past seqlen. The dQ accumulator gives each sequence VARLEN_ACCUM_PAD rows of slack
+    (our preprocess / convert_dq layout), so whole-tile reduce-adds stay in its rows."""
 
     def __init__(self, dtype, tiles: AttentionSm90Tiles, mask_type: int, has_window: bool = False,
-                 deterministic: bool = False):  # fmt: skip
+                 deterministic: bool = False, varlen: bool = False):  # fmt: skip
         if has_window and mask_type == 0:
             raise ValueError("a sliding window needs a causal mask (mask_type 1 or 2)")
         self.dtype = dtype
@@ -63,22 +71,28 @@ class AttentionBackwardSm90:
         self.mask_type = mask_type
         self.has_window = has_window
         self.deterministic = deterministic
+        self.varlen = varlen
+        if varlen and tiles.tile_m > VARLEN_ACCUM_PAD:
+            raise ValueError(f"tile_m {tiles.tile_m} overruns the dQ accumulator's {VARLEN_ACCUM_PAD} rows of slack")
 
     @cute.jit
     def __call__(
         self,
-        mQ: cute.Tensor,  # [B, Sq, H, D]
+        mQ: cute.Tensor,  # [B, Sq, H, D] (varlen: [1, total_q, H, D])
         mK: cute.Tensor,  # [B, Sk, Hk, D], H a multiple of Hk (grouped-query heads)
         mV: cute.Tensor,  # [B, Sk, Hk, D]
         mdO: cute.Tensor,  # [B, Sq, H, D]
-        mLSE: cute.Tensor,  # [B, H, >= Sq] fp32, natural log
-        mDelta: cute.Tensor,  # [B, H, >= Sq] fp32
-        mdQaccum: cute.Tensor,  # [B, round_up(Sq, tile_m), H, D] fp32, zeroed
+        mLSE: cute.Tensor,  # [B, H, >= Sq] fp32, natural log (varlen: [sequences, H, >= max_seqlen_q])
+        mDelta: cute.Tensor,  # [B, H, >= Sq] fp32 (varlen: as LSE)
+        mdQaccum: cute.Tensor,  # [B, round_up(Sq, tile_m), H, D] fp32, zeroed (varlen: [1, total_q + pad * sequences, H, D])
         mdK: cute.Tensor,  # [B, Sk, Hk, D]
         mdV: cute.Tensor,  # [B, Sk, Hk, D]
         mSemaphore: Optional[cute.Tensor],  # [B, H, query blocks] int32, zeroed (deterministic), or None
+        mCuSeqlensQ: Optional[cute.Tensor],  # [sequences + 1] int32 (varlen), or None
+        mCuSeqlensK: Optional[cute.Tensor],
         softmax_scale: Float32,
         window_size: Int32,  # used with has_window
+        max_seqlen_k: Int32,  # varlen: sizes the grid
         stream: cuda.CUstream,
     ):
         t = self.tiles
@@ -136,9 +150,11 @@ class AttentionBackwardSm90:
         # of its group, so dK / dV sum over the group in registers
         group = mQ.shape[2] // mK.shape[2]
         grid = (cute.ceil_div(seqlen_k, t.tile_n), mK.shape[2], mK.shape[3])
+        if const_expr(self.varlen):
+            grid = (cute.ceil_div(max_seqlen_k, t.tile_n), mK.shape[2], mCuSeqlensK.shape[0] - 1)
         self.kernel(
             gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, gdQ_tma, mdK, mdV, mSemaphore,
-            tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ,
+            mCuSeqlensQ, mCuSeqlensK, tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ,
             sQ_layout, sK_layout, sdS_layout, sdQ_layout, sStat_layout,
             t.tiled_mma_sdp(self.dtype), t.tiled_mma_dkv(self.dtype), t.tiled_mma_dq(self.dtype),
             seqlen_q, seqlen_k, group, softmax_scale, window_size, SharedStorage,
@@ -150,7 +166,8 @@ class AttentionBackwardSm90:
         self,
         gQ_tma: cute.Tensor, gdO_tma: cute.Tensor, gK_tma: cute.Tensor, gV_tma: cute.Tensor,
         gLSE_tma: cute.Tensor, gDelta_tma: cute.Tensor, gdQ_tma: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-        mSemaphore: Optional[cute.Tensor], tma_Q: cute.CopyAtom, tma_dO: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
+        mSemaphore: Optional[cute.Tensor], mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+        tma_Q: cute.CopyAtom, tma_dO: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
         tma_LSE: cute.CopyAtom, tma_Delta: cute.CopyAtom, tma_dQ: cute.CopyAtom,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
         sdQ_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
@@ -194,6 +211,14 @@ class AttentionBackwardSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
+        # where the CTA's sequence starts in the packed rows (varlen) and its lengths
+        offset_q, offset_k = Int32(0), Int32(0)
+        if const_expr(self.varlen):
+            offset_q = mCuSeqlensQ[batch]
+            offset_k = mCuSeqlensK[batch]
+            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
+            seqlen_k = mCuSeqlensK[batch + 1] - offset_k
+        rows = (offset_q, offset_k)
         m_min, m_max = self.m_block_range(n_block, seqlen_q, seqlen_k, window_size)
         # the CTA's work: (query head of the group, query block) pairs, heads outer
         work = (head_kv, group, m_min, m_max)
@@ -203,13 +228,13 @@ class AttentionBackwardSm90:
             if warp_idx == 0:
                 self.load(gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, sQ, sdO, sK, sV, sLSE, sDelta,
                           tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, pipe_q, pipe_do, mbar_kv,
-                          n_block, batch, work)  # fmt: skip
+                          n_block, batch, work, rows)  # fmt: skip
             if warp_idx == 1:
-                self.store_dq(gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, work, seqlen_q, seqlen_k)
+                self.store_dq(gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, work, rows, seqlen_q, seqlen_k)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.mma(sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
-                     pipe_q, pipe_do, mbar_kv, tidx - 128, n_block, batch, work,
+                     pipe_q, pipe_do, mbar_kv, tidx - 128, n_block, batch, work, rows,
                      seqlen_q, seqlen_k, softmax_scale, window_size)  # fmt: skip
 
     @cute.jit
@@ -219,6 +244,9 @@ class AttentionBackwardSm90:
         t = self.tiles
         m_max = cute.ceil_div(seqlen_q, t.tile_m)
         m_min = Int32(0)
+        if const_expr(self.varlen):
+            if n_block * t.tile_n >= seqlen_k:  # the grid covers the longest sequence's keys
+                m_max = Int32(0)
         if const_expr(self.mask_type != 0):
             offset = self.causal_offset(seqlen_q, seqlen_k)
             first_q = n_block * t.tile_n - offset
@@ -242,6 +270,14 @@ class AttentionBackwardSm90:
         return offset
 
     @cute.jit
+    def seq_tile_view(self, g, head, batch, row0):
+        """(rows, d) view of one head of one sequence: the batch index, or with varlen the
+        packed rows from ``row0`` on (a TMA coordinate tensor or a global tensor alike)."""
+        if const_expr(self.varlen):
+            return cute.domain_offset((row0, 0), g[None, None, head, 0])
+        return g[None, None, head, batch]
+
+    @cute.jit
     def work_item(self, work, i):
         """(query head, query block) of the CTA's i-th step."""
         head_kv, group, m_min, m_max = work
@@ -251,13 +287,15 @@ class AttentionBackwardSm90:
     # ---------------------------------------------------------------------------- producer
     @cute.jit
     def load(self, gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, sQ, sdO, sK, sV, sLSE, sDelta,
-             tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, pipe_q, pipe_do, mbar_kv, n_block, batch, work):  # fmt: skip
+             tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, pipe_q, pipe_do, mbar_kv, n_block, batch, work,
+             rows):  # fmt: skip
         t = self.tiles
         d = t.head_dim
         head_kv, group, m_min, m_max = work
+        offset_q, offset_k = rows
         one = cute.make_layout(1)
-        gK = cute.local_tile(gK_tma[None, None, head_kv, batch], (t.tile_n, d), (n_block, 0))
-        gV = cute.local_tile(gV_tma[None, None, head_kv, batch], (t.tile_n, d), (n_block, 0))
+        gK = cute.local_tile(self.seq_tile_view(gK_tma, head_kv, batch, offset_k), (t.tile_n, d), (n_block, 0))
+        gV = cute.local_tile(self.seq_tile_view(gV_tma, head_kv, batch, offset_k), (t.tile_n, d), (n_block, 0))
         tKs, tKg = cpasync.tma_partition(tma_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVs, tVg = cpasync.tma_partition(tma_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
@@ -271,20 +309,21 @@ class AttentionBackwardSm90:
                 head, m_block = self.work_item(work, i)
                 pipe_q.producer_acquire(state)
                 bar = pipe_q.producer_get_barrier(state)
-                self.tma_load_block(tma_Q, gQ_tma, sQ, head, batch, m_block, state.index, bar)
-                self.tma_load_block(tma_LSE, gLSE_tma, sLSE, head, batch, m_block, state.index, bar)
+                self.tma_load_block(tma_Q, gQ_tma, sQ, head, batch, offset_q, m_block, state.index, bar)
+                self.tma_load_block(tma_LSE, gLSE_tma, sLSE, head, batch, offset_q, m_block, state.index, bar)
                 pipe_do.producer_acquire(state)
                 bar = pipe_do.producer_get_barrier(state)
-                self.tma_load_block(tma_dO, gdO_tma, sdO, head, batch, m_block, state.index, bar)
-                self.tma_load_block(tma_Delta, gDelta_tma, sDelta, head, batch, m_block, state.index, bar)
+                self.tma_load_block(tma_dO, gdO_tma, sdO, head, batch, offset_q, m_block, state.index, bar)
+                self.tma_load_block(tma_Delta, gDelta_tma, sDelta, head, batch, offset_q, m_block, state.index, bar)
                 state.advance()
 
     @cute.jit
-    def tma_load_block(self, atom, g_tma, s, head, batch, m_block, stage, bar):
-        """Query block ``m_block`` of ``head`` (rows x head dim, or a statistic's rows) into stage ``stage``."""
+    def tma_load_block(self, atom, g_tma, s, head, batch, offset_q, m_block, stage, bar):
+        """Query block ``m_block`` of ``head`` (rows x head dim, or a statistic's rows) into stage
+        ``stage``. Statistics are [sequences, H, rows] also with varlen (no packed offset)."""
         t = self.tiles
         if const_expr(cute.rank(s) == 3):  # (rows, d, stages)
-            g = cute.local_tile(g_tma[None, None, head, batch], (t.tile_m, t.head_dim), (m_block, 0))
+            g = cute.local_tile(self.seq_tile_view(g_tma, head, batch, offset_q), (t.tile_m, t.head_dim), (m_block, 0))
             ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
         else:  # (rows, stages)
             g = cute.local_tile(g_tma[None, head, batch], (t.tile_m,), (m_block,))
@@ -292,10 +331,12 @@ class AttentionBackwardSm90:
         cute.copy(atom, tg, ts[None, stage], tma_bar_ptr=bar)
 
     @cute.jit
-    def store_dq(self, gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, work, seqlen_q, seqlen_k):
+    def store_dq(self, gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, work, rows, seqlen_q, seqlen_k):
         """Add each query block's dQ (staged in sdQ by the consumers) into the fp32 accumulator."""
         t = self.tiles
         head_kv, group, m_min, m_max = work
+        # varlen: sequence b's accumulator rows start VARLEN_ACCUM_PAD * b rows further down
+        acc_row0 = rows[0] + batch * VARLEN_ACCUM_PAD if const_expr(self.varlen) else rows[0]
         handoff = t.dq_handoff_threads
         am, an = t.dq_atoms
         sub = t.dq_sub_tile
@@ -307,7 +348,7 @@ class AttentionBackwardSm90:
                 sem = mSemaphore.iterator + cute.crd2idx((m_block, head, batch), mSemaphore.layout)
             if const_expr(t.dq_per_wg):
                 # each warpgroup's part of a block's dQ is its own reduce-add and handoff
-                gdQ = cute.local_tile(gdQ_tma[None, None, head, batch], sub, (None, None))  # (rows, cols, m, n)
+                gdQ = cute.local_tile(self.seq_tile_view(gdQ_tma, head, batch, acc_row0), sub, (None, None))  # (rows, cols, m, n)
                 for w in cutlass.range_constexpr(2):
                     wm, wn = (w, 0) if am == 2 else (0, w)
                     sdQ_w = cute.local_tile(sdQ[None, None, 0], sub, (wm, wn))
@@ -321,7 +362,7 @@ class AttentionBackwardSm90:
                     cute.copy(tma_dQ, tdQs, tdQg[None, m_block * am + wm, wn])
                     cute.arch.cp_async_bulk_commit_group()
             else:
-                gdQ = cute.local_tile(gdQ_tma[None, None, head, batch], (t.tile_m, t.head_dim), (m_block, 0))
+                gdQ = cute.local_tile(self.seq_tile_view(gdQ_tma, head, batch, acc_row0), (t.tile_m, t.head_dim), (m_block, 0))
                 tdQs, tdQg = cpasync.tma_partition(
                     tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2))
                 # the buffer of this block is free once the reduce-add dq_stages blocks back has read it
@@ -370,7 +411,7 @@ class AttentionBackwardSm90:
     # --------------------------------------------------------------------------- consumers
     @cute.jit
     def mma(self, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
-            pipe_q, pipe_do, mbar_kv, tidx, n_block, batch, work, seqlen_q, seqlen_k, softmax_scale,
+            pipe_q, pipe_do, mbar_kv, tidx, n_block, batch, work, rows, seqlen_q, seqlen_k, softmax_scale,
             window_size):  # fmt: skip
         t = self.tiles
         d = t.head_dim
@@ -435,75 +476,77 @@ class AttentionBackwardSm90:
                 if const_expr(t.overlap == "sdp"):
                     self.issue_dp(pipe_do, state_next, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
                 state_next.advance()
-            for i in cutlass.range(steps, unroll=1):
-                _, m_block = self.work_item(work, i)
-                stage = state.index
-                ds_stage = i % t.ds_stages
-                q0 = m_block * t.tile_m
-                if const_expr(not prefetch):
-                    self.issue_s(pipe_q, state, tiled_mma_sdp, acc_S, tSrK, tSrQ)
-                # S^T (and with overlap "sdp" dP^T) of this block are in flight already
-                if const_expr(t.overlap != "sdp"):
-                    self.issue_dp(pipe_do, state, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
+        # the loop stays outside that if (it runs 0 steps without work): nested in it, ptxas
+        # spilled 384 bytes in d64 and the kernel ran ~10% slower (notes.md)
+        for i in cutlass.range(steps, unroll=1):
+            _, m_block = self.work_item(work, i)
+            stage = state.index
+            ds_stage = i % t.ds_stages
+            q0 = m_block * t.tile_m
+            if const_expr(not prefetch):
+                self.issue_s(pipe_q, state, tiled_mma_sdp, acc_S, tSrK, tSrQ)
+            # S^T (and with overlap "sdp" dP^T) of this block are in flight already
+            if const_expr(t.overlap != "sdp"):
+                self.issue_dp(pipe_do, state, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
 
-                warpgroup.wait_group(1)
-                self.probs(acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2)
-                warpgroup.wait_group(0)
-                self.grad_scores(acc_dP, acc_S, cS_mn, sDelta, stage)
+            warpgroup.wait_group(1)
+            self.probs(acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2)
+            warpgroup.wait_group(0)
+            self.grad_scores(acc_dP, acc_S, cS_mn, sDelta, stage)
 
-                # dV += P^T dO (P^T from registers)
-                rP = cute.make_rmem_tensor(shape_sdp, self.dtype)
-                rP.store(acc_S.load().to(self.dtype))
-                wgmma(tiled_mma_dkv, acc_dV, cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout)),
-                      tVrdO[None, None, None, stage], zero_init=False)  # fmt: skip
-                # dS^T -> sdS; once both warpgroups' halves are there (and visible to the async
-                # proxy): dQ = dS K, then dK += dS^T Q, so dQ can leave while dK runs
-                rdS = cute.make_rmem_tensor(shape_sdp, self.dtype)
-                rdS.store(acc_dP.load().to(self.dtype))
-                cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_stage])
-                cute.arch.fence_view_async_shared()
-                if const_expr(t.pds_split):
-                    acc_dQ = self.dq_dk_split(wg, stage, ds_stage, tiled_mma_dq, tiled_mma_dkv, acc_dK, rdS, tKrQ,
-                                              tQrdS, tQrK, shape_dq)  # fmt: skip
-                    pipe_do.consumer_release(state)
-                    pipe_q.consumer_release(state)
-                    if const_expr(prefetch):
-                        if i + 1 < steps:
-                            self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
-                            state_next.advance()
-                    self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, i % t.dq_stages, wg)
-                else:
-                    cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
-                    acc_dQ = cute.make_rmem_tensor(shape_dq, Float32)
-                    wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_stage], tQrK, zero_init=True)
-                    wgmma(tiled_mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
-                          tKrQ[None, None, None, stage], zero_init=False)  # fmt: skip
-                    warpgroup.wait_group(1)  # dV and dQ done
-                    pipe_do.consumer_release(state)
+            # dV += P^T dO (P^T from registers)
+            rP = cute.make_rmem_tensor(shape_sdp, self.dtype)
+            rP.store(acc_S.load().to(self.dtype))
+            wgmma(tiled_mma_dkv, acc_dV, cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout)),
+                  tVrdO[None, None, None, stage], zero_init=False)  # fmt: skip
+            # dS^T -> sdS; once both warpgroups' halves are there (and visible to the async
+            # proxy): dQ = dS K, then dK += dS^T Q, so dQ can leave while dK runs
+            rdS = cute.make_rmem_tensor(shape_sdp, self.dtype)
+            rdS.store(acc_dP.load().to(self.dtype))
+            cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_stage])
+            cute.arch.fence_view_async_shared()
+            if const_expr(t.pds_split):
+                acc_dQ = self.dq_dk_split(wg, stage, ds_stage, tiled_mma_dq, tiled_mma_dkv, acc_dK, rdS, tKrQ,
+                                          tQrdS, tQrK, shape_dq)  # fmt: skip
+                pipe_do.consumer_release(state)
+                pipe_q.consumer_release(state)
+                if const_expr(prefetch):
+                    if i + 1 < steps:
+                        self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
+                        state_next.advance()
+                self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, i % t.dq_stages, wg)
+            else:
+                cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
+                acc_dQ = cute.make_rmem_tensor(shape_dq, Float32)
+                wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_stage], tQrK, zero_init=True)
+                wgmma(tiled_mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
+                      tKrQ[None, None, None, stage], zero_init=False)  # fmt: skip
+                warpgroup.wait_group(1)  # dV and dQ done
+                pipe_do.consumer_release(state)
 
-                    # dQ -> sdQ for the store warp's reduce-add, while dK runs
-                    self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, i % t.dq_stages, wg)
-                    # the next block's S^T (and dP^T) go to the tensor cores behind dK
-                    if const_expr(prefetch):
-                        if i + 1 < steps:
-                            self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
-                            if const_expr(t.overlap == "sdp"):
-                                self.issue_dp(pipe_do, state_next, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
-                                warpgroup.wait_group(2)  # dK done
-                            else:
-                                warpgroup.wait_group(1)
-                            state_next.advance()
+                # dQ -> sdQ for the store warp's reduce-add, while dK runs
+                self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, i % t.dq_stages, wg)
+                # the next block's S^T (and dP^T) go to the tensor cores behind dK
+                if const_expr(prefetch):
+                    if i + 1 < steps:
+                        self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
+                        if const_expr(t.overlap == "sdp"):
+                            self.issue_dp(pipe_do, state_next, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
+                            warpgroup.wait_group(2)  # dK done
                         else:
-                            warpgroup.wait_group(0)
+                            warpgroup.wait_group(1)
+                        state_next.advance()
                     else:
                         warpgroup.wait_group(0)
-                    pipe_q.consumer_release(state)
-                state.advance()
+                else:
+                    warpgroup.wait_group(0)
+                pipe_q.consumer_release(state)
+            state.advance()
 
         # epilogue: dK scaled by the softmax scale (dS was not), rows past seqlen_k dropped
         acc_dK.store(acc_dK.load() * softmax_scale)
-        self.store_rows(acc_dK, mdK, tiled_mma_dkv, tidx, n_block, head_kv, batch, seqlen_k)
-        self.store_rows(acc_dV, mdV, tiled_mma_dkv, tidx, n_block, head_kv, batch, seqlen_k)
+        self.store_rows(acc_dK, mdK, tiled_mma_dkv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
+        self.store_rows(acc_dV, mdV, tiled_mma_dkv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
 
     @cute.jit
     def probs(self, acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2):
@@ -601,12 +644,13 @@ class AttentionBackwardSm90:
         wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, state.index], zero_init=True)
 
     @cute.jit
-    def store_rows(self, acc, mOut, tiled_mma, tidx, n_block, head, batch, seqlen_k):
-        """fp32 accumulator -> element type -> global rows n_block * tile_n + .. (predicated)."""
+    def store_rows(self, acc, mOut, tiled_mma, tidx, n_block, head, batch, offset_k, seqlen_k):
+        """fp32 accumulator -> element type -> global rows n_block * tile_n + .. of the sequence
+        (predicated on seqlen_k: with varlen the next sequence's rows follow)."""
         t = self.tiles
         tile = (t.tile_n, t.head_dim)
-        gOut = cute.local_tile(mOut[None, None, head, batch], tile, (n_block, 0))
-        cOut = cute.local_tile(cute.make_identity_tensor(mOut.shape[:2]), tile, (n_block, 0))
+        gOut = cute.local_tile(self.seq_tile_view(mOut, head, batch, offset_k), tile, (n_block, 0))
+        cOut = cute.local_tile(cute.make_identity_tensor((seqlen_k, t.head_dim)), tile, (n_block, 0))
         r2g = t.r2g_copy_dkv(self.dtype, tiled_mma)
         thr = r2g.get_slice(tidx)
         tOg = thr.partition_D(gOut)

@@ -35,7 +35,7 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
 
     @cute.jit
     def mma(self, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
-            pipe_q, pipe_do, mbar_kv, tidx, n_block, batch, work, seqlen_q, seqlen_k, softmax_scale,
+            pipe_q, pipe_do, mbar_kv, tidx, n_block, batch, work, rows, seqlen_q, seqlen_k, softmax_scale,
             window_size):  # fmt: skip
         t = self.tiles
         d = t.head_dim
@@ -94,55 +94,56 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
         if m_min < m_max:
             cute.arch.mbarrier_wait(mbar_kv, 0)
-            # every wgmma group is issued and waited for within its step (none crosses the
-            # loop's back edge, which would make ptxas serialise them all: notes.md)
-            for i in cutlass.range(steps, unroll=1):
-                _, m_block = self.work_item(work, i)
-                stage = state.index
-                p_buf = i % t.ds_stages
-                ds_buf = t.ds_stages + p_buf
-                q0 = m_block * t.tile_m
-                self.issue_s(pipe_q, state, tiled_mma_sdp, acc_S, tSrK, tSrQ)
-                self.issue_dp(pipe_do, state, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
-                warpgroup.wait_group(1)
-                self.probs(acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2)
-                rP = cute.make_rmem_tensor(shape_sdp, self.dtype)
-                rP.store(acc_S.load().to(self.dtype))
-                cute.copy(r2s_ds, thr_r2s_ds.retile(rP), tdSs[None, None, None, p_buf])
-                warpgroup.wait_group(0)
-                self.grad_scores(acc_dP, acc_S, cS_mn, sDelta, stage)
-                rdS = cute.make_rmem_tensor(shape_sdp, self.dtype)
-                rdS.store(acc_dP.load().to(self.dtype))
-                cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_buf])
-                # both warpgroups' query halves written and visible to the async proxy. With
-                # two buffers this one barrier a block suffices: a warpgroup writes buffer
-                # i % 2 again (block i + 2) only after the other arrived here for block i + 1,
-                # which it does after waiting for its block-i products
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
+        # every wgmma group is issued and waited for within its step (none crosses the
+        # loop's back edge, which would make ptxas serialise them all); the loop stays
+        # outside the if (0 steps without work), as the base's (notes.md)
+        for i in cutlass.range(steps, unroll=1):
+            _, m_block = self.work_item(work, i)
+            stage = state.index
+            p_buf = i % t.ds_stages
+            ds_buf = t.ds_stages + p_buf
+            q0 = m_block * t.tile_m
+            self.issue_s(pipe_q, state, tiled_mma_sdp, acc_S, tSrK, tSrQ)
+            self.issue_dp(pipe_do, state, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
+            warpgroup.wait_group(1)
+            self.probs(acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2)
+            rP = cute.make_rmem_tensor(shape_sdp, self.dtype)
+            rP.store(acc_S.load().to(self.dtype))
+            cute.copy(r2s_ds, thr_r2s_ds.retile(rP), tdSs[None, None, None, p_buf])
+            warpgroup.wait_group(0)
+            self.grad_scores(acc_dP, acc_S, cS_mn, sDelta, stage)
+            rdS = cute.make_rmem_tensor(shape_sdp, self.dtype)
+            rdS.store(acc_dP.load().to(self.dtype))
+            cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_buf])
+            # both warpgroups' query halves written and visible to the async proxy. With
+            # two buffers this one barrier a block suffices: a warpgroup writes buffer
+            # i % 2 again (block i + 2) only after the other arrived here for block i + 1,
+            # which it does after waiting for its block-i products
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
 
-                wgmma(tiled_mma_dkv, acc_dV, tKVrPdS[None, None, None, p_buf], tVrdO[None, None, None, stage],
-                      zero_init=False)  # fmt: skip
-                acc_dQ = cute.make_rmem_tensor(shape_dq, Float32)
-                wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_buf], tQrK0, zero_init=True)
-                wgmma(tiled_mma_dkv, acc_dK, tKVrPdS[None, None, None, ds_buf], tKrQ[None, None, None, stage],
-                      zero_init=False)  # fmt: skip
-                warpgroup.wait_group(1)  # dV and dQ's first half done
-                pipe_do.consumer_release(state)
-                # dQ -> sdQ for the store warp's reduce-add of the whole tile, one half at a
-                # time (with dK running): both halves' accumulators at once would not fit
-                buf = i % t.dq_stages
-                cute.arch.barrier(barrier_id=BAR_DQ_EMPTY, number_of_threads=t.dq_handoff_threads)
-                cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQs0[None, None, None, buf])
-                wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_buf], tQrK1, zero_init=True)
-                warpgroup.wait_group(0)
-                cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQs1[None, None, None, buf])
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=t.dq_handoff_threads)
-                pipe_q.consumer_release(state)
-                state.advance()
+            wgmma(tiled_mma_dkv, acc_dV, tKVrPdS[None, None, None, p_buf], tVrdO[None, None, None, stage],
+                  zero_init=False)  # fmt: skip
+            acc_dQ = cute.make_rmem_tensor(shape_dq, Float32)
+            wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_buf], tQrK0, zero_init=True)
+            wgmma(tiled_mma_dkv, acc_dK, tKVrPdS[None, None, None, ds_buf], tKrQ[None, None, None, stage],
+                  zero_init=False)  # fmt: skip
+            warpgroup.wait_group(1)  # dV and dQ's first half done
+            pipe_do.consumer_release(state)
+            # dQ -> sdQ for the store warp's reduce-add of the whole tile, one half at a
+            # time (with dK running): both halves' accumulators at once would not fit
+            buf = i % t.dq_stages
+            cute.arch.barrier(barrier_id=BAR_DQ_EMPTY, number_of_threads=t.dq_handoff_threads)
+            cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQs0[None, None, None, buf])
+            wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_buf], tQrK1, zero_init=True)
+            warpgroup.wait_group(0)
+            cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQs1[None, None, None, buf])
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=t.dq_handoff_threads)
+            pipe_q.consumer_release(state)
+            state.advance()
 
         # epilogue: dK scaled by the softmax scale (dS was not), rows past seqlen_k dropped
         acc_dK.store(acc_dK.load() * softmax_scale)
-        self.store_rows(acc_dK, mdK, tiled_mma_dkv, tidx, n_block, head_kv, batch, seqlen_k)
-        self.store_rows(acc_dV, mdV, tiled_mma_dkv, tidx, n_block, head_kv, batch, seqlen_k)
+        self.store_rows(acc_dK, mdK, tiled_mma_dkv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
+        self.store_rows(acc_dV, mdV, tiled_mma_dkv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
