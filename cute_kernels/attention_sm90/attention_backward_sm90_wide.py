@@ -12,8 +12,8 @@ product, per query block:
     dQ = dS K                            warpgroup w: the same columns (SS, as the base)
 
 so a thread holds 2 x d / 4 fp32 of dK / dV (96 / 128 registers), dQ's d / 4 while it is
-staged. Producer, dQ store warp, masks, grouped heads, deterministic mode, the shared
-storage and the epilogue are the base's: P^T lives in the sdS allocation (buffers
+staged. Producer, dQ store warp, masks, grouped heads, deterministic mode, variable
+lengths, the shared storage and the epilogue are the base's: P^T lives in the sdS allocation (buffers
 [0, ds_stages), dS^T in [ds_stages, 2 ds_stages)). Layouts: layouts/attention_sm90.py.
 """
 
