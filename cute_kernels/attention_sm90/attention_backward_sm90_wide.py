@@ -8,13 +8,17 @@ product, per query block:
 
     S^T, dP^T  (64 keys x 64 queries)    warpgroup w: queries 32w .. 32w+31 (m64n32, SS)
     P^T, dS^T -> shared memory           both warpgroups read all of them next
-    dV += P^T dO, dK += dS^T Q           warpgroup w: head-dim columns w d/2 .. (SS, A = P^T / dS^T)
-    dQ = dS K                            warpgroup w: the same columns (SS, as the base)
+    dV += P^T dO, dK += dS^T Q           warpgroup w: head-dim columns w d/2 .. (w+1) d/2 - 1
+                                         (SS, A = P^T / dS^T)
+    dQ = dS K, column half h = 0, 1      warpgroup w: columns h d/2 + w d/4 .. (SS), one half
+                                         after the other, each staged in sdQ
 
-so a thread holds 2 x d / 4 fp32 of dK / dV (96 / 128 registers), dQ's d / 4 while it is
-staged. Producer, dQ store warp, masks, grouped heads, deterministic mode, variable
-lengths, the shared storage and the epilogue are the base's: P^T lives in the sdS allocation (buffers
-[0, ds_stages), dS^T in [ds_stages, 2 ds_stages)). Layouts: layouts/attention_sm90.py.
+so a thread holds 2 x d / 4 fp32 of dK / dV (96 / 128 registers) and d / 8 of dQ at a
+time (a whole half beside dK / dV ran ptxas out of registers: notes.md). Producer, dQ
+store warp (its joint handoff: the store warp adds the whole tile), masks, grouped heads,
+deterministic mode, variable lengths, the shared storage and the epilogue are the base's:
+P^T lives in the sdS allocation (buffers [0, ds_stages), dS^T in [ds_stages, 2 ds_stages)).
+Layouts: layouts/attention_sm90.py.
 """
 
 import cutlass
