@@ -29,6 +29,8 @@ transposed form that keeps P and dS in registers for the dK / dV products:
 | 64       | 128    | 128    | 2             | 2         | 2 x 128   | 195 KiB     |
 | 96       | 64     | 128    | 2             | 2         | 2 x 128   | 154 KiB     |
 | 128      | 64     | 128    | 2             | 2         | 2 x 128   | 194 KiB     |
+| 192      | 64     | 64     | 2             | 2         | 2 x 128   | 226 KiB     |
+| 256      | 64     | 64     | 1             | 2         | 2 x 128   | 225 KiB     |
 
 Swizzle atoms: 128-byte for every tile of d64 and d128. d96 rows are 192 bytes, which
 a 128-byte atom does not divide: Q / dO take the 64-byte atom (32 columns; dK / dV read
@@ -51,6 +53,34 @@ and walked heavy-first over chunks of (batch, key head) pairs whose Q / dO / dQ 
 LPT_L2_BYTES (``lpt``; H100, 2x16x4096x64 causal, kernel only: 0.457 vs 0.502 ms in the
 launch order; d128 causal unchanged within noise; chunks of 2 heads 0.492).
 
+Head dims 192 and 256 (``AttentionSm90WideTiles``, kernel ``AttentionBackwardSm90Wide``;
+FA3's hdim-256 decomposition): with 64 keys per warpgroup each thread would hold dK and dV
+of 64 x d fp32 (192 / 256 registers), over setmaxnreg's 240. So a CTA owns tile_n = 64 keys
+and both consumer warpgroups own all of them, splitting the other dimension of each product:
+
+* S^T / dP^T (64 keys x 64 queries): warpgroup w the queries 32w .. 32w+31 (m64n32, SS);
+* P^T and dS^T go to shared memory (both are needed whole by both warpgroups): the sdS
+  allocation holds 2 x ds_stages (tile_m, tile_n) buffers, P^T in [0, ds_stages), dS^T after;
+  queries contiguous, so one layout is dV / dK's K-major A (P^T, dS^T) and dQ's MN-major A (dS);
+* dV += P^T dO, dK += dS^T Q (SS): warpgroup w the head-dim columns w d/2 .. (w+1) d/2 - 1,
+  2 x d / 4 fp32 registers a thread (96 for d192, 128 for d256);
+* dQ = dS K in two column halves, one after the other (each warpgroup a quarter of d of
+  each half): a whole dQ half per warpgroup (d / 4 registers) beside dK and dV made ptxas
+  run out of registers (d256: 768 bytes of spill and every wgmma serialised, C7512), a
+  quarter leaves it at 0 spills and pipelined wgmmas. Both halves are staged in sdQ and the
+  store warp adds the whole tile (one joint handoff: ``dq_per_wg`` off, a warpgroup's
+  columns are two quarters);
+* two P / dS buffers: one barrier a block keeps a warpgroup's writes off the buffers the
+  other still reads.
+
+Swizzle atoms follow the same rule: Q / dO slices are d / 2 (dK / dV), K's and the dQ
+staging's d / 4 (d192: 96 and 48 columns, so 64-byte Q / dO atoms, 32-byte K / V ones and
+64-byte fp32 ones; d256: 128-byte atoms everywhere). Shared memory decides the stages: Q, dO, K and V are 24 (d192) / 32 KiB
+(d256) each per stage, P / dS 4 x 8 KiB, dQ staging 48 / 64 KiB. d192 fits two Q / dO
+stages (226 of 227 KiB); d256 only one (225 KiB; two would be 257 KiB), so its producer
+loads block i+1 only once block i is released (dO after dV, Q after dK): correctness
+first, no benchmark case uses these head dims. Dqk != Dv is refused (``ops``).
+
 Grouped-query heads: a CTA owns a key block of one key head and walks the query blocks of
 every query head of its group (dK / dV summed in registers). Deterministic mode: the
 store warp adds a query block's dQ when its turn comes (a semaphore per query block and
@@ -66,7 +96,8 @@ import functools
 from dataclasses import dataclass
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory an H100 CTA may use
-HEAD_DIMS = (64, 96, 128)
+HEAD_DIMS = (64, 96, 128, 192, 256)
+WIDE_FROM = 128  # head dims above this take AttentionSm90WideTiles / AttentionBackwardSm90Wide
 NUM_CONSUMER_WG = 2
 PRODUCER_REGS = 24  # setmaxnreg for the producer warpgroup
 CONSUMER_REGS = 240  # for each consumer warpgroup (24 + 2 x 240 <= 504 per thread-slot budget)
@@ -138,6 +169,11 @@ class AttentionSm90Tiles:
         (dq_per_wg) or both."""
         return STORE_WARP_THREADS + (128 if self.dq_per_wg else self.num_mma_threads)
 
+    @property
+    def ds_buffers(self) -> int:
+        """(tile_m, tile_n) buffers of the sdS allocation: dS's stages."""
+        return self.ds_stages
+
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         """Bytes of the kernel's SharedStorage, member by member with its alignments."""
         d = self.head_dim
@@ -150,7 +186,7 @@ class AttentionSm90Tiles:
         off = place(off, 4 * self.stages * self.tile_m, STATS_ALIGN)  # Δ
         for size in (self.stages * self.tile_m * d * elem_bytes,) * 2 + (self.tile_n * d * elem_bytes,) * 2:
             off = place(off, size, SMEM_ALIGN)  # Q, dO, K, V
-        off = place(off, self.ds_stages * self.tile_m * self.tile_n * elem_bytes, SMEM_ALIGN)  # dS
+        off = place(off, self.ds_buffers * self.tile_m * self.tile_n * elem_bytes, SMEM_ALIGN)  # dS (and P)
         return place(off, self.dq_stages * self.tile_m * d * 4, SMEM_ALIGN)  # dQ staging
 
     # ---- DSL objects (called while tracing) -------------------------------------------
@@ -244,14 +280,14 @@ class AttentionSm90Tiles:
         return self.smem_layout_rows(dtype, self.tile_n, None, self.k_slice_cols)
 
     def smem_layout_ds(self, dtype):
-        """(tile_m, tile_n, ds_stages), queries contiguous: dS^T's register pairs are adjacent."""
+        """(tile_m, tile_n, ds_buffers), queries contiguous: dS^T's register pairs are adjacent."""
         import cutlass.cute as cute
         from cutlass.cute.nvgpu import warpgroup
         from cutlass.utils import LayoutEnum
         from cutlass.utils import hopper_helpers as hh
 
         atom = warpgroup.make_smem_layout_atom(hh.get_smem_layout_atom(LayoutEnum.COL_MAJOR, dtype, self.tile_m), dtype)
-        return cute.tile_to_shape(atom, (self.tile_m, self.tile_n, self.ds_stages), order=(1, 0, 2))
+        return cute.tile_to_shape(atom, (self.tile_m, self.tile_n, self.ds_buffers), order=(1, 0, 2))
 
     @property
     def dq_slice_cols(self) -> int:
@@ -298,6 +334,66 @@ class AttentionSm90Tiles:
         return cute.tile_to_shape(self.dq_atom(), self.dq_sub_tile, order=self.dq_order)
 
 
+@dataclass(frozen=True)
+class AttentionSm90WideTiles(AttentionSm90Tiles):
+    """d192 / d256 (``AttentionBackwardSm90Wide``): 64 keys x 64 queries, both warpgroups
+    own all 64 keys and split the other dimension of every product (module docstring)."""
+
+    @property
+    def ds_buffers(self) -> int:
+        """P^T and dS^T both go through shared memory: P in buffers [0, ds_stages), dS after."""
+        return 2 * self.ds_stages
+
+    def tiled_mma_sdp(self, dtype):
+        """S^T = K Q^T, dP^T = V dO^T: all 64 keys, each warpgroup half of the queries (m64n32)."""
+        from cutlass import Float32
+        from cutlass.cute.nvgpu import warpgroup
+        from cutlass.utils import hopper_helpers as hh
+
+        return hh.make_trivial_tiled_mma(
+            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            atom_layout_mnk=(1, NUM_CONSUMER_WG, 1), tiler_mn=(64, self.tile_m // NUM_CONSUMER_WG),
+        )  # fmt: skip
+
+    def tiled_mma_dkv(self, dtype):
+        """dV += P^T dO, dK += dS^T Q: A = P^T / dS^T from shared memory (K-major: queries
+        contiguous), B the MN-major view of dO / Q; each warpgroup half of the head dim."""
+        from cutlass import Float32
+        from cutlass.cute.nvgpu import warpgroup
+        from cutlass.utils import hopper_helpers as hh
+
+        return hh.make_trivial_tiled_mma(
+            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(1, NUM_CONSUMER_WG, 1), tiler_mn=(64, self.head_dim // NUM_CONSUMER_WG),
+        )  # fmt: skip
+
+    def tiled_mma_dq(self, dtype):
+        """dQ = dS K in two column halves, one after the other (their accumulators would not
+        fit beside dK and dV): each warpgroup a quarter of d of each half."""
+        from cutlass import Float32
+        from cutlass.cute.nvgpu import warpgroup
+        from cutlass.utils import hopper_helpers as hh
+
+        return hh.make_trivial_tiled_mma(
+            dtype, dtype, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(1, NUM_CONSUMER_WG, 1), tiler_mn=(64, self.dq_slice_cols),
+        )  # fmt: skip
+
+    @property
+    def q_slice_cols(self) -> int:
+        """dK / dV: one warpgroup's N is half of d."""
+        return self.head_dim // NUM_CONSUMER_WG
+
+    @property
+    def dq_slice_cols(self) -> int:
+        """One warpgroup's part of a dQ half: a quarter of d (also K's MN-major slice)."""
+        return self.head_dim // (2 * NUM_CONSUMER_WG)
+
+    @property
+    def k_slice_cols(self) -> int:
+        return self.dq_slice_cols
+
+
 def smem_layouts_algebra(t: AttentionSm90Tiles) -> dict:
     """The shared-memory tiles (one stage) in ``layouts.algebra`` form, for the catalogue and
     its pictures: element offsets, swizzles in element units. The DSL objects above swizzle
@@ -328,20 +424,35 @@ def smem_layouts_algebra(t: AttentionSm90Tiles) -> dict:
 
 @functools.lru_cache(maxsize=None)  # also read on the call path (deterministic mode's semaphore shape)
 def attention_sm90_tiles(head_dim: int, causal: bool = False, **overrides) -> AttentionSm90Tiles:
-    """The tiles for ``head_dim`` (see the module table); ``overrides`` for sweeps."""
+    """The tiles for ``head_dim`` (see the module table); ``overrides`` for sweeps.
+    Head dims above 128 get ``AttentionSm90WideTiles``."""
     if head_dim not in HEAD_DIMS:
         raise NotImplementedError(f"the sm90 attention backward supports head dims {HEAD_DIMS}, got {head_dim}")
-    tile_m = 128 if head_dim <= 64 else 64
-    fields = dict(head_dim=head_dim, tile_m=tile_m, tile_n=128)
-    if tile_m == 64:
-        # (d96, d128) warpgroups split dQ's columns: each hands its half over alone, and announces
-        # its dS half before waiting for the other's (H100, 2x16x4096x128: 1.412 vs 1.451 ms); S^T
-        # at the top of each step keeps ptxas from serialising the wgmmas (1.240 vs 1.484 ms)
-        fields.update(dq_per_wg=True, pds_split=True, overlap="none")
-    fields.update(overrides)
-    t = AttentionSm90Tiles(**fields)
-    if t.tile_m not in (64, 128) or t.tile_n != 64 * NUM_CONSUMER_WG:
-        raise ValueError(f"tile_m must be 64 or 128 and tile_n {64 * NUM_CONSUMER_WG}, got {t.tile_m}, {t.tile_n}")
+    if head_dim > WIDE_FROM:
+        # one Q / dO stage for d256: two would need 64 KiB more (module docstring)
+        fields = dict(head_dim=head_dim, tile_m=64, tile_n=64, stages=2 if head_dim <= 192 else 1, overlap="none")
+        fields.update(overrides)
+        t = AttentionSm90WideTiles(**fields)
+        if t.tile_m != 64 or t.tile_n != 64:
+            raise ValueError(f"head dims above {WIDE_FROM} need tile_m 64 and tile_n 64, got {t.tile_m}, {t.tile_n}")
+        if t.dq_per_wg:
+            # a warpgroup's dQ columns are two quarters of d: the store warp adds the whole tile
+            raise ValueError(f"head dims above {WIDE_FROM} stage dQ jointly (dq_per_wg False)")
+        if t.ds_stages != 2:
+            # one barrier per block keeps a warpgroup's P / dS writes off the buffers the other still reads
+            raise ValueError(f"head dims above {WIDE_FROM} need ds_stages 2, got {t.ds_stages}")
+    else:
+        tile_m = 128 if head_dim <= 64 else 64
+        fields = dict(head_dim=head_dim, tile_m=tile_m, tile_n=128)
+        if tile_m == 64:
+            # (d96, d128) warpgroups split dQ's columns: each hands its half over alone, and announces
+            # its dS half before waiting for the other's (H100, 2x16x4096x128: 1.412 vs 1.451 ms); S^T
+            # at the top of each step keeps ptxas from serialising the wgmmas (1.240 vs 1.484 ms)
+            fields.update(dq_per_wg=True, pds_split=True, overlap="none")
+        fields.update(overrides)
+        t = AttentionSm90Tiles(**fields)
+        if t.tile_m not in (64, 128) or t.tile_n != 64 * NUM_CONSUMER_WG:
+            raise ValueError(f"tile_m must be 64 or 128 and tile_n {64 * NUM_CONSUMER_WG}, got {t.tile_m}, {t.tile_n}")
     if t.smem_bytes() > SMEM_LIMIT:
         raise ValueError(f"tiles need {t.smem_bytes()} bytes of shared memory, more than {SMEM_LIMIT}")
     return t

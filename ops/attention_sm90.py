@@ -20,6 +20,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
+from cute_kernels.attention_sm90.attention_backward_sm90_wide import AttentionBackwardSm90Wide
 from layouts import attention_sm90 as tiling
 
 from . import _compile as cc
@@ -30,7 +31,9 @@ DTYPES = (torch.float16, torch.bfloat16)
 def _build(dtype, head_dim: int, mask_type: int, has_window: bool, arch: str, deterministic: bool = False,
            varlen: bool = False):  # fmt: skip
     tiles = tiling.attention_sm90_tiles(head_dim)
-    kernel = AttentionBackwardSm90(dtype, tiles, mask_type, has_window, deterministic, varlen)
+    # d192 / d256: the 64 x 64 decomposition (P^T / dS^T through shared memory)
+    cls = AttentionBackwardSm90Wide if isinstance(tiles, tiling.AttentionSm90WideTiles) else AttentionBackwardSm90
+    kernel = cls(dtype, tiles, mask_type, has_window, deterministic, varlen)
     b, h, hk, mq, mk = (cute.sym_int() for _ in range(5))
     # TMA: last stride 1, the other strides and the addresses multiples of TMA_ALIGN_BYTES
     vec, vec32 = tiling.tma_align_elems(dtype.width), tiling.tma_align_elems(32)

@@ -44,15 +44,20 @@ def test_compiles_with_window(dtype, head_dim, mask_type):
     assert callable(S._build(dtype, head_dim, mask_type, True, "sm_90a"))
 
 
+DETERMINISTIC_CONFIGS = [(64, 0, False), (96, 0, False), (128, 1, False), (64, 2, True), (128, 1, True),
+                         (192, 0, False), (192, 2, True), (256, 0, False), (256, 1, True)]  # fmt: skip
+
+
 @pytest.mark.compile
-@pytest.mark.parametrize("head_dim,mask_type,window", [(64, 0, False), (96, 0, False), (128, 1, False), (64, 2, True), (128, 1, True)])
+@pytest.mark.parametrize("head_dim,mask_type,window", DETERMINISTIC_CONFIGS)
 def test_compiles_deterministic(head_dim, mask_type, window):
     """dQ added in key-block order: the store warp's semaphore wait / release."""
     assert callable(S._build(cutlass.BFloat16, head_dim, mask_type, window, "sm_90a", True))
 
 
 VARLEN_CONFIGS = [(64, 0, False, False), (96, 2, False, False), (128, 1, False, False), (64, 1, True, False),
-                  (128, 2, True, True), (96, 0, False, True)]  # (head dim, mask, window, deterministic)
+                  (128, 2, True, True), (96, 0, False, True), (192, 1, False, False), (192, 2, True, True),
+                  (256, 0, False, True), (256, 2, True, False)]  # (head dim, mask, window, deterministic)
 
 
 @pytest.mark.compile
@@ -101,9 +106,26 @@ def test_d64_compiles_with_dq_per_wg(monkeypatch):
 
 def test_window_needs_a_causal_mask():
     from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
+    from cute_kernels.attention_sm90.attention_backward_sm90_wide import AttentionBackwardSm90Wide
 
     with pytest.raises(ValueError, match="causal"):
         AttentionBackwardSm90(cutlass.BFloat16, tiling.attention_sm90_tiles(64), 0, has_window=True)
+    with pytest.raises(ValueError, match="causal"):
+        AttentionBackwardSm90Wide(cutlass.BFloat16, tiling.attention_sm90_tiles(256), 0, has_window=True)
+
+
+@pytest.mark.parametrize("head_dim", tiling.HEAD_DIMS)
+def test_build_picks_the_kernel_class(monkeypatch, head_dim):
+    """d192 / d256 take the wide decomposition (its own tiles and kernel class), the others the base."""
+    from cute_kernels.attention_sm90.attention_backward_sm90_wide import AttentionBackwardSm90Wide
+
+    built = []
+    monkeypatch.setattr(cc, "compile_kernel", lambda kernel, *a, arch: built.append(kernel))
+    S._build(cutlass.BFloat16, head_dim, 1, False, "sm_90a")
+    (kernel,) = built
+    wide = head_dim > tiling.WIDE_FROM
+    assert isinstance(kernel, AttentionBackwardSm90Wide) == wide
+    assert isinstance(kernel.tiles, tiling.AttentionSm90WideTiles) == wide
 
 
 # --------------------------------------------------------------------------- tiles
@@ -133,21 +155,31 @@ def test_tiles_match_the_table(head_dim):
     assert (t.tile_m, t.tile_n, t.stages, t.ds_stages) == (row["tile_m"], row["tile_n"], row["stages"], row["ds_stages"])
     assert row["consumers"] == (tiling.NUM_CONSUMER_WG, 128)
     assert t.num_threads == 128 * (tiling.NUM_CONSUMER_WG + 1) and t.num_mma_threads == 128 * tiling.NUM_CONSUMER_WG
-    assert t.tile_n == 64 * tiling.NUM_CONSUMER_WG  # each consumer warpgroup owns 64 keys
-    assert t.smem_bytes() <= tiling.SMEM_LIMIT and row["smem_kib"] * 1024 <= tiling.SMEM_LIMIT
+    assert t.smem_bytes() <= tiling.SMEM_LIMIT and -(-t.smem_bytes() // 1024) == row["smem_kib"]
+    if head_dim > tiling.WIDE_FROM:
+        # both warpgroups own all 64 keys and split the head dim of dK / dV (P^T and dS^T in shared memory)
+        assert isinstance(t, tiling.AttentionSm90WideTiles) and t.tile_n == 64 and t.ds_buffers == 2 * t.ds_stages
+        assert t.q_slice_cols == head_dim // 2 and t.dq_slice_cols == t.k_slice_cols == head_dim // 4
+        assert not t.dq_per_wg  # a warpgroup's dQ columns are two quarters of d: one joint handoff
+        # a thread's dK + dV accumulators (fp32) and one dQ quarter fit the consumers' registers with room
+        assert 2 * t.tile_n * head_dim // t.num_mma_threads + t.tile_m * t.dq_slice_cols // 128 <= 160
+    else:
+        assert not isinstance(t, tiling.AttentionSm90WideTiles)
+        assert t.tile_n == 64 * tiling.NUM_CONSUMER_WG  # each consumer warpgroup owns 64 keys
+        assert t.ds_buffers == t.ds_stages
     # the dQ product covers the tile with the warpgroups it has
     am, an = t.dq_atoms
     assert am * an == tiling.NUM_CONSUMER_WG and (t.tile_m // am) % 64 == 0 and (head_dim // an) % 8 == 0
 
 
-@pytest.mark.parametrize("head_dim", [32, 80, 160, 192, 256])
+@pytest.mark.parametrize("head_dim", [32, 80, 160, 224, 320])
 def test_other_head_dims_are_not_implemented(head_dim):
     with pytest.raises(NotImplementedError, match=re.escape(str(tiling.HEAD_DIMS))):
         tiling.attention_sm90_tiles(head_dim)
 
 
 # (Q / dO, K / V, fp32 dQ staging) swizzle-atom columns: the module docstring's paragraph
-ATOM_COLS = {64: (64, 64, 32), 96: (32, 16, 16), 128: (64, 64, 32)}
+ATOM_COLS = {64: (64, 64, 32), 96: (32, 16, 16), 128: (64, 64, 32), 192: (32, 16, 16), 256: (64, 64, 32)}
 
 
 @pytest.mark.parametrize("head_dim", tiling.HEAD_DIMS)
@@ -158,7 +190,8 @@ def test_swizzle_atoms(head_dim):
     q, k, dq = (tiling.atom_cols(t.q_slice_cols, 16), tiling.atom_cols(t.k_slice_cols, 16), tiling.atom_cols(t.dq_slice_cols, 32))
     assert (q, k, dq) == ATOM_COLS[head_dim]
     assert t.q_slice_cols % q == 0 and t.k_slice_cols % k == 0 and t.dq_slice_cols % dq == 0
-    assert t.k_slice_cols == head_dim // t.dq_atoms[1]  # one warpgroup's dQ columns
+    # one warpgroup's dQ columns (wide tiles: of each of the two halves computed in turn)
+    assert t.k_slice_cols == head_dim // t.dq_atoms[1] // (2 if head_dim > tiling.WIDE_FROM else 1)
 
 
 def test_tile_overrides_are_checked():
@@ -166,6 +199,14 @@ def test_tile_overrides_are_checked():
         tiling.attention_sm90_tiles(64, tile_m=32)
     with pytest.raises(ValueError, match="tile_n"):
         tiling.attention_sm90_tiles(128, tile_n=64)
+    with pytest.raises(ValueError, match="need tile_m 64 and tile_n 64"):
+        tiling.attention_sm90_tiles(256, tile_n=128)
+    with pytest.raises(ValueError, match="ds_stages 2"):
+        tiling.attention_sm90_tiles(192, ds_stages=1)
+    with pytest.raises(ValueError, match="dq_per_wg False"):
+        tiling.attention_sm90_tiles(256, dq_per_wg=True)
+    with pytest.raises(ValueError, match="bytes of shared memory"):
+        tiling.attention_sm90_tiles(256, stages=2)  # two Q / dO stages of d256: 257 KiB
 
 
 # --------------------------------------------------------------------- unsupported()
@@ -194,7 +235,8 @@ UNSUPPORTED = [
     # (id, problem, keyword arguments, fragment of the reason)
     ("fp32", lambda: _problem(dtype=F32), {}, "dtype torch.float32"),
     ("head-dim-80", lambda: _problem(d=80), {}, "head dims 80 / 80"),
-    ("head-dim-256", lambda: _problem(d=256), {}, "head dims 256 / 256"),
+    ("head-dim-320", lambda: _problem(d=320), {}, "head dims 320 / 320"),
+    ("dqk-ne-dv-wide", lambda: _problem(d=256, dv=192), {}, "head dims 256 / 192"),
     ("dqk-ne-dv", lambda: _problem(d=128, dv=64), {}, "head dims 128 / 64"),
     ("heads-not-grouped", lambda: _problem(h=4, hk=3), {}, "query heads 4 not a multiple of key heads 3"),
     ("bias", _problem, dict(bias=torch.zeros(2, 3, 100, 130, dtype=BF16)), "attention bias"),
@@ -213,7 +255,7 @@ def test_unsupported_names_the_feature(case):
 
 
 @pytest.mark.parametrize("mask_type", [0, 1, 2])
-@pytest.mark.parametrize("dtype,d", [(BF16, 64), (F16, 96), (F16, 128)])
+@pytest.mark.parametrize("dtype,d", [(BF16, 64), (F16, 96), (F16, 128), (BF16, 192), (F16, 256)])
 def test_supported_problems(dtype, d, mask_type):
     assert S.unsupported(*_problem(d=d, dtype=dtype), mask_type=mask_type, arch="sm_90a") is None
     # [B, H, S, D] tensors seen as [B, S, H, D] (SDPA's layout), more queries than keys
@@ -392,7 +434,7 @@ def test_auto_takes_sm90_with_a_window(backends):
 
 
 @pytest.mark.parametrize("mask_type,sq,sk", [(0, 100, 130), (1, 130, 100), (2, 100, 130), (2, 130, 100)])
-@pytest.mark.parametrize("dtype,d", [(BF16, 64), (BF16, 96), (F16, 128)])
+@pytest.mark.parametrize("dtype,d", [(BF16, 64), (BF16, 96), (F16, 128), (F16, 192), (BF16, 256)])
 def test_auto_takes_sm90_where_it_applies(backends, caplog, dtype, d, mask_type, sq, sk):
     with caplog.at_level(logging.DEBUG, logger="cute_kernels.attention"):
         dq, dk, dv, db = _eab(sq=sq, sk=sk, d=d, dtype=dtype, mask_type=mask_type, scale=0.3)

@@ -112,7 +112,7 @@ def chosen(caplog):
 
 # --------------------------------------------------------------- vs the fp64 reference
 
-# (B, H, Sq, Sk, D, mask): tile_n = 128 keys; tile_m = 128 (d64) / 64 (d96, d128) queries
+# (B, H, Sq, Sk, D, mask): tile_n = 128 keys (d64 - d128) / 64 (d192, d256); tile_m = 128 (d64) / 64 queries
 CASES = [
     (1, 2, 128, 128, 64, 0),  # whole tiles
     (2, 3, 100, 130, 64, 0),  # partial query and key blocks
@@ -126,6 +126,18 @@ CASES = [
     (1, 2, 100, 130, 96, 0),  # partial query and key blocks
     (1, 2, 200, 200, 96, 1),  # top-left, Sq == Sk
     (2, 2, 130, 257, 96, 2),  # bottom-right, Sq < Sk
+    # d192 / d256: 64 x 64 tiles, P^T / dS^T through shared memory, dQ in two halves
+    (1, 2, 128, 128, 192, 0),  # whole tiles
+    (2, 2, 100, 130, 192, 0),  # partial query and key blocks
+    (1, 2, 200, 200, 192, 1),  # top-left, Sq == Sk
+    (2, 2, 130, 257, 192, 2),  # bottom-right, Sq < Sk
+    (1, 2, 1, 129, 192, 2),  # one query, which sees every key
+    (1, 2, 128, 128, 256, 0),
+    (2, 2, 100, 130, 256, 0),
+    (2, 2, 257, 200, 256, 1),  # top-left, Sq > Sk
+    (1, 2, 77, 300, 256, 1),  # top-left, Sq < Sk: key blocks seen by no query (dK, dV 0)
+    (2, 2, 130, 257, 256, 2),
+    (1, 2, 129, 1, 256, 0),  # one key
 ]
 REF_CASES = [(dt,) + c for dt in (BF16, F16) for c in CASES]
 
@@ -169,6 +181,9 @@ WINDOW_CASES = [
     (F16, 1, 2, 129, 129, 64, 2, 1),  # a window of one key: the diagonal
     (BF16, 2, 3, 400, 260, 64, 1, 300),  # a window wider than the keys
     (F16, 1, 2, 300, 300, 96, 1, 50),  # d96
+    (BF16, 1, 2, 300, 300, 192, 1, 50),  # d192: windows inside a 64-key block and across blocks
+    (F16, 1, 2, 257, 300, 256, 2, 70),  # d256, bottom-right
+    (BF16, 2, 2, 200, 333, 256, 1, 1),  # d256, a window of one key
 ]
 
 
@@ -209,6 +224,9 @@ VS_MEM_EFF = [
     (F16, 2, 3, 100, 130, 64, 0),
     (BF16, 1, 2, 200, 333, 128, 1),
     (BF16, 2, 2, 300, 100, 96, 2),  # d96, bottom-right, Sq > Sk
+    (F16, 2, 2, 300, 100, 192, 2),  # d192, bottom-right, Sq > Sk
+    (BF16, 1, 2, 257, 130, 256, 2),  # d256, bottom-right, Sq > Sk
+    (F16, 2, 3, 100, 130, 256, 0),
 ]
 
 
@@ -331,6 +349,9 @@ GROUPED_CASES = [
     (F16, 1, 6, 1, 130, 257, 128, 2, 0),  # multi-query, bottom-right
     (BF16, 1, 8, 2, 300, 300, 128, 1, 0),  # four query heads per key head
     (F16, 2, 4, 1, 200, 200, 64, 1, 50),  # with a sliding window
+    (BF16, 1, 6, 2, 130, 257, 192, 2, 0),  # d192, bottom-right
+    (F16, 2, 4, 1, 150, 200, 256, 0, 0),  # d256, multi-query
+    (BF16, 1, 4, 2, 300, 300, 256, 1, 60),  # d256 with a window
 ]
 
 
@@ -382,6 +403,9 @@ DETERMINISTIC_CASES = [
     (BF16, 1, 2, 2, 700, 400, 128, 2, 0),  # bottom-right, Sq > Sk: query blocks no key block sees
     (BF16, 1, 2, 1, 800, 800, 64, 1, 200),  # a window: query block m starts at a later key block
     (F16, 1, 2, 2, 640, 900, 128, 2, 130),
+    (BF16, 1, 4, 2, 600, 700, 192, 0, 0),  # d192: joint dQ handoff, ascending key blocks
+    (F16, 1, 2, 2, 700, 700, 256, 1, 0),  # d256: descending key blocks
+    (BF16, 1, 2, 1, 640, 900, 256, 2, 130),
 ]
 
 
@@ -421,7 +445,8 @@ def test_deterministic_follows_torch_flag():
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "packed"])
-@pytest.mark.parametrize("dtype,d", [(BF16, 64), (BF16, 96), (F16, 128)], ids=["bf16-d64", "bf16-d96", "fp16-d128"])
+@pytest.mark.parametrize("dtype,d", [(BF16, 64), (BF16, 96), (F16, 128), (F16, 192), (BF16, 256)],
+                         ids=["bf16-d64", "bf16-d96", "fp16-d128", "fp16-d192", "bf16-d256"])  # fmt: skip
 def test_strided_inputs(layout, dtype, d, caplog):
     """[B, H, S, D] tensors seen as [B, S, H, D] (SDPA's layout, dO too) and a packed QKV:
     the sm90 path takes them (TMA-aligned strides) and writes fresh [B, S, H, D] gradients."""
@@ -451,6 +476,10 @@ VARLEN_CASES = [
     (F16, 2, 1, 96, 2, 16, [200, 129, 7], [250, 129, 300], False),  # multi-query, a window
     (BF16, 2, 2, 128, 1, 50, [257, 0, 100], [300, 40, 100], True),  # an empty query sequence
     (F16, 3, 3, 64, 0, 0, [700, 300], [500, 900], True),
+    # d192 / d256: 64 x 64 tiles (a tile past a sequence's end reads the next one's rows)
+    (BF16, 2, 2, 192, 1, 0, [1, 130, 65], [0, 130, 64], False),
+    (F16, 4, 2, 256, 2, 0, [5, 64, 65, 33], [70, 64, 1, 100], False),
+    (BF16, 2, 1, 256, 1, 40, [257, 0, 100], [300, 40, 100], True),
 ]
 
 

@@ -521,39 +521,10 @@ class AttentionBackwardSm90:
             if const_expr(t.overlap != "sdp"):
                 self.issue_dp(pipe_do, state, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
 
-            # P^T = exp(S^T * scale - LSE), zero where masked (after the exp: LSE may be +-inf there)
             warpgroup.wait_group(1)
-            S = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
-            need_mask = q0 + t.tile_m > seqlen_q or key0 + t.tile_n > seqlen_k
-            if const_expr(self.mask_type != 0):
-                need_mask = need_mask or key0 + t.tile_n - 1 > q0 + offset
-            if const_expr(self.has_window):
-                need_mask = need_mask or key0 <= q0 + t.tile_m - 1 + offset - window_size
-            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                q_local = cS_mn[0, c][1]
-                lse_log2 = sLSE[q_local, stage] * LOG2_E
-                for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                    S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse_log2, fastmath=True)
-            if need_mask:
-                for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                    q = q0 + cS_mn[0, c][1]
-                    for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                        k = key0 + cS_mn[r, c][0]
-                        masked = q >= seqlen_q or k >= seqlen_k
-                        if const_expr(self.mask_type != 0):
-                            masked = masked or k > q + offset
-                        if const_expr(self.has_window):
-                            masked = masked or k <= q + offset - window_size
-                        if masked:
-                            S[r, c] = Float32(0.0)
-
-            # dS^T = P^T (dP^T - Δ)
+            self.probs(acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2)
             warpgroup.wait_group(0)
-            dP = cute.make_tensor(acc_dP.iterator, acc_mn_layout(acc_dP.layout))
-            for c in cutlass.range_constexpr(cute.size(dP, mode=[1])):
-                delta = sDelta[cS_mn[0, c][1], stage]
-                for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
-                    dP[r, c] = S[r, c] * (dP[r, c] - delta)
+            self.grad_scores(acc_dP, acc_S, cS_mn, sDelta, stage)
 
             # dV += P^T dO (P^T from registers)
             rP = cute.make_rmem_tensor(shape_sdp, self.dtype)
@@ -608,6 +579,45 @@ class AttentionBackwardSm90:
         acc_dK.store(acc_dK.load() * softmax_scale)
         self.store_rows(acc_dK, mdK, tiled_mma_dkv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
         self.store_rows(acc_dV, mdV, tiled_mma_dkv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
+
+    @cute.jit
+    def probs(self, acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2):
+        """P^T = exp(S^T * scale - LSE) in place of S^T, zero where masked (after the exp: LSE
+        may be +-inf there). ``cS_mn``: (key, query) in the block of each value, rows x columns."""
+        t = self.tiles
+        S = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
+        need_mask = q0 + t.tile_m > seqlen_q or key0 + t.tile_n > seqlen_k
+        if const_expr(self.mask_type != 0):
+            need_mask = need_mask or key0 + t.tile_n - 1 > q0 + offset
+        if const_expr(self.has_window):
+            need_mask = need_mask or key0 <= q0 + t.tile_m - 1 + offset - window_size
+        for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+            q_local = cS_mn[0, c][1]
+            lse_log2 = sLSE[q_local, stage] * LOG2_E
+            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse_log2, fastmath=True)
+        if need_mask:
+            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                q = q0 + cS_mn[0, c][1]
+                for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                    k = key0 + cS_mn[r, c][0]
+                    masked = q >= seqlen_q or k >= seqlen_k
+                    if const_expr(self.mask_type != 0):
+                        masked = masked or k > q + offset
+                    if const_expr(self.has_window):
+                        masked = masked or k <= q + offset - window_size
+                    if masked:
+                        S[r, c] = Float32(0.0)
+
+    @cute.jit
+    def grad_scores(self, acc_dP, acc_P, cS_mn, sDelta, stage):
+        """dS^T = P^T (dP^T - Δ) in place of dP^T."""
+        P = cute.make_tensor(acc_P.iterator, acc_mn_layout(acc_P.layout))
+        dP = cute.make_tensor(acc_dP.iterator, acc_mn_layout(acc_dP.layout))
+        for c in cutlass.range_constexpr(cute.size(dP, mode=[1])):
+            delta = sDelta[cS_mn[0, c][1], stage]
+            for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
+                dP[r, c] = P[r, c] * (dP[r, c] - delta)
 
     @cute.jit
     def stage_dq(self, acc_dQ, r2s_dq, thr_r2s_dq, tdQs, buf, wg):

@@ -1,0 +1,153 @@
+"""Hopper-native attention backward for head dims 192 and 256: the base kernel with the
+consumers' products decomposed for 64 keys x 64 queries (``AttentionSm90WideTiles``).
+
+With the base decomposition each warpgroup would hold dK and dV of 64 keys x d in fp32
+(2 x d / 2 registers a thread), more than setmaxnreg's 240. Here (FA3's hdim-256 form) both
+consumer warpgroups own all 64 keys of the block and split the other dimension of each
+product, per query block:
+
+    S^T, dP^T  (64 keys x 64 queries)    warpgroup w: queries 32w .. 32w+31 (m64n32, SS)
+    P^T, dS^T -> shared memory           both warpgroups read all of them next
+    dV += P^T dO, dK += dS^T Q           warpgroup w: head-dim columns w d/2 .. (w+1) d/2 - 1
+                                         (SS, A = P^T / dS^T)
+    dQ = dS K, column half h = 0, 1      warpgroup w: columns h d/2 + w d/4 .. (SS), one half
+                                         after the other, each staged in sdQ
+
+so a thread holds 2 x d / 4 fp32 of dK / dV (96 / 128 registers) and d / 8 of dQ at a
+time (a whole half beside dK / dV ran ptxas out of registers: notes.md). Producer, dQ
+store warp (its joint handoff: the store warp adds the whole tile), masks, grouped heads,
+deterministic mode, variable lengths, the shared storage and the epilogue are the base's:
+P^T lives in the sdS allocation (buffers [0, ds_stages), dS^T in [ds_stages, 2 ds_stages)).
+Layouts: layouts/attention_sm90.py.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32
+from cutlass.cute.nvgpu import warpgroup
+
+from cute_kernels.common.views import transpose_view
+
+from .attention_backward_sm90 import BAR_DQ_EMPTY, BAR_DQ_FULL, BAR_PDS, LOG2_E, AttentionBackwardSm90
+from .wgmma import acc_mn_layout, wgmma
+
+
+class AttentionBackwardSm90Wide(AttentionBackwardSm90):
+    """``AttentionBackwardSm90`` for ``AttentionSm90WideTiles`` (head dims above 128); the
+    same configuration (mask, window, deterministic) and arguments."""
+
+    @cute.jit
+    def mma(self, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
+            pipe_q, pipe_do, mbar_kv, tidx, n_block, batch, work, rows, seqlen_q, seqlen_k, softmax_scale,
+            window_size):  # fmt: skip
+        t = self.tiles
+        d = t.head_dim
+        head_kv, group, m_min, m_max = work
+        steps = group * (m_max - m_min)
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        scale_log2 = softmax_scale * LOG2_E
+
+        # S^T = K Q^T, dP^T = V dO^T (all keys, this warpgroup's queries)
+        wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
+        thr_sdp = tiled_mma_sdp.get_slice(tidx)
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        shape_sdp = thr_sdp.partition_shape_C((t.tile_n, t.tile_m))
+        cS = thr_sdp.partition_C(cute.make_identity_tensor((t.tile_n, t.tile_m)))
+        cS_mn = cute.make_tensor(cS.iterator, acc_mn_layout(cS.layout))
+
+        # dV += P^T dO, dK += dS^T Q: A = the (key, query) view of sdS's P / dS buffers
+        # (queries contiguous: K-major), B = the transposed views of dO / Q (this warpgroup's columns)
+        wg_dkv = tiled_mma_dkv.get_slice(wg * 128)
+        tKVrPdS = wg_dkv.make_fragment_A(wg_dkv.partition_A(transpose_view(sdS)))
+        tVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))
+        tKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))
+        thr_dkv = tiled_mma_dkv.get_slice(tidx)
+        acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((t.tile_n, d)), Float32)
+        acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((t.tile_n, d)), Float32)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+
+        # dQ = dS K, columns [0, d/2) then [d/2, d): B = K's MN-major view, one half each
+        wg_dq = tiled_mma_dq.get_slice(wg * 128)
+        thr_dq = tiled_mma_dq.get_slice(tidx)
+        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        half = d // 2
+        sKt = transpose_view(sK)
+        tQrK0 = wg_dq.make_fragment_B(wg_dq.partition_B(cute.local_tile(sKt, (half, t.tile_n), (0, 0))))
+        tQrK1 = wg_dq.make_fragment_B(wg_dq.partition_B(cute.local_tile(sKt, (half, t.tile_n), (1, 0))))
+        shape_dq = thr_dq.partition_shape_C((t.tile_m, half))
+
+        # registers -> shared: P^T and dS^T into sdS's buffers, the dQ halves into sdQ
+        r2s_ds = t.r2s_copy_ds(self.dtype, tiled_mma_sdp)
+        thr_r2s_ds = r2s_ds.get_slice(tidx)
+        tdSs = thr_r2s_ds.partition_D(transpose_view(sdS))
+        r2s_dq = t.r2s_copy_dq(tiled_mma_dq)
+        thr_r2s_dq = r2s_dq.get_slice(tidx)
+        dq_half = (t.tile_m, half, t.dq_stages)
+        tdQs0 = thr_r2s_dq.partition_D(cute.local_tile(sdQ, dq_half, (0, 0, 0)))
+        tdQs1 = thr_r2s_dq.partition_D(cute.local_tile(sdQ, dq_half, (0, 1, 0)))
+
+        offset = self.causal_offset(seqlen_q, seqlen_k)
+        key0 = n_block * t.tile_n
+        acc_S = cute.make_rmem_tensor(shape_sdp, Float32)
+        acc_dP = cute.make_rmem_tensor(shape_sdp, Float32)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
+        if m_min < m_max:
+            cute.arch.mbarrier_wait(mbar_kv, 0)
+        # every wgmma group is issued and waited for within its step (none crosses the
+        # loop's back edge, which would make ptxas serialise them all); the loop stays
+        # outside the if (0 steps without work), as the base's (notes.md)
+        for i in cutlass.range(steps, unroll=1):
+            _, m_block = self.work_item(work, i)
+            stage = state.index
+            p_buf = i % t.ds_stages
+            ds_buf = t.ds_stages + p_buf
+            q0 = m_block * t.tile_m
+            self.issue_s(pipe_q, state, tiled_mma_sdp, acc_S, tSrK, tSrQ)
+            self.issue_dp(pipe_do, state, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
+            warpgroup.wait_group(1)
+            self.probs(acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2)
+            rP = cute.make_rmem_tensor(shape_sdp, self.dtype)
+            rP.store(acc_S.load().to(self.dtype))
+            cute.copy(r2s_ds, thr_r2s_ds.retile(rP), tdSs[None, None, None, p_buf])
+            warpgroup.wait_group(0)
+            self.grad_scores(acc_dP, acc_S, cS_mn, sDelta, stage)
+            rdS = cute.make_rmem_tensor(shape_sdp, self.dtype)
+            rdS.store(acc_dP.load().to(self.dtype))
+            cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_buf])
+            # both warpgroups' query halves written and visible to the async proxy. With
+            # two buffers this one barrier a block suffices: a warpgroup writes buffer
+            # i % 2 again (block i + 2) only after the other arrived here for block i + 1,
+            # which it does after waiting for its block-i products
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
+
+            wgmma(tiled_mma_dkv, acc_dV, tKVrPdS[None, None, None, p_buf], tVrdO[None, None, None, stage],
+                  zero_init=False)  # fmt: skip
+            acc_dQ = cute.make_rmem_tensor(shape_dq, Float32)
+            wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_buf], tQrK0, zero_init=True)
+            wgmma(tiled_mma_dkv, acc_dK, tKVrPdS[None, None, None, ds_buf], tKrQ[None, None, None, stage],
+                  zero_init=False)  # fmt: skip
+            warpgroup.wait_group(1)  # dV and dQ's first half done
+            pipe_do.consumer_release(state)
+            # dQ -> sdQ for the store warp's reduce-add of the whole tile, one half at a
+            # time (with dK running): both halves' accumulators at once would not fit
+            buf = i % t.dq_stages
+            cute.arch.barrier(barrier_id=BAR_DQ_EMPTY, number_of_threads=t.dq_handoff_threads)
+            cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQs0[None, None, None, buf])
+            wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_buf], tQrK1, zero_init=True)
+            warpgroup.wait_group(0)
+            cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQs1[None, None, None, buf])
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=t.dq_handoff_threads)
+            pipe_q.consumer_release(state)
+            state.advance()
+
+        # epilogue: dK scaled by the softmax scale (dS was not), rows past seqlen_k dropped
+        acc_dK.store(acc_dK.load() * softmax_scale)
+        self.store_rows(acc_dK, mdK, tiled_mma_dkv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
+        self.store_rows(acc_dV, mdV, tiled_mma_dkv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
