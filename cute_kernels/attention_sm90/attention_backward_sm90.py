@@ -453,26 +453,10 @@ class AttentionBackwardSm90:
         scale_log2 = softmax_scale * LOG2_E
 
         # S^T = K Q^T, dP^T = V dO^T (this warpgroup's 64 keys)
-        wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
-        thr_sdp = tiled_mma_sdp.get_slice(tidx)
-        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
-        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
-        tPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
-        tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
-        shape_sdp = thr_sdp.partition_shape_C((t.tile_n, t.tile_m))
-        # coordinates (key, query) of each accumulator value, as rows x columns
-        cS = thr_sdp.partition_C(cute.make_identity_tensor((t.tile_n, t.tile_m)))
-        cS_mn = cute.make_tensor(cS.iterator, acc_mn_layout(cS.layout))
+        tSrK, tSrQ, tPrV, tPrdO, shape_sdp, cS_mn = self.sdp_operands(tiled_mma_sdp, tidx, wg, sK, sQ, sV, sdO)
 
         # dV += P^T dO, dK += dS^T Q: B operands are the transposed views of dO / Q
-        wg_dkv = tiled_mma_dkv.get_slice(wg * 128)
-        tVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))
-        tKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))
-        thr_dkv = tiled_mma_dkv.get_slice(tidx)
-        acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((t.tile_n, d)), Float32)
-        acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((t.tile_n, d)), Float32)
-        acc_dV.fill(0.0)
-        acc_dK.fill(0.0)
+        tVrdO, tKrQ, acc_dV, acc_dK = self.dkv_operands(tiled_mma_dkv, tidx, wg, sQ, sdO)
 
         # dQ = dS K
         wg_dq = tiled_mma_dq.get_slice(wg * 128)
@@ -618,6 +602,37 @@ class AttentionBackwardSm90:
             delta = sDelta[cS_mn[0, c][1], stage]
             for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
                 dP[r, c] = P[r, c] * (dP[r, c] - delta)
+
+    @cute.jit
+    def sdp_operands(self, tiled_mma_sdp, tidx, wg, sK, sQ, sV, sdO):
+        """S^T = K Q^T, dP^T = V dO^T: the warpgroup's operand fragments, the thread's
+        accumulator shape and the (key, query) coordinate of each accumulator value as
+        rows x columns."""
+        t = self.tiles
+        wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
+        thr_sdp = tiled_mma_sdp.get_slice(tidx)
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        shape_sdp = thr_sdp.partition_shape_C((t.tile_n, t.tile_m))
+        cS = thr_sdp.partition_C(cute.make_identity_tensor((t.tile_n, t.tile_m)))
+        return tSrK, tSrQ, tPrV, tPrdO, shape_sdp, cute.make_tensor(cS.iterator, acc_mn_layout(cS.layout))
+
+    @cute.jit
+    def dkv_operands(self, tiled_mma_dkv, tidx, wg, sQ, sdO):
+        """dV += P^T dO, dK += dS^T Q: the B fragments (transposed views of dO / Q) and the
+        zeroed dV, dK accumulators (the A operand, P^T / dS^T, differs per kernel)."""
+        t = self.tiles
+        wg_dkv = tiled_mma_dkv.get_slice(wg * 128)
+        tVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))
+        tKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))
+        thr_dkv = tiled_mma_dkv.get_slice(tidx)
+        acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((t.tile_n, t.head_dim)), Float32)
+        acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((t.tile_n, t.head_dim)), Float32)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+        return tVrdO, tKrQ, acc_dV, acc_dK
 
     @cute.jit
     def stage_dq(self, acc_dQ, r2s_dq, thr_r2s_dq, tdQs, buf, wg):

@@ -30,7 +30,7 @@ from cutlass.cute.nvgpu import warpgroup
 from cute_kernels.common.views import transpose_view
 
 from .attention_backward_sm90 import BAR_DQ_EMPTY, BAR_DQ_FULL, BAR_PDS, LOG2_E, AttentionBackwardSm90
-from .wgmma import acc_mn_layout, wgmma
+from .wgmma import wgmma
 
 
 class AttentionBackwardSm90Wide(AttentionBackwardSm90):
@@ -49,27 +49,13 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
         scale_log2 = softmax_scale * LOG2_E
 
         # S^T = K Q^T, dP^T = V dO^T (all keys, this warpgroup's queries)
-        wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
-        thr_sdp = tiled_mma_sdp.get_slice(tidx)
-        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
-        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
-        tPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
-        tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
-        shape_sdp = thr_sdp.partition_shape_C((t.tile_n, t.tile_m))
-        cS = thr_sdp.partition_C(cute.make_identity_tensor((t.tile_n, t.tile_m)))
-        cS_mn = cute.make_tensor(cS.iterator, acc_mn_layout(cS.layout))
+        tSrK, tSrQ, tPrV, tPrdO, shape_sdp, cS_mn = self.sdp_operands(tiled_mma_sdp, tidx, wg, sK, sQ, sV, sdO)
 
         # dV += P^T dO, dK += dS^T Q: A = the (key, query) view of sdS's P / dS buffers
         # (queries contiguous: K-major), B = the transposed views of dO / Q (this warpgroup's columns)
+        tVrdO, tKrQ, acc_dV, acc_dK = self.dkv_operands(tiled_mma_dkv, tidx, wg, sQ, sdO)
         wg_dkv = tiled_mma_dkv.get_slice(wg * 128)
         tKVrPdS = wg_dkv.make_fragment_A(wg_dkv.partition_A(transpose_view(sdS)))
-        tVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))
-        tKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))
-        thr_dkv = tiled_mma_dkv.get_slice(tidx)
-        acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((t.tile_n, d)), Float32)
-        acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((t.tile_n, d)), Float32)
-        acc_dV.fill(0.0)
-        acc_dK.fill(0.0)
 
         # dQ = dS K, columns [0, d/2) then [d/2, d): B = K's MN-major view, one half each
         wg_dq = tiled_mma_dq.get_slice(wg * 128)
