@@ -111,6 +111,7 @@ STATS_ALIGN = 128  # bytes: the LSE / Δ stages (TMA destinations)
 DS_STORE_BITS = 32  # dS^T pair of 16-bit values, adjacent in the query-contiguous sdS
 DQ_STORE_BITS = 64  # dQ fp32 pair into the swizzled staging buffer
 DKV_STORE_BITS = 32  # dK / dV pair of 16-bit values into global memory
+KEEP_FLAG_BUFFERS = 2  # dropout keep-flag buffers: a warpgroup draws block i+1's while it may still read block i's
 
 
 def tma_align_elems(elem_bits: int) -> int:
@@ -174,8 +175,30 @@ class AttentionSm90Tiles:
         """(tile_m, tile_n) buffers of the sdS allocation: dS's stages."""
         return self.ds_stages
 
-    def smem_bytes(self, elem_bytes: int = 2) -> int:
-        """Bytes of the kernel's SharedStorage, member by member with its alignments."""
+    @property
+    def sdp_wg_tile(self) -> tuple:
+        """(keys, queries) of S^T / dP^T one consumer warpgroup holds: 64 keys, every query."""
+        return (self.tile_n // NUM_CONSUMER_WG, self.tile_m)
+
+    def sdp_wg_origin(self, wg):
+        """(key, query) where warpgroup ``wg``'s part of S^T starts in the block."""
+        return (wg * (self.tile_n // NUM_CONSUMER_WG), 0)
+
+    @property
+    def keep_flag_keys(self) -> int:
+        """Dropout: consecutive keys of one query row each consumer thread draws (a warpgroup
+        draws its own part of S^T: curand's stream is key-contiguous, one Philox call per 4 keys)."""
+        keys, queries = self.sdp_wg_tile
+        return keys * queries // 128
+
+    @property
+    def keep_flag_bytes(self) -> int:
+        """One buffer of dropout keep flags: a bit per (query, key) of the block, rows of queries."""
+        return self.tile_m * self.tile_n // 8
+
+    def smem_bytes(self, elem_bytes: int = 2, dropout: bool = False) -> int:
+        """Bytes of the kernel's SharedStorage, member by member with its alignments
+        (``dropout``: with the keep-flag buffers)."""
         d = self.head_dim
 
         def place(offset, size, align):
@@ -187,7 +210,10 @@ class AttentionSm90Tiles:
         for size in (self.stages * self.tile_m * d * elem_bytes,) * 2 + (self.tile_n * d * elem_bytes,) * 2:
             off = place(off, size, SMEM_ALIGN)  # Q, dO, K, V
         off = place(off, self.ds_buffers * self.tile_m * self.tile_n * elem_bytes, SMEM_ALIGN)  # dS (and P)
-        return place(off, self.dq_stages * self.tile_m * d * 4, SMEM_ALIGN)  # dQ staging
+        off = place(off, self.dq_stages * self.tile_m * d * 4, SMEM_ALIGN)  # dQ staging
+        if dropout:
+            off = place(off, KEEP_FLAG_BUFFERS * self.keep_flag_bytes, STATS_ALIGN)
+        return off
 
     # ---- DSL objects (called while tracing) -------------------------------------------
     def tiled_mma_sdp(self, dtype):
@@ -344,6 +370,14 @@ class AttentionSm90WideTiles(AttentionSm90Tiles):
         """P^T and dS^T both go through shared memory: P in buffers [0, ds_stages), dS after."""
         return 2 * self.ds_stages
 
+    @property
+    def sdp_wg_tile(self) -> tuple:
+        """All 64 keys, half of the queries."""
+        return (self.tile_n, self.tile_m // NUM_CONSUMER_WG)
+
+    def sdp_wg_origin(self, wg):
+        return (0, wg * (self.tile_m // NUM_CONSUMER_WG))
+
     def tiled_mma_sdp(self, dtype):
         """S^T = K Q^T, dP^T = V dO^T: all 64 keys, each warpgroup half of the queries (m64n32)."""
         from cutlass import Float32
@@ -453,6 +487,6 @@ def attention_sm90_tiles(head_dim: int, causal: bool = False, **overrides) -> At
         t = AttentionSm90Tiles(**fields)
         if t.tile_m not in (64, 128) or t.tile_n != 64 * NUM_CONSUMER_WG:
             raise ValueError(f"tile_m must be 64 or 128 and tile_n {64 * NUM_CONSUMER_WG}, got {t.tile_m}, {t.tile_n}")
-    if t.smem_bytes() > SMEM_LIMIT:
-        raise ValueError(f"tiles need {t.smem_bytes()} bytes of shared memory, more than {SMEM_LIMIT}")
+    if t.smem_bytes(dropout=True) > SMEM_LIMIT:  # dropout's keep flags must fit too
+        raise ValueError(f"tiles need {t.smem_bytes(dropout=True)} bytes of shared memory, more than {SMEM_LIMIT}")
     return t

@@ -29,11 +29,11 @@ DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _build(dtype, head_dim: int, mask_type: int, has_window: bool, arch: str, deterministic: bool = False,
-           varlen: bool = False):  # fmt: skip
+           varlen: bool = False, has_bias: bool = False, grad_bias: bool = False, dropout: bool = False):  # fmt: skip
     tiles = tiling.attention_sm90_tiles(head_dim)
     # d192 / d256: the 64 x 64 decomposition (P^T / dS^T through shared memory)
     cls = AttentionBackwardSm90Wide if isinstance(tiles, tiling.AttentionSm90WideTiles) else AttentionBackwardSm90
-    kernel = cls(dtype, tiles, mask_type, has_window, deterministic, varlen)
+    kernel = cls(dtype, tiles, mask_type, has_window, deterministic, varlen, has_bias, grad_bias, dropout)
     b, h, hk, mq, mk = (cute.sym_int() for _ in range(5))
     # TMA: last stride 1, the other strides and the addresses multiples of TMA_ALIGN_BYTES
     vec, vec32 = tiling.tma_align_elems(dtype.width), tiling.tma_align_elems(32)
@@ -45,9 +45,16 @@ def _build(dtype, head_dim: int, mask_type: int, has_window: bool, arch: str, de
     dq_accum = cc.fake_tensor(cutlass.Float32, (b, cute.sym_int(), h, head_dim), vec32)
     semaphore = cc.fake_tensor(cutlass.Int32, (seqs, h, cute.sym_int()), 1) if deterministic else None
     cu_q, cu_k = (cc.fake_tensor(cutlass.Int32, (cute.sym_int(),), 1) if varlen else None for _ in range(2))
+    # the bias: any strides (0 for broadcast dims; read element by element); its gradient
+    # dense rows (padded to 128 bits, as torch's) with any row stride
+    bias = cc.fake_tensor(dtype, (b, h, mq, mk), 1, leading_dim=None) if has_bias else None
+    grad_bias_t = cc.fake_tensor(dtype, (b, h, mq, mk), 1) if grad_bias else None
+    rng = (None,) * 5
+    if dropout:  # seed, offset, p, 1 / (1 - p), stream words per (batch, head)
+        rng = (cutlass.Int64(0), cutlass.Int64(0), cutlass.Float32(0.5), cutlass.Float32(2.0), cutlass.Int64(1))
     return cc.compile_kernel(
-        kernel, q, k, v, do, lse, delta, dq_accum, dk, dv, semaphore, cu_q, cu_k, cutlass.Float32(1.0),
-        cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), cc.fake_stream(), arch=arch,
+        kernel, q, k, v, do, lse, delta, dq_accum, dk, dv, semaphore, cu_q, cu_k, bias, grad_bias_t,
+        cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), *rng, cc.fake_stream(), arch=arch,
     )  # fmt: skip
 
 
@@ -56,15 +63,19 @@ compiled = cc.CompileCache("attention_bwd_sm90", _build)
 
 def compile_for_benchmark_cases(cases, arch: str) -> int:
     """The configurations the ``attention_bwd`` suite's ours_sm90 rows run: ((B, H, S, D),
-    dtype, causal[, feature]) without a feature, head dims of the path; none for an arch
-    other than sm_90a (the path does not run there)."""
+    dtype, causal[, feature]) with feature None, "bias", "bias_grad" or "dropout", head dims
+    of the path; none for an arch other than sm_90a (the path does not run there)."""
     if arch != "sm_90a":
         return 0
     keys = set()
     for (_, _, _, d), dtype_name, causal, *feature in cases:
-        if (feature and feature[0] is not None) or d not in tiling.HEAD_DIMS:
+        if d not in tiling.HEAD_DIMS:
             continue
-        keys.add((cc.cute_dtype(getattr(torch, dtype_name)), d, 1 if causal else 0, False, arch))  # causal: top-left
+        feature = feature[0] if feature else None
+        bias, grad_bias, dropout = feature in ("bias", "bias_grad"), feature == "bias_grad", feature == "dropout"
+        # the key of attention_backward_sm90's call: causal is top-left, no window / determinism / varlen
+        keys.add((cc.cute_dtype(getattr(torch, dtype_name)), d, 1 if causal else 0, False, arch, False, False,
+                  bias, grad_bias, dropout))  # fmt: skip
     for key in sorted(keys, key=str):
         compiled(*key)
     return len(keys)
@@ -86,10 +97,6 @@ def unsupported(query, key, value, grad_out, out, *, mask_type=0, window_size=No
         return f"head dims {d} / {value.shape[-1]} (supported: equal, one of {tiling.HEAD_DIMS})"
     if key.shape[2] == 0 or query.shape[2] % key.shape[2]:
         return f"query heads {query.shape[2]} not a multiple of key heads {key.shape[2]}"
-    if bias is not None:
-        return "attention bias (not yet on this path)"
-    if dropout_p:
-        return "dropout (not yet on this path)"
     if mask_type not in (0, 1, 2):
         return f"mask type {mask_type}"
     vec = tiling.tma_align_elems(8 * query.element_size())
@@ -115,8 +122,10 @@ def _tma_stats(x: Tensor) -> Tensor:
 
 def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: float, mask_type: int = 0,
                             window_size: int = 0, deterministic: bool = False, cu_seqlens_q=None, cu_seqlens_k=None,
-                            max_seqlen_q=None, max_seqlen_k=None):  # fmt: skip
-    """(dq, dk, dv) of softmax(scale Q K^T [+ causal mask [+ window]]) V; tensors [B, S, H, D]
+                            max_seqlen_q=None, max_seqlen_k=None, bias=None, bias_requires_grad: bool = False,
+                            dropout_p: float = 0.0, philox_seed=None, philox_offset=None):  # fmt: skip
+    """(dq, dk, dv, grad_bias) of dropout(softmax(scale Q K^T [+ bias] [+ causal mask [+ window]])) V;
+    tensors [B, S, H, D]
     (key / value / dk / dv [B, S, Hk, D] with grouped-query heads: H a multiple of Hk).
     ``window_size`` > 0 (with a causal mask): key k sees query q when
     q + offset - window_size < k <= q + offset, as the memory-efficient kernel.
@@ -128,8 +137,14 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
 
     Variable lengths (the memory-efficient op's convention): B == 1, sequence i is rows
     cu_seqlens_q[i] .. cu_seqlens_q[i + 1] (keys alike) of the packed tensors, bounded by
-    ``max_seqlen_q / _k``; logsumexp [sequences, H, >= max_seqlen_q]. Masks are per sequence."""
+    ``max_seqlen_q / _k``; logsumexp [sequences, H, >= max_seqlen_q]. Masks are per sequence.
+
+    ``bias``: broadcastable to [B, H, Sq, Sk] (not with variable lengths); with
+    ``bias_requires_grad`` grad_bias is [B, H, Sq, Sk] (rows padded to 128 bits, as torch's),
+    else None. Dropout: the keep mask of torch's memory-efficient forward for
+    ``philox_seed / philox_offset`` (int64 scalar tensors), p = ``dropout_p``."""
     from .attention_bwd_prepost import _convert_dq_impl, _preprocess_impl
+    from .mem_eff_attention import _dropout_args
 
     varlen = cu_seqlens_q is not None
     b, sq, h, d = query.shape
@@ -141,20 +156,37 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     # fake implementation of the op that calls this) allocates them
     dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
     dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
+    grad_bias = None
+    if bias is not None:
+        if varlen:
+            raise NotImplementedError("attention bias with cu_seqlens is not supported (torch's forward refuses it too)")
+        bias = bias.expand(b, h, sq, sk)  # a view: broadcast dims get stride 0
+        if bias_requires_grad:
+            vec = 16 // query.element_size()
+            # blocks no key block visits (masks, windows) are never written: zeros there
+            alloc = torch.zeros if int(mask_type) != 0 else torch.empty
+            grad_bias = alloc((b, h, sq, -(-sk // vec) * vec), dtype=query.dtype, device=query.device)[..., :sk]
     if min(seqs, h, sq, sk, rows_q, rows_k) == 0:
-        return torch.zeros_like(query), dk.zero_(), dv.zero_()
+        if grad_bias is not None:
+            grad_bias.zero_()
+        return torch.zeros_like(query), dk.zero_(), dv.zero_(), grad_bias
     # the pre / postprocess take packed sequences as [total, H, D]
     pack = (lambda x: x[0]) if varlen else (lambda x: x)
     delta, dq_accum = _preprocess_impl(pack(out), pack(grad_out), 1.0, cu_seqlens_q, max_seqlen_q, True)
     window = int(window_size or 0)
     arch = cc.device_arch(query.device.index)
-    fn = compiled(cc.cute_dtype(query.dtype), d, int(mask_type), window > 0, arch, bool(deterministic), varlen)
+    dropout = float(dropout_p) > 0.0
+    fn = compiled(cc.cute_dtype(query.dtype), d, int(mask_type), window > 0, arch, bool(deterministic), varlen,
+                  bias is not None, grad_bias is not None, dropout)  # fmt: skip
     tiles = tiling.attention_sm90_tiles(d)
     semaphore = None
     if deterministic:
         semaphore = torch.zeros((seqs, h, -(-rows_q // tiles.tile_m)), dtype=torch.int32, device=query.device)
     chunk = tiles.lpt_heads_per_chunk(rows_q, h // key.shape[2], query.element_size())
+    rng = (None,) * 5
+    if dropout:
+        rng = _dropout_args(dropout_p, philox_seed, philox_offset, rows_q, rows_k)
     fn(query, key, value, grad_out, _tma_stats(logsumexp.float()), delta, dq_accum.unsqueeze(0) if varlen else dq_accum,
-       dk, dv, semaphore, cu_seqlens_q, cu_seqlens_k, float(scale), window, rows_k, chunk)  # fmt: skip
+       dk, dv, semaphore, cu_seqlens_q, cu_seqlens_k, bias, grad_bias, float(scale), window, rows_k, chunk, *rng)  # fmt: skip
     dq = _convert_dq_impl(dq_accum, float(scale), d, sq, cu_seqlens_q, max_seqlen_q, 0.0, query.dtype)
-    return (dq.unsqueeze(0) if varlen else dq), dk, dv
+    return (dq.unsqueeze(0) if varlen else dq), dk, dv, grad_bias

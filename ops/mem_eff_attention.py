@@ -368,12 +368,13 @@ def _impl(
     log.debug("attention backward: %s (%s; B=%d Mq=%d Mk=%d H=%d D=%d mask %d)",
               choice, why, b, mq, key.shape[1], h, d, int(custom_mask_type))  # fmt: skip
     if choice == "sm90":
-        dq, dk, dv = sm90.attention_backward_sm90(
+        return sm90.attention_backward_sm90(
             grad_out, query, key, value, out, logsumexp, scale, int(custom_mask_type), int(window_size or 0),
             deterministic=bool(deterministic), cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, bias=bias,
+            bias_requires_grad=bool(bias_requires_grad), dropout_p=float(dropout_p),
+            philox_seed=philox_seed, philox_offset=philox_offset,
         )  # fmt: skip
-        return dq, dk, dv, None
     if deterministic:  # one key split: each query block's dQ is summed by one CTA, in order
         num_splits_key = 1
     return _mem_eff_impl(

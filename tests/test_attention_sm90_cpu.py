@@ -67,6 +67,55 @@ def test_compiles_varlen(head_dim, mask_type, window, deterministic):
     assert callable(S._build(cutlass.BFloat16, head_dim, mask_type, window, "sm_90a", deterministic, True))
 
 
+# (head dim, mask, window, deterministic, varlen, bias, bias gradient, dropout)
+FEATURE_CONFIGS = [
+    (64, 0, False, False, False, True, True, True), (64, 1, False, False, False, False, False, True),
+    (64, 2, True, False, False, True, False, False), (96, 2, True, False, False, True, True, False),
+    (96, 0, False, False, True, False, False, True), (128, 1, False, False, False, True, True, True),
+    (128, 0, False, False, False, True, False, False), (128, 1, True, True, False, True, True, True),
+    (128, 2, False, False, True, False, False, True), (192, 1, False, False, False, True, True, True),
+    (192, 0, False, True, True, False, False, True), (256, 2, True, False, False, False, False, True),
+    (256, 0, False, False, False, True, True, False),
+]  # fmt: skip
+
+
+def _feature_id(c):
+    d, mask, window, det, varlen, bias, grad_bias, dropout = c
+    flags = [n for n, on in (("window", window), ("det", det), ("varlen", varlen), ("bias", bias), ("dbias", grad_bias),
+                             ("dropout", dropout)) if on]  # fmt: skip
+    return f"d{d}-mask{mask}-" + "-".join(flags)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("config", FEATURE_CONFIGS, ids=[_feature_id(c) for c in FEATURE_CONFIGS])
+def test_compiles_with_bias_and_dropout(config):
+    """Bias (any strides), its gradient and dropout's keep flags, alone and with the other features."""
+    d, mask, window, det, varlen, bias, grad_bias, dropout = config
+    assert callable(S._build(cutlass.Float16, d, mask, window, "sm_90a", det, varlen, bias, grad_bias, dropout))
+
+
+def test_feature_flags_are_checked():
+    from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
+
+    tiles = tiling.attention_sm90_tiles(64)
+    with pytest.raises(ValueError, match="grad_bias needs has_bias"):
+        AttentionBackwardSm90(cutlass.BFloat16, tiles, 0, grad_bias=True)
+    with pytest.raises(NotImplementedError, match="variable lengths"):
+        AttentionBackwardSm90(cutlass.BFloat16, tiles, 0, varlen=True, has_bias=True)
+
+
+@pytest.mark.parametrize("head_dim", tiling.HEAD_DIMS)
+def test_keep_flags_fit(head_dim):
+    """Dropout's two keep-flag buffers (a bit per element of the block) fit beside every tile
+    set, and each consumer thread draws whole 16-key half-words of one query row."""
+    t = tiling.attention_sm90_tiles(head_dim)
+    keys, queries = t.sdp_wg_tile
+    assert keys * queries * tiling.NUM_CONSUMER_WG == t.tile_m * t.tile_n  # the warpgroups cover the block
+    assert t.keep_flag_keys % 16 == 0 and keys % t.keep_flag_keys == 0
+    assert t.smem_bytes(dropout=True) - t.smem_bytes() >= tiling.KEEP_FLAG_BUFFERS * t.keep_flag_bytes
+    assert t.smem_bytes(dropout=True) <= tiling.SMEM_LIMIT
+
+
 @pytest.mark.compile
 def test_d96_compiles_without_dq_per_wg(monkeypatch):
     """The dQ staging atom follows the warpgroups' 48-column slices, not the reduce-add box:
@@ -239,8 +288,6 @@ UNSUPPORTED = [
     ("dqk-ne-dv-wide", lambda: _problem(d=256, dv=192), {}, "head dims 256 / 192"),
     ("dqk-ne-dv", lambda: _problem(d=128, dv=64), {}, "head dims 128 / 64"),
     ("heads-not-grouped", lambda: _problem(h=4, hk=3), {}, "query heads 4 not a multiple of key heads 3"),
-    ("bias", _problem, dict(bias=torch.zeros(2, 3, 100, 130, dtype=BF16)), "attention bias"),
-    ("dropout", _problem, dict(dropout_p=0.1), "dropout"),
     ("mask-3", _problem, dict(mask_type=3), "mask type 3"),
     ("misaligned", _misaligned_query, {}, "query is not TMA-aligned"),
     ("row-stride", _row_strided_query, {}, "query is not TMA-aligned"),
@@ -308,8 +355,9 @@ class Recorder:
         self.calls.append((self.name, rest, kw))
         zeros = (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value))
         if self.name == "sm90":
-            return zeros
-        bias, bias_requires_grad = rest[10:12]  # _mem_eff_impl's arguments after out
+            bias, bias_requires_grad = kw.get("bias"), kw.get("bias_requires_grad")
+        else:
+            bias, bias_requires_grad = rest[10:12]  # _mem_eff_impl's arguments after out
         full = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])  # [B, H, Mq, Mk], as the kernel's
         return zeros + (query.new_zeros(full) if bias is not None and bias_requires_grad else None,)
 
@@ -345,13 +393,29 @@ FALLS_BACK = [
     ("num-splits-key", dict(num_splits_key=2), "num_splits_key=2"),
     ("num-splits-key-1", dict(num_splits_key=1), "num_splits_key=1"),
     ("shared-storage", dict(sq=100, sk=100, shared_storage_dqdkdv=True), "shared_storage_dqdkdv"),
-    ("bias", dict(bias=torch.zeros(2, 3, 100, 130, dtype=BF16)), "attention bias"),
-    ("bias-grad", dict(bias=torch.zeros(3, 100, 130, dtype=BF16), bias_requires_grad=True), "attention bias"),
-    ("dropout", dict(dropout_p=0.2, philox_seed=_seed(), philox_offset=_seed()), "dropout"),
     ("fp32", dict(dtype=F32), "dtype torch.float32"),
     ("head-dim-80", dict(d=80), "head dims 80"),
     ("dqk-ne-dv", dict(d=128, dv=64), "head dims 128 / 64"),
 ]
+
+
+def test_auto_takes_sm90_with_bias_and_dropout(backends):
+    """Bias (broadcast), its gradient and dropout go to the sm90 kernel with the forward's
+    philox state; a broadcast bias's gradient comes back in the bias's shape."""
+    bias = torch.zeros(3, 100, 130, dtype=BF16)
+    seed, offset = torch.tensor(7, dtype=torch.int64), torch.tensor(12, dtype=torch.int64)
+    _, _, _, db = _eab(mask_type=1, bias=bias, bias_requires_grad=True, dropout_p=0.2, philox_seed=seed, philox_offset=offset)
+    ((name, _, kw),) = backends
+    assert name == "sm90" and kw["bias"] is bias and kw["bias_requires_grad"] is True
+    assert kw["dropout_p"] == 0.2 and kw["philox_seed"] is seed and kw["philox_offset"] is offset
+    assert db.shape == bias.shape
+
+
+def test_bias_with_varlen_is_refused(backends):
+    cu = torch.tensor([0, 100], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="bias with cu_seqlens"):
+        _eab(b=1, bias=torch.zeros(1, 3, 100, 130, dtype=BF16), cu_seqlens_q=cu, cu_seqlens_k=torch.tensor([0, 130], dtype=torch.int32))
+    assert backends == []
 
 
 @pytest.mark.parametrize("hk", [1, 2])
@@ -573,7 +637,7 @@ def test_memory_efficient_attention_traces_with_backend(monkeypatch):
 
 def test_suite_compile_only_covers_ours_sm90(monkeypatch):
     """``python -m benchmarks`` without a GPU compiles the sm90 configurations of the
-    suite's no-feature cases too (sm_90a only), besides the memory-efficient ones."""
+    suite's cases too, features included (sm_90a only), besides the memory-efficient ones."""
     from benchmarks.suites import attention_bwd
 
     seen = {"mem_eff": [], "sm90": []}
@@ -581,8 +645,11 @@ def test_suite_compile_only_covers_ours_sm90(monkeypatch):
     monkeypatch.setattr(S, "compiled", lambda *k: seen["sm90"].append(k))
     assert attention_bwd.compile_only("sm_90a") == len(seen["mem_eff"]) + len(seen["sm90"])
     bf16 = cutlass.BFloat16
-    # (dtype, head dim, mask type, has_window, arch)
-    assert set(seen["sm90"]) == {(bf16, d, m, False, "sm_90a") for d in (64, 128) for m in (0, 1)}
+    # (dtype, head dim, mask type, has_window, arch, deterministic, varlen, bias, bias gradient, dropout)
+    plain = {(bf16, d, m, False, "sm_90a", False, False, False, False, False) for d in (64, 128) for m in (0, 1)}
+    features = {(bf16, 128, 0, False, "sm_90a", False, False) + f for f in ((True, False, False), (True, True, False),
+                                                                        (False, False, True))}  # fmt: skip
+    assert set(seen["sm90"]) == plain | features
     seen["sm90"].clear()
     attention_bwd.compile_only("sm_80")
     assert seen["sm90"] == []
@@ -609,11 +676,14 @@ def test_suite_ratios():
 
 
 @pytest.mark.parametrize("feature", ["bias", "bias_grad", "dropout"])
-def test_suite_sm90_row_unavailable_with_a_feature(feature):
+def test_suite_sm90_row_runs_features(monkeypatch, feature):
+    """The sm90 row passes the case's feature and bias on, with its backend pinned."""
     from benchmarks.suites import attention_bwd as suite
 
-    with pytest.raises(NotImplementedError, match=f"the sm90 path takes no {feature}"):
-        suite._setup_ours_sm90(None, None, None, None, False, feature)
+    calls = []
+    monkeypatch.setattr(suite, "_setup_ours", lambda *a, **kw: calls.append((a, kw)))
+    suite._setup_ours_sm90("q", "k", "v", "do", False, feature, "bias")
+    assert calls == [(("q", "k", "v", "do", False), dict(feature=feature, bias="bias", backend="sm90"))]
 
 
 # ------------------------------------------------------------------ catalogue

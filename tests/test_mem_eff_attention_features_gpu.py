@@ -20,7 +20,7 @@ import torch
 
 import ops
 from ops import mem_eff_attention as M
-from ops.reference import attention_backward_ref, attention_forward_ref, mem_eff_dropout_keep_mask
+from ops.reference import attention_backward_ref, attention_forward_ref, attention_mask_ref, mem_eff_dropout_keep_mask
 
 from .helpers import delta_rounding_floors
 from .test_mem_eff_attention_gpu import BF16, DEV, F16, F32, LSE_ALIGN, REF_TOL, check_grad, key_coverage, seq_args
@@ -62,9 +62,13 @@ def test_dropout_mask_matches_torch_and_twin(shape, p, seed, offset):
 
 @pytest.mark.parametrize("dtype,mask_type,splits", [(F16, 0, 1), (BF16, 1, 3), (F32, 0, 2)])
 def test_backward_uses_torchs_mask(dtype, mask_type, splits):
+    check_mask_through_dv(dtype, mask_type, "mem_eff", splits=splits)
+
+
+def check_mask_through_dv(dtype, mask_type, backend, splits=None, d=64):
     """dO = identity rows (query i writes column i): dV[j, i] = P_ij Z_ij, nonzero exactly
     where torch's forward kept (i, j)."""
-    b, h, mq, mk, d, p = 2, 2, 64, 200, 64, 0.3
+    b, h, mq, mk, p = 2, 2, d, 200, 0.3
     gen = torch.Generator(DEV).manual_seed(0)
     q = 0.1 * torch.randn(b, mq, h, d, device=DEV, dtype=dtype, generator=gen)
     k = 0.1 * torch.randn(b, mk, h, d, device=DEV, dtype=dtype, generator=gen)
@@ -72,12 +76,10 @@ def test_backward_uses_torchs_mask(dtype, mask_type, splits):
     out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(q, k, v, None, None, None, None, None, p, mask_type, True)
     do = torch.eye(mq, d, device=DEV, dtype=dtype).view(1, mq, 1, d).expand(b, mq, h, d).contiguous()
     _, _, dv, _ = M.efficient_attention_backward(do, q, k, v, None, out, None, None, mq, mk, lse, p, seed, offset, mask_type, False,
-                                                 num_splits_key=splits)  # fmt: skip
+                                                 num_splits_key=splits, backend=backend)  # fmt: skip
     keep = torch_keep_mask((b, h, mq, mk), p, int(seed), int(offset))
     seen = dv.permute(0, 2, 3, 1) != 0  # dV[b, j, h, i] -> [B, H, Mq (= head dim), Mk]
-    visible = torch.ones(mq, mk, dtype=torch.bool, device=DEV)
-    if mask_type == 1:
-        visible = torch.ones(mq, mk, device=DEV).tril().bool()
+    visible = attention_mask_ref(mq, mk, mask_type, 0, device=DEV)  # either causal corner
     assert torch.equal(seen & visible, keep & visible)
 
 
@@ -86,9 +88,9 @@ def test_backward_uses_torchs_mask(dtype, mask_type, splits):
 
 def run_feature_case(dtype, b, mq, mk, h, kd, kv, *, bias_shape=None, bias_layout="dense", bias_grad=False,
                      dropout_p=0.0, mask_type=0, window=0, scale=None, lengths=None, splits=None, seed=0,
-                     compare_torch=False):  # fmt: skip
-    """One backward with bias / dropout: ours vs the fp64 reference (torch's mask) and,
-    with ``compare_torch``, vs torch's backward on the same inputs."""
+                     compare_torch=False, backend="mem_eff"):  # fmt: skip
+    """One backward with bias / dropout: ours (``backend``) vs the fp64 reference (torch's
+    mask) and, with ``compare_torch``, vs torch's backward on the same inputs."""
     gen = torch.Generator(DEV).manual_seed(seed)
     if lengths is not None:
         b, mq, mk = 1, sum(lengths[0]), sum(lengths[1])
@@ -123,7 +125,7 @@ def run_feature_case(dtype, b, mq, mk, h, kd, kv, *, bias_shape=None, bias_layou
     out = out.to(dtype)
     args = (do, q, k, v, bias, out, cq, ck, max_q, max_k, lse_t, dropout_p, seed_t, offset_t, mask_type, bias_grad)
     kw = dict(scale=scale, num_splits_key=splits, window_size=window or None)
-    dq, dk, dv, db = M.efficient_attention_backward(*args, **kw)
+    dq, dk, dv, db = M.efficient_attention_backward(*args, **kw, backend=backend)
     theirs = [None] * 4
     if compare_torch:
         bias_t = None if bias is None else bias.expand(b, h, mq, mk)
@@ -132,7 +134,7 @@ def run_feature_case(dtype, b, mq, mk, h, kd, kv, *, bias_shape=None, bias_layou
         if bias_grad and bias_t.shape != bias.shape:
             theirs[3] = theirs[3].sum_to_size(bias.shape)
     rows_q, rows_k = key_coverage(b, mq, mk, mask_type, window, lengths)
-    label = f"{str(dtype)[6:]} B{b} Mq{mq} Mk{mk} H{h} K{kd}/{kv} bias{bias_shape}:{bias_layout} grad{bias_grad} p{dropout_p} mask{mask_type} w{window} splits{splits}"
+    label = f"{backend} {str(dtype)[6:]} B{b} Mq{mq} Mk{mk} H{h} K{kd}/{kv} bias{bias_shape}:{bias_layout} grad{bias_grad} p{dropout_p} mask{mask_type} w{window} splits{splits}"
     # gradients ~0 by construction (one visible key) are judged against Δ's rounding
     dq_floor, dk_floor = delta_rounding_floors(q, k, do, out, dtype, scale)
     check_grad(f"dq [{label}]", dq, ref[0], dtype, theirs[0], rows_q, floor=dq_floor)

@@ -13,8 +13,8 @@ checked against sdpa_efficient (ours uses the same philox seed / offset, and is)
   memory-efficient kernel), a drop-in for ``aten._efficient_attention_backward`` (same
   arguments), on the out / logsumexp / philox of ``aten._efficient_attention_forward``;
 - ``ours_sm90``: the same call with ``backend="sm90"`` (the Hopper-native kernel,
-  ``ops.attention_sm90``) on the same forward's out / logsumexp; cases without a feature
-  only (with one its row says "unavailable"), checked like ``ours``;
+  ``ops.attention_sm90``) on the same forward's out / logsumexp / philox, every feature
+  included, checked like ``ours``;
 - ``sdpa_efficient``: ``aten._efficient_attention_backward`` on the same inputs (the
   C++ original; its gradients are the reference of every correctness check);
 - ``sdpa_flash``: ``aten._scaled_dot_product_flash_attention_backward`` after
@@ -139,9 +139,7 @@ def _setup_ours(q, k, v, dout, causal, feature=None, bias=None, backend="mem_eff
 
 
 def _setup_ours_sm90(q, k, v, dout, causal, feature=None, bias=None):
-    if feature is not None:
-        raise NotImplementedError(f"the sm90 path takes no {feature} (yet)")
-    return _setup_ours(q, k, v, dout, causal, backend="sm90")
+    return _setup_ours(q, k, v, dout, causal, feature=feature, bias=bias, backend="sm90")
 
 
 def _bhsd_grad_out(out_bhsd, dout):

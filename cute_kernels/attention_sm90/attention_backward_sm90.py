@@ -26,12 +26,21 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, Uint8, Uint16, Uint32, Uint64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from cute_kernels.common.philox import keep_flags_quads
 from cute_kernels.common.views import select_modes, transpose_view
 from layouts.attention_bwd_prepost import VARLEN_ACCUM_PAD
-from layouts.attention_sm90 import CONSUMER_REGS, PRODUCER_REGS, SMEM_ALIGN, STATS_ALIGN, AttentionSm90Tiles
+from layouts.attention_sm90 import (
+    CONSUMER_REGS,
+    KEEP_FLAG_BUFFERS,
+    PRODUCER_REGS,
+    SMEM_ALIGN,
+    SMEM_LIMIT,
+    STATS_ALIGN,
+    AttentionSm90Tiles,
+)
 
 from .wgmma import acc_as_operand_a, acc_mn_layout, wgmma
 
@@ -42,6 +51,7 @@ BAR_DQ_FULL = 3
 BAR_PDS_WG1 = 4  # with pds_split: warpgroup 1 announces its dS here, warpgroup 0 on BAR_PDS
 BAR_DQ_EMPTY_WG1 = 5  # with dq_per_wg: warpgroup 1's pair (warpgroup 0 uses BAR_DQ_EMPTY / BAR_DQ_FULL)
 BAR_DQ_FULL_WG1 = 6
+BAR_KEEP_FLAGS = 7  # dropout: a warpgroup's keep flags of the block are drawn (warpgroup 1: 8)
 LOG2_E = math.log2(math.e)
 
 
@@ -60,18 +70,40 @@ class AttentionBackwardSm90:
     the grid's z is the sequence and every mask is per sequence. A tile that runs past its
     sequence reads the next one's rows (or TMA's zeros past the end): masked like rows
     past seqlen. The dQ accumulator gives each sequence VARLEN_ACCUM_PAD rows of slack
-    (our preprocess / convert_dq layout), so whole-tile reduce-adds stay in its rows."""
+    (our preprocess / convert_dq layout), so whole-tile reduce-adds stay in its rows.
+
+    ``has_bias``: B [B, H, Sq, Sk] (any strides, 0 for broadcast dims) is added to the
+    scaled scores before the softmax, as the forward did; each thread reads the values of
+    its S^T fragment from global memory while S^T is computed. ``grad_bias``: dB = dS (before
+    the softmax scale) is written to [B, H, Sq, Sk] from the same fragment.
+
+    ``dropout``: the keep mask Z of torch's memory-efficient forward (curand's Philox, one
+    stream word per (query, key): ``common/philox.py``) is redrawn per block: each consumer
+    thread draws ``keep_flag_keys`` consecutive keys of one query row (4 per Philox call)
+    into a bit buffer in shared memory, and reads its fragment's bits back after its
+    warpgroup's barrier. dV += (P∘Z)^T dO and dS = P∘(Z∘dP - Δ), Z = 0 or 1 / (1 - p);
+    Δ = rowsum(dO∘O) as without dropout (O holds the dropped P)."""
 
     def __init__(self, dtype, tiles: AttentionSm90Tiles, mask_type: int, has_window: bool = False,
-                 deterministic: bool = False, varlen: bool = False):  # fmt: skip
+                 deterministic: bool = False, varlen: bool = False, has_bias: bool = False,
+                 grad_bias: bool = False, dropout: bool = False):  # fmt: skip
         if has_window and mask_type == 0:
             raise ValueError("a sliding window needs a causal mask (mask_type 1 or 2)")
+        if grad_bias and not has_bias:
+            raise ValueError("grad_bias needs has_bias")
+        if has_bias and varlen:
+            raise NotImplementedError("attention bias with variable lengths (torch's forward refuses it too)")
+        if dropout and tiles.smem_bytes(dtype.width // 8, dropout=True) > SMEM_LIMIT:
+            raise ValueError("the dropout keep flags do not fit in shared memory beside these tiles")
         self.dtype = dtype
         self.tiles = tiles
         self.mask_type = mask_type
         self.has_window = has_window
         self.deterministic = deterministic
         self.varlen = varlen
+        self.has_bias = has_bias
+        self.grad_bias = grad_bias
+        self.dropout = dropout
         # heavy-first CTA order for causal masks (cta_coords); deterministic mode keeps the
         # launch order its dQ turns are built on (a CTA must never wait for one not launched)
         self.lpt = tiles.lpt and mask_type != 0 and not deterministic
@@ -93,10 +125,17 @@ class AttentionBackwardSm90:
         mSemaphore: Optional[cute.Tensor],  # [B, H, query blocks] int32, zeroed (deterministic), or None
         mCuSeqlensQ: Optional[cute.Tensor],  # [sequences + 1] int32 (varlen), or None
         mCuSeqlensK: Optional[cute.Tensor],
+        mBias: Optional[cute.Tensor],  # [B, H, Sq, Sk] (has_bias), or None
+        mdBias: Optional[cute.Tensor],  # [B, H, Sq, Sk] (grad_bias), or None
         softmax_scale: Float32,
         window_size: Int32,  # used with has_window
         max_seqlen_k: Int32,  # varlen: sizes the grid
         heads_per_chunk: Int32,  # the heavy-first order's L2 chunk (``lpt``; see cta_coords)
+        philox_seed,  # dropout (None without): Int64 seed and offset, p and 1 / (1 - p) (Float32),
+        philox_offset,  # and the stream words of one (batch, head): Mq * Mk (Int64)
+        dropout_p,
+        dropout_scale,
+        dropout_bh_elems,
         stream: cuda.CUstream,
     ):
         t = self.tiles
@@ -147,6 +186,7 @@ class AttentionBackwardSm90:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], SMEM_ALIGN]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], SMEM_ALIGN]
+            sKeep: cute.struct.Align[cute.struct.MemRange[Uint8, KEEP_FLAG_BUFFERS * t.keep_flag_bytes if self.dropout else 1], STATS_ALIGN]
 
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
@@ -160,12 +200,15 @@ class AttentionBackwardSm90:
         if const_expr(self.lpt):
             grid = (n_blocks * heads_kv * batches, 1, 1)
         sched = (n_blocks, heads_kv, batches, heads_per_chunk)
+        rng = None
+        if const_expr(self.dropout):
+            rng = (philox_seed, philox_offset, dropout_p, dropout_scale, dropout_bh_elems)
         self.kernel(
             gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, gdQ_tma, mdK, mdV, mSemaphore,
-            mCuSeqlensQ, mCuSeqlensK, tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ,
+            mCuSeqlensQ, mCuSeqlensK, mBias, mdBias, tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ,
             sQ_layout, sK_layout, sdS_layout, sdQ_layout, sStat_layout,
             t.tiled_mma_sdp(self.dtype), t.tiled_mma_dkv(self.dtype), t.tiled_mma_dq(self.dtype),
-            seqlen_q, seqlen_k, group, softmax_scale, window_size, sched, SharedStorage,
+            seqlen_q, seqlen_k, group, softmax_scale, window_size, sched, rng, SharedStorage,
         ).launch(grid=grid, block=[t.num_threads, 1, 1], min_blocks_per_mp=1, stream=stream)  # fmt: skip
 
     # ------------------------------------------------------------------------------ kernel
@@ -175,13 +218,13 @@ class AttentionBackwardSm90:
         gQ_tma: cute.Tensor, gdO_tma: cute.Tensor, gK_tma: cute.Tensor, gV_tma: cute.Tensor,
         gLSE_tma: cute.Tensor, gDelta_tma: cute.Tensor, gdQ_tma: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
         mSemaphore: Optional[cute.Tensor], mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
-        tma_Q: cute.CopyAtom, tma_dO: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
+        mBias: Optional[cute.Tensor], mdBias: Optional[cute.Tensor], tma_Q: cute.CopyAtom, tma_dO: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
         tma_LSE: cute.CopyAtom, tma_Delta: cute.CopyAtom, tma_dQ: cute.CopyAtom,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
         sdQ_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
         tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
         seqlen_q: Int32, seqlen_k: Int32, group: Int32, softmax_scale: Float32, window_size: Int32,
-        sched: tuple, SharedStorage: cutlass.Constexpr,
+        sched: tuple, rng: Optional[tuple], SharedStorage: cutlass.Constexpr,
     ):  # fmt: skip
         t = self.tiles
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -202,6 +245,10 @@ class AttentionBackwardSm90:
         sLSE = storage.sLSE.get_tensor(sStat_layout)
         sDelta = storage.sDelta.get_tensor(sStat_layout)
         mbar_kv = storage.mbar_kv.data_ptr()
+        sKeep = None
+        if const_expr(self.dropout):  # (query, key byte, buffer)
+            kb = t.tile_n // 8
+            sKeep = storage.sKeep.get_tensor(cute.make_layout((t.tile_m, kb, KEEP_FLAG_BUFFERS), stride=(kb, 1, t.tile_m * kb)))
 
         if warp_idx == 0:
             with cute.arch.elect_one():
@@ -241,9 +288,10 @@ class AttentionBackwardSm90:
                 self.store_dq(gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, work, rows, seqlen_q, seqlen_k)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            feat = self.features(mBias, mdBias, sKeep, rng, batch, group * sched[1])  # query heads
             self.mma(sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
                      pipe_q, pipe_do, mbar_kv, tidx - 128, n_block, batch, work, rows,
-                     seqlen_q, seqlen_k, softmax_scale, window_size)  # fmt: skip
+                     seqlen_q, seqlen_k, softmax_scale, window_size, feat)  # fmt: skip
 
     @cute.jit
     def cta_coords(self, sched):
@@ -444,7 +492,7 @@ class AttentionBackwardSm90:
     @cute.jit
     def mma(self, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
             pipe_q, pipe_do, mbar_kv, tidx, n_block, batch, work, rows, seqlen_q, seqlen_k, softmax_scale,
-            window_size):  # fmt: skip
+            window_size, feat):  # fmt: skip
         t = self.tiles
         d = t.head_dim
         head_kv, group, m_min, m_max = work
@@ -495,7 +543,7 @@ class AttentionBackwardSm90:
         # the loop stays outside that if (it runs 0 steps without work): nested in it, ptxas
         # spilled 384 bytes in d64 and the kernel ran ~10% slower (notes.md)
         for i in cutlass.range(steps, unroll=1):
-            _, m_block = self.work_item(work, i)
+            head, m_block = self.work_item(work, i)
             stage = state.index
             ds_stage = i % t.ds_stages
             q0 = m_block * t.tile_m
@@ -504,21 +552,24 @@ class AttentionBackwardSm90:
             # S^T (and with overlap "sdp" dP^T) of this block are in flight already
             if const_expr(t.overlap != "sdp"):
                 self.issue_dp(pipe_do, state, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
+            # bias values and dropout flags while the tensor cores work (None without)
+            rBias, keep = self.block_features(feat, head, i, q0, key0, seqlen_q, seqlen_k, cS_mn, shape_sdp, wg, tidx)
 
             warpgroup.wait_group(1)
-            self.probs(acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2)
+            self.probs(acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2, rBias)
             warpgroup.wait_group(0)
-            self.grad_scores(acc_dP, acc_S, cS_mn, sDelta, stage)
+            self.grad_scores(acc_dP, acc_S, cS_mn, sDelta, stage, keep, feat)
 
             # dV += P^T dO (P^T from registers)
-            rP = cute.make_rmem_tensor(shape_sdp, self.dtype)
-            rP.store(acc_S.load().to(self.dtype))
+            rP = self.p_operand(acc_S, cS_mn, keep, feat)
             wgmma(tiled_mma_dkv, acc_dV, cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout)),
                   tVrdO[None, None, None, stage], zero_init=False)  # fmt: skip
             # dS^T -> sdS; once both warpgroups' halves are there (and visible to the async
             # proxy): dQ = dS K, then dK += dS^T Q, so dQ can leave while dK runs
             rdS = cute.make_rmem_tensor(shape_sdp, self.dtype)
             rdS.store(acc_dP.load().to(self.dtype))
+            if const_expr(self.grad_bias):
+                self.store_grad_bias(feat, acc_dP, cS_mn, head, q0, key0, seqlen_q, seqlen_k)
             cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_stage])
             cute.arch.fence_view_async_shared()
             if const_expr(t.pds_split):
@@ -565,11 +616,15 @@ class AttentionBackwardSm90:
         self.store_rows(acc_dV, mdV, tiled_mma_dkv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
 
     @cute.jit
-    def probs(self, acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2):
-        """P^T = exp(S^T * scale - LSE) in place of S^T, zero where masked (after the exp: LSE
-        may be +-inf there). ``cS_mn``: (key, query) in the block of each value, rows x columns."""
+    def probs(self, acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2,
+              rBias=None):  # fmt: skip
+        """P^T = exp(S^T * scale [+ B^T] - LSE) in place of S^T, zero where masked (after the exp:
+        LSE may be +-inf there). ``cS_mn``: (key, query) in the block of each value, rows x columns."""
         t = self.tiles
         S = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
+        B = None
+        if const_expr(self.has_bias):
+            B = cute.make_tensor(rBias.iterator, acc_mn_layout(rBias.layout))
         need_mask = q0 + t.tile_m > seqlen_q or key0 + t.tile_n > seqlen_k
         if const_expr(self.mask_type != 0):
             need_mask = need_mask or key0 + t.tile_n - 1 > q0 + offset
@@ -579,7 +634,10 @@ class AttentionBackwardSm90:
             q_local = cS_mn[0, c][1]
             lse_log2 = sLSE[q_local, stage] * LOG2_E
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - lse_log2, fastmath=True)
+                x = S[r, c] * scale_log2 - lse_log2
+                if const_expr(self.has_bias):  # in log2 units, as the scores
+                    x = x + B[r, c].to(Float32) * LOG2_E
+                S[r, c] = cute.math.exp2(x, fastmath=True)
         if need_mask:
             for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
                 q = q0 + cS_mn[0, c][1]
@@ -594,14 +652,143 @@ class AttentionBackwardSm90:
                         S[r, c] = Float32(0.0)
 
     @cute.jit
-    def grad_scores(self, acc_dP, acc_P, cS_mn, sDelta, stage):
-        """dS^T = P^T (dP^T - Δ) in place of dP^T."""
+    def grad_scores(self, acc_dP, acc_P, cS_mn, sDelta, stage, keep=None, feat=None):
+        """dS^T = P^T (dP^T - Δ) in place of dP^T (P undropped; with dropout dP^T is first
+        the dropped product's gradient Z∘dP^T)."""
         P = cute.make_tensor(acc_P.iterator, acc_mn_layout(acc_P.layout))
         dP = cute.make_tensor(acc_dP.iterator, acc_mn_layout(acc_dP.layout))
+        rows = cute.size(dP, mode=[0])
         for c in cutlass.range_constexpr(cute.size(dP, mode=[1])):
             delta = sDelta[cS_mn[0, c][1], stage]
-            for r in cutlass.range_constexpr(cute.size(dP, mode=[0])):
-                dP[r, c] = P[r, c] * (dP[r, c] - delta)
+            for r in cutlass.range_constexpr(rows):
+                dp = dP[r, c]
+                if const_expr(self.dropout):
+                    dp = self.dropped(keep, c * rows + r, dp, feat)
+                dP[r, c] = P[r, c] * (dp - delta)
+
+    # ------------------------------------------------------------ bias and dropout
+    @cute.jit
+    def features(self, mBias, mdBias, sKeep, rng, batch, heads):
+        """What the consumers need of bias and dropout, per CTA (None where unused): the
+        batch's bias and bias-gradient views (H, Sq, Sk), the keep-flag buffers and the
+        Philox key, this batch's first stream word, p, 1 / (1 - p) and the words per head."""
+        bias = mBias[batch, None, None, None] if const_expr(self.has_bias) else None
+        grad_bias = mdBias[batch, None, None, None] if const_expr(self.grad_bias) else None
+        philox = None
+        if const_expr(self.dropout):
+            seed, offset, p, scale, bh_elems = rng
+            seed = Int64(seed)
+            # curand_init(seed, 0, offset + (batch * H + head) * Mq * Mk), as the forward
+            base = Int64(offset) + Int64(batch) * Int64(heads) * Int64(bh_elems)
+            philox = (Uint32(seed), Uint32(seed >> Int64(32)), base, Float32(p), Float32(scale), Int64(bh_elems))
+        return bias, grad_bias, sKeep, philox
+
+    @cute.jit
+    def block_features(self, feat, head, i, q0, key0, seqlen_q, seqlen_k, cS_mn, shape_sdp, wg, tidx):
+        """(bias fragment, keep bits) of step ``i``'s block (None where unused)."""
+        rBias, keep = None, None
+        if const_expr(self.has_bias):
+            rBias = self.load_bias(feat[0], head, q0, key0, seqlen_q, seqlen_k, cS_mn, shape_sdp)
+        if const_expr(self.dropout):
+            keep = self.keep_bits(feat, head, i, q0, key0, seqlen_k, cS_mn, wg, tidx)
+        return rBias, keep
+
+    @cute.jit
+    def load_bias(self, bias, head, q0, key0, seqlen_q, seqlen_k, cS_mn, shape_sdp):
+        """B^T of the thread's S^T fragment. Positions past the sequences read the last row /
+        key instead (never out of bounds; probs zeroes them)."""
+        gB = bias[head, None, None]
+        rB = cute.make_rmem_tensor(shape_sdp, self.dtype)
+        B = cute.make_tensor(rB.iterator, acc_mn_layout(rB.layout))
+        for c in cutlass.range_constexpr(cute.size(B, mode=[1])):
+            q = cutlass.min(q0 + cS_mn[0, c][1], seqlen_q - 1)
+            for r in cutlass.range_constexpr(cute.size(B, mode=[0])):
+                B[r, c] = gB[q, cutlass.min(key0 + cS_mn[r, c][0], seqlen_k - 1)]
+        return rB
+
+    @cute.jit
+    def store_grad_bias(self, feat, acc_dS, cS_mn, head, q0, key0, seqlen_q, seqlen_k):
+        """dB = dS (this thread's fragment) into the bias gradient, within the sequences."""
+        t = self.tiles
+        gdB = feat[1][head, None, None]
+        dS = cute.make_tensor(acc_dS.iterator, acc_mn_layout(acc_dS.layout))
+        inside = q0 + t.tile_m <= seqlen_q and key0 + t.tile_n <= seqlen_k
+        for c in cutlass.range_constexpr(cute.size(dS, mode=[1])):
+            q = q0 + cS_mn[0, c][1]
+            for r in cutlass.range_constexpr(cute.size(dS, mode=[0])):
+                k = key0 + cS_mn[r, c][0]
+                if inside or (q < seqlen_q and k < seqlen_k):
+                    gdB[q, k] = dS[r, c].to(self.dtype)
+
+    @cute.jit
+    def keep_bits(self, feat, head, i, q0, key0, seqlen_k, cS_mn, wg, tidx):
+        """Dropout keep flags of the thread's S^T fragment, one bit each (Uint32 words in the
+        fragment's rows x columns order). The warpgroup first draws its part of the block into
+        keep-flag buffer i % 2: thread t the ``keep_flag_keys`` consecutive keys of one query
+        row (curand's words q * Sk + k of the (batch, head) stream, 4 per Philox call), as bits
+        (bit k % 16 of half-word k / 16 of row q); its barrier; then each thread reads its bits.
+        With two buffers the one barrier suffices: a warpgroup draws into buffer i % 2 again
+        (block i + 2) after all its threads passed block i + 1's barrier, i.e. read block i."""
+        t = self.tiles
+        sKeep = feat[2]
+        k0, k1, base, p, _, bh_elems = feat[3]
+        buf = i % KEEP_FLAG_BUFFERS
+        keys, _ = t.sdp_wg_tile
+        per_thread = t.keep_flag_keys
+        key_org, q_org = t.sdp_wg_origin(wg)
+        lt = tidx % 128
+        row = q_org + lt // (keys // per_thread)
+        col = key_org + (lt % (keys // per_thread)) * per_thread
+        word = base + Int64(head) * bh_elems + Int64(q0 + row) * Int64(seqlen_k) + Int64(key0 + col)
+        flags = keep_flags_quads(Uint64(word), k0, k1, p, per_thread // 4)
+        # flag j of quad c is bit 8 j of flags[c]: 4 quads make a 16-bit half-word
+        s16 = cute.make_tensor(cute.recast_ptr(sKeep.iterator, dtype=Uint16),
+                               cute.make_layout((t.tile_m, t.tile_n // 16, KEEP_FLAG_BUFFERS),
+                                                stride=(t.tile_n // 16, 1, t.tile_m * t.tile_n // 16)))  # fmt: skip
+        for h in cutlass.range_constexpr(per_thread // 16):
+            half = Uint32(0)
+            for c in cutlass.range_constexpr(4):
+                f = flags[4 * h + c]
+                nibble = (f | (f >> Uint32(7)) | (f >> Uint32(14)) | (f >> Uint32(21))) & Uint32(0xF)
+                half = half | (nibble << Uint32(4 * c))
+            s16[row, col // 16 + h, buf] = Uint16(half)
+        # static barrier ids (a register id makes ptxas reserve all 16)
+        if wg == 0:
+            cute.arch.barrier(barrier_id=BAR_KEEP_FLAGS, number_of_threads=128)
+        else:
+            cute.arch.barrier(barrier_id=BAR_KEEP_FLAGS + 1, number_of_threads=128)
+        rows = cute.size(cS_mn, mode=[0])
+        n = rows * cute.size(cS_mn, mode=[1])
+        words = []
+        for w in cutlass.range_constexpr((n + 31) // 32):
+            bits = Uint32(0)
+            for e in cutlass.range_constexpr(32 * w, min(n, 32 * w + 32)):
+                k, q = cS_mn[e % rows, e // rows]
+                flag = (Uint32(s16[q, k // 16, buf]) >> Uint32(k % 16)) & Uint32(1)
+                bits = bits | (flag << Uint32(e - 32 * w))
+            words.append(bits)
+        return words
+
+    @cute.jit
+    def dropped(self, keep, e, x, feat):
+        """x / (1 - p) where element ``e`` of the fragment is kept, else 0."""
+        kept = (keep[e // 32] & Uint32(1 << (e % 32))) != Uint32(0)
+        return Float32(cutlass.select_(kept, x * feat[3][4], Float32(0.0)))
+
+    @cute.jit
+    def p_operand(self, acc_P, cS_mn, keep, feat):
+        """P^T in the element type, the A operand of dV += P^T dO: with dropout P∘Z."""
+        rP = cute.make_rmem_tensor(acc_P.layout.shape, self.dtype)
+        if const_expr(self.dropout):
+            P = cute.make_tensor(acc_P.iterator, acc_mn_layout(acc_P.layout))
+            Pd = cute.make_tensor(rP.iterator, acc_mn_layout(rP.layout))
+            rows = cute.size(P, mode=[0])
+            for c in cutlass.range_constexpr(cute.size(P, mode=[1])):
+                for r in cutlass.range_constexpr(rows):
+                    Pd[r, c] = self.dropped(keep, c * rows + r, P[r, c], feat).to(self.dtype)
+        else:
+            rP.store(acc_P.load().to(self.dtype))
+        return rP
 
     @cute.jit
     def sdp_operands(self, tiled_mma_sdp, tidx, wg, sK, sQ, sV, sdO):

@@ -24,7 +24,7 @@ Layouts: layouts/attention_sm90.py.
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32
+from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from cute_kernels.common.views import transpose_view
@@ -40,7 +40,7 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
     @cute.jit
     def mma(self, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
             pipe_q, pipe_do, mbar_kv, tidx, n_block, batch, work, rows, seqlen_q, seqlen_k, softmax_scale,
-            window_size):  # fmt: skip
+            window_size, feat):  # fmt: skip
         t = self.tiles
         d = t.head_dim
         head_kv, group, m_min, m_max = work
@@ -88,22 +88,25 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
         # loop's back edge, which would make ptxas serialise them all); the loop stays
         # outside the if (0 steps without work), as the base's (notes.md)
         for i in cutlass.range(steps, unroll=1):
-            _, m_block = self.work_item(work, i)
+            head, m_block = self.work_item(work, i)
             stage = state.index
             p_buf = i % t.ds_stages
             ds_buf = t.ds_stages + p_buf
             q0 = m_block * t.tile_m
             self.issue_s(pipe_q, state, tiled_mma_sdp, acc_S, tSrK, tSrQ)
             self.issue_dp(pipe_do, state, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
+            # bias values and dropout flags while the tensor cores work (None without)
+            rBias, keep = self.block_features(feat, head, i, q0, key0, seqlen_q, seqlen_k, cS_mn, shape_sdp, wg, tidx)
             warpgroup.wait_group(1)
-            self.probs(acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2)
-            rP = cute.make_rmem_tensor(shape_sdp, self.dtype)
-            rP.store(acc_S.load().to(self.dtype))
+            self.probs(acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2, rBias)
+            rP = self.p_operand(acc_S, cS_mn, keep, feat)
             cute.copy(r2s_ds, thr_r2s_ds.retile(rP), tdSs[None, None, None, p_buf])
             warpgroup.wait_group(0)
-            self.grad_scores(acc_dP, acc_S, cS_mn, sDelta, stage)
+            self.grad_scores(acc_dP, acc_S, cS_mn, sDelta, stage, keep, feat)
             rdS = cute.make_rmem_tensor(shape_sdp, self.dtype)
             rdS.store(acc_dP.load().to(self.dtype))
+            if const_expr(self.grad_bias):
+                self.store_grad_bias(feat, acc_dP, cS_mn, head, q0, key0, seqlen_q, seqlen_k)
             cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_buf])
             # both warpgroups' query halves written and visible to the async proxy. With
             # two buffers this one barrier a block suffices: a warpgroup writes buffer
