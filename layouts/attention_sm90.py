@@ -112,6 +112,7 @@ DS_STORE_BITS = 32  # dS^T pair of 16-bit values, adjacent in the query-contiguo
 DQ_STORE_BITS = 64  # dQ fp32 pair into the swizzled staging buffer
 DKV_STORE_BITS = 32  # dK / dV pair of 16-bit values into global memory
 KEEP_FLAG_BUFFERS = 2  # dropout keep-flag buffers: a warpgroup draws block i+1's while it may still read block i's
+GRAD_BIAS_BOX_KEYS = 64  # keys of one bias-gradient TMA store: one 128-byte swizzle atom row (16-bit types)
 
 
 def tma_align_elems(elem_bits: int) -> int:
@@ -144,6 +145,9 @@ class AttentionSm90Tiles:
     dq_per_wg: bool = False  # each warpgroup hands its part of dQ to the store warp alone (no joint barrier)
     dq_stages: int = 1  # dQ staging buffers (2 measured no faster: the reduce-add is read long before the next block)
     lpt: bool = True  # causal masks: heavy key blocks first over a chunk of heads (the kernel's cta_coords)
+    # dS in shared memory with keys contiguous (rows as the bias gradient's: TMA stores it from
+    # there) instead of queries (whose register pairs store as 32 bits); with the bias gradient
+    ds_keys_contiguous: bool = False
 
     def lpt_heads_per_chunk(self, seqlen_q: int, group: int, elem_bytes: int = 2) -> int:
         """(batch, key head) pairs per chunk of the heavy-first order: their Q, dO (elem_bytes)
@@ -239,23 +243,34 @@ class AttentionSm90Tiles:
             a_source=warpgroup.OperandSource.RMEM,
         )  # fmt: skip
 
+    def ds_major(self, as_a_of_dq: bool):
+        """Major mode of the dS tile as a wgmma operand: dQ's A (queries x keys) or, transposed,
+        the A of dK / dV (keys x queries, the wide kernel). K-major = contiguous along the
+        product's reduction."""
+        from cutlass.cute.nvgpu import warpgroup
+
+        k_major = self.ds_keys_contiguous == as_a_of_dq
+        return warpgroup.OperandMajorMode.K if k_major else warpgroup.OperandMajorMode.MN
+
     def tiled_mma_dq(self, dtype):
-        """dQ = dS K: A = dS (MN-major, queries contiguous), B = K's MN-major view."""
+        """dQ = dS K: A = dS (queries contiguous: MN-major; keys: K-major), B = K's MN-major view."""
         from cutlass import Float32
         from cutlass.cute.nvgpu import warpgroup
         from cutlass.utils import hopper_helpers as hh
 
         am, an = self.dq_atoms
         return hh.make_trivial_tiled_mma(
-            dtype, dtype, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN, Float32,
+            dtype, dtype, self.ds_major(True), warpgroup.OperandMajorMode.MN, Float32,
             atom_layout_mnk=(am, an, 1), tiler_mn=(64, self.head_dim // an),
         )  # fmt: skip
 
     def r2s_copy_ds(self, dtype, tiled_mma_sdp):
-        """dS^T (the S^T / dP^T accumulator, cast) into the query-contiguous sdS."""
+        """dS^T (the S^T / dP^T accumulator, cast) into sdS: query pairs as 32 bits, or single
+        values where keys are contiguous."""
         import cutlass.cute as cute
 
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=DS_STORE_BITS)
+        bits = dtype.width if self.ds_keys_contiguous else DS_STORE_BITS
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
         return cute.make_tiled_copy_C(atom, tiled_mma_sdp)
 
     def r2s_copy_dq(self, tiled_mma_dq):
@@ -306,14 +321,29 @@ class AttentionSm90Tiles:
         return self.smem_layout_rows(dtype, self.tile_n, None, self.k_slice_cols)
 
     def smem_layout_ds(self, dtype):
-        """(tile_m, tile_n, ds_buffers), queries contiguous: dS^T's register pairs are adjacent."""
+        """(tile_m, tile_n, ds_buffers), queries contiguous: dS^T's register pairs are adjacent.
+        With ``ds_keys_contiguous`` rows of keys in 128-byte atoms, key-atom columns outer: each
+        GRAD_BIAS_BOX_KEYS columns of a buffer are one TMA box of the bias gradient."""
         import cutlass.cute as cute
         from cutlass.cute.nvgpu import warpgroup
         from cutlass.utils import LayoutEnum
         from cutlass.utils import hopper_helpers as hh
 
+        if self.ds_keys_contiguous:
+            atom = warpgroup.make_smem_layout_atom(hh.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, GRAD_BIAS_BOX_KEYS), dtype)
+            return cute.tile_to_shape(atom, (self.tile_m, self.tile_n, self.ds_buffers), order=(0, 1, 2))
         atom = warpgroup.make_smem_layout_atom(hh.get_smem_layout_atom(LayoutEnum.COL_MAJOR, dtype, self.tile_m), dtype)
         return cute.tile_to_shape(atom, (self.tile_m, self.tile_n, self.ds_buffers), order=(1, 0, 2))
+
+    def smem_layout_grad_bias_box(self, dtype):
+        """One TMA box of the bias gradient: GRAD_BIAS_BOX_KEYS columns of a keys-contiguous dS buffer."""
+        import cutlass.cute as cute
+        from cutlass.cute.nvgpu import warpgroup
+        from cutlass.utils import LayoutEnum
+        from cutlass.utils import hopper_helpers as hh
+
+        atom = warpgroup.make_smem_layout_atom(hh.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, GRAD_BIAS_BOX_KEYS), dtype)
+        return cute.tile_to_shape(atom, (self.tile_m, GRAD_BIAS_BOX_KEYS), order=(0, 1))
 
     @property
     def dq_slice_cols(self) -> int:
@@ -397,7 +427,7 @@ class AttentionSm90WideTiles(AttentionSm90Tiles):
         from cutlass.utils import hopper_helpers as hh
 
         return hh.make_trivial_tiled_mma(
-            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            dtype, dtype, self.ds_major(False), warpgroup.OperandMajorMode.MN, Float32,
             atom_layout_mnk=(1, NUM_CONSUMER_WG, 1), tiler_mn=(64, self.head_dim // NUM_CONSUMER_WG),
         )  # fmt: skip
 
@@ -409,7 +439,7 @@ class AttentionSm90WideTiles(AttentionSm90Tiles):
         from cutlass.utils import hopper_helpers as hh
 
         return hh.make_trivial_tiled_mma(
-            dtype, dtype, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN, Float32,
+            dtype, dtype, self.ds_major(True), warpgroup.OperandMajorMode.MN, Float32,
             atom_layout_mnk=(1, NUM_CONSUMER_WG, 1), tiler_mn=(64, self.dq_slice_cols),
         )  # fmt: skip
 

@@ -30,7 +30,8 @@ DTYPES = (torch.float16, torch.bfloat16)
 
 def _build(dtype, head_dim: int, mask_type: int, has_window: bool, arch: str, deterministic: bool = False,
            varlen: bool = False, has_bias: bool = False, grad_bias: bool = False, dropout: bool = False):  # fmt: skip
-    tiles = tiling.attention_sm90_tiles(head_dim)
+    # the bias gradient leaves by TMA from a keys-contiguous dS tile
+    tiles = tiling.attention_sm90_tiles(head_dim, ds_keys_contiguous=grad_bias)
     # d192 / d256: the 64 x 64 decomposition (P^T / dS^T through shared memory)
     cls = AttentionBackwardSm90Wide if isinstance(tiles, tiling.AttentionSm90WideTiles) else AttentionBackwardSm90
     kernel = cls(dtype, tiles, mask_type, has_window, deterministic, varlen, has_bias, grad_bias, dropout)
@@ -48,7 +49,8 @@ def _build(dtype, head_dim: int, mask_type: int, has_window: bool, arch: str, de
     # the bias: any strides (0 for broadcast dims; read element by element); its gradient
     # dense rows (padded to 128 bits, as torch's) with any row stride
     bias = cc.fake_tensor(dtype, (b, h, mq, mk), 1, leading_dim=None) if has_bias else None
-    grad_bias_t = cc.fake_tensor(dtype, (b, h, mq, mk), 1) if grad_bias else None
+    # TMA-stored: row stride and address multiples of 16 bytes (torch's padded rows)
+    grad_bias_t = cc.fake_tensor(dtype, (b, h, mq, mk), vec) if grad_bias else None
     rng = (None,) * 5
     if dropout:  # seed, offset, p, 1 / (1 - p), stream words per (batch, head)
         rng = (cutlass.Int64(0), cutlass.Int64(0), cutlass.Float32(0.5), cutlass.Float32(2.0), cutlass.Int64(1))

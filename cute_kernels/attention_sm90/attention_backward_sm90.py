@@ -34,6 +34,7 @@ from cute_kernels.common.views import select_modes, transpose_view
 from layouts.attention_bwd_prepost import VARLEN_ACCUM_PAD
 from layouts.attention_sm90 import (
     CONSUMER_REGS,
+    GRAD_BIAS_BOX_KEYS,
     KEEP_FLAG_BUFFERS,
     PRODUCER_REGS,
     SMEM_ALIGN,
@@ -75,7 +76,9 @@ class AttentionBackwardSm90:
     ``has_bias``: B [B, H, Sq, Sk] (any strides, 0 for broadcast dims) is added to the
     scaled scores before the softmax, as the forward did; each thread reads the values of
     its S^T fragment from global memory while S^T is computed. ``grad_bias``: dB = dS (before
-    the softmax scale) is written to [B, H, Sq, Sk] from the same fragment.
+    the softmax scale) leaves by TMA stores from the dS tile in shared memory, whose keys are
+    then contiguous (``tiles.ds_keys_contiguous``): once a warpgroup has seen the other's half
+    of dS written (the dS barrier it waits at anyway), one of its threads stores that half.
 
     ``dropout``: the keep mask Z of torch's memory-efficient forward (curand's Philox, one
     stream word per (query, key): ``common/philox.py``) is redrawn per block: each consumer
@@ -91,6 +94,9 @@ class AttentionBackwardSm90:
             raise ValueError("a sliding window needs a causal mask (mask_type 1 or 2)")
         if grad_bias and not has_bias:
             raise ValueError("grad_bias needs has_bias")
+        if grad_bias != tiles.ds_keys_contiguous:
+            # the TMA stores of the bias gradient read dS rows of keys
+            raise ValueError("grad_bias goes with tiles.ds_keys_contiguous (and only then)")
         if has_bias and varlen:
             raise NotImplementedError("attention bias with variable lengths (torch's forward refuses it too)")
         if dropout and tiles.smem_bytes(dtype.width // 8, dropout=True) > SMEM_LIMIT:
@@ -169,6 +175,12 @@ class AttentionBackwardSm90:
             tma_dQ, gdQ_tma = cpasync.make_tiled_tma_atom(
                 cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, cute.select(sdQ_layout, mode=[0, 1]), (t.tile_m, d))
 
+        tma_dB = gdB_tma = None
+        if const_expr(self.grad_bias):  # (queries, keys, heads, batch): boxes of the keys-contiguous dS tile
+            tma_dB, gdB_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), select_modes(mdBias, (2, 3, 1, 0)),
+                t.smem_layout_grad_bias_box(self.dtype), (t.tile_m, GRAD_BIAS_BOX_KEYS))  # fmt: skip
+
         elem = self.dtype.width // 8
         self.q_bytes = t.tile_m * d * elem + t.tile_m * 4  # Q + LSE (dO + Δ alike)
         self.kv_bytes = 2 * t.tile_n * d * elem
@@ -205,7 +217,7 @@ class AttentionBackwardSm90:
             rng = (philox_seed, philox_offset, dropout_p, dropout_scale, dropout_bh_elems)
         self.kernel(
             gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, gdQ_tma, mdK, mdV, mSemaphore,
-            mCuSeqlensQ, mCuSeqlensK, mBias, mdBias, tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ,
+            mCuSeqlensQ, mCuSeqlensK, mBias, (tma_dB, gdB_tma), tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ,
             sQ_layout, sK_layout, sdS_layout, sdQ_layout, sStat_layout,
             t.tiled_mma_sdp(self.dtype), t.tiled_mma_dkv(self.dtype), t.tiled_mma_dq(self.dtype),
             seqlen_q, seqlen_k, group, softmax_scale, window_size, sched, rng, SharedStorage,
@@ -218,7 +230,7 @@ class AttentionBackwardSm90:
         gQ_tma: cute.Tensor, gdO_tma: cute.Tensor, gK_tma: cute.Tensor, gV_tma: cute.Tensor,
         gLSE_tma: cute.Tensor, gDelta_tma: cute.Tensor, gdQ_tma: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
         mSemaphore: Optional[cute.Tensor], mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
-        mBias: Optional[cute.Tensor], mdBias: Optional[cute.Tensor], tma_Q: cute.CopyAtom, tma_dO: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
+        mBias: Optional[cute.Tensor], grad_bias_tma: tuple, tma_Q: cute.CopyAtom, tma_dO: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
         tma_LSE: cute.CopyAtom, tma_Delta: cute.CopyAtom, tma_dQ: cute.CopyAtom,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
         sdQ_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
@@ -233,6 +245,8 @@ class AttentionBackwardSm90:
         if warp_idx == 0:
             for atom in (tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(self.grad_bias):
+                cpasync.prefetch_descriptor(grad_bias_tma[0])
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -288,7 +302,7 @@ class AttentionBackwardSm90:
                 self.store_dq(gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, work, rows, seqlen_q, seqlen_k)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            feat = self.features(mBias, mdBias, sKeep, rng, batch, group * sched[1])  # query heads
+            feat = self.features(mBias, grad_bias_tma, sKeep, rng, batch, group * sched[1])  # query heads
             self.mma(sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
                      pipe_q, pipe_do, mbar_kv, tidx - 128, n_block, batch, work, rows,
                      seqlen_q, seqlen_k, softmax_scale, window_size, feat)  # fmt: skip
@@ -568,13 +582,12 @@ class AttentionBackwardSm90:
             # proxy): dQ = dS K, then dK += dS^T Q, so dQ can leave while dK runs
             rdS = cute.make_rmem_tensor(shape_sdp, self.dtype)
             rdS.store(acc_dP.load().to(self.dtype))
-            if const_expr(self.grad_bias):
-                self.store_grad_bias(feat, acc_dP, cS_mn, head, q0, key0, seqlen_q, seqlen_k)
             cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_stage])
             cute.arch.fence_view_async_shared()
+            dbias = (feat, sdS, head, m_block, n_block)  # the bias gradient's stores (grad_bias)
             if const_expr(t.pds_split):
                 acc_dQ = self.dq_dk_split(wg, stage, ds_stage, tiled_mma_dq, tiled_mma_dkv, acc_dK, rdS, tKrQ,
-                                          tQrdS, tQrK, shape_dq)  # fmt: skip
+                                          tQrdS, tQrK, shape_dq, tidx, dbias)  # fmt: skip
                 pipe_do.consumer_release(state)
                 pipe_q.consumer_release(state)
                 if const_expr(prefetch):
@@ -583,7 +596,12 @@ class AttentionBackwardSm90:
                         state_next.advance()
                 self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, i % t.dq_stages, wg)
             else:
+                self.grad_bias_wait(tidx == 0)
                 cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
+                if const_expr(self.grad_bias):
+                    if tidx == 0:  # both halves are written
+                        self.store_grad_bias(feat, sdS, ds_stage, list(range(t.tile_n // GRAD_BIAS_BOX_KEYS)), head,
+                                             m_block, n_block)  # fmt: skip
                 acc_dQ = cute.make_rmem_tensor(shape_dq, Float32)
                 wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_stage], tQrK, zero_init=True)
                 wgmma(tiled_mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
@@ -610,6 +628,7 @@ class AttentionBackwardSm90:
                 pipe_q.consumer_release(state)
             state.advance()
 
+        self.grad_bias_wait(tidx % 128 == 0)  # the last stores have read shared memory
         # epilogue: dK scaled by the softmax scale (dS was not), rows past seqlen_k dropped
         acc_dK.store(acc_dK.load() * softmax_scale)
         self.store_rows(acc_dK, mdK, tiled_mma_dkv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
@@ -668,12 +687,15 @@ class AttentionBackwardSm90:
 
     # ------------------------------------------------------------ bias and dropout
     @cute.jit
-    def features(self, mBias, mdBias, sKeep, rng, batch, heads):
+    def features(self, mBias, grad_bias_tma, sKeep, rng, batch, heads):
         """What the consumers need of bias and dropout, per CTA (None where unused): the
-        batch's bias and bias-gradient views (H, Sq, Sk), the keep-flag buffers and the
-        Philox key, this batch's first stream word, p, 1 / (1 - p) and the words per head."""
+        batch's bias view (H, Sq, Sk), the bias gradient's TMA atom and (Sq, Sk, H) view, the
+        keep-flag buffers and the Philox key, this batch's first stream word, p, 1 / (1 - p)
+        and the words per head."""
         bias = mBias[batch, None, None, None] if const_expr(self.has_bias) else None
-        grad_bias = mdBias[batch, None, None, None] if const_expr(self.grad_bias) else None
+        grad_bias = None
+        if const_expr(self.grad_bias):
+            grad_bias = (grad_bias_tma[0], grad_bias_tma[1][None, None, None, batch])
         philox = None
         if const_expr(self.dropout):
             seed, offset, p, scale, bh_elems = rng
@@ -707,18 +729,28 @@ class AttentionBackwardSm90:
         return rB
 
     @cute.jit
-    def store_grad_bias(self, feat, acc_dS, cS_mn, head, q0, key0, seqlen_q, seqlen_k):
-        """dB = dS (this thread's fragment) into the bias gradient, within the sequences."""
+    def store_grad_bias(self, feat, sdS, buf, boxes, head, m_block, n_block):
+        """dB = dS: TMA stores of dS buffer ``buf``'s key boxes ``boxes`` (GRAD_BIAS_BOX_KEYS
+        keys each; an index or a list) to query block m_block, key block n_block (TMA drops
+        what lies past the sequences). Called by one thread after dS is written and fenced."""
         t = self.tiles
-        gdB = feat[1][head, None, None]
-        dS = cute.make_tensor(acc_dS.iterator, acc_mn_layout(acc_dS.layout))
-        inside = q0 + t.tile_m <= seqlen_q and key0 + t.tile_n <= seqlen_k
-        for c in cutlass.range_constexpr(cute.size(dS, mode=[1])):
-            q = q0 + cS_mn[0, c][1]
-            for r in cutlass.range_constexpr(cute.size(dS, mode=[0])):
-                k = key0 + cS_mn[r, c][0]
-                if inside or (q < seqlen_q and k < seqlen_k):
-                    gdB[q, k] = dS[r, c].to(self.dtype)
+        tma_dB, gdB = feat[1]
+        box = (t.tile_m, GRAD_BIAS_BOX_KEYS)
+        per_block = t.tile_n // GRAD_BIAS_BOX_KEYS
+        g = cute.local_tile(gdB[None, None, head], box, (None, None))  # (rows, keys, m, n)
+        s = cute.local_tile(sdS[None, None, buf], box, (0, None))  # (rows, keys, box)
+        ts, tg = cpasync.tma_partition(tma_dB, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
+        for b in boxes if isinstance(boxes, list) else [boxes]:
+            cute.copy(tma_dB, ts[None, b], tg[None, m_block, n_block * per_block + b])
+        cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def grad_bias_wait(self, storing):
+        """Before a thread announces its next dS: its last bias-gradient store has read the
+        buffer (the dS barriers then order the buffer's next write after that read)."""
+        if const_expr(self.grad_bias):
+            if storing:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def keep_bits(self, feat, head, i, q0, key0, seqlen_k, cS_mn, wg, tidx):
@@ -844,12 +876,16 @@ class AttentionBackwardSm90:
             cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=handoff)
 
     @cute.jit
-    def dq_dk_split(self, wg, stage, ds_stage, tiled_mma_dq, tiled_mma_dkv, acc_dK, rdS, tKrQ, tQrdS, tQrK, shape_dq):
+    def dq_dk_split(self, wg, stage, ds_stage, tiled_mma_dq, tiled_mma_dkv, acc_dK, rdS, tKrQ, tQrdS, tQrK, shape_dq,
+                    tidx, dbias):  # fmt: skip
         """dS handoff by two one-way barriers: each warpgroup announces its half of dS, issues
         dK (registers only) and only then waits for the other half, so the wait overlaps dK.
-        A warpgroup announces block i+1 after its dQ of block i completed, which keeps the
-        two dS buffers safe. Returns dQ with dK and dQ both done."""
+        A warpgroup announces block i+1 after its dQ of block i completed (and, with the bias
+        gradient, its store of the other half of block i has read it), which keeps the two dS
+        buffers safe. Returns dQ with dK and dQ both done."""
         t = self.tiles
+        storing = tidx % 128 == 0  # the bias gradient: this warpgroup's thread that stores the other half
+        self.grad_bias_wait(storing)
         if wg == 0:
             cute.arch.barrier_arrive(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
         else:
@@ -860,6 +896,10 @@ class AttentionBackwardSm90:
             cute.arch.barrier(barrier_id=BAR_PDS_WG1, number_of_threads=t.num_mma_threads)
         else:
             cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
+        if const_expr(self.grad_bias):
+            if storing:  # the other warpgroup's keys: its half is written and fenced
+                feat, sdS, head, m_block, n_block = dbias
+                self.store_grad_bias(feat, sdS, ds_stage, 1 - wg, head, m_block, n_block)
         acc_dQ = cute.make_rmem_tensor(shape_dq, Float32)
         wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_stage], tQrK, zero_init=True)
         warpgroup.wait_group(0)

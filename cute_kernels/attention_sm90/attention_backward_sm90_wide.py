@@ -105,15 +105,17 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
             self.grad_scores(acc_dP, acc_S, cS_mn, sDelta, stage, keep, feat)
             rdS = cute.make_rmem_tensor(shape_sdp, self.dtype)
             rdS.store(acc_dP.load().to(self.dtype))
-            if const_expr(self.grad_bias):
-                self.store_grad_bias(feat, acc_dP, cS_mn, head, q0, key0, seqlen_q, seqlen_k)
             cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_buf])
             # both warpgroups' query halves written and visible to the async proxy. With
             # two buffers this one barrier a block suffices: a warpgroup writes buffer
             # i % 2 again (block i + 2) only after the other arrived here for block i + 1,
             # which it does after waiting for its block-i products
             cute.arch.fence_view_async_shared()
+            self.grad_bias_wait(tidx == 0)  # its last bias-gradient store has read its buffer
             cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
+            if const_expr(self.grad_bias):
+                if tidx == 0:  # dB = dS: the whole block is one TMA box
+                    self.store_grad_bias(feat, sdS, ds_buf, 0, head, m_block, n_block)
 
             wgmma(tiled_mma_dkv, acc_dV, tKVrPdS[None, None, None, p_buf], tVrdO[None, None, None, stage],
                   zero_init=False)  # fmt: skip
@@ -136,6 +138,7 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
             pipe_q.consumer_release(state)
             state.advance()
 
+        self.grad_bias_wait(tidx == 0)  # the last store has read shared memory
         # epilogue: dK scaled by the softmax scale (dS was not), rows past seqlen_k dropped
         acc_dK.store(acc_dK.load() * softmax_scale)
         self.store_rows(acc_dK, mdK, tiled_mma_dkv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
