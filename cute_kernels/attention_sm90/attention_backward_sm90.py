@@ -712,7 +712,8 @@ class AttentionBackwardSm90:
         if const_expr(self.has_bias):
             rBias = self.load_bias(feat[0], head, q0, key0, seqlen_q, seqlen_k, cS_mn, shape_sdp)
         if const_expr(self.dropout):
-            keep = self.keep_bits(feat, head, i, q0, key0, seqlen_k, cS_mn, wg, tidx)
+            self.draw_keep_flags(feat, head, i, q0, key0, seqlen_k, wg, tidx)
+            keep = self.keep_bits(feat, i, cS_mn, wg)
         return rBias, keep
 
     @cute.jit
@@ -753,18 +754,15 @@ class AttentionBackwardSm90:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def keep_bits(self, feat, head, i, q0, key0, seqlen_k, cS_mn, wg, tidx):
-        """Dropout keep flags of the thread's S^T fragment, one bit each (Uint32 words in the
-        fragment's rows x columns order). The warpgroup first draws its part of the block into
-        keep-flag buffer i % 2: thread t the ``keep_flag_keys`` consecutive keys of one query
-        row (curand's words q * Sk + k of the (batch, head) stream, 4 per Philox call), as bits
-        (bit k % 16 of half-word k / 16 of row q); its barrier; then each thread reads its bits.
-        With two buffers the one barrier suffices: a warpgroup draws into buffer i % 2 again
-        (block i + 2) after all its threads passed block i + 1's barrier, i.e. read block i."""
+    def draw_keep_flags(self, feat, head, i, q0, key0, seqlen_k, wg, tidx):
+        """Dropout: the warpgroup draws its part of step ``i``'s block into keep-flag buffer
+        i % 2: thread t the ``keep_flag_keys`` consecutive keys of one query row (curand's
+        words q * Sk + k of the (batch, head) stream, 4 per Philox call), as bits (bit k % 16
+        of half-word k / 16 of row q). Called while the tensor cores compute the block's S^T and
+        dP^T (drawing a step ahead, behind the gradient products, measured no faster: the Philox
+        rounds cost issue slots, not latency; notes.md)."""
         t = self.tiles
-        sKeep = feat[2]
         k0, k1, base, p, _, bh_elems = feat[3]
-        buf = i % KEEP_FLAG_BUFFERS
         keys, _ = t.sdp_wg_tile
         per_thread = t.keep_flag_keys
         key_org, q_org = t.sdp_wg_origin(wg)
@@ -773,17 +771,34 @@ class AttentionBackwardSm90:
         col = key_org + (lt % (keys // per_thread)) * per_thread
         word = base + Int64(head) * bh_elems + Int64(q0 + row) * Int64(seqlen_k) + Int64(key0 + col)
         flags = keep_flags_quads(Uint64(word), k0, k1, p, per_thread // 4)
+        s16 = self.keep_flag_halves(feat[2])
         # flag j of quad c is bit 8 j of flags[c]: 4 quads make a 16-bit half-word
-        s16 = cute.make_tensor(cute.recast_ptr(sKeep.iterator, dtype=Uint16),
-                               cute.make_layout((t.tile_m, t.tile_n // 16, KEEP_FLAG_BUFFERS),
-                                                stride=(t.tile_n // 16, 1, t.tile_m * t.tile_n // 16)))  # fmt: skip
         for h in cutlass.range_constexpr(per_thread // 16):
             half = Uint32(0)
             for c in cutlass.range_constexpr(4):
                 f = flags[4 * h + c]
                 nibble = (f | (f >> Uint32(7)) | (f >> Uint32(14)) | (f >> Uint32(21))) & Uint32(0xF)
                 half = half | (nibble << Uint32(4 * c))
-            s16[row, col // 16 + h, buf] = Uint16(half)
+            s16[row, col // 16 + h, i % KEEP_FLAG_BUFFERS] = Uint16(half)
+
+    def keep_flag_halves(self, sKeep):
+        """The keep-flag buffers as (query, 16-key half-word, buffer) Uint16."""
+        t = self.tiles
+        layout = cute.make_layout((t.tile_m, t.tile_n // 16, KEEP_FLAG_BUFFERS), stride=(t.tile_n // 16, 1, t.tile_m * t.tile_n // 16))
+        return cute.make_tensor(cute.recast_ptr(sKeep.iterator, dtype=Uint16), layout)
+
+    @cute.jit
+    def keep_bits(self, feat, i, cS_mn, wg):
+        """Dropout keep flags of the thread's S^T fragment, one bit each (Uint32 words in the
+        fragment's rows x columns order), from buffer i % 2 after the warpgroup's barrier (all
+        its threads drew step i). With two buffers the one barrier suffices: a warpgroup draws
+        into buffer i % 2 again (step i + 2) after all its threads passed step i + 1's
+        barrier, i.e. read step i's bits.
+
+        Rows 2 m and 2 m + 1 of a wgmma accumulator fragment are keys 8 apart in one 16-key
+        group (row r0 * 8 + lane / 4 of the warp's 16), so one half-word serves both."""
+        s16 = self.keep_flag_halves(feat[2])
+        buf = i % KEEP_FLAG_BUFFERS
         # static barrier ids (a register id makes ptxas reserve all 16)
         if wg == 0:
             cute.arch.barrier(barrier_id=BAR_KEEP_FLAGS, number_of_threads=128)
@@ -791,14 +806,14 @@ class AttentionBackwardSm90:
             cute.arch.barrier(barrier_id=BAR_KEEP_FLAGS + 1, number_of_threads=128)
         rows = cute.size(cS_mn, mode=[0])
         n = rows * cute.size(cS_mn, mode=[1])
-        words = []
-        for w in cutlass.range_constexpr((n + 31) // 32):
-            bits = Uint32(0)
-            for e in cutlass.range_constexpr(32 * w, min(n, 32 * w + 32)):
-                k, q = cS_mn[e % rows, e // rows]
-                flag = (Uint32(s16[q, k // 16, buf]) >> Uint32(k % 16)) & Uint32(1)
-                bits = bits | (flag << Uint32(e - 32 * w))
-            words.append(bits)
+        words = [Uint32(0) for _ in range((n + 31) // 32)]
+        for c in cutlass.range_constexpr(cute.size(cS_mn, mode=[1])):
+            for r in cutlass.range_constexpr(0, rows, 2):
+                k, q = cS_mn[r, c]
+                half = Uint32(s16[q, k // 16, buf]) >> Uint32(k % 16)
+                for r0 in cutlass.range_constexpr(2):
+                    e = c * rows + r + r0
+                    words[e // 32] = words[e // 32] | (((half >> Uint32(8 * r0)) & Uint32(1)) << Uint32(e % 32))
         return words
 
     @cute.jit
