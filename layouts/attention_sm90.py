@@ -22,7 +22,8 @@ transposed form that keeps P and dS in registers for the dK / dV products:
   (8 rows x 16 / 32 / 64 elements: 32-, 64- or 128-byte rows) is legal for both views when
   its width divides every column slice a wgmma takes of the MN-major view: all of d for
   Q / dO (dK, dV: N = d), d / 2 for K when the warpgroups split dQ's columns. So the
-  atom is the widest that divides d (Q / dO) or that slice (K / V), see ``atom_cols``.
+  atom is the widest that divides d (Q / dO) or that slice (K / V), see ``atom_cols``
+  (d is one head dim here; Dqk != Dv below).
 
 | head dim | tile_m | tile_n | Q / dO stages | dS stages | consumers | smem (bf16) |
 |----------|--------|--------|---------------|-----------|-----------|-------------|
@@ -79,7 +80,41 @@ staging's d / 4 (d192: 96 and 48 columns, so 64-byte Q / dO atoms, 32-byte K / V
 (d256) each per stage, P / dS 4 x 8 KiB, dQ staging 48 / 64 KiB. d192 fits two Q / dO
 stages (226 of 227 KiB); d256 only one (225 KiB; two would be 257 KiB), so its producer
 loads block i+1 only once block i is released (dO after dV, Q after dK): correctness
-first, no benchmark case uses these head dims. Dqk != Dv is refused (``ops``).
+first, no benchmark case uses these head dims.
+
+Dqk != Dv (``head_dim`` = Dqk: Q, K, dQ, dK; ``head_dim_v`` = Dv: V, dO, dV; equal by
+default). S^T reduces over Dqk and dP^T over Dv; dK's accumulator is Dqk wide and dV's Dv
+wide, each its own tiled MMA. Both must be one of HEAD_DIMS and the wider picks the tiles
+by the rules above (tile_m 128 only when both are 64; the 64 x 64 tiles above 128, two
+Q / dO stages where they fit). A thread holds (Dqk + Dv) / 2 fp32 of dK and dV with the
+base tiles and (Dqk + Dv) / 4 with the wide ones, never more than the wider head dim's
+equal configuration. Atoms: Q's and K's follow Dqk's slices, dO's Dv's (dV's N); V is read
+K-major only and takes the widest atom its Dv columns allow (with equal head dims it keeps
+K's layout, as before). Dqk 96 with a Dv above 128 is refused: the wide tiles' dQ quarters
+would be 24 columns, which no swizzle atom divides. ptxas: no spill in the consumer
+warpgroups for any pair, mask, window, deterministic or varlen configuration; notes.md has
+the producer's few 4-byte spills.
+
+| Dqk / Dv  | tiles | tile_m | tile_n | Q / dO stages | dK + dV fp32 a thread | smem (bf16) |
+|-----------|-------|--------|--------|---------------|-----------------------|-------------|
+| 64 / 96   | base  | 64     | 128    | 2             | 80                    | 130 KiB     |
+| 64 / 128  | base  | 64     | 128    | 2             | 96                    | 146 KiB     |
+| 96 / 64   | base  | 64     | 128    | 2             | 80                    | 138 KiB     |
+| 96 / 128  | base  | 64     | 128    | 2             | 112                   | 170 KiB     |
+| 128 / 64  | base  | 64     | 128    | 2             | 96                    | 162 KiB     |
+| 128 / 96  | base  | 64     | 128    | 2             | 112                   | 178 KiB     |
+| 64 / 192  | wide  | 64     | 64     | 2             | 64                    | 146 KiB     |
+| 64 / 256  | wide  | 64     | 64     | 2             | 80                    | 170 KiB     |
+| 128 / 192 | wide  | 64     | 64     | 2             | 80                    | 186 KiB     |
+| 128 / 256 | wide  | 64     | 64     | 2             | 96                    | 210 KiB     |
+| 192 / 64  | wide  | 64     | 64     | 2             | 64                    | 178 KiB     |
+| 192 / 96  | wide  | 64     | 64     | 2             | 72                    | 190 KiB     |
+| 192 / 128 | wide  | 64     | 64     | 2             | 80                    | 202 KiB     |
+| 192 / 256 | wide  | 64     | 64     | 1             | 112                   | 193 KiB     |
+| 256 / 64  | wide  | 64     | 64     | 2             | 80                    | 218 KiB     |
+| 256 / 96  | wide  | 64     | 64     | 1             | 88                    | 185 KiB     |
+| 256 / 128 | wide  | 64     | 64     | 1             | 96                    | 193 KiB     |
+| 256 / 192 | wide  | 64     | 64     | 1             | 112                   | 209 KiB     |
 
 Grouped-query heads: a CTA owns a key block of one key head and walks the query blocks of
 every query head of its group (dK / dV summed in registers). Deterministic mode: the
@@ -94,9 +129,10 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory an H100 CTA may use
-HEAD_DIMS = (64, 96, 128, 192, 256)
+HEAD_DIMS = (64, 96, 128, 192, 256)  # Dqk = Dv; HEAD_DIM_PAIRS (below) the (Dqk, Dv) pairs with Dqk != Dv
 WIDE_FROM = 128  # head dims above this take AttentionSm90WideTiles / AttentionBackwardSm90Wide
 NUM_CONSUMER_WG = 2
 PRODUCER_REGS = 24  # setmaxnreg for the producer warpgroup
@@ -132,9 +168,10 @@ def atom_cols(cols: int, elem_bits: int) -> int:
 
 @dataclass(frozen=True)
 class AttentionSm90Tiles:
-    head_dim: int
+    head_dim: int  # Dqk: Q, K, dQ, dK (and the S^T product's reduction)
     tile_m: int
     tile_n: int
+    head_dim_v: Optional[int] = None  # Dv: V, dO, dV (dP^T's reduction); None: Dqk
     stages: int = 2  # Q / LSE and dO / Δ pipelines
     ds_stages: int = 2  # dS buffers: a warpgroup may write block i+1's dS while the other still reads block i's
     # what of block i+1 goes to the tensor cores before block i's dK is waited for:
@@ -149,10 +186,14 @@ class AttentionSm90Tiles:
     # there) instead of queries (whose register pairs store as 32 bits); with the bias gradient
     ds_keys_contiguous: bool = False
 
+    def __post_init__(self):
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+
     def lpt_heads_per_chunk(self, seqlen_q: int, group: int, elem_bytes: int = 2) -> int:
         """(batch, key head) pairs per chunk of the heavy-first order: their Q, dO (elem_bytes)
         and fp32 dQ accumulator rows fit LPT_L2_BYTES."""
-        per_head = max(1, group * seqlen_q * self.head_dim * (2 * elem_bytes + 4))
+        per_head = max(1, group * seqlen_q * (self.head_dim * (elem_bytes + 4) + self.head_dim_v * elem_bytes))
         return max(1, LPT_L2_BYTES // per_head)
 
     @property
@@ -203,7 +244,7 @@ class AttentionSm90Tiles:
     def smem_bytes(self, elem_bytes: int = 2, dropout: bool = False) -> int:
         """Bytes of the kernel's SharedStorage, member by member with its alignments
         (``dropout``: with the keep-flag buffers)."""
-        d = self.head_dim
+        d, dv = self.head_dim, self.head_dim_v
 
         def place(offset, size, align):
             return -(-offset // align) * align + size
@@ -211,8 +252,9 @@ class AttentionSm90Tiles:
         off = 8 * (4 * self.stages + 1)  # mbarriers: Q and dO pipelines (full + empty), K/V
         off = place(off, 4 * self.stages * self.tile_m, STATS_ALIGN)  # LSE
         off = place(off, 4 * self.stages * self.tile_m, STATS_ALIGN)  # Δ
-        for size in (self.stages * self.tile_m * d * elem_bytes,) * 2 + (self.tile_n * d * elem_bytes,) * 2:
-            off = place(off, size, SMEM_ALIGN)  # Q, dO, K, V
+        q_rows = self.stages * self.tile_m
+        for rows, cols in ((q_rows, d), (q_rows, dv), (self.tile_n, d), (self.tile_n, dv)):
+            off = place(off, rows * cols * elem_bytes, SMEM_ALIGN)  # Q, dO, K, V
         off = place(off, self.ds_buffers * self.tile_m * self.tile_n * elem_bytes, SMEM_ALIGN)  # dS (and P)
         off = place(off, self.dq_stages * self.tile_m * d * 4, SMEM_ALIGN)  # dQ staging
         if dropout:
@@ -231,15 +273,16 @@ class AttentionSm90Tiles:
             atom_layout_mnk=(NUM_CONSUMER_WG, 1, 1), tiler_mn=(64, self.tile_m),
         )  # fmt: skip
 
-    def tiled_mma_dkv(self, dtype):
-        """dV += P^T dO and dK += dS^T Q: A from registers, B the MN-major view of dO / Q."""
+    def tiled_mma_dkv(self, dtype, cols: Optional[int] = None):
+        """dV += P^T dO and dK += dS^T Q: A from registers, B the MN-major view of dO / Q.
+        ``cols``: the product's head dim, dK's (head_dim, the default) or dV's (head_dim_v)."""
         from cutlass import Float32
         from cutlass.cute.nvgpu import warpgroup
         from cutlass.utils import hopper_helpers as hh
 
         return hh.make_trivial_tiled_mma(
             dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(NUM_CONSUMER_WG, 1, 1), tiler_mn=(64, self.head_dim),
+            atom_layout_mnk=(NUM_CONSUMER_WG, 1, 1), tiler_mn=(64, cols or self.head_dim),
             a_source=warpgroup.OperandSource.RMEM,
         )  # fmt: skip
 
@@ -290,35 +333,55 @@ class AttentionSm90Tiles:
 
     @property
     def q_slice_cols(self) -> int:
-        """Columns of the narrowest slice a wgmma takes of Q's / dO's MN-major view (dK / dV:
-        one warpgroup's N is all of d)."""
+        """Columns of the narrowest slice a wgmma takes of Q's MN-major view (dK: one
+        warpgroup's N is all of Dqk)."""
         return self.head_dim
+
+    @property
+    def do_slice_cols(self) -> int:
+        """The same for dO (dV: all of Dv)."""
+        return self.head_dim_v
 
     @property
     def k_slice_cols(self) -> int:
         """The same for K (B operand of dQ): one warpgroup's dQ columns."""
         return self.dq_sub_tile[1]
 
-    def smem_layout_rows(self, dtype, rows: int, stages, slice_cols: int):
-        """(rows, head_dim[, stages]) row-major, swizzle atoms as wide as ``slice_cols``
-        allows: a wgmma's MN-major slice must start on a whole atom."""
+    @property
+    def v_slice_cols(self) -> int:
+        """V is only read K-major (dP^T's A), which any atom dividing its rows serves. With
+        equal head dims it takes K's layout (one layout and TMA box for both, as before
+        Dqk != Dv), else the widest atom for its Dv columns."""
+        return self.k_slice_cols if self.head_dim_v == self.head_dim else self.head_dim_v
+
+    def smem_layout_rows(self, dtype, rows: int, stages, slice_cols: int, cols: Optional[int] = None):
+        """(rows, cols[, stages]) row-major (cols: head_dim by default), swizzle atoms as wide
+        as ``slice_cols`` allows: a wgmma's MN-major slice must start on a whole atom."""
         import cutlass.cute as cute
         from cutlass.cute.nvgpu import warpgroup
         from cutlass.utils import LayoutEnum
         from cutlass.utils import hopper_helpers as hh
 
+        cols = cols or self.head_dim
         atom = warpgroup.make_smem_layout_atom(hh.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, slice_cols), dtype)
-        shape = (rows, self.head_dim) if stages is None else (rows, self.head_dim, stages)
+        shape = (rows, cols) if stages is None else (rows, cols, stages)
         return cute.tile_to_shape(atom, shape, order=(0, 1) if stages is None else (0, 1, 2))
 
     def smem_layout_q(self, dtype):
-        """Q / dO ring: (tile_m, head_dim, stages)."""
+        """Q ring: (tile_m, head_dim, stages)."""
         return self.smem_layout_rows(dtype, self.tile_m, self.stages, self.q_slice_cols)
 
+    def smem_layout_do(self, dtype):
+        """dO ring: (tile_m, head_dim_v, stages)."""
+        return self.smem_layout_rows(dtype, self.tile_m, self.stages, self.do_slice_cols, self.head_dim_v)
+
     def smem_layout_k(self, dtype):
-        """K / V: (tile_n, head_dim). V is only read K-major but shares K's layout (one
-        shape for both TMA loads)."""
+        """K: (tile_n, head_dim)."""
         return self.smem_layout_rows(dtype, self.tile_n, None, self.k_slice_cols)
+
+    def smem_layout_v(self, dtype):
+        """V: (tile_n, head_dim_v) (``v_slice_cols``)."""
+        return self.smem_layout_rows(dtype, self.tile_n, None, self.v_slice_cols, self.head_dim_v)
 
     def smem_layout_ds(self, dtype):
         """(tile_m, tile_n, ds_buffers), queries contiguous: dS^T's register pairs are adjacent.
@@ -392,8 +455,9 @@ class AttentionSm90Tiles:
 
 @dataclass(frozen=True)
 class AttentionSm90WideTiles(AttentionSm90Tiles):
-    """d192 / d256 (``AttentionBackwardSm90Wide``): 64 keys x 64 queries, both warpgroups
-    own all 64 keys and split the other dimension of every product (module docstring)."""
+    """d192 / d256, or a Dqk / Dv pair with one of them (``AttentionBackwardSm90Wide``): 64 keys
+    x 64 queries, both warpgroups own all 64 keys and split the other dimension of every
+    product (module docstring)."""
 
     @property
     def ds_buffers(self) -> int:
@@ -419,16 +483,17 @@ class AttentionSm90WideTiles(AttentionSm90Tiles):
             atom_layout_mnk=(1, NUM_CONSUMER_WG, 1), tiler_mn=(64, self.tile_m // NUM_CONSUMER_WG),
         )  # fmt: skip
 
-    def tiled_mma_dkv(self, dtype):
+    def tiled_mma_dkv(self, dtype, cols: Optional[int] = None):
         """dV += P^T dO, dK += dS^T Q: A = P^T / dS^T from shared memory (K-major: queries
-        contiguous), B the MN-major view of dO / Q; each warpgroup half of the head dim."""
+        contiguous), B the MN-major view of dO / Q; each warpgroup half of the head dim
+        (``cols``: dK's head_dim by default, dV's head_dim_v)."""
         from cutlass import Float32
         from cutlass.cute.nvgpu import warpgroup
         from cutlass.utils import hopper_helpers as hh
 
         return hh.make_trivial_tiled_mma(
             dtype, dtype, self.ds_major(False), warpgroup.OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(1, NUM_CONSUMER_WG, 1), tiler_mn=(64, self.head_dim // NUM_CONSUMER_WG),
+            atom_layout_mnk=(1, NUM_CONSUMER_WG, 1), tiler_mn=(64, (cols or self.head_dim) // NUM_CONSUMER_WG),
         )  # fmt: skip
 
     def tiled_mma_dq(self, dtype):
@@ -445,12 +510,17 @@ class AttentionSm90WideTiles(AttentionSm90Tiles):
 
     @property
     def q_slice_cols(self) -> int:
-        """dK / dV: one warpgroup's N is half of d."""
+        """dK / dV: one warpgroup's N is half of Dqk / Dv."""
         return self.head_dim // NUM_CONSUMER_WG
 
     @property
+    def do_slice_cols(self) -> int:
+        """dV: one warpgroup's N is half of Dv."""
+        return self.head_dim_v // NUM_CONSUMER_WG
+
+    @property
     def dq_slice_cols(self) -> int:
-        """One warpgroup's part of a dQ half: a quarter of d (also K's MN-major slice)."""
+        """One warpgroup's part of a dQ half: a quarter of Dqk (also K's MN-major slice)."""
         return self.head_dim // (2 * NUM_CONSUMER_WG)
 
     @property
@@ -463,38 +533,71 @@ def smem_layouts_algebra(t: AttentionSm90Tiles) -> dict:
     its pictures: element offsets, swizzles in element units. The DSL objects above swizzle
     byte addresses: Swizzle<B,4,3> on bytes (B = 3, 2, 1 for 128-, 64-, 32-byte atom rows)
     is <B,3,3> on 16-bit elements and <B,2,3> on fp32 (tests/test_attention_sm90_cpu.py
-    compares them)."""
+    compares them). With Dqk != Dv, dO and V have their own entries (smem_do, smem_v)."""
     from .algebra import ComposedLayout, Layout, Swizzle
 
-    d, tm, tn = t.head_dim, t.tile_m, t.tile_n
+    tm, tn = t.tile_m, t.tile_n
 
     def swizzle(w, bits):  # atom rows of w elements: 16-byte chunks XORed with the row mod 2^B
         return Swizzle((w * bits // 128).bit_length() - 1, (128 // bits).bit_length() - 1, 3)
 
-    def rows(r, w, bits):  # K-major atoms (8 rows x w elements), rows first
+    def rows(r, w, bits, d=t.head_dim):  # K-major atoms (8 rows x w elements), rows first
         return ComposedLayout(swizzle(w, bits), Layout(((8, r // 8), (w, d // w)), ((w, 8 * w), (1, r * w))))
 
     wds = atom_cols(tm, 16)  # MN-major dS: queries contiguous
     ds = Layout(((wds, tm // wds), (8, tn // 8)), ((1, tn * wds), (wds, 8 * wds)))
-    return {
-        "smem_q": (rows(tm, atom_cols(t.q_slice_cols, 16), 16), "bf16",
-                   "Q / dO stage: S^T / dP^T B (K-major), dK / dV B (MN-major view)"),
-        "smem_k": (rows(tn, atom_cols(t.k_slice_cols, 16), 16), "bf16",
-                   "K / V: S^T / dP^T A (K-major), dQ B (MN-major view)"),
+    if t.head_dim_v == t.head_dim:
+        q_what, k_what = "Q / dO stage: S^T / dP^T B (K-major), dK / dV B (MN-major view)", \
+            "K / V: S^T / dP^T A (K-major), dQ B (MN-major view)"
+    else:
+        q_what, k_what = "Q stage: S^T B (K-major), dK B (MN-major view)", "K: S^T A (K-major), dQ B (MN-major view)"
+    forms = {
+        "smem_q": (rows(tm, atom_cols(t.q_slice_cols, 16), 16), "bf16", q_what),
+        "smem_k": (rows(tn, atom_cols(t.k_slice_cols, 16), 16), "bf16", k_what),
         "smem_ds": (ComposedLayout(swizzle(wds, 16), ds), "bf16", "dS stage, queries contiguous: dQ A (MN-major)"),
         "smem_dq": (rows(tm, atom_cols(t.dq_slice_cols, 32), 32), "fp32", "dQ staging (fp32) for the TMA reduce-add"),
     }  # fmt: skip
+    if t.head_dim_v != t.head_dim:
+        dv = t.head_dim_v
+        forms["smem_do"] = (rows(tm, atom_cols(t.do_slice_cols, 16), 16, dv), "bf16",
+                            "dO stage: dP^T B (K-major), dV B (MN-major view)")  # fmt: skip
+        forms["smem_v"] = (rows(tn, atom_cols(t.v_slice_cols, 16), 16, dv), "bf16", "V: dP^T A (K-major)")
+    return forms
+
+
+def head_dims_unsupported(head_dim: int, head_dim_v: int) -> Optional[str]:
+    """Why the tiles cannot take Dqk = ``head_dim`` with Dv = ``head_dim_v`` (None: they can).
+    Both must be one of HEAD_DIMS; the larger one picks the decomposition. Base tiles (both
+    up to 128): a thread holds Dqk / 2 + Dv / 2 fp32 of dK and dV, at most d128's 128. Wide
+    tiles: (Dqk + Dv) / 4, at most d256's 128; their dQ quarters (Dqk / 4 columns) need a
+    swizzle atom, which Dqk 96 (24 columns) has not (module docstring)."""
+    if head_dim not in HEAD_DIMS or head_dim_v not in HEAD_DIMS:
+        return f"the sm90 attention backward supports head dims {HEAD_DIMS}, got {head_dim} / {head_dim_v}"
+    if max(head_dim, head_dim_v) > WIDE_FROM and head_dim == 96:
+        return (f"Dqk 96 with Dv {head_dim_v}: the 64 x 64-tile kernel splits dQ into 24-column quarters, "
+                "which no swizzle atom divides")  # fmt: skip
+    return None
+
+
+# every (Dqk, Dv) with Dqk != Dv the tiles take (the module's second table)
+HEAD_DIM_PAIRS = tuple((a, b) for a in HEAD_DIMS for b in HEAD_DIMS if a != b and head_dims_unsupported(a, b) is None)
 
 
 @functools.lru_cache(maxsize=None)  # also read on the call path (deterministic mode's semaphore shape)
-def attention_sm90_tiles(head_dim: int, causal: bool = False, **overrides) -> AttentionSm90Tiles:
-    """The tiles for ``head_dim`` (see the module table); ``overrides`` for sweeps.
-    Head dims above 128 get ``AttentionSm90WideTiles``."""
-    if head_dim not in HEAD_DIMS:
-        raise NotImplementedError(f"the sm90 attention backward supports head dims {HEAD_DIMS}, got {head_dim}")
-    if head_dim > WIDE_FROM:
-        # one Q / dO stage for d256: two would need 64 KiB more (module docstring)
-        fields = dict(head_dim=head_dim, tile_m=64, tile_n=64, stages=2 if head_dim <= 192 else 1, overlap="none")
+def attention_sm90_tiles(head_dim: int, causal: bool = False, *, head_dim_v: Optional[int] = None,
+                         **overrides) -> AttentionSm90Tiles:  # fmt: skip
+    """The tiles for Dqk = ``head_dim`` and Dv = ``head_dim_v`` (default: Dqk; see the
+    module table); ``overrides`` for sweeps. Head dims above 128 (either) get
+    ``AttentionSm90WideTiles``."""
+    dv = head_dim if head_dim_v is None else head_dim_v
+    reason = head_dims_unsupported(head_dim, dv)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    if max(head_dim, dv) > WIDE_FROM:
+        # two Q / dO stages where they fit, else one (d256: two would need 64 KiB more; module docstring)
+        fields = dict(head_dim=head_dim, head_dim_v=dv, tile_m=64, tile_n=64, stages=2, overlap="none")
+        if AttentionSm90WideTiles(**fields).smem_bytes(dropout=True) > SMEM_LIMIT:  # with dropout's flags
+            fields["stages"] = 1
         fields.update(overrides)
         t = AttentionSm90WideTiles(**fields)
         if t.tile_m != 64 or t.tile_n != 64:
@@ -506,8 +609,8 @@ def attention_sm90_tiles(head_dim: int, causal: bool = False, **overrides) -> At
             # one barrier per block keeps a warpgroup's P / dS writes off the buffers the other still reads
             raise ValueError(f"head dims above {WIDE_FROM} need ds_stages 2, got {t.ds_stages}")
     else:
-        tile_m = 128 if head_dim <= 64 else 64
-        fields = dict(head_dim=head_dim, tile_m=tile_m, tile_n=128)
+        tile_m = 128 if max(head_dim, dv) <= 64 else 64
+        fields = dict(head_dim=head_dim, head_dim_v=dv, tile_m=tile_m, tile_n=128)
         if tile_m == 64:
             # (d96, d128) warpgroups split dQ's columns: each hands its half over alone, and announces
             # its dS half before waiting for the other's (H100, 2x16x4096x128: 1.412 vs 1.451 ms); S^T

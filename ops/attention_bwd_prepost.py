@@ -316,7 +316,9 @@ def _plan_preprocess(out, grad_out, delta, dq_accum, cu_seqlens_q, max_seqlen_q)
     return fn, num_m_blocks
 
 
-def _preprocess_impl(out, grad_out, scale, cu_seqlens_q, max_seqlen_q, zero_dq_accum):
+def _preprocess_impl(out, grad_out, scale, cu_seqlens_q, max_seqlen_q, zero_dq_accum, dq_head_dim=None):
+    """``dq_head_dim``: the query's head dim where it differs from out's (Dqk != Dv); the
+    accumulator then has its width and is zeroed apart (the fused clear walks out's width)."""
     b = _batch(out, cu_seqlens_q)
     h, d = out.shape[-2], out.shape[-1]
     s_r = seqlen_rounded(_max_seqlen(out, cu_seqlens_q, max_seqlen_q))
@@ -324,10 +326,12 @@ def _preprocess_impl(out, grad_out, scale, cu_seqlens_q, max_seqlen_q, zero_dq_a
     dq_accum = None
     if zero_dq_accum:
         varlen = cu_seqlens_q is not None
-        dq_accum = torch.empty(
-            dq_accum_shape(b, out.shape[0] if varlen else out.shape[1], h, d, varlen=varlen),
-            dtype=torch.float32, device=out.device,
-        )  # fmt: skip
+        dq_d = d if dq_head_dim is None else dq_head_dim
+        shape = dq_accum_shape(b, out.shape[0] if varlen else out.shape[1], h, dq_d, varlen=varlen)
+        if head_dim_rounded(dq_d) != head_dim_rounded(d):
+            launch_preprocess(out, grad_out, delta, None, scale, cu_seqlens_q, max_seqlen_q)
+            return delta, torch.zeros(shape, dtype=torch.float32, device=out.device)
+        dq_accum = torch.empty(shape, dtype=torch.float32, device=out.device)
     launch_preprocess(out, grad_out, delta, dq_accum, scale, cu_seqlens_q, max_seqlen_q)
     if dq_accum is None:
         dq_accum = delta.new_empty((0,))

@@ -28,18 +28,22 @@ from . import _compile as cc
 DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _build(dtype, head_dim: int, mask_type: int, has_window: bool, arch: str, deterministic: bool = False,
-           varlen: bool = False, has_bias: bool = False, grad_bias: bool = False, dropout: bool = False):  # fmt: skip
-    # the bias gradient leaves by TMA from a keys-contiguous dS tile
-    tiles = tiling.attention_sm90_tiles(head_dim, ds_keys_contiguous=grad_bias)
-    # d192 / d256: the 64 x 64 decomposition (P^T / dS^T through shared memory)
+def _build(dtype, head_dim: int, head_dim_v: int, mask_type: int, has_window: bool, arch: str,
+           deterministic: bool = False, varlen: bool = False, has_bias: bool = False, grad_bias: bool = False,
+           dropout: bool = False):  # fmt: skip
+    """One configuration; ``head_dim`` is Dqk (Q, K), ``head_dim_v`` Dv (V, dO). The bias
+    gradient leaves by TMA from a keys-contiguous dS tile (``ds_keys_contiguous``)."""
+    tiles = tiling.attention_sm90_tiles(head_dim, head_dim_v=head_dim_v, ds_keys_contiguous=grad_bias)
+    # a head dim above 128: the 64 x 64 decomposition (P^T / dS^T through shared memory)
     cls = AttentionBackwardSm90Wide if isinstance(tiles, tiling.AttentionSm90WideTiles) else AttentionBackwardSm90
     kernel = cls(dtype, tiles, mask_type, has_window, deterministic, varlen, has_bias, grad_bias, dropout)
     b, h, hk, mq, mk = (cute.sym_int() for _ in range(5))
     # TMA: last stride 1, the other strides and the addresses multiples of TMA_ALIGN_BYTES
     vec, vec32 = tiling.tma_align_elems(dtype.width), tiling.tma_align_elems(32)
-    q, do = (cc.fake_tensor(dtype, (b, mq, h, head_dim), vec) for _ in range(2))
-    k, v, dk, dv = (cc.fake_tensor(dtype, (b, mk, hk, head_dim), vec) for _ in range(4))
+    q = cc.fake_tensor(dtype, (b, mq, h, head_dim), vec)
+    do = cc.fake_tensor(dtype, (b, mq, h, head_dim_v), vec)
+    k, dk = (cc.fake_tensor(dtype, (b, mk, hk, head_dim), vec) for _ in range(2))
+    v, dv = (cc.fake_tensor(dtype, (b, mk, hk, head_dim_v), vec) for _ in range(2))
     # per-sequence tensors: with varlen the sequences are not the packed tensors' batch (1)
     seqs = cute.sym_int() if varlen else b
     lse, delta = (cc.fake_tensor(cutlass.Float32, (seqs, h, cute.sym_int()), vec32) for _ in range(2))
@@ -76,7 +80,7 @@ def compile_for_benchmark_cases(cases, arch: str) -> int:
         feature = feature[0] if feature else None
         bias, grad_bias, dropout = feature in ("bias", "bias_grad"), feature == "bias_grad", feature == "dropout"
         # the key of attention_backward_sm90's call: causal is top-left, no window / determinism / varlen
-        keys.add((cc.cute_dtype(getattr(torch, dtype_name)), d, 1 if causal else 0, False, arch, False, False,
+        keys.add((cc.cute_dtype(getattr(torch, dtype_name)), d, d, 1 if causal else 0, False, arch, False, False,
                   bias, grad_bias, dropout))  # fmt: skip
     for key in sorted(keys, key=str):
         compiled(*key)
@@ -94,9 +98,10 @@ def unsupported(query, key, value, grad_out, out, *, mask_type=0, window_size=No
         return f"needs sm_90a, the device is {arch or f'{query.device} (no CUDA arch known)'}"
     if query.dtype not in DTYPES:
         return f"dtype {query.dtype} (fp16 / bf16 only)"
-    d = query.shape[-1]
-    if d not in tiling.HEAD_DIMS or value.shape[-1] != d:
-        return f"head dims {d} / {value.shape[-1]} (supported: equal, one of {tiling.HEAD_DIMS})"
+    d, dv = query.shape[-1], value.shape[-1]
+    why = tiling.head_dims_unsupported(d, dv)
+    if why is not None:
+        return f"head dims {d} / {dv} ({why})"
     if key.shape[2] == 0 or query.shape[2] % key.shape[2]:
         return f"query heads {query.shape[2]} not a multiple of key heads {key.shape[2]}"
     if mask_type not in (0, 1, 2):
@@ -127,8 +132,9 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
                             max_seqlen_q=None, max_seqlen_k=None, bias=None, bias_requires_grad: bool = False,
                             dropout_p: float = 0.0, philox_seed=None, philox_offset=None):  # fmt: skip
     """(dq, dk, dv, grad_bias) of dropout(softmax(scale Q K^T [+ bias] [+ causal mask [+ window]])) V;
-    tensors [B, S, H, D]
-    (key / value / dk / dv [B, S, Hk, D] with grouped-query heads: H a multiple of Hk).
+    tensors [B, S, H, D] (key / value / dk / dv [B, S, Hk, D] with grouped-query heads: H a
+    multiple of Hk; value, out, grad_out and dv have the head dim Dv, which may differ from
+    query's and key's).
     ``window_size`` > 0 (with a causal mask): key k sees query q when
     q + offset - window_size < k <= q + offset, as the memory-efficient kernel.
 
@@ -150,7 +156,7 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
 
     varlen = cu_seqlens_q is not None
     b, sq, h, d = query.shape
-    sk = key.shape[1]
+    sk, d_v = key.shape[1], value.shape[-1]
     seqs = cu_seqlens_q.numel() - 1 if varlen else b
     rows_q = int(max_seqlen_q) if varlen else sq
     rows_k = int(max_seqlen_k) if varlen else sk
@@ -174,13 +180,14 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
         return torch.zeros_like(query), dk.zero_(), dv.zero_(), grad_bias
     # the pre / postprocess take packed sequences as [total, H, D]
     pack = (lambda x: x[0]) if varlen else (lambda x: x)
-    delta, dq_accum = _preprocess_impl(pack(out), pack(grad_out), 1.0, cu_seqlens_q, max_seqlen_q, True)
+    # Δ from out / dO (Dv wide), the zeroed dQ accumulator as query (Dqk wide)
+    delta, dq_accum = _preprocess_impl(pack(out), pack(grad_out), 1.0, cu_seqlens_q, max_seqlen_q, True, dq_head_dim=d)
     window = int(window_size or 0)
     arch = cc.device_arch(query.device.index)
     dropout = float(dropout_p) > 0.0
-    fn = compiled(cc.cute_dtype(query.dtype), d, int(mask_type), window > 0, arch, bool(deterministic), varlen,
+    fn = compiled(cc.cute_dtype(query.dtype), d, d_v, int(mask_type), window > 0, arch, bool(deterministic), varlen,
                   bias is not None, grad_bias is not None, dropout)  # fmt: skip
-    tiles = tiling.attention_sm90_tiles(d)
+    tiles = tiling.attention_sm90_tiles(d, head_dim_v=d_v)
     semaphore = None
     if deterministic:
         semaphore = torch.zeros((seqs, h, -(-rows_q // tiles.tile_m)), dtype=torch.int32, device=query.device)

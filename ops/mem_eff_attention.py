@@ -26,7 +26,8 @@ Bit-identical to torch for Mq * Mk and H * Mq * Mk below 2^31 (torch's kernels i
 the stream with 32-bit products; ours are 64-bit).
 
 Backends (``backend=``): "mem_eff" is the kernel above; "sm90" the Hopper-native one
-(``ops.attention_sm90``: sm_90a, fp16 / bf16, head dims 64 / 96 / 128 / 192 / 256 for Q, K and V alike,
+(``ops.attention_sm90``: sm_90a, fp16 / bf16, head dims 64 / 96 / 128 / 192 / 256, V's may differ from Q's / K's
+(layouts.attention_sm90.HEAD_DIM_PAIRS),
 masks 0 / 1 / 2 with or without a window, grouped-query heads, deterministic mode,
 variable lengths, TMA-aligned inputs; no bias, dropout, key splits or shared dQ / dK / dV
 storage);

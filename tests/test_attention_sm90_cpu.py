@@ -5,6 +5,7 @@ or fake tensors), and the ``backend=`` dispatch of ``efficient_attention_backwar
 ``memory_efficient_attention`` picks the kernel the rules say, stopping before any launch
 (both backends' implementations are replaced by recorders)."""
 
+import dataclasses
 import logging
 import math
 import re
@@ -35,13 +36,13 @@ WINDOW_CONFIGS = [(dt, d, mask) for dt in (cutlass.BFloat16, cutlass.Float16) fo
 @pytest.mark.compile
 @pytest.mark.parametrize("dtype,head_dim,mask_type", CONFIGS, ids=[f"{dt.__name__}-d{d}-mask{m}" for dt, d, m in CONFIGS])
 def test_compiles(dtype, head_dim, mask_type):
-    assert callable(S._build(dtype, head_dim, mask_type, False, "sm_90a"))
+    assert callable(S._build(dtype, head_dim, head_dim, mask_type, False, "sm_90a"))
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("dtype,head_dim,mask_type", WINDOW_CONFIGS, ids=[f"{dt.__name__}-d{d}-mask{m}" for dt, d, m in WINDOW_CONFIGS])
 def test_compiles_with_window(dtype, head_dim, mask_type):
-    assert callable(S._build(dtype, head_dim, mask_type, True, "sm_90a"))
+    assert callable(S._build(dtype, head_dim, head_dim, mask_type, True, "sm_90a"))
 
 
 DETERMINISTIC_CONFIGS = [(64, 0, False), (96, 0, False), (128, 1, False), (64, 2, True), (128, 1, True),
@@ -52,7 +53,7 @@ DETERMINISTIC_CONFIGS = [(64, 0, False), (96, 0, False), (128, 1, False), (64, 2
 @pytest.mark.parametrize("head_dim,mask_type,window", DETERMINISTIC_CONFIGS)
 def test_compiles_deterministic(head_dim, mask_type, window):
     """dQ added in key-block order: the store warp's semaphore wait / release."""
-    assert callable(S._build(cutlass.BFloat16, head_dim, mask_type, window, "sm_90a", True))
+    assert callable(S._build(cutlass.BFloat16, head_dim, head_dim, mask_type, window, "sm_90a", True))
 
 
 VARLEN_CONFIGS = [(64, 0, False, False), (96, 2, False, False), (128, 1, False, False), (64, 1, True, False),
@@ -64,7 +65,64 @@ VARLEN_CONFIGS = [(64, 0, False, False), (96, 2, False, False), (128, 1, False, 
 @pytest.mark.parametrize("head_dim,mask_type,window,deterministic", VARLEN_CONFIGS)
 def test_compiles_varlen(head_dim, mask_type, window, deterministic):
     """Packed sequences (cu_seqlens): per-sequence row offsets of every TMA view and store."""
-    assert callable(S._build(cutlass.BFloat16, head_dim, mask_type, window, "sm_90a", deterministic, True))
+    assert callable(S._build(cutlass.BFloat16, head_dim, head_dim, mask_type, window, "sm_90a", deterministic, True))
+
+
+# ------------------------------------------------------------- Dqk != Dv
+
+
+PAIRS = tiling.HEAD_DIM_PAIRS  # every supported (Dqk, Dv) with Dqk != Dv
+# each pair: bf16 without a mask and causal, fp16 bottom-right
+PAIR_CONFIGS = [(dt, dqk, dv, mask) for dqk, dv in PAIRS
+                for dt, mask in ((cutlass.BFloat16, 0), (cutlass.BFloat16, 1), (cutlass.Float16, 2))]  # fmt: skip
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype,head_dim,head_dim_v,mask_type", PAIR_CONFIGS,
+                         ids=[f"{dt.__name__}-d{a}-dv{b}-mask{m}" for dt, a, b, m in PAIR_CONFIGS])  # fmt: skip
+def test_compiles_unequal_head_dims(dtype, head_dim, head_dim_v, mask_type):
+    assert callable(S._build(dtype, head_dim, head_dim_v, mask_type, False, "sm_90a"))
+
+
+# (Dqk, Dv, mask, window, deterministic, varlen): the other features on a base and a wide pair
+PAIR_FEATURE_CONFIGS = [(dqk, dv, mask, window, det, varlen) for dqk, dv in ((128, 64), (192, 128))
+                        for mask, window, det, varlen in ((1, True, False, False), (2, True, False, False),
+                                                          (1, False, True, False), (0, False, False, True),
+                                                          (2, True, True, True))]  # fmt: skip
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("head_dim,head_dim_v,mask_type,window,deterministic,varlen", PAIR_FEATURE_CONFIGS)
+def test_compiles_unequal_head_dims_with_features(head_dim, head_dim_v, mask_type, window, deterministic, varlen):
+    """Sliding window, deterministic dQ order and packed sequences with Dqk != Dv."""
+    assert callable(S._build(cutlass.BFloat16, head_dim, head_dim_v, mask_type, window, "sm_90a", deterministic, varlen))
+
+
+def test_pairs_are_every_accepted_combination():
+    """HEAD_DIM_PAIRS lists what head_dims_unsupported() accepts; Dqk 96 with a wide Dv is the
+    one combination the tiles cannot take (its dQ quarters have no swizzle atom)."""
+    dims = tiling.HEAD_DIMS
+    accepted = {(a, b) for a in dims for b in dims if a != b and tiling.head_dims_unsupported(a, b) is None}
+    assert set(PAIRS) == accepted and len(PAIRS) == len(set(PAIRS))
+    assert {(128, 64), (64, 128), (192, 128)} <= accepted
+    assert accepted.isdisjoint({(96, 192), (96, 256)})
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v", PAIRS)
+def test_build_picks_the_kernel_class_for_pairs(monkeypatch, head_dim, head_dim_v):
+    """The wider of the two head dims picks the decomposition; the tiles carry both."""
+    from cute_kernels.attention_sm90.attention_backward_sm90_wide import AttentionBackwardSm90Wide
+
+    built = []
+    monkeypatch.setattr(cc, "compile_kernel", lambda kernel, *a, arch: built.append((kernel, a)))
+    S._build(cutlass.BFloat16, head_dim, head_dim_v, 1, False, "sm_90a")
+    ((kernel, args),) = built
+    wide = max(head_dim, head_dim_v) > tiling.WIDE_FROM
+    assert isinstance(kernel, AttentionBackwardSm90Wide) == wide
+    assert (kernel.tiles.head_dim, kernel.tiles.head_dim_v) == (head_dim, head_dim_v)
+    # q, k, v, do, lse, delta, dq_accum, dk, dv: Q / K / dQ / dK Dqk wide, V / dO / dV Dv wide
+    widths = [a.shape[-1] for a in args[:9]]
+    assert widths[:4] == [head_dim, head_dim, head_dim_v, head_dim_v] and widths[6:] == [head_dim, head_dim, head_dim_v]
 
 
 # (head dim, mask, window, deterministic, varlen, bias, bias gradient, dropout)
@@ -91,7 +149,13 @@ def _feature_id(c):
 def test_compiles_with_bias_and_dropout(config):
     """Bias (any strides), its gradient and dropout's keep flags, alone and with the other features."""
     d, mask, window, det, varlen, bias, grad_bias, dropout = config
-    assert callable(S._build(cutlass.Float16, d, mask, window, "sm_90a", det, varlen, bias, grad_bias, dropout))
+    assert callable(S._build(cutlass.Float16, d, d, mask, window, "sm_90a", det, varlen, bias, grad_bias, dropout))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("head_dim,head_dim_v", [(128, 64), (64, 128), (192, 128), (256, 96)])
+def test_compiles_unequal_head_dims_with_bias_and_dropout(head_dim, head_dim_v):
+    assert callable(S._build(cutlass.BFloat16, head_dim, head_dim_v, 1, False, "sm_90a", False, False, True, True, True))
 
 
 def test_feature_flags_are_checked():
@@ -121,8 +185,8 @@ def test_d96_compiles_without_dq_per_wg(monkeypatch):
     """The dQ staging atom follows the warpgroups' 48-column slices, not the reduce-add box:
     one joint handoff of the whole tile compiles too (32-column atoms could not be partitioned)."""
     tiles = tiling.attention_sm90_tiles
-    monkeypatch.setattr(tiling, "attention_sm90_tiles", lambda d: tiles(d, dq_per_wg=False))
-    assert callable(S._build(cutlass.BFloat16, 96, 1, False, "sm_90a"))
+    monkeypatch.setattr(tiling, "attention_sm90_tiles", lambda d, **kw: tiles(d, dq_per_wg=False, **kw))
+    assert callable(S._build(cutlass.BFloat16, 96, 96, 1, False, "sm_90a"))
 
 
 @pytest.mark.parametrize("mask_type,deterministic,lpt", [(0, False, False), (1, False, True), (2, False, True), (1, True, False)])
@@ -148,9 +212,9 @@ def test_d64_compiles_with_dq_per_wg(monkeypatch):
     """d64's warpgroups split dQ's rows: each can hand its own 64 rows to the store warp
     (the staging atoms then tile columns first, so those rows are one TMA box)."""
     tiles = tiling.attention_sm90_tiles
-    monkeypatch.setattr(tiling, "attention_sm90_tiles", lambda d: tiles(d, dq_per_wg=True, pds_split=True))
+    monkeypatch.setattr(tiling, "attention_sm90_tiles", lambda d, **kw: tiles(d, dq_per_wg=True, pds_split=True, **kw))
     assert tiling.attention_sm90_tiles(64).dq_order == (1, 0)
-    assert callable(S._build(cutlass.BFloat16, 64, 1, False, "sm_90a"))
+    assert callable(S._build(cutlass.BFloat16, 64, 64, 1, False, "sm_90a"))
 
 
 def test_window_needs_a_causal_mask():
@@ -170,7 +234,7 @@ def test_build_picks_the_kernel_class(monkeypatch, head_dim):
 
     built = []
     monkeypatch.setattr(cc, "compile_kernel", lambda kernel, *a, arch: built.append(kernel))
-    S._build(cutlass.BFloat16, head_dim, 1, False, "sm_90a")
+    S._build(cutlass.BFloat16, head_dim, head_dim, 1, False, "sm_90a")
     (kernel,) = built
     wide = head_dim > tiling.WIDE_FROM
     assert isinstance(kernel, AttentionBackwardSm90Wide) == wide
@@ -243,6 +307,65 @@ def test_swizzle_atoms(head_dim):
     assert t.k_slice_cols == head_dim // t.dq_atoms[1] // (2 if head_dim > tiling.WIDE_FROM else 1)
 
 
+def _pair_table():
+    """{(Dqk, Dv): row} from the Dqk != Dv table of layouts/attention_sm90.py."""
+    rows = {}
+    for line in tiling.__doc__.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.lstrip().startswith("|") and re.fullmatch(r"\d+ / \d+", cells[0]):
+            dqk, dv = (int(x) for x in cells[0].split(" / "))
+            kernel, tile_m, tile_n, stages, regs, smem = cells[1:]
+            rows[dqk, dv] = dict(wide=kernel == "wide", tile_m=int(tile_m), tile_n=int(tile_n), stages=int(stages),
+                                 regs=int(regs), smem_kib=int(smem.split()[0]))  # fmt: skip
+    return rows
+
+
+def test_pair_table_covers_the_pairs():
+    assert sorted(_pair_table()) == sorted(PAIRS)
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v", PAIRS)
+def test_pair_tiles_match_the_table(head_dim, head_dim_v):
+    """The wider head dim picks the tiles; Q / K / dQ are Dqk wide, dO / V Dv wide, and a
+    thread's dK + dV accumulators stay within the equal head dims' largest (128 fp32)."""
+    row = _pair_table()[head_dim, head_dim_v]
+    t = tiling.attention_sm90_tiles(head_dim, head_dim_v=head_dim_v)
+    assert (t.head_dim, t.head_dim_v) == (head_dim, head_dim_v)
+    wide = max(head_dim, head_dim_v) > tiling.WIDE_FROM
+    assert isinstance(t, tiling.AttentionSm90WideTiles) == wide == row["wide"]
+    assert (t.tile_m, t.tile_n, t.stages) == (row["tile_m"], row["tile_n"], row["stages"])
+    assert t.smem_bytes() <= tiling.SMEM_LIMIT and -(-t.smem_bytes() // 1024) == row["smem_kib"]
+    # base: 64 keys x (Dqk + Dv) per warpgroup; wide: 64 keys x (Dqk + Dv) / 2: tile_n (Dqk + Dv) / 256 either way
+    assert t.tile_n * (head_dim + head_dim_v) // t.num_mma_threads == row["regs"] <= 128
+    # one stage fewer only where two do not fit (d256's rule)
+    assert t.stages == 2 or dataclasses.replace(t, stages=2).smem_bytes() > tiling.SMEM_LIMIT
+    # the smem sum, member by member: Q / dO stages, K / V, dS (and P), fp32 dQ staging
+    elems = (t.stages * t.tile_m + t.tile_n) * (head_dim + head_dim_v) + t.ds_buffers * t.tile_m * t.tile_n
+    assert t.smem_bytes() >= 2 * elems + 4 * t.tile_m * head_dim
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v", PAIRS)
+def test_swizzle_atoms_of_pairs(head_dim, head_dim_v):
+    """dO's MN-major slices (dV's N) follow Dv, Q's and K's Dqk; V (read K-major only) takes
+    the widest atom for its Dv columns. Every slice is whole atoms."""
+    t = tiling.attention_sm90_tiles(head_dim, head_dim_v=head_dim_v)
+    halves = 2 if isinstance(t, tiling.AttentionSm90WideTiles) else 1
+    assert (t.q_slice_cols, t.do_slice_cols, t.v_slice_cols) == (head_dim // halves, head_dim_v // halves, head_dim_v)
+    for cols, bits in ((t.q_slice_cols, 16), (t.do_slice_cols, 16), (t.k_slice_cols, 16), (t.v_slice_cols, 16),
+                       (t.dq_slice_cols, 32)):  # fmt: skip
+        assert cols % tiling.atom_cols(cols, bits) == 0
+    assert tiling.atom_cols(t.v_slice_cols, 16) == max(c for c in (64, 32, 16) if head_dim_v % c == 0)
+
+
+def test_equal_head_dims_keep_their_layouts():
+    """head_dim_v defaults to head_dim, and then V shares K's layout (its atoms follow K's
+    dQ slices), as before Dqk != Dv."""
+    for d in tiling.HEAD_DIMS:
+        t = tiling.attention_sm90_tiles(d)
+        assert t.head_dim_v == d and t == tiling.attention_sm90_tiles(d, head_dim_v=d)
+        assert t.v_slice_cols == t.k_slice_cols and t.do_slice_cols == t.q_slice_cols
+
+
 def test_tile_overrides_are_checked():
     with pytest.raises(ValueError, match="tile_m must be 64 or 128"):
         tiling.attention_sm90_tiles(64, tile_m=32)
@@ -285,8 +408,10 @@ UNSUPPORTED = [
     ("fp32", lambda: _problem(dtype=F32), {}, "dtype torch.float32"),
     ("head-dim-80", lambda: _problem(d=80), {}, "head dims 80 / 80"),
     ("head-dim-320", lambda: _problem(d=320), {}, "head dims 320 / 320"),
-    ("dqk-ne-dv-wide", lambda: _problem(d=256, dv=192), {}, "head dims 256 / 192"),
-    ("dqk-ne-dv", lambda: _problem(d=128, dv=64), {}, "head dims 128 / 64"),
+    ("dqk-96-dv-192", lambda: _problem(d=96, dv=192), {}, "head dims 96 / 192 (Dqk 96 with Dv 192"),
+    ("dqk-96-dv-256", lambda: _problem(d=96, dv=256), {}, "24-column quarters"),
+    ("dv-80", lambda: _problem(d=128, dv=80), {}, "head dims 128 / 80"),
+    ("dv-320", lambda: _problem(d=192, dv=320), {}, "head dims 192 / 320"),
     ("heads-not-grouped", lambda: _problem(h=4, hk=3), {}, "query heads 4 not a multiple of key heads 3"),
     ("mask-3", _problem, dict(mask_type=3), "mask type 3"),
     ("misaligned", _misaligned_query, {}, "query is not TMA-aligned"),
@@ -312,6 +437,14 @@ def test_supported_problems(dtype, d, mask_type):
         assert S.unsupported(q, k, v, do, o, mask_type=mask_type, window_size=16, arch="sm_90a") is None
     for hk in (1, 3):  # multi-query, grouped-query (H 6)
         assert S.unsupported(*_problem(h=6, hk=hk, d=d, dtype=dtype), mask_type=mask_type, arch="sm_90a") is None
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v", PAIRS)
+def test_supported_problems_with_unequal_head_dims(head_dim, head_dim_v):
+    for mask_type in (0, 1, 2):
+        assert S.unsupported(*_problem(d=head_dim, dv=head_dim_v), mask_type=mask_type, arch="sm_90a") is None
+    assert S.unsupported(*_problem(d=head_dim, dv=head_dim_v, dtype=F16), mask_type=1, window_size=16, arch="sm_90a") is None
+    assert S.unsupported(*_problem(h=6, hk=2, d=head_dim, dv=head_dim_v), mask_type=2, arch="sm_90a") is None
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_100a"])
@@ -340,6 +473,57 @@ def test_no_arch_without_a_real_cuda_tensor(monkeypatch):
         assert S.unsupported(*fake, mask_type=2, arch="sm_90a") is None
         assert "not a multiple" in S.unsupported(*_problem(h=4, hk=3, device="cuda"), arch="sm_90a")
     assert S.unsupported(*meta, arch="sm_90a") is None
+
+
+# ------------------------------------------------------------ host: dQ / dK / dV sizes
+
+
+@pytest.mark.parametrize("dq_head_dim,fused", [(None, True), (64, True), (128, False), (192, False)])
+def test_preprocess_sizes_dq_accum_by_the_query_head_dim(monkeypatch, dq_head_dim, fused):
+    """out / dO are Dv wide, the dQ accumulator Dqk wide: the fused clear walks out's width,
+    so with another width the accumulator is zeroed apart and the launch computes Δ only."""
+    from ops import attention_bwd_prepost as P
+
+    launches = []
+    monkeypatch.setattr(P, "launch_preprocess", lambda out, do, delta, acc, *a: launches.append(acc))
+    out = torch.zeros(2, 100, 3, 64, dtype=BF16)
+    delta, acc = P._preprocess_impl(out, out, 1.0, None, None, True, dq_head_dim=dq_head_dim)
+    assert acc.shape == (2, 128, 3, dq_head_dim or 64) and acc.dtype == F32 and delta.shape == (2, 3, 128)
+    (launched,) = launches
+    assert (launched is acc) if fused else (launched is None and (acc == 0).all())
+    # packed sequences: the slack rows of each sequence too
+    launches.clear()
+    cu = torch.tensor([0, 30, 100], dtype=torch.int32)
+    _, acc = P._preprocess_impl(out[0], out[0], 1.0, cu, 70, True, dq_head_dim=dq_head_dim)
+    assert acc.shape == P.dq_accum_shape(2, 100, 3, dq_head_dim or 64, varlen=True)
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v", [(64, 64), (128, 64), (64, 96), (192, 128), (256, 192)])
+def test_host_sizes_gradients_by_their_head_dims(monkeypatch, head_dim, head_dim_v):
+    """attention_backward_sm90 on CPU tensors with the launches recorded: the kernel is
+    compiled for (Dqk, Dv), the dQ accumulator it gets is Dqk wide, dK Dqk and dV Dv wide,
+    and convert_dq turns the accumulator into a Dqk-wide dQ."""
+    from ops import attention_bwd_prepost as P
+
+    keys, launches = [], []
+    monkeypatch.setattr(cc, "device_arch", lambda index: "sm_90a")
+    monkeypatch.setattr(P, "launch_preprocess", lambda *a: None)
+    monkeypatch.setattr(S, "compiled", lambda *key: keys.append(key) or (lambda *a: launches.append(a)))
+    converted = []
+
+    def convert(acc, scale, d, sq, *rest):
+        converted.append((acc.shape, d))
+        return torch.zeros(acc.shape[0], sq, acc.shape[2], d, dtype=BF16)
+
+    monkeypatch.setattr(P, "_convert_dq_impl", convert)
+    q, k, v, do, o = _problem(h=4, hk=2, d=head_dim, dv=head_dim_v)
+    dq, dk, dv, db = S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 1)
+    assert keys == [(cutlass.BFloat16, head_dim, head_dim_v, 1, False, "sm_90a", False, False, False, False, False)]
+    assert db is None
+    ((q_, k_, v_, do_, _, delta, acc, dk_, dv_, *_),) = launches
+    assert acc.shape == (2, 128, 4, head_dim) and delta.shape == (2, 4, 128)
+    assert dk_ is dk and dv_ is dv and dk.shape == (2, 130, 2, head_dim) and dv.shape == (2, 130, 2, head_dim_v)
+    assert converted == [((2, 128, 4, head_dim), head_dim)] and dq.shape == q.shape
 
 
 # ------------------------------------------------------------------------ dispatch
@@ -395,7 +579,7 @@ FALLS_BACK = [
     ("shared-storage", dict(sq=100, sk=100, shared_storage_dqdkdv=True), "shared_storage_dqdkdv"),
     ("fp32", dict(dtype=F32), "dtype torch.float32"),
     ("head-dim-80", dict(d=80), "head dims 80"),
-    ("dqk-ne-dv", dict(d=128, dv=64), "head dims 128 / 64"),
+    ("dqk-96-dv-256", dict(d=96, dv=256), "head dims 96 / 256"),
 ]
 
 
@@ -511,6 +695,14 @@ def test_auto_takes_sm90_where_it_applies(backends, caplog, dtype, d, mask_type,
     assert msg.startswith("attention backward: sm90 (backend='auto', supported") and f"mask {mask_type}" in msg
 
 
+@pytest.mark.parametrize("head_dim,head_dim_v", [(128, 64), (64, 128), (192, 128), (256, 64)])
+def test_auto_takes_sm90_with_unequal_head_dims(backends, head_dim, head_dim_v):
+    dq, dk, dv, db = _eab(h=4, hk=2, d=head_dim, dv=head_dim_v, mask_type=1)
+    ((name, _, _),) = backends
+    assert name == "sm90" and db is None
+    assert dq.shape == (2, 100, 4, head_dim) and dk.shape == (2, 130, 2, head_dim) and dv.shape == (2, 130, 2, head_dim_v)
+
+
 @pytest.mark.parametrize("case", FALLS_BACK, ids=[c[0] for c in FALLS_BACK])
 def test_auto_falls_back_to_mem_eff(backends, caplog, case):
     _, kw, fragment = case
@@ -577,7 +769,7 @@ def test_the_choice_is_made_at_run_time_under_fake_tensors(monkeypatch):
     backend value, without asking a device; the real one decides when it runs."""
     _no_cuda_calls(monkeypatch)
     with FakeTensorMode():
-        q, k, v, do, o = _problem(d=128, dv=64, device="cuda")  # not an sm90 problem: decided later
+        q, k, v, do, o = _problem(d=96, dv=256, device="cuda")  # not an sm90 problem: decided later
         lse = torch.empty(2, 3, 128, device="cuda")
         for backend in ("auto", "sm90", "mem_eff"):
             dq, dk, dv, db = M.efficient_attention_backward(do, q, k, v, None, o, None, None, 100, 130, lse, 0.0, None, None,
@@ -645,10 +837,10 @@ def test_suite_compile_only_covers_ours_sm90(monkeypatch):
     monkeypatch.setattr(S, "compiled", lambda *k: seen["sm90"].append(k))
     assert attention_bwd.compile_only("sm_90a") == len(seen["mem_eff"]) + len(seen["sm90"])
     bf16 = cutlass.BFloat16
-    # (dtype, head dim, mask type, has_window, arch, deterministic, varlen, bias, bias gradient, dropout)
-    plain = {(bf16, d, m, False, "sm_90a", False, False, False, False, False) for d in (64, 128) for m in (0, 1)}
-    features = {(bf16, 128, 0, False, "sm_90a", False, False) + f for f in ((True, False, False), (True, True, False),
-                                                                        (False, False, True))}  # fmt: skip
+    # (dtype, Dqk, Dv, mask type, has_window, arch, deterministic, varlen, bias, bias gradient, dropout)
+    plain = {(bf16, d, d, m, False, "sm_90a", False, False, False, False, False) for d in (64, 128) for m in (0, 1)}
+    features = {(bf16, 128, 128, 0, False, "sm_90a", False, False) + f for f in ((True, False, False), (True, True, False),
+                                                                             (False, False, True))}  # fmt: skip
     assert set(seen["sm90"]) == plain | features
     seen["sm90"].clear()
     attention_bwd.compile_only("sm_80")
@@ -689,31 +881,40 @@ def test_suite_sm90_row_runs_features(monkeypatch, feature):
 # ------------------------------------------------------------------ catalogue
 
 
+CATALOGUE_DIMS = [(d, d) for d in tiling.HEAD_DIMS] + [(128, 64), (64, 96), (192, 128), (256, 96)]
+
+
 @pytest.mark.compile
-@pytest.mark.parametrize("d", tiling.HEAD_DIMS)
-def test_catalogue_forms_match_the_kernel_layouts(d):
+@pytest.mark.parametrize("d,dv", CATALOGUE_DIMS)
+def test_catalogue_forms_match_the_kernel_layouts(d, dv):
     """The catalogue's algebra forms of the shared-memory tiles give the offsets of the DSL
-    layouts the kernel allocates (their swizzles act on byte addresses), atoms included."""
+    layouts the kernel allocates (their swizzles act on byte addresses), atoms included;
+    with Dqk != Dv also dO's and V's."""
     import cutlass.cute as cute
 
     from layouts.algebra import Swizzle, parse_layout
 
-    t = tiling.attention_sm90_tiles(d)
+    t = tiling.attention_sm90_tiles(d, head_dim_v=dv)
     printed = {}
+    bf16 = cutlass.BFloat16
+    layouts = {  # made while tracing
+        "smem_q": lambda: cute.select(t.smem_layout_q(bf16), mode=[0, 1]),
+        "smem_k": lambda: t.smem_layout_k(bf16),
+        "smem_ds": lambda: cute.select(t.smem_layout_ds(bf16), mode=[0, 1]),
+        "smem_dq": lambda: cute.select(t.smem_layout_dq(), mode=[0, 1]),
+    }
+    if dv != d:
+        layouts.update(smem_do=lambda: cute.select(t.smem_layout_do(bf16), mode=[0, 1]), smem_v=lambda: t.smem_layout_v(bf16))
 
     @cute.jit
     def trace():
-        bf16 = cutlass.BFloat16
-        for name, lay in (
-            ("smem_q", cute.select(t.smem_layout_q(bf16), mode=[0, 1])),
-            ("smem_k", t.smem_layout_k(bf16)),
-            ("smem_ds", cute.select(t.smem_layout_ds(bf16), mode=[0, 1])),
-            ("smem_dq", cute.select(t.smem_layout_dq(), mode=[0, 1])),
-        ):
+        for name, make in layouts.items():
+            lay = make()
             printed[name] = (str(lay.inner), str(lay.outer))
 
     cute.compile(trace)
     forms = tiling.smem_layouts_algebra(t)
+    assert sorted(forms) == sorted(printed)
     for name, (layout, dtype, _) in forms.items():
         inner, outer = printed[name]
         bits = layout.swizzle.bits

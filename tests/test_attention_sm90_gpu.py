@@ -19,7 +19,9 @@
 * variable lengths (packed sequences, empty ones included) with every mask, grouped heads
   and deterministic mode, against fp64 and the memory-efficient kernel;
 * deterministic mode: three runs bitwise equal, and against fp64;
-* layouts: contiguous [B, S, H, D], [B, H, S, D] transposed views, packed QKV.
+* layouts: contiguous [B, S, H, D], [B, H, S, D] transposed views, packed QKV;
+* Dqk != Dv (every supported pair, both dtypes, masks, grouped heads) against fp64 and the
+  memory-efficient kernel; with a window, deterministic mode and packed sequences too.
 
 Outputs of the sm90 path are allocated inside it (no poisoning from here): every
 gradient is checked finite instead. Small shapes: each (dtype, head dim, mask) compiles
@@ -32,6 +34,7 @@ import pytest
 import torch
 
 import ops
+from layouts import attention_sm90 as tiling
 from ops import _compile as cc
 from ops.reference import attention_backward_ref, attention_forward_ref
 
@@ -54,16 +57,28 @@ def _needs_sm90():
 # ----------------------------------------------------------------------------- helpers
 
 
+def head_dims(d):
+    """(Dqk, Dv) of a case's head dim: an int (both) or a pair."""
+    return (d, d) if isinstance(d, int) else tuple(d)
+
+
+def dims_id(d):
+    dqk, dv = head_dims(d)
+    return f"{dqk}" if dqk == dv else f"{dqk}v{dv}"
+
+
 def make_inputs(b, h, sq, sk, d, dtype, seed=0, layout="bshd"):
-    """q, k, v, dO [B, S, H, D]: contiguous ("bshd"), transposed [B, H, S, D] tensors
-    ("bhsd", dO too) or q, k, v unbound from one [B, S, 3, H, D] buffer ("packed", Sq == Sk)."""
+    """q, k, v, dO [B, S, H, D] (``d`` an int or (Dqk, Dv): v and dO Dv wide): contiguous
+    ("bshd"), transposed [B, H, S, D] tensors ("bhsd", dO too) or q, k, v unbound from one
+    [B, S, 3, H, D] buffer ("packed", Sq == Sk, Dqk == Dv)."""
+    d, dv = head_dims(d)
     gen = torch.Generator(DEV).manual_seed(seed)
     r = lambda *s: torch.randn(*s, device=DEV, dtype=dtype, generator=gen)  # noqa: E731
     if layout == "bshd":
-        return r(b, sq, h, d), r(b, sk, h, d), r(b, sk, h, d), r(b, sq, h, d)
+        return r(b, sq, h, d), r(b, sk, h, d), r(b, sk, h, dv), r(b, sq, h, dv)
     if layout == "bhsd":
-        return tuple(r(b, h, s, d).transpose(1, 2) for s in (sq, sk, sk, sq))
-    assert layout == "packed" and sq == sk
+        return tuple(r(b, h, s, w).transpose(1, 2) for s, w in ((sq, d), (sk, d), (sk, dv), (sq, dv)))
+    assert layout == "packed" and sq == sk and d == dv
     q, k, v = r(b, sq, 3, h, d).unbind(2)
     return q, k, v, r(b, sq, h, d)
 
@@ -147,7 +162,7 @@ REF_CASES = [(dt,) + c for dt in (BF16, F16) for c in CASES]
 
 
 def _id(c):
-    return f"{str(c[0])[6:]}-B{c[1]}H{c[2]}q{c[3]}k{c[4]}d{c[5]}m{c[6]}"
+    return f"{str(c[0])[6:]}-B{c[1]}H{c[2]}q{c[3]}k{c[4]}d{dims_id(c[5])}m{c[6]}"
 
 
 @pytest.mark.parametrize("case", REF_CASES, ids=[_id(c) for c in REF_CASES])
@@ -188,6 +203,8 @@ WINDOW_CASES = [
     (BF16, 1, 2, 300, 300, 192, 1, 50),  # d192: windows inside a 64-key block and across blocks
     (F16, 1, 2, 257, 300, 256, 2, 70),  # d256, bottom-right
     (BF16, 2, 2, 200, 333, 256, 1, 1),  # d256, a window of one key
+    (F16, 1, 2, 300, 300, (128, 64), 1, 50),  # Dqk != Dv: base tiles
+    (BF16, 1, 2, 257, 300, (192, 128), 2, 70),  # wide tiles, bottom-right
 ]
 
 
@@ -360,7 +377,7 @@ GROUPED_CASES = [
 
 
 def _grouped_id(c):
-    return f"{str(c[0])[6:]}-B{c[1]}H{c[2]}Hk{c[3]}q{c[4]}k{c[5]}d{c[6]}m{c[7]}w{c[8]}"
+    return f"{str(c[0])[6:]}-B{c[1]}H{c[2]}Hk{c[3]}q{c[4]}k{c[5]}d{dims_id(c[6])}m{c[7]}w{c[8]}"
 
 
 @pytest.mark.parametrize("case", GROUPED_CASES, ids=[_grouped_id(c) for c in GROUPED_CASES])
@@ -410,6 +427,8 @@ DETERMINISTIC_CASES = [
     (BF16, 1, 4, 2, 600, 700, 192, 0, 0),  # d192: joint dQ handoff, ascending key blocks
     (F16, 1, 2, 2, 700, 700, 256, 1, 0),  # d256: descending key blocks
     (BF16, 1, 2, 1, 640, 900, 256, 2, 130),
+    (F16, 1, 4, 2, 600, 700, (192, 128), 0, 0),  # Dqk != Dv, wide tiles, ascending key blocks
+    (BF16, 1, 2, 1, 800, 800, (64, 128), 1, 200),  # base tiles, a window
 ]
 
 
@@ -418,8 +437,8 @@ def test_deterministic_is_bitwise_repeatable(case):
     """Three runs give the same bits (dQ's fp32 adds in key-block order), and the gradients
     are the fp64 ones."""
     dtype, b, h, hk, sq, sk, d, mask_type, window = case
-    q, _, _, do = make_inputs(b, h, sq, sk, d, dtype, seed=sq + d)
-    _, k, v, _ = make_inputs(b, hk, sq, sk, d, dtype, seed=sk + d)
+    q, _, _, do = make_inputs(b, h, sq, sk, d, dtype, seed=sq + sum(head_dims(d)))
+    _, k, v, _ = make_inputs(b, hk, sq, sk, d, dtype, seed=sk + sum(head_dims(d)))
     out, lse = _padded_ref_forward(q, k, v, mask_type, window)
     kw = dict(window_size=window) if window else {}
     runs = [backward("sm90", q, k, v, do, out, lse, mask_type, deterministic=True, **kw) for _ in range(3)]
@@ -484,6 +503,9 @@ VARLEN_CASES = [
     (BF16, 2, 2, 192, 1, 0, [1, 130, 65], [0, 130, 64], False),
     (F16, 4, 2, 256, 2, 0, [5, 64, 65, 33], [70, 64, 1, 100], False),
     (BF16, 2, 1, 256, 1, 40, [257, 0, 100], [300, 40, 100], True),
+    # Dqk != Dv: the dQ accumulator (Dqk wide) is zeroed apart from Δ's launch
+    (F16, 4, 2, (128, 64), 2, 0, [5, 64, 65, 33], [70, 64, 1, 100], False),
+    (BF16, 2, 1, (192, 128), 1, 40, [257, 0, 100], [300, 40, 100], True),
 ]
 
 
@@ -492,7 +514,7 @@ def _cu(lengths):
 
 
 def _varlen_id(c):
-    return f"{str(c[0])[6:]}-H{c[1]}Hk{c[2]}d{c[3]}m{c[4]}w{c[5]}-q{'_'.join(map(str, c[6]))}-k{'_'.join(map(str, c[7]))}" + (
+    return f"{str(c[0])[6:]}-H{c[1]}Hk{c[2]}d{dims_id(c[3])}m{c[4]}w{c[5]}-q{'_'.join(map(str, c[6]))}-k{'_'.join(map(str, c[7]))}" + (
         "-det" if c[8] else "")  # fmt: skip
 
 
@@ -522,7 +544,7 @@ def test_varlen(case, caplog):
     repeatable in deterministic mode."""
     dtype, h, hk, d, mask_type, window, lengths_q, lengths_k, deterministic = case
     total_q, total_k = sum(lengths_q), sum(lengths_k)
-    q, _, _, do = make_inputs(1, h, total_q, total_k, d, dtype, seed=total_q + d)
+    q, _, _, do = make_inputs(1, h, total_q, total_k, d, dtype, seed=total_q + sum(head_dims(d)))
     _, k, v, _ = make_inputs(1, hk, total_q, total_k, d, dtype, seed=total_k + h)
     cu_q, cu_k = _cu(lengths_q), _cu(lengths_k)
     max_q, max_k = max(lengths_q), max(lengths_k)
@@ -579,6 +601,10 @@ FEATURE_CASES = [
     (BF16, 2, 90, 150, 2, 128, dict(bias_shape=(2, 1, 90, 150), bias_grad=True, dropout_p=0.2, mask_type=1)),
     (F16, 2, 90, 150, 2, 192, dict(bias_shape=(2, 1, 90, 150), bias_grad=True, dropout_p=0.2)),
     (BF16, 1, 300, 520, 2, 64, dict(bias_shape=(1, 2, 300, 520), bias_grad=True, dropout_p=0.15)),  # several blocks
+    # Dqk != Dv: (Dqk, Dv)
+    (BF16, 2, 100, 140, 3, (192, 128), dict(bias_shape=(2, 3, 100, 140), bias_grad=True, dropout_p=0.2, mask_type=1)),
+    (F16, 2, 100, 140, 3, (128, 64), dict(bias_shape=(1, 3, 100, 140), bias_grad=True, dropout_p=0.1)),
+    (BF16, 2, 130, 190, 2, (64, 256), dict(dropout_p=0.3, mask_type=2)),
 ]
 
 
@@ -592,7 +618,8 @@ def test_bias_and_dropout_vs_reference(case):
     from .test_mem_eff_attention_features_gpu import run_feature_case
 
     dtype, b, mq, mk, h, d, kw = case
-    run_feature_case(dtype, b, mq, mk, h, d, d, backend="sm90", seed=mq + d, **kw)
+    kd, kv = d if isinstance(d, tuple) else (d, d)
+    run_feature_case(dtype, b, mq, mk, h, kd, kv, backend="sm90", seed=mq + kd, **kw)
 
 
 @pytest.mark.parametrize("dtype,mask_type,d", [(F16, 0, 64), (BF16, 1, 64), (F16, 2, 128), (BF16, 0, 256)])
@@ -659,3 +686,55 @@ def test_grouped_heads_with_bias_and_dropout(deterministic):
     for backend, grads in (("sm90", ours), ("mem_eff", theirs)):
         err = (grads[3].double() - ref[3]).abs().max().item()
         assert err <= TOL[dtype] * mag, f"dbias {backend}: {err:.3g} > {TOL[dtype]} * {mag:.3g}"
+
+# ------------------------------------------------------------------------ Dqk != Dv
+
+# every supported pair (layouts.attention_sm90.HEAD_DIM_PAIRS; the wider head dim picks the
+# tiles: base 64 / 128 x 128 up to 128, wide 64 x 64 above), both dtypes, shapes looped
+# inside (one compile per dtype, pair and mask). (B, H, Hk, Sq, Sk, mask):
+PAIR_SHAPES = [
+    (2, 2, 2, 100, 130, 0),  # partial query and key blocks
+    (1, 2, 2, 257, 200, 1),  # top-left, Sq > Sk
+    (2, 2, 2, 130, 257, 2),  # bottom-right, Sq < Sk
+    (1, 4, 2, 200, 200, 1),  # grouped-query heads
+    (1, 6, 1, 130, 300, 2),  # multi-query, bottom-right
+    (2, 2, 2, 300, 100, 2),  # bottom-right, Sq > Sk: against the memory-efficient kernel only
+]
+PAIR_IDS = [f"d{a}-dv{b}" for a, b in tiling.HEAD_DIM_PAIRS]
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim,head_dim_v", tiling.HEAD_DIM_PAIRS, ids=PAIR_IDS)
+def test_unequal_head_dims(head_dim, head_dim_v, dtype, caplog):
+    """dQ / dK Dqk wide, dV Dv wide: against fp64 (where torch's forward agrees with the
+    reference) and against the memory-efficient kernel on the same out / logsumexp."""
+    for i, (b, h, hk, sq, sk, mask_type) in enumerate(PAIR_SHAPES):
+        name = f"d{head_dim}-dv{head_dim_v} B{b}H{h}Hk{hk}q{sq}k{sk}m{mask_type}"
+        q, _, _, do = make_inputs(b, h, sq, sk, (head_dim, head_dim_v), dtype, seed=10 * i + head_dim)
+        _, k, v, _ = make_inputs(b, hk, sq, sk, (head_dim, head_dim_v), dtype, seed=10 * i + head_dim_v)
+        out, lse = forward(q, k.repeat_interleave(h // hk, 2), v.repeat_interleave(h // hk, 2), mask_type)
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger=LOGGER):
+            ours = backward("auto", q, k, v, do, out, lse, mask_type)
+            theirs = backward("mem_eff", q, k, v, do, out, lse, mask_type)
+        assert chosen(caplog) == ["sm90", "mem_eff"], name
+        assert ours[0].shape[-1] == ours[1].shape[-1] == head_dim and ours[2].shape[-1] == head_dim_v
+        floors = rounding_floors(q, k, do, out, dtype)
+        if mask_type != 2 or sq <= sk:
+            ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type)
+            for g_name, g, r, like, floor in zip(("dq", "dk", "dv"), ours, ref, (q, k, v), floors):
+                check(f"{g_name} [{name}]", g, r, like, dtype, floor)
+        floors = [None if f is None else 2 * f for f in floors]
+        for g_name, g, r, like, floor in zip(("dq", "dk", "dv"), ours, theirs, (q, k, v), floors):
+            check(f"{g_name} [{name}] vs mem_eff", g, r, like, dtype, floor)
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v", [(128, 64), (192, 128)], ids=["d128-dv64", "d192-dv128"])
+def test_memory_efficient_attention_unequal_head_dims(head_dim, head_dim_v):
+    """The autograd op with a value head dim of its own: both backends give the fp64 gradients."""
+    q, k, v, do = make_inputs(2, 2, 150, 200, (head_dim, head_dim_v), BF16, seed=19)
+    ref = attention_backward_ref(q, k, v, do, custom_mask_type=1)
+    for backend in ("sm90", "mem_eff"):
+        grads = _op_grads(backend, q, k, v, do, True)
+        for name, g, r, like in zip(("dq", "dk", "dv"), grads, ref, (q, k, v)):
+            check(f"{name} (memory_efficient_attention d{head_dim} dv{head_dim_v}, {backend})", g, r, like, BF16)

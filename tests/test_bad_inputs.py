@@ -462,7 +462,7 @@ EFFICIENT_ATTENTION_BACKWARD = [
     C("efficient_attention_backward", "shared_storage_dqdkdv-lengths", lambda: eab(shared_storage_dqdkdv=True), ValueError, "shared_storage_dqdkdv", "one length", gpu=True, late=True),
     C("efficient_attention_backward", "backend-typo", lambda: eab(backend="hopper"), ValueError, "backend", "'auto', 'sm90', 'mem_eff'"),
     C("efficient_attention_backward", "backend-none", lambda: eab(backend=None), ValueError, "backend", "got None"),
-    # the choice is made on the real tensors (their device's arch); Dqk != Dv is not on the sm90 path anyway
+    # the choice is made on the real tensors (their device's arch); Dv 32 is no head dim of the sm90 path anyway
     C("efficient_attention_backward", "backend-sm90-dqk-ne-dv", lambda: eab(backend="sm90"), NotImplementedError, "backend", "cannot take this attention backward", gpu=True, late=True),
 ]
 

@@ -7,10 +7,13 @@ which also zeroes the dQ accumulator) and dQ from our ``convert_dq``; this kerne
 
 Shared memory (one phase: everything lives for the whole CTA)::
 
-    sQ, sdO   [tile_m, d, stages]   TMA ring, mbarrier pipelines (with sLSE, sDelta)
-    sK, sV    [tile_n, d]           loaded once (kv mbarrier)
-    sdS       [tile_m, tile_n, 2]   dS of the block, A operand of dQ = dS K
+    sQ, sdO   [tile_m, d | dv, stages]  TMA ring, mbarrier pipelines (with sLSE, sDelta)
+    sK, sV    [tile_n, d | dv]          loaded once (kv mbarrier)
+    sdS       [tile_m, tile_n, 2]       dS of the block, A operand of dQ = dS K
     sdQ       [tile_m, d, dq_stages] fp32   the block's dQ, source of the TMA reduce-add
+
+(d = Dqk, the head dim of Q, K, dQ, dK; dv = Dv, of V, dO, dV; equal unless the tiles
+say otherwise.)
 
 Synchronisation: the Q / dO pipelines (full: TMA transaction bytes, empty: the 8
 consumer warps); named barriers PDS (both consumer warpgroups wrote dS; with pds_split
@@ -121,13 +124,13 @@ class AttentionBackwardSm90:
         self,
         mQ: cute.Tensor,  # [B, Sq, H, D] (varlen: [1, total_q, H, D])
         mK: cute.Tensor,  # [B, Sk, Hk, D], H a multiple of Hk (grouped-query heads)
-        mV: cute.Tensor,  # [B, Sk, Hk, D]
-        mdO: cute.Tensor,  # [B, Sq, H, D]
+        mV: cute.Tensor,  # [B, Sk, Hk, Dv]
+        mdO: cute.Tensor,  # [B, Sq, H, Dv]
         mLSE: cute.Tensor,  # [B, H, >= Sq] fp32, natural log (varlen: [sequences, H, >= max_seqlen_q])
         mDelta: cute.Tensor,  # [B, H, >= Sq] fp32 (varlen: as LSE)
         mdQaccum: cute.Tensor,  # [B, round_up(Sq, tile_m), H, D] fp32, zeroed (varlen: [1, total_q + pad * sequences, H, D])
         mdK: cute.Tensor,  # [B, Sk, Hk, D]
-        mdV: cute.Tensor,  # [B, Sk, Hk, D]
+        mdV: cute.Tensor,  # [B, Sk, Hk, Dv]
         mSemaphore: Optional[cute.Tensor],  # [B, H, query blocks] int32, zeroed (deterministic), or None
         mCuSeqlensQ: Optional[cute.Tensor],  # [sequences + 1] int32 (varlen), or None
         mCuSeqlensK: Optional[cute.Tensor],
@@ -145,7 +148,7 @@ class AttentionBackwardSm90:
         stream: cuda.CUstream,
     ):
         t = self.tiles
-        d = t.head_dim
+        d, dv = t.head_dim, t.head_dim_v
         # (seq, d, heads, batch) and (seq, heads, batch): TMA tiles the first modes
         mQ, mK, mV, mdO, mdQaccum, mdK, mdV = [select_modes(x, (1, 3, 2, 0)) for x in (mQ, mK, mV, mdO, mdQaccum, mdK, mdV)]
         mLSE, mDelta = [select_modes(x, (2, 1, 0)) for x in (mLSE, mDelta)]
@@ -153,7 +156,9 @@ class AttentionBackwardSm90:
             mSemaphore = select_modes(mSemaphore, (2, 1, 0))  # (query blocks, heads, batch)
 
         sQ_layout = t.smem_layout_q(self.dtype)
+        sdO_layout = t.smem_layout_do(self.dtype)
         sK_layout = t.smem_layout_k(self.dtype)
+        sV_layout = t.smem_layout_v(self.dtype)
         sdS_layout = t.smem_layout_ds(self.dtype)
         sdQ_layout = t.smem_layout_dq()
         sStat_layout = cute.make_layout((t.tile_m, t.stages))
@@ -161,9 +166,9 @@ class AttentionBackwardSm90:
         tma_Q, gQ_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mQ, cute.select(sQ_layout, mode=[0, 1]), (t.tile_m, d))
         tma_dO, gdO_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mdO, cute.select(sQ_layout, mode=[0, 1]), (t.tile_m, d))
+            cpasync.CopyBulkTensorTileG2SOp(), mdO, cute.select(sdO_layout, mode=[0, 1]), (t.tile_m, dv))
         tma_K, gK_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mK, sK_layout, (t.tile_n, d))
-        tma_V, gV_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mV, sK_layout, (t.tile_n, d))
+        tma_V, gV_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mV, sV_layout, (t.tile_n, dv))
         tma_LSE, gLSE_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mLSE, cute.make_layout(t.tile_m), (t.tile_m,))
         tma_Delta, gDelta_tma = cpasync.make_tiled_tma_atom(
@@ -182,8 +187,9 @@ class AttentionBackwardSm90:
                 t.smem_layout_grad_bias_box(self.dtype), (t.tile_m, GRAD_BIAS_BOX_KEYS))  # fmt: skip
 
         elem = self.dtype.width // 8
-        self.q_bytes = t.tile_m * d * elem + t.tile_m * 4  # Q + LSE (dO + Δ alike)
-        self.kv_bytes = 2 * t.tile_n * d * elem
+        self.q_bytes = t.tile_m * d * elem + t.tile_m * 4  # Q + LSE
+        self.do_bytes = t.tile_m * dv * elem + t.tile_m * 4  # dO + Δ
+        self.kv_bytes = t.tile_n * (d + dv) * elem
 
         @cute.struct
         class SharedStorage:
@@ -193,9 +199,9 @@ class AttentionBackwardSm90:
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], STATS_ALIGN]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], STATS_ALIGN]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], SMEM_ALIGN]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], SMEM_ALIGN]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], SMEM_ALIGN]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], SMEM_ALIGN]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], SMEM_ALIGN]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], SMEM_ALIGN]
             sKeep: cute.struct.Align[cute.struct.MemRange[Uint8, KEEP_FLAG_BUFFERS * t.keep_flag_bytes if self.dropout else 1], STATS_ALIGN]
@@ -218,8 +224,9 @@ class AttentionBackwardSm90:
         self.kernel(
             gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, gdQ_tma, mdK, mdV, mSemaphore,
             mCuSeqlensQ, mCuSeqlensK, mBias, (tma_dB, gdB_tma), tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ,
-            sQ_layout, sK_layout, sdS_layout, sdQ_layout, sStat_layout,
-            t.tiled_mma_sdp(self.dtype), t.tiled_mma_dkv(self.dtype), t.tiled_mma_dq(self.dtype),
+            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, sStat_layout,
+            t.tiled_mma_sdp(self.dtype), t.tiled_mma_dkv(self.dtype), t.tiled_mma_dkv(self.dtype, dv),
+            t.tiled_mma_dq(self.dtype),
             seqlen_q, seqlen_k, group, softmax_scale, window_size, sched, rng, SharedStorage,
         ).launch(grid=grid, block=[t.num_threads, 1, 1], min_blocks_per_mp=1, stream=stream)  # fmt: skip
 
@@ -232,9 +239,11 @@ class AttentionBackwardSm90:
         mSemaphore: Optional[cute.Tensor], mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
         mBias: Optional[cute.Tensor], grad_bias_tma: tuple, tma_Q: cute.CopyAtom, tma_dO: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
         tma_LSE: cute.CopyAtom, tma_Delta: cute.CopyAtom, tma_dQ: cute.CopyAtom,
-        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
-        sdQ_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
-        tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dq: cute.TiledMma,
+        sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
+        sStat_layout: cute.Layout,
+        tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dv: cute.TiledMma,
+        tiled_mma_dq: cute.TiledMma,
         seqlen_q: Int32, seqlen_k: Int32, group: Int32, softmax_scale: Float32, window_size: Int32,
         sched: tuple, rng: Optional[tuple], SharedStorage: cutlass.Constexpr,
     ):  # fmt: skip
@@ -251,9 +260,9 @@ class AttentionBackwardSm90:
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
         sLSE = storage.sLSE.get_tensor(sStat_layout)
@@ -275,7 +284,7 @@ class AttentionBackwardSm90:
         )  # fmt: skip
         pipe_do = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_do.data_ptr(), num_stages=t.stages,
-            producer_group=producer, consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True,
+            producer_group=producer, consumer_group=consumers, tx_count=self.do_bytes, defer_sync=True,
         )  # fmt: skip
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -303,8 +312,8 @@ class AttentionBackwardSm90:
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             feat = self.features(mBias, grad_bias_tma, sKeep, rng, batch, group * sched[1])  # query heads
-            self.mma(sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
-                     pipe_q, pipe_do, mbar_kv, tidx - 128, n_block, batch, work, rows,
+            self.mma(sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dv,
+                     tiled_mma_dq, pipe_q, pipe_do, mbar_kv, tidx - 128, n_block, batch, work, rows,
                      seqlen_q, seqlen_k, softmax_scale, window_size, feat)  # fmt: skip
 
     @cute.jit
@@ -384,12 +393,11 @@ class AttentionBackwardSm90:
              tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, pipe_q, pipe_do, mbar_kv, n_block, batch, work,
              rows):  # fmt: skip
         t = self.tiles
-        d = t.head_dim
         head_kv, group, m_min, m_max = work
         offset_q, offset_k = rows
         one = cute.make_layout(1)
-        gK = cute.local_tile(self.seq_tile_view(gK_tma, head_kv, batch, offset_k), (t.tile_n, d), (n_block, 0))
-        gV = cute.local_tile(self.seq_tile_view(gV_tma, head_kv, batch, offset_k), (t.tile_n, d), (n_block, 0))
+        gK = cute.local_tile(self.seq_tile_view(gK_tma, head_kv, batch, offset_k), (t.tile_n, t.head_dim), (n_block, 0))
+        gV = cute.local_tile(self.seq_tile_view(gV_tma, head_kv, batch, offset_k), (t.tile_n, t.head_dim_v), (n_block, 0))
         tKs, tKg = cpasync.tma_partition(tma_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVs, tVg = cpasync.tma_partition(tma_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
@@ -416,8 +424,9 @@ class AttentionBackwardSm90:
         """Query block ``m_block`` of ``head`` (rows x head dim, or a statistic's rows) into stage
         ``stage``. Statistics are [sequences, H, rows] also with varlen (no packed offset)."""
         t = self.tiles
-        if const_expr(cute.rank(s) == 3):  # (rows, d, stages)
-            g = cute.local_tile(self.seq_tile_view(g_tma, head, batch, offset_q), (t.tile_m, t.head_dim), (m_block, 0))
+        if const_expr(cute.rank(s) == 3):  # (rows, d, stages): Q's d is Dqk, dO's Dv
+            tile = (t.tile_m, cute.size(s, mode=[1]))
+            g = cute.local_tile(self.seq_tile_view(g_tma, head, batch, offset_q), tile, (m_block, 0))
             ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
         else:  # (rows, stages)
             g = cute.local_tile(g_tma[None, head, batch], (t.tile_m,), (m_block,))
@@ -504,8 +513,8 @@ class AttentionBackwardSm90:
 
     # --------------------------------------------------------------------------- consumers
     @cute.jit
-    def mma(self, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
-            pipe_q, pipe_do, mbar_kv, tidx, n_block, batch, work, rows, seqlen_q, seqlen_k, softmax_scale,
+    def mma(self, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dv,
+            tiled_mma_dq, pipe_q, pipe_do, mbar_kv, tidx, n_block, batch, work, rows, seqlen_q, seqlen_k, softmax_scale,
             window_size, feat):  # fmt: skip
         t = self.tiles
         d = t.head_dim
@@ -518,7 +527,7 @@ class AttentionBackwardSm90:
         tSrK, tSrQ, tPrV, tPrdO, shape_sdp, cS_mn = self.sdp_operands(tiled_mma_sdp, tidx, wg, sK, sQ, sV, sdO)
 
         # dV += P^T dO, dK += dS^T Q: B operands are the transposed views of dO / Q
-        tVrdO, tKrQ, acc_dV, acc_dK = self.dkv_operands(tiled_mma_dkv, tidx, wg, sQ, sdO)
+        tVrdO, tKrQ, acc_dV, acc_dK = self.dkv_operands(tiled_mma_dkv, tiled_mma_dv, tidx, wg, sQ, sdO)
 
         # dQ = dS K
         wg_dq = tiled_mma_dq.get_slice(wg * 128)
@@ -576,7 +585,7 @@ class AttentionBackwardSm90:
 
             # dV += P^T dO (P^T from registers)
             rP = self.p_operand(acc_S, cS_mn, keep, feat)
-            wgmma(tiled_mma_dkv, acc_dV, cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout)),
+            wgmma(tiled_mma_dv, acc_dV, cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout)),
                   tVrdO[None, None, None, stage], zero_init=False)  # fmt: skip
             # dS^T -> sdS; once both warpgroups' halves are there (and visible to the async
             # proxy): dQ = dS K, then dK += dS^T Q, so dQ can leave while dK runs
@@ -632,7 +641,7 @@ class AttentionBackwardSm90:
         # epilogue: dK scaled by the softmax scale (dS was not), rows past seqlen_k dropped
         acc_dK.store(acc_dK.load() * softmax_scale)
         self.store_rows(acc_dK, mdK, tiled_mma_dkv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
-        self.store_rows(acc_dV, mdV, tiled_mma_dkv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
+        self.store_rows(acc_dV, mdV, tiled_mma_dv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
 
     @cute.jit
     def probs(self, acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2,
@@ -854,16 +863,17 @@ class AttentionBackwardSm90:
         return tSrK, tSrQ, tPrV, tPrdO, shape_sdp, cute.make_tensor(cS.iterator, acc_mn_layout(cS.layout))
 
     @cute.jit
-    def dkv_operands(self, tiled_mma_dkv, tidx, wg, sQ, sdO):
+    def dkv_operands(self, tiled_mma_dkv, tiled_mma_dv, tidx, wg, sQ, sdO):
         """dV += P^T dO, dK += dS^T Q: the B fragments (transposed views of dO / Q) and the
-        zeroed dV, dK accumulators (the A operand, P^T / dS^T, differs per kernel)."""
+        zeroed dV, dK accumulators (the A operand, P^T / dS^T, differs per kernel).
+        ``tiled_mma_dkv`` is dK's product (N = Dqk), ``tiled_mma_dv`` dV's (N = Dv)."""
         t = self.tiles
-        wg_dkv = tiled_mma_dkv.get_slice(wg * 128)
-        tVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sdO)))
-        tKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_view(sQ)))
-        thr_dkv = tiled_mma_dkv.get_slice(tidx)
-        acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((t.tile_n, t.head_dim)), Float32)
-        acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((t.tile_n, t.head_dim)), Float32)
+        wg_dk = tiled_mma_dkv.get_slice(wg * 128)
+        wg_dv = tiled_mma_dv.get_slice(wg * 128)
+        tVrdO = wg_dv.make_fragment_B(wg_dv.partition_B(transpose_view(sdO)))
+        tKrQ = wg_dk.make_fragment_B(wg_dk.partition_B(transpose_view(sQ)))
+        acc_dV = cute.make_rmem_tensor(tiled_mma_dv.get_slice(tidx).partition_shape_C((t.tile_n, t.head_dim_v)), Float32)
+        acc_dK = cute.make_rmem_tensor(tiled_mma_dkv.get_slice(tidx).partition_shape_C((t.tile_n, t.head_dim)), Float32)
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
         return tVrdO, tKrQ, acc_dV, acc_dK
@@ -937,9 +947,10 @@ class AttentionBackwardSm90:
         """fp32 accumulator -> element type -> global rows n_block * tile_n + .. of the sequence
         (predicated on seqlen_k: with varlen the next sequence's rows follow)."""
         t = self.tiles
-        tile = (t.tile_n, t.head_dim)
+        cols = mOut.shape[1]  # static: dK's Dqk or dV's Dv
+        tile = (t.tile_n, cols)
         gOut = cute.local_tile(self.seq_tile_view(mOut, head, batch, offset_k), tile, (n_block, 0))
-        cOut = cute.local_tile(cute.make_identity_tensor((seqlen_k, t.head_dim)), tile, (n_block, 0))
+        cOut = cute.local_tile(cute.make_identity_tensor((seqlen_k, cols)), tile, (n_block, 0))
         r2g = t.r2g_copy_dkv(self.dtype, tiled_mma)
         thr = r2g.get_slice(tidx)
         tOg = thr.partition_D(gOut)

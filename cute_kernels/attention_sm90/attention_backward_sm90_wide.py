@@ -1,5 +1,5 @@
-"""Hopper-native attention backward for head dims 192 and 256: the base kernel with the
-consumers' products decomposed for 64 keys x 64 queries (``AttentionSm90WideTiles``).
+"""Hopper-native attention backward for head dims 192 and 256 (either of Dqk, Dv): the base
+kernel with the consumers' products decomposed for 64 keys x 64 queries (``AttentionSm90WideTiles``).
 
 With the base decomposition each warpgroup would hold dK and dV of 64 keys x d in fp32
 (2 x d / 2 registers a thread), more than setmaxnreg's 240. Here (FA3's hdim-256 form) both
@@ -13,7 +13,8 @@ product, per query block:
     dQ = dS K, column half h = 0, 1      warpgroup w: columns h d/2 + w d/4 .. (SS), one half
                                          after the other, each staged in sdQ
 
-so a thread holds 2 x d / 4 fp32 of dK / dV (96 / 128 registers) and d / 8 of dQ at a
+so a thread holds 2 x d / 4 fp32 of dK / dV (96 / 128 registers; (Dqk + Dv) / 4 when they
+differ: dK's columns are Dqk's, dV's Dv's, dQ's Dqk's) and d / 8 of dQ at a
 time (a whole half beside dK / dV ran ptxas out of registers: notes.md). Producer, dQ
 store warp (its joint handoff: the store warp adds the whole tile), masks, grouped heads,
 deterministic mode, variable lengths, the shared storage and the epilogue are the base's:
@@ -38,8 +39,8 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
     same configuration (mask, window, deterministic) and arguments."""
 
     @cute.jit
-    def mma(self, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
-            pipe_q, pipe_do, mbar_kv, tidx, n_block, batch, work, rows, seqlen_q, seqlen_k, softmax_scale,
+    def mma(self, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dv,
+            tiled_mma_dq, pipe_q, pipe_do, mbar_kv, tidx, n_block, batch, work, rows, seqlen_q, seqlen_k, softmax_scale,
             window_size, feat):  # fmt: skip
         t = self.tiles
         d = t.head_dim
@@ -52,8 +53,10 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
         tSrK, tSrQ, tPrV, tPrdO, shape_sdp, cS_mn = self.sdp_operands(tiled_mma_sdp, tidx, wg, sK, sQ, sV, sdO)
 
         # dV += P^T dO, dK += dS^T Q: A = the (key, query) view of sdS's P / dS buffers
-        # (queries contiguous: K-major), B = the transposed views of dO / Q (this warpgroup's columns)
-        tVrdO, tKrQ, acc_dV, acc_dK = self.dkv_operands(tiled_mma_dkv, tidx, wg, sQ, sdO)
+        # (queries contiguous: K-major), B = the transposed views of dO / Q (this warpgroup's
+        # columns). The A fragment is the same for both products: all 64 keys x the block's
+        # queries, whatever N (Dqk / 2 or Dv / 2) the warpgroup's columns have
+        tVrdO, tKrQ, acc_dV, acc_dK = self.dkv_operands(tiled_mma_dkv, tiled_mma_dv, tidx, wg, sQ, sdO)
         wg_dkv = tiled_mma_dkv.get_slice(wg * 128)
         tKVrPdS = wg_dkv.make_fragment_A(wg_dkv.partition_A(transpose_view(sdS)))
 
@@ -117,7 +120,7 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
                 if tidx == 0:  # dB = dS: the whole block is one TMA box
                     self.store_grad_bias(feat, sdS, ds_buf, 0, head, m_block, n_block)
 
-            wgmma(tiled_mma_dkv, acc_dV, tKVrPdS[None, None, None, p_buf], tVrdO[None, None, None, stage],
+            wgmma(tiled_mma_dv, acc_dV, tKVrPdS[None, None, None, p_buf], tVrdO[None, None, None, stage],
                   zero_init=False)  # fmt: skip
             acc_dQ = cute.make_rmem_tensor(shape_dq, Float32)
             wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_buf], tQrK0, zero_init=True)
@@ -142,4 +145,4 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
         # epilogue: dK scaled by the softmax scale (dS was not), rows past seqlen_k dropped
         acc_dK.store(acc_dK.load() * softmax_scale)
         self.store_rows(acc_dK, mdK, tiled_mma_dkv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
-        self.store_rows(acc_dV, mdV, tiled_mma_dkv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
+        self.store_rows(acc_dV, mdV, tiled_mma_dv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
