@@ -9,8 +9,10 @@ Shared memory (one phase: everything lives for the whole CTA)::
 
     sQ, sdO   [tile_m, d | dv, stages]  TMA ring, mbarrier pipelines (with sLSE, sDelta)
     sK, sV    [tile_n, d | dv]          loaded once (kv mbarrier)
-    sdS       [tile_m, tile_n, 2]       dS of the block, A operand of dQ = dS K
+    sdS       [tile_m, tile_n, 2]       dS of the block, A operand of dQ = dS K (with the bias
+                                        gradient keys contiguous: also its TMA-store source)
     sdQ       [tile_m, d, dq_stages] fp32   the block's dQ, source of the TMA reduce-add
+    sKeep     [tile_m, tile_n / 8, 2]   dropout only: keep-flag bits of the block
 
 (d = Dqk, the head dim of Q, K, dQ, dK; dv = Dv, of V, dO, dV; equal unless the tiles
 say otherwise.)
@@ -18,7 +20,8 @@ say otherwise.)
 Synchronisation: the Q / dO pipelines (full: TMA transaction bytes, empty: the 8
 consumer warps); named barriers PDS (both consumer warpgroups wrote dS; with pds_split
 one one-way barrier per warpgroup), DQ_EMPTY and DQ_FULL (sdQ handed between the
-consumers and the dQ-store warp; with dq_per_wg a pair per warpgroup). Options and their
+consumers and the dQ-store warp; with dq_per_wg a pair per warpgroup), KEEP_FLAGS (dropout:
+a warpgroup's flags of the block are drawn; one per warpgroup). Options and their
 measurements: layouts/attention_sm90.py, notes.md next to this file.
 """
 
@@ -269,9 +272,8 @@ class AttentionBackwardSm90:
         sDelta = storage.sDelta.get_tensor(sStat_layout)
         mbar_kv = storage.mbar_kv.data_ptr()
         sKeep = None
-        if const_expr(self.dropout):  # (query, key byte, buffer)
-            kb = t.tile_n // 8
-            sKeep = storage.sKeep.get_tensor(cute.make_layout((t.tile_m, kb, KEEP_FLAG_BUFFERS), stride=(kb, 1, t.tile_m * kb)))
+        if const_expr(self.dropout):  # bytes; keep_flag_halves views them
+            sKeep = storage.sKeep.get_tensor(cute.make_layout(KEEP_FLAG_BUFFERS * t.keep_flag_bytes))
 
         if warp_idx == 0:
             with cute.arch.elect_one():
