@@ -393,20 +393,23 @@ class AttentionSm90Tiles:
         from cutlass.utils import hopper_helpers as hh
 
         if self.ds_keys_contiguous:
-            atom = warpgroup.make_smem_layout_atom(hh.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, GRAD_BIAS_BOX_KEYS), dtype)
-            return cute.tile_to_shape(atom, (self.tile_m, self.tile_n, self.ds_buffers), order=(0, 1, 2))
+            return cute.tile_to_shape(self.ds_keys_atom(dtype), (self.tile_m, self.tile_n, self.ds_buffers), order=(0, 1, 2))
         atom = warpgroup.make_smem_layout_atom(hh.get_smem_layout_atom(LayoutEnum.COL_MAJOR, dtype, self.tile_m), dtype)
         return cute.tile_to_shape(atom, (self.tile_m, self.tile_n, self.ds_buffers), order=(1, 0, 2))
 
-    def smem_layout_grad_bias_box(self, dtype):
-        """One TMA box of the bias gradient: GRAD_BIAS_BOX_KEYS columns of a keys-contiguous dS buffer."""
-        import cutlass.cute as cute
+    def ds_keys_atom(self, dtype):
+        """The keys-contiguous dS tile's swizzle atom: 8 rows of GRAD_BIAS_BOX_KEYS keys (128 bytes)."""
         from cutlass.cute.nvgpu import warpgroup
         from cutlass.utils import LayoutEnum
         from cutlass.utils import hopper_helpers as hh
 
-        atom = warpgroup.make_smem_layout_atom(hh.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, GRAD_BIAS_BOX_KEYS), dtype)
-        return cute.tile_to_shape(atom, (self.tile_m, GRAD_BIAS_BOX_KEYS), order=(0, 1))
+        return warpgroup.make_smem_layout_atom(hh.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, GRAD_BIAS_BOX_KEYS), dtype)
+
+    def smem_layout_grad_bias_box(self, dtype):
+        """One TMA box of the bias gradient: GRAD_BIAS_BOX_KEYS columns of a keys-contiguous dS buffer."""
+        import cutlass.cute as cute
+
+        return cute.tile_to_shape(self.ds_keys_atom(dtype), (self.tile_m, GRAD_BIAS_BOX_KEYS), order=(0, 1))
 
     @property
     def dq_slice_cols(self) -> int:

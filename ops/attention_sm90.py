@@ -152,7 +152,7 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     else None. Dropout: the keep mask of torch's memory-efficient forward for
     ``philox_seed / philox_offset`` (int64 scalar tensors), p = ``dropout_p``."""
     from .attention_bwd_prepost import _convert_dq_impl, _preprocess_impl
-    from .mem_eff_attention import _dropout_args
+    from .mem_eff_attention import _dropout_args, grad_bias_buffer
 
     varlen = cu_seqlens_q is not None
     b, sq, h, d = query.shape
@@ -169,11 +169,8 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
         if varlen:
             raise NotImplementedError("attention bias with cu_seqlens is not supported (torch's forward refuses it too)")
         bias = bias.expand(b, h, sq, sk)  # a view: broadcast dims get stride 0
-        if bias_requires_grad:
-            vec = 16 // query.element_size()
-            # blocks no key block visits (masks, windows) are never written: zeros there
-            alloc = torch.zeros if int(mask_type) != 0 else torch.empty
-            grad_bias = alloc((b, h, sq, -(-sk // vec) * vec), dtype=query.dtype, device=query.device)[..., :sk]
+        if bias_requires_grad:  # blocks no key block visits (masks, windows) stay zero
+            grad_bias = grad_bias_buffer(query, sk, mask_type)
     if min(seqs, h, sq, sk, rows_q, rows_k) == 0:
         if grad_bias is not None:
             grad_bias.zero_()

@@ -302,6 +302,16 @@ def _bias_aligned(bias: Tensor, vec: int) -> bool:
     return all(st % vec == 0 for n, st in zip(bias.shape[:-1], bias.stride()[:-1]) if n > 1)
 
 
+def grad_bias_buffer(query: Tensor, mk: int, mask_type: int) -> Tensor:
+    """The bias gradient [B, H, Mq, Mk] either backend writes: rows padded to 128 bits, as
+    torch pads them (the memory-efficient epilogue's vector stores; the sm90 kernel's TMA
+    stores need 16-byte rows too); zeros where a mask may leave tiles unvisited."""
+    b, mq, h, _ = query.shape
+    padded = round_up(mk, 128 // torch.finfo(query.dtype).bits)
+    alloc = torch.zeros if int(mask_type) != 0 else torch.empty  # masked tiles are never written
+    return alloc((b, h, mq, padded), dtype=query.dtype, device=query.device)[..., :mk]
+
+
 def _dropout_args(dropout_p, philox_seed, philox_offset, rows_q, rows_k):
     """(seed, offset, p, 1 / (1 - p), Mq * Mk) as the kernel takes them: p as the float
     torch's kernels compare with, the scale computed in double from it, as theirs."""
@@ -417,10 +427,7 @@ def _mem_eff_impl(
     if bias is not None:
         bias = bias.expand(b, h, mq, mk)  # a view: broadcast dims get stride 0
         if bias_requires_grad:
-            # rows padded to 128 bits (the epilogue's vector stores), as torch pads them
-            padded = round_up(mk, vec)
-            alloc_b = torch.zeros if int(custom_mask_type) != 0 else torch.empty  # masked tiles are never written
-            grad_bias = alloc_b((b, h, mq, padded), dtype=query.dtype, device=query.device)[..., :mk]
+            grad_bias = grad_bias_buffer(query, mk, custom_mask_type)
         bias_mode = (_bias_aligned(bias, vec), bool(bias_requires_grad))
     if min(b, h, mq, mk, dqk, dv, seqs) == 0 or rows_q == 0 or rows_k == 0:
         for g in (grad_q, grad_k, grad_v) + (() if grad_bias is None else (grad_bias,)):

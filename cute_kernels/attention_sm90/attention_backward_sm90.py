@@ -639,8 +639,16 @@ class AttentionBackwardSm90:
                 pipe_q.consumer_release(state)
             state.advance()
 
-        self.grad_bias_wait(tidx % 128 == 0)  # the last stores have read shared memory
-        # epilogue: dK scaled by the softmax scale (dS was not), rows past seqlen_k dropped
+        self.epilogue(acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch, rows,
+                      seqlen_k, softmax_scale)  # fmt: skip
+
+    @cute.jit
+    def epilogue(self, acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch, rows,
+                 seqlen_k, softmax_scale):  # fmt: skip
+        """After the last block: the bias-gradient stores have read shared memory (a thread
+        without any returns at once); dK scaled by the softmax scale (dS was not) and dK / dV
+        stored, rows past seqlen_k dropped."""
+        self.grad_bias_wait(tidx % 128 == 0)
         acc_dK.store(acc_dK.load() * softmax_scale)
         self.store_rows(acc_dK, mdK, tiled_mma_dkv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
         self.store_rows(acc_dV, mdV, tiled_mma_dv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)

@@ -141,8 +141,5 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
             pipe_q.consumer_release(state)
             state.advance()
 
-        self.grad_bias_wait(tidx == 0)  # the last store has read shared memory
-        # epilogue: dK scaled by the softmax scale (dS was not), rows past seqlen_k dropped
-        acc_dK.store(acc_dK.load() * softmax_scale)
-        self.store_rows(acc_dK, mdK, tiled_mma_dkv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
-        self.store_rows(acc_dV, mdV, tiled_mma_dv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
+        self.epilogue(acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch, rows,
+                      seqlen_k, softmax_scale)  # fmt: skip
