@@ -14,7 +14,7 @@ transposed form that keeps P and dS in registers for the dK / dV products:
     P^T  = exp2(S^T * scale * log2 e - LSE * log2 e),  dS^T = P^T (dP^T - Δ)
     dV_w += P^T dO            (wgmma RS: A = P^T registers; B = dO smem, MN-major view)
     dK_w += dS^T Q            (wgmma RS: A = dS^T registers; B = Q smem, MN-major view)
-    dS^T -> shared memory (m-contiguous), then dQ = dS K over the whole key block
+    dS^T -> shared memory (m-contiguous; stmatrix), then dQ = dS K over the whole key block
                               (wgmma SS: A = dS smem, MN-major; B = K smem, MN-major view)
   the two warpgroups split dQ's columns (tile_m = 64) or rows (tile_m = 128).
 * Q, dO and K are stored once, row-major and swizzled; the K-major view serves the
@@ -27,13 +27,14 @@ transposed form that keeps P and dS in registers for the dK / dV products:
 
 | head dim | tile_m | tile_n | Q / dO stages | dS stages | consumers | smem (bf16) |
 |----------|--------|--------|---------------|-----------|-----------|-------------|
-| 64       | 128    | 128    | 2             | 2         | 2 x 128   | 195 KiB     |
+| 64       | 64     | 128    | 2             | 2         | 2 x 128   | 114 KiB     |
 | 96       | 64     | 128    | 2             | 2         | 2 x 128   | 154 KiB     |
 | 128      | 64     | 128    | 2             | 2         | 2 x 128   | 194 KiB     |
 | 192      | 64     | 64     | 2             | 2         | 2 x 128   | 226 KiB     |
 | 256      | 64     | 64     | 1             | 2         | 2 x 128   | 225 KiB     |
 
-Swizzle atoms: 128-byte for every tile of d64 and d128. d96 rows are 192 bytes, which
+Swizzle atoms: 128-byte for every tile of d128, and for d64's but K / V, whose 64-byte
+atom (32 columns) is the warpgroups' dQ slice of K's MN-major view. d96 rows are 192 bytes, which
 a 128-byte atom does not divide: Q / dO take the 64-byte atom (32 columns; dK / dV read
 all 96 columns of the MN-major view), K / V the 32-byte one (16 columns: each warpgroup's
 dQ takes 48 columns of K's MN-major view, and with 32-column atoms warpgroup 1's slice
@@ -41,13 +42,15 @@ would start mid-atom, which no wgmma descriptor expresses: the DSL refuses to pa
 it), the fp32 dQ staging the 64-byte one (16 columns: each warpgroup's 48-column part is
 whole atoms, reduce-added as three 16-column TMA boxes).
 
-d96 and d128 also hand each warpgroup's dQ half to the store warp separately
-(``dq_per_wg``) and announce each dS half before waiting for the other (``pds_split``),
-and issue each block's S^T at the top of its step (``overlap="none"``). d64 issues the
-next block's S^T before waiting for dK (``overlap="s"``): ptxas then serialises every
-wgmma of the kernel (its warning C7515), yet d64 measured faster so (0.499 vs 0.520 ms
-causal 2x16x4096); d128 gained 16% without it. Measurements:
-cute_kernels/attention_sm90/notes.md (d96 takes d128's options).
+All three hand each warpgroup's dQ half to the store warp separately (``dq_per_wg``),
+announce each dS half before waiting for the other (``pds_split``), issue each block's
+S^T at the top of its step (``overlap="none"``: issued a step ahead, ptxas serialises
+every wgmma of the kernel, its warning C7515; d128 gained 16% without it) and store
+dS^T with stmatrix (``ds_stmatrix``: four instructions for sixteen 32-bit stores and their
+per-step swizzled addresses). d64 took tile_m 128 until 2026-11-23: its 64 + 64 fp32 of
+S^T / dP^T a thread left ptxas short of registers, and every wgmma serialised (C7515 with
+S^T a step ahead, C7512 without); tile_m 64 measured 0.287 vs 0.298 ms (8x16x1024) and
+0.476 vs 0.497 ms (causal 2x16x4096). Measurements: cute_kernels/attention_sm90/notes.md.
 
 CTA order: with a causal mask key block 0 sees the most query blocks, so the grid is 1-D
 and walked heavy-first over chunks of (batch, key head) pairs whose Q / dO / dQ rows fit
@@ -85,8 +88,7 @@ first, no benchmark case uses these head dims.
 Dqk != Dv (``head_dim`` = Dqk: Q, K, dQ, dK; ``head_dim_v`` = Dv: V, dO, dV; equal by
 default). S^T reduces over Dqk and dP^T over Dv; dK's accumulator is Dqk wide and dV's Dv
 wide, each its own tiled MMA. Both must be one of HEAD_DIMS and the wider picks the tiles
-by the rules above (tile_m 128 only when both are 64; the 64 x 64 tiles above 128, two
-Q / dO stages where they fit). A thread holds (Dqk + Dv) / 2 fp32 of dK and dV with the
+by the rules above (the 64 x 64 tiles above 128, two Q / dO stages where they fit). A thread holds (Dqk + Dv) / 2 fp32 of dK and dV with the
 base tiles and (Dqk + Dv) / 4 with the wide ones, never more than the wider head dim's
 equal configuration. Atoms: Q's and K's follow Dqk's slices, dO's Dv's (dV's N); V is read
 K-major only and takes the widest atom its Dv columns allow (with equal head dims it keeps
@@ -185,6 +187,9 @@ class AttentionSm90Tiles:
     # dS in shared memory with keys contiguous (rows as the bias gradient's: TMA stores it from
     # there) instead of queries (whose register pairs store as 32 bits); with the bias gradient
     ds_keys_contiguous: bool = False
+    # dS^T into shared memory by stmatrix (4 x 8x8 matrices a warp instruction; transposed
+    # when keys are contiguous) instead of one 32-bit (16-bit) store per value pair (value)
+    ds_stmatrix: bool = True
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -312,6 +317,9 @@ class AttentionSm90Tiles:
         values where keys are contiguous."""
         import cutlass.cute as cute
 
+        if self.ds_stmatrix:
+            op = cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=self.ds_keys_contiguous, num_matrices=4)
+            return cute.make_tiled_copy_C(cute.make_copy_atom(op, dtype), tiled_mma_sdp)
         bits = dtype.width if self.ds_keys_contiguous else DS_STORE_BITS
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
         return cute.make_tiled_copy_C(atom, tiled_mma_sdp)
@@ -612,13 +620,12 @@ def attention_sm90_tiles(head_dim: int, causal: bool = False, *, head_dim_v: Opt
             # one barrier per block keeps a warpgroup's P / dS writes off the buffers the other still reads
             raise ValueError(f"head dims above {WIDE_FROM} need ds_stages 2, got {t.ds_stages}")
     else:
-        tile_m = 128 if max(head_dim, dv) <= 64 else 64
-        fields = dict(head_dim=head_dim, head_dim_v=dv, tile_m=tile_m, tile_n=128)
-        if tile_m == 64:
-            # (d96, d128) warpgroups split dQ's columns: each hands its half over alone, and announces
-            # its dS half before waiting for the other's (H100, 2x16x4096x128: 1.412 vs 1.451 ms); S^T
-            # at the top of each step keeps ptxas from serialising the wgmmas (1.240 vs 1.484 ms)
-            fields.update(dq_per_wg=True, pds_split=True, overlap="none")
+        # warpgroups split dQ's columns: each hands its half over alone, and announces its dS half
+        # before waiting for the other's (H100, 2x16x4096x128: 1.412 vs 1.451 ms); S^T at the top
+        # of each step keeps ptxas from serialising the wgmmas (1.240 vs 1.484 ms); d64 too since
+        # its tile_m 128 ran short of registers (module docstring)
+        fields = dict(head_dim=head_dim, head_dim_v=dv, tile_m=64, tile_n=128, dq_per_wg=True, pds_split=True,
+                      overlap="none")
         fields.update(overrides)
         t = AttentionSm90Tiles(**fields)
         if t.tile_m not in (64, 128) or t.tile_n != 64 * NUM_CONSUMER_WG:

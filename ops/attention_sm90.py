@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
+from cute_kernels.attention_sm90.attention_backward_sm90 import LOG2_E, AttentionBackwardSm90
 from cute_kernels.attention_sm90.attention_backward_sm90_wide import AttentionBackwardSm90Wide
 from layouts import attention_sm90 as tiling
 
@@ -116,15 +116,17 @@ def unsupported(query, key, value, grad_out, out, *, mask_type=0, window_size=No
     return None
 
 
-def _tma_stats(x: Tensor) -> Tensor:
-    """An fp32 [B, H, S] statistic whose row stride and address TMA accepts (padded copy if not)."""
+def _lse_log2(lse: Tensor) -> Tensor:
+    """The kernel's LSE: the forward's natural-log [B, H, S] statistic times log2(e) (the
+    kernel's exp2 then needs no multiply per query), fp32, rows padded to TMA's 16 bytes.
+    One elementwise launch over B x H x S values."""
     vec = tiling.tma_align_elems(32)
-    if x.stride(-1) == 1 and x.stride(1) % vec == 0 and x.stride(0) % vec == 0 and x.data_ptr() % tiling.TMA_ALIGN_BYTES == 0:
-        return x
-    s = x.shape[-1]
-    padded = x.new_zeros(x.shape[:-1] + (-(-s // vec) * vec,))
-    padded[..., :s] = x
-    return padded
+    s = lse.shape[-1]
+    out = torch.empty(lse.shape[:-1] + (-(-s // vec) * vec,), dtype=torch.float32, device=lse.device)
+    torch.mul(lse, LOG2_E, out=out[..., :s])
+    if out.shape[-1] > s:  # rows past Sq are masked; defined values all the same
+        out[..., s:].zero_()
+    return out
 
 
 def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: float, mask_type: int = 0,
@@ -192,7 +194,7 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     rng = (None,) * 5
     if dropout:
         rng = _dropout_args(dropout_p, philox_seed, philox_offset, rows_q, rows_k)
-    fn(query, key, value, grad_out, _tma_stats(logsumexp.float()), delta, dq_accum.unsqueeze(0) if varlen else dq_accum,
+    fn(query, key, value, grad_out, _lse_log2(logsumexp), delta, dq_accum.unsqueeze(0) if varlen else dq_accum,
        dk, dv, semaphore, cu_seqlens_q, cu_seqlens_k, bias, grad_bias, float(scale), window, rows_k, chunk, *rng)  # fmt: skip
     dq = _convert_dq_impl(dq_accum, float(scale), d, sq, cu_seqlens_q, max_seqlen_q, 0.0, query.dtype)
     return (dq.unsqueeze(0) if varlen else dq), dk, dv, grad_bias

@@ -208,11 +208,12 @@ def test_lpt_chunk_fits_the_l2_budget(seqlen_q, group, d):
 
 
 @pytest.mark.compile
-def test_d64_compiles_with_dq_per_wg(monkeypatch):
-    """d64's warpgroups split dQ's rows: each can hand its own 64 rows to the store warp
-    (the staging atoms then tile columns first, so those rows are one TMA box)."""
+def test_d64_tile_m_128_compiles_with_dq_per_wg(monkeypatch):
+    """The tile_m 128 override (d64's tiles before 2026-11-23): the warpgroups split dQ's
+    rows, each can hand its own 64 rows to the store warp (the staging atoms then tile
+    columns first, so those rows are one TMA box)."""
     tiles = tiling.attention_sm90_tiles
-    monkeypatch.setattr(tiling, "attention_sm90_tiles", lambda d, **kw: tiles(d, dq_per_wg=True, pds_split=True, **kw))
+    monkeypatch.setattr(tiling, "attention_sm90_tiles", lambda d, **kw: tiles(d, tile_m=128, **kw))
     assert tiling.attention_sm90_tiles(64).dq_order == (1, 0)
     assert callable(S._build(cutlass.BFloat16, 64, 64, 1, False, "sm_90a"))
 
@@ -292,7 +293,7 @@ def test_other_head_dims_are_not_implemented(head_dim):
 
 
 # (Q / dO, K / V, fp32 dQ staging) swizzle-atom columns: the module docstring's paragraph
-ATOM_COLS = {64: (64, 64, 32), 96: (32, 16, 16), 128: (64, 64, 32), 192: (32, 16, 16), 256: (64, 64, 32)}
+ATOM_COLS = {64: (64, 32, 32), 96: (32, 16, 16), 128: (64, 64, 32), 192: (32, 16, 16), 256: (64, 64, 32)}
 
 
 @pytest.mark.parametrize("head_dim", tiling.HEAD_DIMS)

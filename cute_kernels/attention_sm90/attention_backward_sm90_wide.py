@@ -90,8 +90,8 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
         # every wgmma group is issued and waited for within its step (none crosses the
         # loop's back edge, which would make ptxas serialise them all); the loop stays
         # outside the if (0 steps without work), as the base's (notes.md)
+        head, m_block = self.work_item(work, 0)
         for i in cutlass.range(steps, unroll=1):
-            head, m_block = self.work_item(work, i)
             stage = state.index
             p_buf = i % t.ds_stages
             ds_buf = t.ds_stages + p_buf
@@ -140,6 +140,7 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
             cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=t.dq_handoff_threads)
             pipe_q.consumer_release(state)
             state.advance()
+            head, m_block = self.next_work_item(work, head, m_block)
 
         self.epilogue(acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch, rows,
                       seqlen_k, softmax_scale)  # fmt: skip
