@@ -630,9 +630,6 @@ def attention_sm90_tiles(head_dim: int, causal: bool = False, *, head_dim_v: Opt
         t = AttentionSm90Tiles(**fields)
         if t.tile_m not in (64, 128) or t.tile_n != 64 * NUM_CONSUMER_WG:
             raise ValueError(f"tile_m must be 64 or 128 and tile_n {64 * NUM_CONSUMER_WG}, got {t.tile_m}, {t.tile_n}")
-        if t.dq_per_wg and t.dq_stages != 1:
-            # the store warp's per-warpgroup reduce-adds read staging buffer 0 only (H100: wrong dQ)
-            raise ValueError(f"dq_per_wg stages dQ in one buffer, got dq_stages {t.dq_stages}")
     if t.smem_bytes(dropout=True) > SMEM_LIMIT:  # dropout's keep flags must fit too
         raise ValueError(f"tiles need {t.smem_bytes(dropout=True)} bytes of shared memory, more than {SMEM_LIMIT}")
     return t

@@ -370,9 +370,6 @@ def test_equal_head_dims_keep_their_layouts():
 def test_tile_overrides_are_checked():
     with pytest.raises(ValueError, match="tile_m must be 64 or 128"):
         tiling.attention_sm90_tiles(64, tile_m=32)
-    with pytest.raises(ValueError, match="dq_per_wg stages dQ in one buffer"):
-        tiling.attention_sm90_tiles(128, dq_stages=2)
-    assert tiling.attention_sm90_tiles(96, dq_stages=2, dq_per_wg=False).dq_stages == 2
     with pytest.raises(ValueError, match="tile_n"):
         tiling.attention_sm90_tiles(128, tile_n=64)
     with pytest.raises(ValueError, match="need tile_m 64 and tile_n 64"):

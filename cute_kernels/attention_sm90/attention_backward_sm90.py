@@ -467,10 +467,11 @@ class AttentionBackwardSm90:
                 gdQ = cute.local_tile(self.seq_tile_view(gdQ_tma, head, batch, acc_row0), sub, (None, None))  # (rows, cols, m, n)
                 for w in cutlass.range_constexpr(2):
                     wm, wn = (w, 0) if am == 2 else (0, w)
-                    sdQ_w = cute.local_tile(sdQ[None, None, 0], sub, (wm, wn))
+                    sdQ_w = cute.local_tile(sdQ[None, None, i % t.dq_stages], sub, (wm, wn))
                     tdQs, tdQg = cpasync.tma_partition(
                         tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_w, 0, 2), cute.group_modes(gdQ, 0, 2))
-                    cute.arch.cp_async_bulk_wait_group(1, read=True)  # this part's previous reduce-add has read it
+                    # this part's reduce-add dq_stages blocks back has read it (two groups a block)
+                    cute.arch.cp_async_bulk_wait_group(2 * t.dq_stages - 1, read=True)
                     cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY if w == 0 else BAR_DQ_EMPTY_WG1, number_of_threads=handoff)
                     cute.arch.barrier(barrier_id=BAR_DQ_FULL if w == 0 else BAR_DQ_FULL_WG1, number_of_threads=handoff)
                     if const_expr(self.deterministic and w == 0):
