@@ -218,6 +218,26 @@ def test_d64_tile_m_128_compiles_with_dq_per_wg(monkeypatch):
     assert callable(S._build(cutlass.BFloat16, 64, 64, 1, False, "sm_90a"))
 
 
+def test_grad_bias_needs_a_keys_contiguous_ds_tile():
+    """The bias gradient's TMA stores read dS rows of keys; the keys-contiguous tile alone is fine."""
+    from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
+
+    with pytest.raises(ValueError, match="grad_bias needs tiles.ds_keys_contiguous"):
+        AttentionBackwardSm90(cutlass.BFloat16, tiling.attention_sm90_tiles(128), 0, has_bias=True, grad_bias=True)
+    AttentionBackwardSm90(cutlass.BFloat16, tiling.attention_sm90_tiles(128, ds_keys_contiguous=True), 0)
+
+
+def test_lse_log2_scales_and_pads():
+    """The kernel's LSE: log2(e) times the forward's, rows padded to 16 bytes with zeros."""
+    lse = torch.randn(2, 3, 5)
+    lse[0, 0, 0] = -math.inf  # a row without keys
+    got = S._lse_log2(lse)
+    assert got.shape == (2, 3, 8) and got.dtype == torch.float32 and got.is_contiguous()
+    torch.testing.assert_close(got[..., :5], lse * math.log2(math.e), rtol=1e-6, atol=0)
+    assert (got[..., 5:] == 0).all() and got[0, 0, 0] == -math.inf
+    assert S._lse_log2(torch.randn(1, 2, 8)).shape == (1, 2, 8)  # already whole 16-byte rows
+
+
 def test_window_needs_a_causal_mask():
     from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
     from cute_kernels.attention_sm90.attention_backward_sm90_wide import AttentionBackwardSm90Wide
