@@ -88,8 +88,9 @@ first, no benchmark case uses these head dims.
 Dqk != Dv (``head_dim`` = Dqk: Q, K, dQ, dK; ``head_dim_v`` = Dv: V, dO, dV; equal by
 default). S^T reduces over Dqk and dP^T over Dv; dK's accumulator is Dqk wide and dV's Dv
 wide, each its own tiled MMA. Both must be one of HEAD_DIMS and the wider picks the tiles
-by the rules above (the 64 x 64 tiles above 128, two Q / dO stages where they fit). A thread holds (Dqk + Dv) / 2 fp32 of dK and dV with the
-base tiles and (Dqk + Dv) / 4 with the wide ones, never more than the wider head dim's
+by the rules above (the 64 x 64 tiles above 128, two Q / dO stages where they fit). A
+thread holds (Dqk + Dv) / 2 fp32 of dK and dV with the base tiles and (Dqk + Dv) / 4 with
+the wide ones, never more than the wider head dim's
 equal configuration. Atoms: Q's and K's follow Dqk's slices, dO's Dv's (dV's N); V is read
 K-major only and takes the widest atom its Dv columns allow (with equal head dims it keeps
 K's layout, as before). Dqk 96 with a Dv above 128 is refused: the wide tiles' dQ quarters

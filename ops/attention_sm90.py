@@ -67,6 +67,14 @@ def _build(dtype, head_dim: int, head_dim_v: int, mask_type: int, has_window: bo
 compiled = cc.CompileCache("attention_bwd_sm90", _build)
 
 
+def _config(dtype, head_dim: int, head_dim_v: int, mask_type: int, arch: str, *, window: bool = False,
+            deterministic: bool = False, varlen: bool = False, bias: bool = False, grad_bias: bool = False,
+            dropout: bool = False) -> tuple:  # fmt: skip
+    """The ``compiled`` key (``_build``'s arguments, in order) of one configuration."""
+    return (dtype, int(head_dim), int(head_dim_v), int(mask_type), bool(window), arch, bool(deterministic),
+            bool(varlen), bool(bias), bool(grad_bias), bool(dropout))  # fmt: skip
+
+
 def compile_for_benchmark_cases(cases, arch: str) -> int:
     """The configurations the ``attention_bwd`` suite's ours_sm90 rows run: ((B, H, S, D),
     dtype, causal[, feature]) with feature None, "bias", "bias_grad" or "dropout", head dims
@@ -78,10 +86,10 @@ def compile_for_benchmark_cases(cases, arch: str) -> int:
         if d not in tiling.HEAD_DIMS:
             continue
         feature = feature[0] if feature else None
-        bias, grad_bias, dropout = feature in ("bias", "bias_grad"), feature == "bias_grad", feature == "dropout"
-        # the key of attention_backward_sm90's call: causal is top-left, no window / determinism / varlen
-        keys.add((cc.cute_dtype(getattr(torch, dtype_name)), d, d, 1 if causal else 0, False, arch, False, False,
-                  bias, grad_bias, dropout))  # fmt: skip
+        # as attention_backward_sm90 calls it: causal is top-left, no window / determinism / varlen
+        keys.add(_config(cc.cute_dtype(getattr(torch, dtype_name)), d, d, 1 if causal else 0, arch,
+                         bias=feature in ("bias", "bias_grad"), grad_bias=feature == "bias_grad",
+                         dropout=feature == "dropout"))  # fmt: skip
     for key in sorted(keys, key=str):
         compiled(*key)
     return len(keys)
@@ -184,8 +192,9 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     window = int(window_size or 0)
     arch = cc.device_arch(query.device.index)
     dropout = float(dropout_p) > 0.0
-    fn = compiled(cc.cute_dtype(query.dtype), d, d_v, int(mask_type), window > 0, arch, bool(deterministic), varlen,
-                  bias is not None, grad_bias is not None, dropout)  # fmt: skip
+    fn = compiled(*_config(cc.cute_dtype(query.dtype), d, d_v, mask_type, arch, window=window > 0,
+                           deterministic=deterministic, varlen=varlen, bias=bias is not None,
+                           grad_bias=grad_bias is not None, dropout=dropout))  # fmt: skip
     tiles = tiling.attention_sm90_tiles(d, head_dim_v=d_v)
     semaphore = None
     if deterministic:

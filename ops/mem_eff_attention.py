@@ -29,8 +29,8 @@ Backends (``backend=``): "mem_eff" is the kernel above; "sm90" the Hopper-native
 (``ops.attention_sm90``: sm_90a, fp16 / bf16, head dims 64 / 96 / 128 / 192 / 256, V's may differ from Q's / K's
 (layouts.attention_sm90.HEAD_DIM_PAIRS),
 masks 0 / 1 / 2 with or without a window, grouped-query heads, deterministic mode,
-variable lengths, TMA-aligned inputs; no bias, dropout, key splits or shared dQ / dK / dV
-storage);
+variable lengths, bias (with its gradient; not with variable lengths), dropout with this
+module's mask, TMA-aligned inputs; no fp32, key splits or shared dQ / dK / dV storage);
 "auto" (default) takes sm90 where it applies, else mem_eff.
 Asking for "sm90" where it does not apply raises NotImplementedError with the reason.
 The choice is logged at DEBUG on logger ``cute_kernels.attention`` (one line per call).

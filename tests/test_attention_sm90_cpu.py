@@ -238,6 +238,29 @@ def test_lse_log2_scales_and_pads():
     assert S._lse_log2(torch.randn(1, 2, 8)).shape == (1, 2, 8)  # already whole 16-byte rows
 
 
+def test_config_key_follows_build_and_the_benchmark_precompiles_it(monkeypatch):
+    """``_config`` lists _build's arguments in its order; the suite's precompile asks for the
+    keys the op's calls will (causal top-left, features as flags)."""
+    import inspect
+
+    params = list(inspect.signature(S._build).parameters)
+    key = S._config("dt", 128, 64, 2, "sm_90a", window=True, deterministic=True, varlen=True, bias=True,
+                    grad_bias=True, dropout=True)  # fmt: skip
+    assert len(key) == len(params) and dict(zip(params, key)) == dict(
+        dtype="dt", head_dim=128, head_dim_v=64, mask_type=2, has_window=True, arch="sm_90a", deterministic=True,
+        varlen=True, has_bias=True, grad_bias=True, dropout=True)  # fmt: skip
+    seen = []
+    monkeypatch.setattr(S, "compiled", lambda *k: seen.append(k))
+    cases = [((2, 16, 4096, 128), "bfloat16", True), ((2, 16, 4096, 128), "bfloat16", False, "bias_grad"),
+             ((2, 16, 4096, 64), "float16", False, "dropout"), ((2, 16, 4096, 80), "bfloat16", False)]
+    assert S.compile_for_benchmark_cases(cases, "sm_90a") == 3 and S.compile_for_benchmark_cases(cases, "sm_80") == 0
+    assert sorted(seen, key=str) == sorted([
+        S._config(cutlass.BFloat16, 128, 128, 1, "sm_90a"),
+        S._config(cutlass.BFloat16, 128, 128, 0, "sm_90a", bias=True, grad_bias=True),
+        S._config(cutlass.Float16, 64, 64, 0, "sm_90a", dropout=True),
+    ], key=str)  # fmt: skip
+
+
 def test_window_needs_a_causal_mask():
     from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
     from cute_kernels.attention_sm90.attention_backward_sm90_wide import AttentionBackwardSm90Wide
