@@ -191,6 +191,15 @@ class AttentionSm90Tiles:
     # dS^T into shared memory by stmatrix (4 x 8x8 matrices a warp instruction; transposed
     # when keys are contiguous) instead of one 32-bit (16-bit) store per value pair (value)
     ds_stmatrix: bool = True
+    # FA4's step order, each its own switch for A/B: LSE read into registers once S^T is
+    # issued and Δ after the exp (not from shared memory at their use) ...
+    stats_early: bool = False
+    # ... P^T converted to the element type before dP^T is waited for ...
+    p_early: bool = False
+    # ... dS^T stored before dV is issued (the fence after it: the stores have landed by then) ...
+    ds_before_dv: bool = False
+    # ... and the store warp frees both warpgroups' dQ buffers before waiting for either
+    dq_empty_early: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -624,9 +633,12 @@ def attention_sm90_tiles(head_dim: int, causal: bool = False, *, head_dim_v: Opt
         # warpgroups split dQ's columns: each hands its half over alone, and announces its dS half
         # before waiting for the other's (H100, 2x16x4096x128: 1.412 vs 1.451 ms); S^T at the top
         # of each step keeps ptxas from serialising the wgmmas (1.240 vs 1.484 ms); d64 too since
-        # its tile_m 128 ran short of registers (module docstring)
+        # its tile_m 128 ran short of registers (module docstring). FA4's step order (stats_early,
+        # ds_before_dv; dq_empty_early above d64): 2x16x4096x128 1.323 / 1.309 vs 1.348 / 1.366 ms,
+        # causal 0.783 / 0.806 vs 0.819 / 0.825; d64 (without dq_empty_early) 0.277 vs 0.286,
+        # causal 0.463 vs 0.472 (notes.md)
         fields = dict(head_dim=head_dim, head_dim_v=dv, tile_m=64, tile_n=128, dq_per_wg=True, pds_split=True,
-                      overlap="none")
+                      overlap="none", stats_early=True, ds_before_dv=True, dq_empty_early=max(head_dim, dv) > 64)
         fields.update(overrides)
         t = AttentionSm90Tiles(**fields)
         if t.tile_m not in (64, 128) or t.tile_n != 64 * NUM_CONSUMER_WG:

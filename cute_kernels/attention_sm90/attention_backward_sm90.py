@@ -466,14 +466,22 @@ class AttentionBackwardSm90:
             if const_expr(t.dq_per_wg):
                 # each warpgroup's part of a block's dQ is its own reduce-add and handoff
                 gdQ = cute.local_tile(self.seq_tile_view(gdQ_tma, head, batch, acc_row0), sub, (None, None))  # (rows, cols, m, n)
+                if const_expr(t.dq_empty_early):
+                    # both buffers free before waiting for either: a warpgroup never waits for
+                    # the other's handoff (the reduce-add of w's buffer dq_stages blocks back
+                    # was committed 2 dq_stages - 1 - w groups ago)
+                    for w in cutlass.range_constexpr(2):
+                        cute.arch.cp_async_bulk_wait_group(2 * t.dq_stages - 1 - w, read=True)
+                        cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY if w == 0 else BAR_DQ_EMPTY_WG1, number_of_threads=handoff)
                 for w in cutlass.range_constexpr(2):
                     wm, wn = (w, 0) if am == 2 else (0, w)
                     sdQ_w = cute.local_tile(sdQ[None, None, i % t.dq_stages], sub, (wm, wn))
                     tdQs, tdQg = cpasync.tma_partition(
                         tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_w, 0, 2), cute.group_modes(gdQ, 0, 2))
-                    # this part's reduce-add dq_stages blocks back has read it (two groups a block)
-                    cute.arch.cp_async_bulk_wait_group(2 * t.dq_stages - 1, read=True)
-                    cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY if w == 0 else BAR_DQ_EMPTY_WG1, number_of_threads=handoff)
+                    if const_expr(not t.dq_empty_early):
+                        # this part's reduce-add dq_stages blocks back has read it (two groups a block)
+                        cute.arch.cp_async_bulk_wait_group(2 * t.dq_stages - 1, read=True)
+                        cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY if w == 0 else BAR_DQ_EMPTY_WG1, number_of_threads=handoff)
                     cute.arch.barrier(barrier_id=BAR_DQ_FULL if w == 0 else BAR_DQ_FULL_WG1, number_of_threads=handoff)
                     if const_expr(self.deterministic and w == 0):
                         self.wait_turn(sem, self.dq_turn(m_block, n_block, seqlen_q, seqlen_k), lane)
@@ -571,6 +579,8 @@ class AttentionBackwardSm90:
         # C7514 / C7515; also when the issue is made unconditional with a repeated last Q
         # block). Measured: d128 gains 16% without it, d64 loses 4% (notes.md).
         prefetch = const_expr(t.overlap != "none")
+        # dropout's keep words leave no registers for the statistics read early (d128: 32 bytes of spill)
+        stats_early = const_expr(t.stats_early and not self.dropout)
         if m_min < m_max:
             cute.arch.mbarrier_wait(mbar_kv, 0)
             if const_expr(prefetch):
@@ -587,6 +597,7 @@ class AttentionBackwardSm90:
             q0 = m_block * t.tile_m
             if const_expr(not prefetch):
                 self.issue_s(pipe_q, state, tiled_mma_sdp, acc_S, tSrK, tSrQ)
+            lse = self.read_stats(sLSE, stage, cS_mn) if const_expr(stats_early) else None
             # S^T (and with overlap "sdp" dP^T) of this block are in flight already
             if const_expr(t.overlap != "sdp"):
                 self.issue_dp(pipe_do, state, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
@@ -594,19 +605,29 @@ class AttentionBackwardSm90:
             rBias, keep = self.block_features(feat, head, i, q0, key0, seqlen_q, seqlen_k, cS_mn, shape_sdp, wg, tidx)
 
             warpgroup.wait_group(1)
-            self.probs(acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2, rBias)
+            self.probs(acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2, rBias,
+                       lse)  # fmt: skip
+            delta = self.read_stats(sDelta, stage, cS_mn) if const_expr(stats_early) else None
+            rP = None
+            if const_expr(t.p_early):
+                rP = self.p_operand(acc_S, cS_mn, keep, feat)
             warpgroup.wait_group(0)
-            self.grad_scores(acc_dP, acc_S, cS_mn, sDelta, stage, keep, feat)
+            self.grad_scores(acc_dP, acc_S, cS_mn, sDelta, stage, keep, feat, delta)
+            if const_expr(not t.p_early):
+                rP = self.p_operand(acc_S, cS_mn, keep, feat)
 
-            # dV += P^T dO (P^T from registers)
-            rP = self.p_operand(acc_S, cS_mn, keep, feat)
+            # dV += P^T dO (P^T from registers); dS^T -> sdS; once both warpgroups' halves are
+            # there (and visible to the async proxy): dQ = dS K, then dK += dS^T Q, so dQ can
+            # leave while dK runs
+            rdS = cute.make_rmem_tensor(shape_sdp, self.dtype)
+            if const_expr(t.ds_before_dv):
+                rdS.store(acc_dP.load().to(self.dtype))
+                cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_stage])
             wgmma(tiled_mma_dv, acc_dV, cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout)),
                   tVrdO[None, None, None, stage], zero_init=False)  # fmt: skip
-            # dS^T -> sdS; once both warpgroups' halves are there (and visible to the async
-            # proxy): dQ = dS K, then dK += dS^T Q, so dQ can leave while dK runs
-            rdS = cute.make_rmem_tensor(shape_sdp, self.dtype)
-            rdS.store(acc_dP.load().to(self.dtype))
-            cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_stage])
+            if const_expr(not t.ds_before_dv):
+                rdS.store(acc_dP.load().to(self.dtype))
+                cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_stage])
             cute.arch.fence_view_async_shared()
             dbias = (feat, sdS, head, m_block, n_block)  # the bias gradient's stores (grad_bias)
             if const_expr(t.pds_split):
@@ -669,10 +690,11 @@ class AttentionBackwardSm90:
 
     @cute.jit
     def probs(self, acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2,
-              rBias=None):  # fmt: skip
+              rBias=None, lse=None):  # fmt: skip
         """P^T = exp(S^T * scale [+ B^T] - LSE) in place of S^T, zero where masked (after the exp:
         LSE may be +-inf there); computed as exp2 with sLSE in log2 units. ``cS_mn``: (key, query)
-        in the block of each value, rows x columns."""
+        in the block of each value, rows x columns. ``lse``: the columns' LSE already read
+        (``read_stats``), else read here."""
         t = self.tiles
         S = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
         B = None
@@ -685,7 +707,8 @@ class AttentionBackwardSm90:
             need_mask = need_mask or key0 <= q0 + t.tile_m - 1 + offset - window_size
         for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
             q_local = cS_mn[0, c][1]
-            lse_log2 = sLSE[q_local, stage]  # already in log2 units: one multiply a column less
+            # already in log2 units: one multiply a column less
+            lse_log2 = lse[c] if const_expr(lse is not None) else sLSE[q_local, stage]
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                 x = S[r, c] * scale_log2 - lse_log2
                 if const_expr(self.has_bias):  # in log2 units, as the scores
@@ -705,19 +728,27 @@ class AttentionBackwardSm90:
                         S[r, c] = Float32(0.0)
 
     @cute.jit
-    def grad_scores(self, acc_dP, acc_P, cS_mn, sDelta, stage, keep=None, feat=None):
+    def grad_scores(self, acc_dP, acc_P, cS_mn, sDelta, stage, keep=None, feat=None, delta=None):
         """dS^T = P^T (dP^T - Δ) in place of dP^T (P undropped; with dropout dP^T is first
-        the dropped product's gradient Z∘dP^T)."""
+        the dropped product's gradient Z∘dP^T). ``delta``: the columns' Δ already read."""
         P = cute.make_tensor(acc_P.iterator, acc_mn_layout(acc_P.layout))
         dP = cute.make_tensor(acc_dP.iterator, acc_mn_layout(acc_dP.layout))
         rows = cute.size(dP, mode=[0])
         for c in cutlass.range_constexpr(cute.size(dP, mode=[1])):
-            delta = sDelta[cS_mn[0, c][1], stage]
+            d = delta[c] if const_expr(delta is not None) else sDelta[cS_mn[0, c][1], stage]
             for r in cutlass.range_constexpr(rows):
                 dp = dP[r, c]
                 if const_expr(self.dropout):
                     dp = self.dropped(keep, c * rows + r, dp, feat)
-                dP[r, c] = P[r, c] * (dp - delta)
+                dP[r, c] = P[r, c] * (dp - d)
+
+    @cute.jit
+    def read_stats(self, s, stage, cS_mn):
+        """LSE or Δ of the fragment's query columns from stage ``stage`` into registers."""
+        vals = []
+        for c in cutlass.range_constexpr(cute.size(cS_mn, mode=[1])):
+            vals.append(s[cS_mn[0, c][1], stage])
+        return vals
 
     # ------------------------------------------------------------ bias and dropout
     @cute.jit
