@@ -27,11 +27,13 @@ transposed form that keeps P and dS in registers for the dK / dV products:
 
 | head dim | tile_m | tile_n | Q / dO stages | dS stages | consumers | smem (bf16) |
 |----------|--------|--------|---------------|-----------|-----------|-------------|
-| 64       | 64     | 128    | 2             | 2         | 2 x 128   | 114 KiB     |
+| 64       | 128 *  | 128    | 2             | 2         | 2 x 128   | 195 KiB     |
 | 96       | 64     | 128    | 2             | 2         | 2 x 128   | 154 KiB     |
 | 128      | 64     | 128    | 2             | 2         | 2 x 128   | 194 KiB     |
 | 192      | 64     | 64     | 2             | 2         | 2 x 128   | 226 KiB     |
 | 256      | 64     | 64     | 1             | 2         | 2 x 128   | 225 KiB     |
+
+(*) 64 (114 KiB) with a bias or dropout.
 
 Swizzle atoms: 128-byte for every tile of d128, and for d64's but K / V, whose 64-byte
 atom (32 columns) is the warpgroups' dQ slice of K's MN-major view. d96 rows are 192 bytes, which
@@ -47,10 +49,14 @@ announce each dS half before waiting for the other (``pds_split``), issue each b
 S^T at the top of its step (``overlap="none"``: issued a step ahead, ptxas serialises
 every wgmma of the kernel, its warning C7515; d128 gained 16% without it) and store
 dS^T with stmatrix (``ds_stmatrix``: four instructions for sixteen 32-bit stores and their
-per-step swizzled addresses). d64 took tile_m 128 until 2026-11-23: its 64 + 64 fp32 of
-S^T / dP^T a thread left ptxas short of registers, and every wgmma serialised (C7515 with
-S^T a step ahead, C7512 without); tile_m 64 measured 0.287 vs 0.298 ms (8x16x1024) and
-0.476 vs 0.497 ms (causal 2x16x4096). Measurements: cute_kernels/attention_sm90/notes.md.
+per-step swizzled addresses). FA4's order within a step: LSE read into registers once S^T
+is issued and Δ after the exp (``stats_early``), dS^T stored before dV is issued
+(``ds_before_dv``), the store warp freeing both dQ buffers before waiting for either
+(``dq_empty_early``, above d64). d64's 64 + 64 fp32 of S^T / dP^T at tile_m 128 left
+ptxas short of registers in the older order (every wgmma serialised: C7515 with S^T a step
+ahead, C7512 without), so d64 ran tile_m 64 for a while; with dS^T stored before dV and the
+statistics read at their use it fits again (0 spills) and is 6-9% faster; a bias or dropout
+still spills there and keeps 64. Measurements: cute_kernels/attention_sm90/notes.md.
 
 CTA order: with a causal mask key block 0 sees the most query blocks, so the grid is 1-D
 and walked heavy-first over chunks of (batch, key head) pairs whose Q / dO / dQ rows fit
@@ -606,10 +612,11 @@ HEAD_DIM_PAIRS = tuple((a, b) for a in HEAD_DIMS for b in HEAD_DIMS if a != b an
 
 @functools.lru_cache(maxsize=None)  # also read on the call path (deterministic mode's semaphore shape)
 def attention_sm90_tiles(head_dim: int, causal: bool = False, *, head_dim_v: Optional[int] = None,
-                         **overrides) -> AttentionSm90Tiles:  # fmt: skip
+                         bias_or_dropout: bool = False, **overrides) -> AttentionSm90Tiles:  # fmt: skip
     """The tiles for Dqk = ``head_dim`` and Dv = ``head_dim_v`` (default: Dqk; see the
-    module table); ``overrides`` for sweeps. Head dims above 128 (either) get
-    ``AttentionSm90WideTiles``."""
+    module table); ``bias_or_dropout``: the kernel adds a bias or drops out (their per-value
+    work needs the registers d64's 128-query step takes); ``overrides`` for sweeps. Head dims
+    above 128 (either) get ``AttentionSm90WideTiles``."""
     dv = head_dim if head_dim_v is None else head_dim_v
     reason = head_dims_unsupported(head_dim, dv)
     if reason is not None:
@@ -639,6 +646,12 @@ def attention_sm90_tiles(head_dim: int, causal: bool = False, *, head_dim_v: Opt
         # causal 0.463 vs 0.472 (notes.md)
         fields = dict(head_dim=head_dim, head_dim_v=dv, tile_m=64, tile_n=128, dq_per_wg=True, pds_split=True,
                       overlap="none", stats_early=True, ds_before_dv=True, dq_empty_early=max(head_dim, dv) > 64)
+        if max(head_dim, dv) <= 64 and not bias_or_dropout:
+            # 128 queries a step, as FA4: fits 240 registers with dS stored before dV is issued
+            # (C7512 without), the 32 + 32 statistics read at their use (8x16x1024x64 0.262 vs
+            # 0.280 ms at tile_m 64, causal 2x16x4096x64 0.425 vs 0.468; with a bias or dropout
+            # ptxas spills 32-880 bytes, so those keep 64)
+            fields.update(tile_m=128, stats_early=False)
         fields.update(overrides)
         t = AttentionSm90Tiles(**fields)
         if t.tile_m not in (64, 128) or t.tile_n != 64 * NUM_CONSUMER_WG:
