@@ -27,16 +27,18 @@ transposed form that keeps P and dS in registers for the dK / dV products:
 
 | head dim | tile_m | tile_n | Q / dO stages | dS stages | consumers | smem (bf16) |
 |----------|--------|--------|---------------|-----------|-----------|-------------|
-| 64       | 128 *  | 128    | 2             | 2         | 2 x 128   | 195 KiB     |
+| 64       | 128    | 128    | 2             | 2         | 2 x 128   | 195 KiB     |
 | 96       | 64     | 128    | 2             | 2         | 2 x 128   | 154 KiB     |
-| 128      | 64     | 128    | 2             | 2         | 2 x 128   | 194 KiB     |
+| 128      | 80     | 128    | 2             | 2         | 2 x 128   | 226 KiB     |
 | 192      | 64     | 64     | 2             | 2         | 2 x 128   | 226 KiB     |
 | 256      | 64     | 64     | 1             | 2         | 2 x 128   | 225 KiB     |
 
-(*) 64 (114 KiB) with a bias or dropout.
+tile_m is 64 with a bias or dropout (d64: 114 KiB, d128: 194 KiB), and for d128 with a causal
+mask (FA4's choices: the diagonal blocks stay aligned to the keys').
 
-Swizzle atoms: 128-byte for every tile of d128, and for d64's but K / V, whose 64-byte
-atom (32 columns) is the warpgroups' dQ slice of K's MN-major view. d96 rows are 192 bytes, which
+Swizzle atoms: 128-byte for every tile of d128 and of d64 (on tile_m 128 the warpgroups split
+dQ's rows, not its columns); d64 on tile_m 64 (bias, dropout) gives K / V the 64-byte atom
+(32 columns), the warpgroups' dQ slice of K's MN-major view. d96 rows are 192 bytes, which
 a 128-byte atom does not divide: Q / dO take the 64-byte atom (32 columns; dK / dV read
 all 96 columns of the MN-major view), K / V the 32-byte one (16 columns: each warpgroup's
 dQ takes 48 columns of K's MN-major view, and with 32-column atoms warpgroup 1's slice
@@ -190,6 +192,10 @@ class AttentionSm90Tiles:
     pds_split: bool = False  # one-way dS barriers per warpgroup, dK issued before waiting for the other half
     dq_per_wg: bool = False  # each warpgroup hands its part of dQ to the store warp alone (no joint barrier)
     dq_stages: int = 1  # dQ staging buffers (2 measured no faster: the reduce-add is read long before the next block)
+    # dQ^T = K^T dS^T (warpgroups split the head dim on wgmma's M): lets tile_m be 80 (FA3's
+    # non-causal d128 tile; dQ's own M would have to be a multiple of 64)
+    dq_swapab: bool = False
+    dq_wait_dkv: bool = False  # dV / dK complete before dQ is issued (their A operands' registers free)
     lpt: bool = True  # causal masks: heavy key blocks first over a chunk of heads (the kernel's cta_coords)
     # dS in shared memory with keys contiguous (rows as the bias gradient's: TMA stores it from
     # there) instead of queries (whose register pairs store as 32 bits); with the bias gradient
@@ -210,6 +216,11 @@ class AttentionSm90Tiles:
     def __post_init__(self):
         if self.head_dim_v is None:
             object.__setattr__(self, "head_dim_v", self.head_dim)
+
+    @property
+    def stats_stage_stride(self) -> int:
+        """Floats between the LSE / Δ stages: TMA destinations are 128-byte aligned (tile_m 80)."""
+        return -(-self.tile_m // 32) * 32
 
     def lpt_heads_per_chunk(self, seqlen_q: int, group: int, elem_bytes: int = 2) -> int:
         """(batch, key head) pairs per chunk of the heavy-first order: their Q, dO (elem_bytes)
@@ -271,8 +282,9 @@ class AttentionSm90Tiles:
             return -(-offset // align) * align + size
 
         off = 8 * (4 * self.stages + 1)  # mbarriers: Q and dO pipelines (full + empty), K/V
-        off = place(off, 4 * self.stages * self.tile_m, STATS_ALIGN)  # LSE
-        off = place(off, 4 * self.stages * self.tile_m, STATS_ALIGN)  # Δ
+        stats = 4 * ((self.stages - 1) * self.stats_stage_stride + self.tile_m)
+        off = place(off, stats, STATS_ALIGN)  # LSE
+        off = place(off, stats, STATS_ALIGN)  # Δ
         q_rows = self.stages * self.tile_m
         for rows, cols in ((q_rows, d), (q_rows, dv), (self.tile_n, d), (self.tile_n, dv)):
             off = place(off, rows * cols * elem_bytes, SMEM_ALIGN)  # Q, dO, K, V
@@ -323,6 +335,12 @@ class AttentionSm90Tiles:
         from cutlass.utils import hopper_helpers as hh
 
         am, an = self.dq_atoms
+        if self.dq_swapab:  # A = K^T (head dim contiguous: MN-major), B = dS^T (keys contiguous: K-major)
+            b_major = warpgroup.OperandMajorMode.K if self.ds_keys_contiguous else warpgroup.OperandMajorMode.MN
+            return hh.make_trivial_tiled_mma(
+                dtype, dtype, warpgroup.OperandMajorMode.MN, b_major, Float32,
+                atom_layout_mnk=(an, am, 1), tiler_mn=(64, self.tile_m),
+            )  # fmt: skip
         return hh.make_trivial_tiled_mma(
             dtype, dtype, self.ds_major(True), warpgroup.OperandMajorMode.MN, Float32,
             atom_layout_mnk=(am, an, 1), tiler_mn=(64, self.head_dim // an),
@@ -345,7 +363,9 @@ class AttentionSm90Tiles:
         import cutlass.cute as cute
         from cutlass import Float32
 
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=DQ_STORE_BITS)
+        # dQ^T's value pairs run along queries, rows apart in the staging buffer: one value a store
+        bits = 32 if self.dq_swapab else DQ_STORE_BITS
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=bits)
         return cute.make_tiled_copy_C(atom, tiled_mma_dq)
 
     def r2g_copy_dkv(self, dtype, tiled_mma_dkv):
@@ -568,7 +588,9 @@ def smem_layouts_algebra(t: AttentionSm90Tiles) -> dict:
     def swizzle(w, bits):  # atom rows of w elements: 16-byte chunks XORed with the row mod 2^B
         return Swizzle((w * bits // 128).bit_length() - 1, (128 // bits).bit_length() - 1, 3)
 
-    def rows(r, w, bits, d=t.head_dim):  # K-major atoms (8 rows x w elements), rows first
+    def rows(r, w, bits, d=t.head_dim, cols_first=False):  # K-major atoms (8 rows x w elements), rows first
+        if cols_first:
+            return ComposedLayout(swizzle(w, bits), Layout(((8, r // 8), (w, d // w)), ((w, 8 * d), (1, 8 * w))))
         return ComposedLayout(swizzle(w, bits), Layout(((8, r // 8), (w, d // w)), ((w, 8 * w), (1, r * w))))
 
     wds = atom_cols(tm, 16)  # MN-major dS: queries contiguous
@@ -582,7 +604,8 @@ def smem_layouts_algebra(t: AttentionSm90Tiles) -> dict:
         "smem_q": (rows(tm, atom_cols(t.q_slice_cols, 16), 16), "bf16", q_what),
         "smem_k": (rows(tn, atom_cols(t.k_slice_cols, 16), 16), "bf16", k_what),
         "smem_ds": (ComposedLayout(swizzle(wds, 16), ds), "bf16", "dS stage, queries contiguous: dQ A (MN-major)"),
-        "smem_dq": (rows(tm, atom_cols(t.dq_slice_cols, 32), 32), "fp32", "dQ staging (fp32) for the TMA reduce-add"),
+        "smem_dq": (rows(tm, atom_cols(t.dq_slice_cols, 32), 32, cols_first=t.dq_order == (1, 0)), "fp32",
+                    "dQ staging (fp32) for the TMA reduce-add"),
     }  # fmt: skip
     if t.head_dim_v != t.head_dim:
         dv = t.head_dim_v
@@ -646,6 +669,13 @@ def attention_sm90_tiles(head_dim: int, causal: bool = False, *, head_dim_v: Opt
         # causal 0.463 vs 0.472 (notes.md)
         fields = dict(head_dim=head_dim, head_dim_v=dv, tile_m=64, tile_n=128, dq_per_wg=True, pds_split=True,
                       overlap="none", stats_early=True, ds_before_dv=True, dq_empty_early=max(head_dim, dv) > 64)
+        if head_dim == dv == 128 and not causal and not bias_or_dropout:
+            # 80 queries a step with dQ^T = K^T dS^T (FA3 / FA4's non-causal d128 tile), the
+            # statistics read at their use, dV / dK complete before dQ's accumulator is taken: fits
+            # 240 registers (C7512 without the wait). H100, same runs: 2x16x4096x128 1.311 vs 1.338
+            # ms, 4x16x2048x128 0.741 vs 0.758, 1x16x8192x128 2.480 vs 2.552 (notes.md). Dropout's
+            # flags would not fit beside it in shared memory.
+            fields.update(tile_m=80, dq_swapab=True, stats_early=False, dq_wait_dkv=True)
         if max(head_dim, dv) <= 64 and not bias_or_dropout:
             # 128 queries a step, as FA4: fits 240 registers with dS stored before dV is issued
             # (C7512 without), the 32 + 32 statistics read at their use (8x16x1024x64 0.262 vs
@@ -654,8 +684,9 @@ def attention_sm90_tiles(head_dim: int, causal: bool = False, *, head_dim_v: Opt
             fields.update(tile_m=128, stats_early=False)
         fields.update(overrides)
         t = AttentionSm90Tiles(**fields)
-        if t.tile_m not in (64, 128) or t.tile_n != 64 * NUM_CONSUMER_WG:
-            raise ValueError(f"tile_m must be 64 or 128 and tile_n {64 * NUM_CONSUMER_WG}, got {t.tile_m}, {t.tile_n}")
-    if t.smem_bytes(dropout=True) > SMEM_LIMIT:  # dropout's keep flags must fit too
+        if t.tile_m not in ((64, 80, 128) if t.dq_swapab else (64, 128)) or t.tile_n != 64 * NUM_CONSUMER_WG:
+            raise ValueError(f"tile_m must be 64 or 128 (80 with dq_swapab) and tile_n {64 * NUM_CONSUMER_WG}, got "
+                             f"{t.tile_m}, {t.tile_n}")  # fmt: skip
+    if t.smem_bytes(dropout=bias_or_dropout) > SMEM_LIMIT:  # with dropout its keep flags must fit too
         raise ValueError(f"tiles need {t.smem_bytes(dropout=True)} bytes of shared memory, more than {SMEM_LIMIT}")
     return t

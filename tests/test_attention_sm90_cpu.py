@@ -171,8 +171,8 @@ def test_feature_flags_are_checked():
 @pytest.mark.parametrize("head_dim", tiling.HEAD_DIMS)
 def test_keep_flags_fit(head_dim):
     """Dropout's two keep-flag buffers (a bit per element of the block) fit beside every tile
-    set, and each consumer thread draws whole 16-key half-words of one query row."""
-    t = tiling.attention_sm90_tiles(head_dim)
+    set dropout runs on, and each consumer thread draws whole 16-key half-words of one query row."""
+    t = tiling.attention_sm90_tiles(head_dim, bias_or_dropout=True)
     keys, queries = t.sdp_wg_tile
     assert keys * queries * tiling.NUM_CONSUMER_WG == t.tile_m * t.tile_n  # the warpgroups cover the block
     assert t.keep_flag_keys % 16 == 0 and keys % t.keep_flag_keys == 0
@@ -185,7 +185,7 @@ def test_d96_compiles_without_dq_per_wg(monkeypatch):
     """The dQ staging atom follows the warpgroups' 48-column slices, not the reduce-add box:
     one joint handoff of the whole tile compiles too (32-column atoms could not be partitioned)."""
     tiles = tiling.attention_sm90_tiles
-    monkeypatch.setattr(tiling, "attention_sm90_tiles", lambda d, **kw: tiles(d, dq_per_wg=False, **kw))
+    monkeypatch.setattr(tiling, "attention_sm90_tiles", lambda d, *a, **kw: tiles(d, *a, dq_per_wg=False, **kw))
     assert callable(S._build(cutlass.BFloat16, 96, 96, 1, False, "sm_90a"))
 
 
@@ -207,15 +207,21 @@ def test_lpt_chunk_fits_the_l2_budget(seqlen_q, group, d):
     assert chunk >= 1 and (chunk == 1 or chunk * per_head <= tiling.LPT_L2_BYTES < (chunk + 1) * per_head)
 
 
-@pytest.mark.compile
-def test_d64_tile_m_128_compiles_with_dq_per_wg(monkeypatch):
-    """The tile_m 128 override (d64's tiles before 2026-11-23): the warpgroups split dQ's
-    rows, each can hand its own 64 rows to the store warp (the staging atoms then tile
-    columns first, so those rows are one TMA box)."""
-    tiles = tiling.attention_sm90_tiles
-    monkeypatch.setattr(tiling, "attention_sm90_tiles", lambda d, **kw: tiles(d, tile_m=128, **kw))
-    assert tiling.attention_sm90_tiles(64).dq_order == (1, 0)
-    assert callable(S._build(cutlass.BFloat16, 64, 64, 1, False, "sm_90a"))
+def test_query_tiles_follow_mask_bias_and_dropout():
+    """d64 steps 128 queries (the warpgroups split dQ's rows, each hands its own 64 rows to the
+    store warp: the staging atoms tile columns first, so those rows are one TMA box) and
+    non-causal d128 80 (dQ^T = K^T dS^T); a bias or dropout (registers, dropout's flags) and
+    d128's causal mask keep 64."""
+    t = tiling.attention_sm90_tiles(64)
+    assert (t.tile_m, t.dq_order, t.dq_swapab) == (128, (1, 0), False)
+    t = tiling.attention_sm90_tiles(64, bias_or_dropout=True)
+    assert (t.tile_m, t.dq_order) == (64, (0, 1))
+    t = tiling.attention_sm90_tiles(128)
+    assert (t.tile_m, t.dq_swapab, t.dq_wait_dkv, t.stats_stage_stride) == (80, True, True, 96)
+    for t in (tiling.attention_sm90_tiles(128, True), tiling.attention_sm90_tiles(128, bias_or_dropout=True)):
+        assert (t.tile_m, t.dq_swapab, t.stats_stage_stride) == (64, False, 64)
+    # dropout's flags fit beside every tile set it runs on, not beside tile_m 80
+    assert tiling.attention_sm90_tiles(128).smem_bytes(dropout=True) > tiling.SMEM_LIMIT
 
 
 def test_grad_bias_needs_a_keys_contiguous_ds_tile():
@@ -326,7 +332,11 @@ def test_tiles_match_the_table(head_dim):
         assert t.ds_buffers == t.ds_stages
     # the dQ product covers the tile with the warpgroups it has
     am, an = t.dq_atoms
-    assert am * an == tiling.NUM_CONSUMER_WG and (t.tile_m // am) % 64 == 0 and (head_dim // an) % 8 == 0
+    assert am * an == tiling.NUM_CONSUMER_WG
+    if t.dq_swapab:  # dQ^T: the head dim on wgmma's M, the queries on N
+        assert am == 1 and (head_dim // an) % 64 == 0 and t.tile_m % 8 == 0
+    else:
+        assert (t.tile_m // am) % 64 == 0 and (head_dim // an) % 8 == 0
 
 
 @pytest.mark.parametrize("head_dim", [32, 80, 160, 224, 320])
@@ -336,7 +346,7 @@ def test_other_head_dims_are_not_implemented(head_dim):
 
 
 # (Q / dO, K / V, fp32 dQ staging) swizzle-atom columns: the module docstring's paragraph
-ATOM_COLS = {64: (64, 32, 32), 96: (32, 16, 16), 128: (64, 64, 32), 192: (32, 16, 16), 256: (64, 64, 32)}
+ATOM_COLS = {64: (64, 64, 32), 96: (32, 16, 16), 128: (64, 64, 32), 192: (32, 16, 16), 256: (64, 64, 32)}
 
 
 @pytest.mark.parametrize("head_dim", tiling.HEAD_DIMS)

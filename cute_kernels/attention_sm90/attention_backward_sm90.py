@@ -165,7 +165,7 @@ class AttentionBackwardSm90:
         sV_layout = t.smem_layout_v(self.dtype)
         sdS_layout = t.smem_layout_ds(self.dtype)
         sdQ_layout = t.smem_layout_dq()
-        sStat_layout = cute.make_layout((t.tile_m, t.stages))
+        sStat_layout = cute.make_layout((t.tile_m, t.stages), stride=(1, t.stats_stage_stride))
 
         tma_Q, gQ_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mQ, cute.select(sQ_layout, mode=[0, 1]), (t.tile_m, d))
@@ -555,9 +555,14 @@ class AttentionBackwardSm90:
         # dQ = dS K
         wg_dq = tiled_mma_dq.get_slice(wg * 128)
         thr_dq = tiled_mma_dq.get_slice(tidx)
-        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
-        tQrK = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
-        shape_dq = thr_dq.partition_shape_C((t.tile_m, d))
+        if const_expr(t.dq_swapab):  # dQ^T = K^T dS^T: A = K's (d, keys) view, B = dS (queries, keys)
+            tQrK = wg_dq.make_fragment_A(wg_dq.partition_A(transpose_view(sK)))
+            tQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))
+            shape_dq = thr_dq.partition_shape_C((d, t.tile_m))
+        else:
+            tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+            tQrK = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
+            shape_dq = thr_dq.partition_shape_C((t.tile_m, d))
 
         # registers -> shared: dS^T into sdS (its (key, query) view), dQ into sdQ
         r2s_ds = t.r2s_copy_ds(self.dtype, tiled_mma_sdp)
@@ -565,7 +570,7 @@ class AttentionBackwardSm90:
         tdSs = thr_r2s_ds.partition_D(transpose_view(sdS))
         r2s_dq = t.r2s_copy_dq(tiled_mma_dq)
         thr_r2s_dq = r2s_dq.get_slice(tidx)
-        tdQs = thr_r2s_dq.partition_D(sdQ)
+        tdQs = thr_r2s_dq.partition_D(transpose_view(sdQ) if const_expr(t.dq_swapab) else sdQ)
 
         offset = self.causal_offset(seqlen_q, seqlen_k)
         key0 = n_block * t.tile_n
@@ -981,8 +986,13 @@ class AttentionBackwardSm90:
             if storing:  # the other warpgroup's keys: its half is written and fenced
                 feat, sdS, head, m_block, n_block = dbias
                 self.store_grad_bias(feat, sdS, ds_stage, 1 - wg, head, m_block, n_block)
+        if const_expr(t.dq_wait_dkv):
+            warpgroup.wait_group(0)  # P^T / dS^T operand registers free before dQ's accumulator
         acc_dQ = cute.make_rmem_tensor(shape_dq, Float32)
-        wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_stage], tQrK, zero_init=True)
+        if const_expr(t.dq_swapab):
+            wgmma(tiled_mma_dq, acc_dQ, tQrK, tQrdS[None, None, None, ds_stage], zero_init=True)
+        else:
+            wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_stage], tQrK, zero_init=True)
         warpgroup.wait_group(0)
         return acc_dQ
 
