@@ -584,8 +584,6 @@ class AttentionBackwardSm90:
         # C7514 / C7515; also when the issue is made unconditional with a repeated last Q
         # block). Measured: d128 gains 16% without it, d64 loses 4% (notes.md).
         prefetch = const_expr(t.overlap != "none")
-        # dropout's keep words leave no registers for the statistics read early (d128: 32 bytes of spill)
-        stats_early = const_expr(t.stats_early and not self.dropout)
         if m_min < m_max:
             cute.arch.mbarrier_wait(mbar_kv, 0)
             if const_expr(prefetch):
@@ -602,7 +600,7 @@ class AttentionBackwardSm90:
             q0 = m_block * t.tile_m
             if const_expr(not prefetch):
                 self.issue_s(pipe_q, state, tiled_mma_sdp, acc_S, tSrK, tSrQ)
-            lse = self.read_stats(sLSE, stage, cS_mn) if const_expr(stats_early) else None
+            lse = self.read_stats(sLSE, stage, cS_mn) if const_expr(t.stats_early) else None
             # S^T (and with overlap "sdp" dP^T) of this block are in flight already
             if const_expr(t.overlap != "sdp"):
                 self.issue_dp(pipe_do, state, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
@@ -612,7 +610,7 @@ class AttentionBackwardSm90:
             warpgroup.wait_group(1)
             self.probs(acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2, rBias,
                        lse)  # fmt: skip
-            delta = self.read_stats(sDelta, stage, cS_mn) if const_expr(stats_early) else None
+            delta = self.read_stats(sDelta, stage, cS_mn) if const_expr(t.stats_early) else None
             rP = None
             if const_expr(t.p_early):
                 rP = self.p_operand(acc_S, cS_mn, keep, feat)
