@@ -611,13 +611,10 @@ class AttentionBackwardSm90:
             self.probs(acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2, rBias,
                        lse)  # fmt: skip
             delta = self.read_stats(sDelta, stage, cS_mn) if const_expr(t.stats_early) else None
-            rP = None
-            if const_expr(t.p_early):
-                rP = self.p_operand(acc_S, cS_mn, keep, feat)
             warpgroup.wait_group(0)
             self.grad_scores(acc_dP, acc_S, cS_mn, sDelta, stage, keep, feat, delta)
-            if const_expr(not t.p_early):
-                rP = self.p_operand(acc_S, cS_mn, keep, feat)
+            # (converted before the dP^T wait instead, ptxas sinks it below the wait: same SASS)
+            rP = self.p_operand(acc_S, cS_mn, keep, feat)
 
             # dV += P^T dO (P^T from registers); dS^T -> sdS; once both warpgroups' halves are
             # there (and visible to the async proxy): dQ = dS K, then dK += dS^T Q, so dQ can
