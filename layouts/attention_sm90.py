@@ -658,15 +658,12 @@ def attention_sm90_tiles(head_dim: int, causal: bool = False, *, head_dim_v: Opt
             # one barrier per block keeps a warpgroup's P / dS writes off the buffers the other still reads
             raise ValueError(f"head dims above {WIDE_FROM} need ds_stages 2, got {t.ds_stages}")
     else:
-        # warpgroups split dQ's columns: each hands its half over alone, and announces its dS half
-        # before waiting for the other's (H100, 2x16x4096x128: 1.412 vs 1.451 ms); S^T at the top
-        # of each step keeps ptxas from serialising the wgmmas (1.240 vs 1.484 ms); d64 too since
-        # its tile_m 128 ran short of registers (module docstring). FA4's step order (stats_early,
-        # ds_before_dv; dq_empty_early above d64): 2x16x4096x128 1.323 / 1.309 vs 1.348 / 1.366 ms,
-        # causal 0.783 / 0.806 vs 0.819 / 0.825; d64 (without dq_empty_early) 0.277 vs 0.286,
-        # causal 0.463 vs 0.472 (notes.md)
-        # FA4's step order only without a bias or dropout: with them it cost 5-17% (statistics read
-        # early beside the bias values, 2x16x4096x128 2.170 vs 1.849 ms; dropout 2.197 vs 2.090)
+        # each warpgroup hands its dQ part over alone, and announces its dS half before waiting
+        # for the other's (H100, 2x16x4096x128: 1.412 vs 1.451 ms); S^T at the top of each step
+        # keeps ptxas from serialising the wgmmas (1.240 vs 1.484 ms). FA4's step order
+        # (stats_early, ds_before_dv, dq_empty_early above d64): 2x16x4096x128 1.323 / 1.309 vs
+        # 1.348 / 1.366 ms, causal 0.783 / 0.806 vs 0.819 / 0.825; only without a bias or dropout:
+        # with them it cost 5-17% (2x16x4096x128 bias 2.170 vs 1.849 ms, dropout 2.197 vs 2.090)
         fa4_order = not bias_or_dropout
         fields = dict(head_dim=head_dim, head_dim_v=dv, tile_m=64, tile_n=128, dq_per_wg=True, pds_split=True,
                       overlap="none", stats_early=fa4_order, ds_before_dv=fa4_order,
