@@ -47,7 +47,8 @@ it), the fp32 dQ staging the 64-byte one (16 columns: each warpgroup's 48-column
 whole atoms, reduce-added as three 16-column TMA boxes).
 
 All three hand each warpgroup's dQ half to the store warp separately (``dq_per_wg``),
-announce each dS half before waiting for the other (``pds_split``), issue each block's
+announce each dS half before waiting for the other (``pds_split``; non-causal d128 at
+tile_m 80 waits for both at one barrier and issues dQ before dK, FA4's order), issue each block's
 S^T at the top of its step (``overlap="none"``: issued a step ahead, ptxas serialises
 every wgmma of the kernel, its warning C7515; d128 gained 16% without it) and store
 dS^T with stmatrix (``ds_stmatrix``: four instructions for sixteen 32-bit stores and their
@@ -58,7 +59,10 @@ is issued and Δ after the exp (``stats_early``), dS^T stored before dV is issue
 ptxas short of registers in the older order (every wgmma serialised: C7515 with S^T a step
 ahead, C7512 without), so d64 ran tile_m 64 for a while; with dS^T stored before dV and the
 statistics read at their use it fits again (0 spills) and is 6-9% faster; a bias or dropout
-still spills there and keeps 64. Measurements: cute_kernels/attention_sm90/notes.md.
+still spills there and keeps 64. dK / dV leave through K's / V's shared memory (free once
+both warpgroups' last wgmmas have read them) and a TMA store (``dkv_tma_store``): 32-bit
+stores from registers cost 5% at 8x16x1024x64, where a CTA runs only 8 steps.
+Measurements: cute_kernels/attention_sm90/notes.md.
 
 CTA order: with a causal mask key block 0 sees the most query blocks, so the grid is 1-D
 and walked heavy-first over chunks of (batch, key head) pairs whose Q / dO / dQ rows fit
@@ -210,6 +214,9 @@ class AttentionSm90Tiles:
     ds_before_dv: bool = False
     # ... and the store warp frees both warpgroups' dQ buffers before waiting for either
     dq_empty_early: bool = False
+    # dK / dV through K's / V's shared memory (stmatrix) and a TMA store, instead of 32-bit
+    # stores from registers straight to global memory
+    dkv_tma_store: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -365,6 +372,14 @@ class AttentionSm90Tiles:
         bits = 32 if self.dq_swapab else DQ_STORE_BITS
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=bits)
         return cute.make_tiled_copy_C(atom, tiled_mma_dq)
+
+    def r2s_copy_dkv(self, dtype, tiled_mma_dkv):
+        """dK / dV accumulators (cast) into K's / V's shared memory for the TMA store (stmatrix:
+        rows of 8 values, as K-major swizzles keep them)."""
+        import cutlass.cute as cute
+
+        op = cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4)
+        return cute.make_tiled_copy_C(cute.make_copy_atom(op, dtype), tiled_mma_dkv)
 
     def r2g_copy_dkv(self, dtype, tiled_mma_dkv):
         """dK / dV accumulators (cast) straight to global memory (once per CTA)."""
@@ -651,6 +666,9 @@ def attention_sm90_tiles(head_dim: int, causal: bool = False, *, head_dim_v: Opt
         t = AttentionSm90WideTiles(**fields)
         if t.tile_m != 64 or t.tile_n != 64:
             raise ValueError(f"head dims above {WIDE_FROM} need tile_m 64 and tile_n 64, got {t.tile_m}, {t.tile_n}")
+        if t.dkv_tma_store:
+            # its dK / dV accumulators split the head dim between the warpgroups (stored from registers)
+            raise ValueError(f"head dims above {WIDE_FROM} store dK / dV from registers (dkv_tma_store False)")
         if t.dq_per_wg:
             # a warpgroup's dQ columns are two quarters of d: the store warp adds the whole tile
             raise ValueError(f"head dims above {WIDE_FROM} stage dQ jointly (dq_per_wg False)")
@@ -664,17 +682,20 @@ def attention_sm90_tiles(head_dim: int, causal: bool = False, *, head_dim_v: Opt
         # (stats_early, ds_before_dv, dq_empty_early above d64): 2x16x4096x128 1.323 / 1.309 vs
         # 1.348 / 1.366 ms, causal 0.783 / 0.806 vs 0.819 / 0.825; only without a bias or dropout:
         # with them it cost 5-17% (2x16x4096x128 bias 2.170 vs 1.849 ms, dropout 2.197 vs 2.090)
+        # dK / dV leave through shared memory and a TMA store (8x16x1024x64 0.246 vs 0.260 ms,
+        # causal 2x16x4096x64 0.409 vs 0.425)
         fa4_order = not bias_or_dropout
         fields = dict(head_dim=head_dim, head_dim_v=dv, tile_m=64, tile_n=128, dq_per_wg=True, pds_split=True,
                       overlap="none", stats_early=fa4_order, ds_before_dv=fa4_order,
-                      dq_empty_early=fa4_order and max(head_dim, dv) > 64)
+                      dq_empty_early=fa4_order and max(head_dim, dv) > 64, dkv_tma_store=True)
         if head_dim == dv == 128 and not causal and not bias_or_dropout:
             # 80 queries a step with dQ^T = K^T dS^T (FA3 / FA4's non-causal d128 tile), the
-            # statistics read at their use, dV / dK complete before dQ's accumulator is taken: fits
-            # 240 registers (C7512 without the wait). H100, same runs: 2x16x4096x128 1.311 vs 1.338
-            # ms, 4x16x2048x128 0.741 vs 0.758, 1x16x8192x128 2.480 vs 2.552 (notes.md). Dropout's
-            # flags would not fit beside it in shared memory.
-            fields.update(tile_m=80, dq_swapab=True, stats_early=False, dq_wait_dkv=True)
+            # statistics read at their use, one dS barrier for both warpgroups then dQ before dK
+            # (FA4's order: dQ staged while dK runs): fits 240 registers without spilling.
+            # H100, same runs: 2x16x4096x128 1.311 vs 1.338 ms at tile_m 64, 4x16x2048x128 0.741
+            # vs 0.758, 1x16x8192x128 2.480 vs 2.552; the joint barrier then 1.213 vs 1.286
+            # (notes.md). Dropout's flags would not fit beside it in shared memory.
+            fields.update(tile_m=80, dq_swapab=True, stats_early=False, pds_split=False)
         if max(head_dim, dv) <= 64 and not bias_or_dropout:
             # 128 queries a step, as FA4: fits 240 registers with dS stored before dV is issued
             # (C7512 without), the 32 + 32 statistics read at their use (8x16x1024x64 0.262 vs

@@ -217,11 +217,23 @@ def test_query_tiles_follow_mask_bias_and_dropout():
     t = tiling.attention_sm90_tiles(64, bias_or_dropout=True)
     assert (t.tile_m, t.dq_order) == (64, (0, 1))
     t = tiling.attention_sm90_tiles(128)
-    assert (t.tile_m, t.dq_swapab, t.dq_wait_dkv, t.stats_stage_stride) == (80, True, True, 96)
+    assert (t.tile_m, t.dq_swapab, t.pds_split, t.stats_stage_stride) == (80, True, False, 96)
     for t in (tiling.attention_sm90_tiles(128, True), tiling.attention_sm90_tiles(128, bias_or_dropout=True)):
         assert (t.tile_m, t.dq_swapab, t.stats_stage_stride) == (64, False, 64)
     # dropout's flags fit beside every tile set it runs on, not beside tile_m 80
     assert tiling.attention_sm90_tiles(128).smem_bytes(dropout=True) > tiling.SMEM_LIMIT
+
+
+def test_dkv_tma_store_on_the_base_tiles_only():
+    """dK / dV leave through shared memory and a TMA store on the base tiles (every mask, bias
+    or dropout); the wide tiles split dK / dV's head dim between the warpgroups and store
+    from registers."""
+    for args, kw in (((64,), {}), ((64, True), {}), ((96,), {}), ((128,), {}), ((128, True), {}),
+                     ((128,), dict(bias_or_dropout=True)), ((64,), dict(head_dim_v=128))):
+        assert tiling.attention_sm90_tiles(*args, **kw).dkv_tma_store, (args, kw)
+    assert not tiling.attention_sm90_tiles(192).dkv_tma_store
+    with pytest.raises(ValueError, match="dkv_tma_store False"):
+        tiling.attention_sm90_tiles(256, dkv_tma_store=True)
 
 
 def test_grad_bias_needs_a_keys_contiguous_ds_tile():

@@ -8,7 +8,8 @@ which also zeroes the dQ accumulator) and dQ from our ``convert_dq``; this kerne
 Shared memory (one phase: everything lives for the whole CTA)::
 
     sQ, sdO   [tile_m, d | dv, stages]  TMA ring, mbarrier pipelines (with sLSE, sDelta)
-    sK, sV    [tile_n, d | dv]          loaded once (kv mbarrier)
+    sK, sV    [tile_n, d | dv]          loaded once (kv mbarrier); with dkv_tma_store the
+                                        TMA-store source of dK / dV after the last block
     sdS       [tile_m, tile_n, 2]       dS of the block, A operand of dQ = dS K (with the bias
                                         gradient keys contiguous: also its TMA-store source)
     sdQ       [tile_m, d, dq_stages] fp32   the block's dQ, source of the TMA reduce-add
@@ -21,7 +22,8 @@ Synchronisation: the Q / dO pipelines (full: TMA transaction bytes, empty: the 8
 consumer warps); named barriers PDS (both consumer warpgroups wrote dS; with pds_split
 one one-way barrier per warpgroup), DQ_EMPTY and DQ_FULL (sdQ handed between the
 consumers and the dQ-store warp; with dq_per_wg a pair per warpgroup), KEEP_FLAGS (dropout:
-a warpgroup's flags of the block are drawn; one per warpgroup). Options and their
+a warpgroup's flags of the block are drawn; one per warpgroup), EPILOGUE (dkv_tma_store:
+both warpgroups are done with K / V, then their dK / dV are written). Options and their
 measurements: layouts/attention_sm90.py, notes.md next to this file.
 """
 
@@ -59,6 +61,7 @@ BAR_PDS_WG1 = 4  # with pds_split: warpgroup 1 announces its dS here, warpgroup 
 BAR_DQ_EMPTY_WG1 = 5  # with dq_per_wg: warpgroup 1's pair (warpgroup 0 uses BAR_DQ_EMPTY / BAR_DQ_FULL)
 BAR_DQ_FULL_WG1 = 6
 BAR_KEEP_FLAGS = 7  # dropout: a warpgroup's keep flags of the block are drawn (warpgroup 1: 8)
+BAR_EPILOGUE = 9  # dkv_tma_store: both warpgroups done with K / V, then their dK / dV written
 LOG2_E = math.log2(math.e)
 
 
@@ -184,6 +187,12 @@ class AttentionBackwardSm90:
             tma_dQ, gdQ_tma = cpasync.make_tiled_tma_atom(
                 cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, cute.select(sdQ_layout, mode=[0, 1]), (t.tile_m, d))
 
+        dkv_tma = None
+        if const_expr(t.dkv_tma_store):
+            tma_dK, gdK_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mdK, sK_layout, (t.tile_n, d))
+            tma_dV, gdV_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mdV, sV_layout, (t.tile_n, dv))
+            dkv_tma = (tma_dK, gdK_tma, tma_dV, gdV_tma)
+
         tma_dB = gdB_tma = None
         if const_expr(self.grad_bias):  # (queries, keys, heads, batch): boxes of the keys-contiguous dS tile
             tma_dB, gdB_tma = cpasync.make_tiled_tma_atom(
@@ -227,7 +236,7 @@ class AttentionBackwardSm90:
             rng = (philox_seed, philox_offset, dropout_p, dropout_scale, dropout_bh_elems)
         self.kernel(
             gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, gdQ_tma, mdK, mdV, mSemaphore,
-            mCuSeqlensQ, mCuSeqlensK, mBias, (tma_dB, gdB_tma), tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ,
+            mCuSeqlensQ, mCuSeqlensK, mBias, (tma_dB, gdB_tma), dkv_tma, tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, sStat_layout,
             t.tiled_mma_sdp(self.dtype), t.tiled_mma_dkv(self.dtype), t.tiled_mma_dkv(self.dtype, dv),
             t.tiled_mma_dq(self.dtype),
@@ -241,7 +250,7 @@ class AttentionBackwardSm90:
         gQ_tma: cute.Tensor, gdO_tma: cute.Tensor, gK_tma: cute.Tensor, gV_tma: cute.Tensor,
         gLSE_tma: cute.Tensor, gDelta_tma: cute.Tensor, gdQ_tma: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
         mSemaphore: Optional[cute.Tensor], mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
-        mBias: Optional[cute.Tensor], grad_bias_tma: tuple, tma_Q: cute.CopyAtom, tma_dO: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
+        mBias: Optional[cute.Tensor], grad_bias_tma: tuple, dkv_tma: Optional[tuple], tma_Q: cute.CopyAtom, tma_dO: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
         tma_LSE: cute.CopyAtom, tma_Delta: cute.CopyAtom, tma_dQ: cute.CopyAtom,
         sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
@@ -260,6 +269,9 @@ class AttentionBackwardSm90:
                 cpasync.prefetch_descriptor(atom)
             if const_expr(self.grad_bias):
                 cpasync.prefetch_descriptor(grad_bias_tma[0])
+            if const_expr(t.dkv_tma_store):
+                cpasync.prefetch_descriptor(dkv_tma[0])
+                cpasync.prefetch_descriptor(dkv_tma[2])
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -315,7 +327,8 @@ class AttentionBackwardSm90:
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             feat = self.features(mBias, grad_bias_tma, sKeep, rng, batch, group * sched[1])  # query heads
-            self.mma(sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dv,
+            dkv_out = (mdK, mdV, dkv_tma)
+            self.mma(sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, dkv_out, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dv,
                      tiled_mma_dq, pipe_q, pipe_do, mbar_kv, tidx - 128, n_block, batch, work, rows,
                      seqlen_q, seqlen_k, softmax_scale, window_size, feat)  # fmt: skip
 
@@ -536,7 +549,7 @@ class AttentionBackwardSm90:
 
     # --------------------------------------------------------------------------- consumers
     @cute.jit
-    def mma(self, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dv,
+    def mma(self, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, dkv_out, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dv,
             tiled_mma_dq, pipe_q, pipe_do, mbar_kv, tidx, n_block, batch, work, rows, seqlen_q, seqlen_k, softmax_scale,
             window_size, feat):  # fmt: skip
         t = self.tiles
@@ -648,7 +661,10 @@ class AttentionBackwardSm90:
                         self.store_grad_bias(feat, sdS, ds_stage, list(range(t.tile_n // GRAD_BIAS_BOX_KEYS)), head,
                                              m_block, n_block)  # fmt: skip
                 acc_dQ = cute.make_rmem_tensor(shape_dq, Float32)
-                wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_stage], tQrK, zero_init=True)
+                if const_expr(t.dq_swapab):
+                    wgmma(tiled_mma_dq, acc_dQ, tQrK, tQrdS[None, None, None, ds_stage], zero_init=True)
+                else:
+                    wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_stage], tQrK, zero_init=True)
                 wgmma(tiled_mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
                       tKrQ[None, None, None, stage], zero_init=False)  # fmt: skip
                 warpgroup.wait_group(1)  # dV and dQ done
@@ -674,19 +690,64 @@ class AttentionBackwardSm90:
             state.advance()
             head, m_block = self.next_work_item(work, head, m_block)
 
-        self.epilogue(acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch, rows,
-                      seqlen_k, softmax_scale)  # fmt: skip
+        self.epilogue(acc_dK, acc_dV, dkv_out, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch,
+                      rows, seqlen_k, softmax_scale)  # fmt: skip
 
     @cute.jit
-    def epilogue(self, acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch, rows,
-                 seqlen_k, softmax_scale):  # fmt: skip
+    def epilogue(self, acc_dK, acc_dV, dkv_out, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch,
+                 rows, seqlen_k, softmax_scale):  # fmt: skip
         """After the last block: the bias-gradient stores have read shared memory (a thread
         without any returns at once); dK scaled by the softmax scale (dS was not) and dK / dV
-        stored, rows past seqlen_k dropped."""
+        stored, rows past seqlen_k dropped. ``dkv_out``: (mdK, mdV, their TMA atoms and
+        coordinate tensors or None)."""
+        t = self.tiles
+        mdK, mdV, dkv_tma = dkv_out
         self.grad_bias_wait(tidx % 128 == 0)
         acc_dK.store(acc_dK.load() * softmax_scale)
-        self.store_rows(acc_dK, mdK, tiled_mma_dkv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
-        self.store_rows(acc_dV, mdV, tiled_mma_dv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
+        if const_expr(t.dkv_tma_store):
+            # TMA drops rows past the tensor's end, not past a packed sequence's: with varlen a
+            # block reaching past seqlen_k takes the row-predicated stores
+            if const_expr(self.varlen):
+                if (n_block + 1) * t.tile_n <= seqlen_k:
+                    self.store_tiles_tma(acc_dK, acc_dV, dkv_tma, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block,
+                                         head_kv, batch, rows[1])  # fmt: skip
+                else:
+                    self.store_rows(acc_dK, mdK, tiled_mma_dkv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
+                    self.store_rows(acc_dV, mdV, tiled_mma_dv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
+            else:
+                self.store_tiles_tma(acc_dK, acc_dV, dkv_tma, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block,
+                                     head_kv, batch, rows[1])  # fmt: skip
+        else:
+            self.store_rows(acc_dK, mdK, tiled_mma_dkv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
+            self.store_rows(acc_dV, mdV, tiled_mma_dv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
+
+    @cute.jit
+    def store_tiles_tma(self, acc_dK, acc_dV, dkv_tma, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv,
+                        batch, offset_k):  # fmt: skip
+        """dK / dV (cast) into K's / V's shared memory, then one thread's TMA stores: the rows
+        leave as whole 128-byte lines and the warps are done at once (32-bit stores straight
+        from registers: 8x16x1024x64 0.262 vs 0.240 ms without any store, notes.md)."""
+        t = self.tiles
+        tma_dK, gdK_tma, tma_dV, gdV_tma = dkv_tma
+        # the other warpgroup's last wgmmas (dQ's K, dP^T's V) have read K and V
+        cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=t.num_mma_threads)
+        for acc, s, tiled_mma in ((acc_dK, sK, tiled_mma_dkv), (acc_dV, sV, tiled_mma_dv)):
+            r2s = t.r2s_copy_dkv(self.dtype, tiled_mma)
+            thr = r2s.get_slice(tidx)
+            rOut = cute.make_rmem_tensor(acc.shape, self.dtype)
+            rOut.store(acc.load().to(self.dtype))
+            cute.copy(r2s, thr.retile(rOut), thr.partition_D(s))
+        cute.arch.fence_view_async_shared()  # visible to the TMA unit
+        cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=t.num_mma_threads)
+        if tidx == 0:
+            for atom, g_tma, s in ((tma_dK, gdK_tma, sK), (tma_dV, gdV_tma, sV)):
+                tile = (t.tile_n, cute.size(s, mode=[1]))
+                g = cute.local_tile(self.seq_tile_view(g_tma, head_kv, batch, offset_k), tile, (n_block, 0))
+                ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                                               cute.group_modes(g, 0, 2))  # fmt: skip
+                cute.copy(atom, ts, tg)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory stays until read
 
     @cute.jit
     def probs(self, acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2,

@@ -39,7 +39,7 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
     same configuration (mask, window, deterministic) and arguments."""
 
     @cute.jit
-    def mma(self, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, mdK, mdV, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dv,
+    def mma(self, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, dkv_out, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dv,
             tiled_mma_dq, pipe_q, pipe_do, mbar_kv, tidx, n_block, batch, work, rows, seqlen_q, seqlen_k, softmax_scale,
             window_size, feat):  # fmt: skip
         t = self.tiles
@@ -142,5 +142,5 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
             state.advance()
             head, m_block = self.next_work_item(work, head, m_block)
 
-        self.epilogue(acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch, rows,
-                      seqlen_k, softmax_scale)  # fmt: skip
+        self.epilogue(acc_dK, acc_dV, dkv_out, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch,
+                      rows, seqlen_k, softmax_scale)  # fmt: skip
