@@ -33,8 +33,8 @@ transposed form that keeps P and dS in registers for the dK / dV products:
 | 192      | 64     | 64     | 2             | 2         | 2 x 128   | 226 KiB     |
 | 256      | 64     | 64     | 1             | 2         | 2 x 128   | 225 KiB     |
 
-tile_m is 64 with a bias or dropout (d64: 114 KiB, d128: 194 KiB), and for d128 with a causal
-mask (FA4's choices: the diagonal blocks stay aligned to the keys').
+tile_m is 64 with a bias or dropout (d64: 114 KiB, d128: 194 KiB). d128 takes 80 with a
+causal mask too (FA4 keeps 64 there; 80 measured 3-5% faster at 4096 / 8192 keys).
 
 Swizzle atoms: 128-byte for every tile of d128 and of d64 (on tile_m 128 the warpgroups split
 dQ's rows, not its columns); d64 on tile_m 64 (bias, dropout) gives K / V the 64-byte atom
@@ -47,8 +47,8 @@ it), the fp32 dQ staging the 64-byte one (16 columns: each warpgroup's 48-column
 whole atoms, reduce-added as three 16-column TMA boxes).
 
 All three hand each warpgroup's dQ half to the store warp separately (``dq_per_wg``),
-announce each dS half before waiting for the other (``pds_split``; non-causal d128 at
-tile_m 80 waits for both at one barrier and issues dQ before dK, FA4's order), issue each block's
+announce each dS half before waiting for the other (``pds_split``; d128 at tile_m 80 waits
+for both at one barrier and issues dQ before dK, FA4's order), issue each block's
 S^T at the top of its step (``overlap="none"``: issued a step ahead, ptxas serialises
 every wgmma of the kernel, its warning C7515; d128 gained 16% without it) and store
 dS^T with stmatrix (``ds_stmatrix``: four instructions for sixteen 32-bit stores and their
@@ -647,7 +647,7 @@ HEAD_DIM_PAIRS = tuple((a, b) for a in HEAD_DIMS for b in HEAD_DIMS if a != b an
 
 
 @functools.lru_cache(maxsize=None)  # also read on the call path (deterministic mode's semaphore shape)
-def attention_sm90_tiles(head_dim: int, causal: bool = False, *, head_dim_v: Optional[int] = None,
+def attention_sm90_tiles(head_dim: int, *, head_dim_v: Optional[int] = None,
                          bias_or_dropout: bool = False, **overrides) -> AttentionSm90Tiles:  # fmt: skip
     """The tiles for Dqk = ``head_dim`` and Dv = ``head_dim_v`` (default: Dqk; see the
     module table); ``bias_or_dropout``: the kernel adds a bias or drops out (their per-value
@@ -688,13 +688,15 @@ def attention_sm90_tiles(head_dim: int, causal: bool = False, *, head_dim_v: Opt
         fields = dict(head_dim=head_dim, head_dim_v=dv, tile_m=64, tile_n=128, dq_per_wg=True, pds_split=True,
                       overlap="none", stats_early=fa4_order, ds_before_dv=fa4_order,
                       dq_empty_early=fa4_order and max(head_dim, dv) > 64, dkv_tma_store=True)
-        if head_dim == dv == 128 and not causal and not bias_or_dropout:
+        if head_dim == dv == 128 and not bias_or_dropout:
             # 80 queries a step with dQ^T = K^T dS^T (FA3 / FA4's non-causal d128 tile), the
             # statistics read at their use, one dS barrier for both warpgroups then dQ before dK
             # (FA4's order: dQ staged while dK runs): fits 240 registers without spilling.
             # H100, same runs: 2x16x4096x128 1.311 vs 1.338 ms at tile_m 64, 4x16x2048x128 0.741
-            # vs 0.758, 1x16x8192x128 2.480 vs 2.552; the joint barrier then 1.213 vs 1.286
-            # (notes.md). Dropout's flags would not fit beside it in shared memory.
+            # vs 0.758, 1x16x8192x128 2.480 vs 2.552; the joint barrier then 1.213 vs 1.286.
+            # Causal too (FA4 keeps 64 there): 2x16x4096x128 0.766 vs 0.790, 1x16x8192x128 1.374
+            # vs 1.443, 4x16x2048x128 0.464 vs 0.467 (notes.md). Dropout's flags would not fit
+            # beside it in shared memory.
             fields.update(tile_m=80, dq_swapab=True, stats_early=False, pds_split=False)
         if max(head_dim, dv) <= 64 and not bias_or_dropout:
             # 128 queries a step, as FA4: fits 240 registers with dS stored before dV is issued

@@ -207,19 +207,19 @@ def test_lpt_chunk_fits_the_l2_budget(seqlen_q, group, d):
     assert chunk >= 1 and (chunk == 1 or chunk * per_head <= tiling.LPT_L2_BYTES < (chunk + 1) * per_head)
 
 
-def test_query_tiles_follow_mask_bias_and_dropout():
+def test_query_tiles_follow_bias_and_dropout():
     """d64 steps 128 queries (the warpgroups split dQ's rows, each hands its own 64 rows to the
-    store warp: the staging atoms tile columns first, so those rows are one TMA box) and
-    non-causal d128 80 (dQ^T = K^T dS^T); a bias or dropout (registers, dropout's flags) and
-    d128's causal mask keep 64."""
+    store warp: the staging atoms tile columns first, so those rows are one TMA box) and d128
+    80 (dQ^T = K^T dS^T, one dS barrier), with or without a causal mask; a bias or dropout
+    (registers, dropout's flags) keeps 64."""
     t = tiling.attention_sm90_tiles(64)
     assert (t.tile_m, t.dq_order, t.dq_swapab) == (128, (1, 0), False)
     t = tiling.attention_sm90_tiles(64, bias_or_dropout=True)
     assert (t.tile_m, t.dq_order) == (64, (0, 1))
     t = tiling.attention_sm90_tiles(128)
     assert (t.tile_m, t.dq_swapab, t.pds_split, t.stats_stage_stride) == (80, True, False, 96)
-    for t in (tiling.attention_sm90_tiles(128, True), tiling.attention_sm90_tiles(128, bias_or_dropout=True)):
-        assert (t.tile_m, t.dq_swapab, t.stats_stage_stride) == (64, False, 64)
+    t = tiling.attention_sm90_tiles(128, bias_or_dropout=True)
+    assert (t.tile_m, t.dq_swapab, t.pds_split, t.stats_stage_stride) == (64, False, True, 64)
     # dropout's flags fit beside every tile set it runs on, not beside tile_m 80
     assert tiling.attention_sm90_tiles(128).smem_bytes(dropout=True) > tiling.SMEM_LIMIT
 
@@ -228,9 +228,8 @@ def test_dkv_tma_store_on_the_base_tiles_only():
     """dK / dV leave through shared memory and a TMA store on the base tiles (every mask, bias
     or dropout); the wide tiles split dK / dV's head dim between the warpgroups and store
     from registers."""
-    for args, kw in (((64,), {}), ((64, True), {}), ((96,), {}), ((128,), {}), ((128, True), {}),
-                     ((128,), dict(bias_or_dropout=True)), ((64,), dict(head_dim_v=128))):
-        assert tiling.attention_sm90_tiles(*args, **kw).dkv_tma_store, (args, kw)
+    for d, kw in ((64, {}), (96, {}), (128, {}), (128, dict(bias_or_dropout=True)), (64, dict(head_dim_v=128))):
+        assert tiling.attention_sm90_tiles(d, **kw).dkv_tma_store, (d, kw)
     assert not tiling.attention_sm90_tiles(192).dkv_tma_store
     with pytest.raises(ValueError, match="dkv_tma_store False"):
         tiling.attention_sm90_tiles(256, dkv_tma_store=True)
