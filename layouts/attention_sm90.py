@@ -709,6 +709,7 @@ def attention_sm90_tiles(head_dim: int, *, head_dim_v: Optional[int] = None,
         if t.tile_m not in ((64, 80, 128) if t.dq_swapab else (64, 128)) or t.tile_n != 64 * NUM_CONSUMER_WG:
             raise ValueError(f"tile_m must be 64 or 128 (80 with dq_swapab) and tile_n {64 * NUM_CONSUMER_WG}, got "
                              f"{t.tile_m}, {t.tile_n}")  # fmt: skip
-    if t.smem_bytes(dropout=bias_or_dropout) > SMEM_LIMIT:  # with dropout its keep flags must fit too
-        raise ValueError(f"tiles need {t.smem_bytes(dropout=True)} bytes of shared memory, more than {SMEM_LIMIT}")
+    need = t.smem_bytes(dropout=bias_or_dropout)  # with dropout its keep flags must fit too
+    if need > SMEM_LIMIT:
+        raise ValueError(f"tiles need {need} bytes of shared memory, more than {SMEM_LIMIT}")
     return t

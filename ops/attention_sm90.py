@@ -28,13 +28,19 @@ from . import _compile as cc
 DTYPES = (torch.float16, torch.bfloat16)
 
 
+def _tiles(head_dim: int, head_dim_v: int, bias: bool, grad_bias: bool, dropout: bool):
+    """The tiles a configuration compiles with (also read on the call path: deterministic
+    mode's semaphore shape, the heavy-first chunk; cached by ``attention_sm90_tiles``)."""
+    return tiling.attention_sm90_tiles(head_dim, head_dim_v=head_dim_v, ds_keys_contiguous=grad_bias,
+                                       bias_or_dropout=bias or dropout)  # fmt: skip
+
+
 def _build(dtype, head_dim: int, head_dim_v: int, mask_type: int, has_window: bool, arch: str,
            deterministic: bool = False, varlen: bool = False, has_bias: bool = False, grad_bias: bool = False,
            dropout: bool = False):  # fmt: skip
     """One configuration; ``head_dim`` is Dqk (Q, K), ``head_dim_v`` Dv (V, dO). The bias
     gradient leaves by TMA from a keys-contiguous dS tile (``ds_keys_contiguous``)."""
-    tiles = tiling.attention_sm90_tiles(head_dim, head_dim_v=head_dim_v, ds_keys_contiguous=grad_bias,
-                                        bias_or_dropout=has_bias or dropout)  # fmt: skip
+    tiles = _tiles(head_dim, head_dim_v, has_bias, grad_bias, dropout)
     # a head dim above 128: the 64 x 64 decomposition (P^T / dS^T through shared memory)
     cls = AttentionBackwardSm90Wide if isinstance(tiles, tiling.AttentionSm90WideTiles) else AttentionBackwardSm90
     kernel = cls(dtype, tiles, mask_type, has_window, deterministic, varlen, has_bias, grad_bias, dropout)
@@ -196,7 +202,7 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     fn = compiled(*_config(cc.cute_dtype(query.dtype), d, d_v, mask_type, arch, window=window > 0,
                            deterministic=deterministic, varlen=varlen, bias=bias is not None,
                            grad_bias=grad_bias is not None, dropout=dropout))  # fmt: skip
-    tiles = tiling.attention_sm90_tiles(d, head_dim_v=d_v, bias_or_dropout=bias is not None or dropout)  # as _build's
+    tiles = _tiles(d, d_v, bias is not None, grad_bias is not None, dropout)
     semaphore = None
     if deterministic:
         semaphore = torch.zeros((seqs, h, -(-rows_q // tiles.tile_m)), dtype=torch.int32, device=query.device)

@@ -660,11 +660,7 @@ class AttentionBackwardSm90:
                     if tidx == 0:  # both halves are written
                         self.store_grad_bias(feat, sdS, ds_stage, list(range(t.tile_n // GRAD_BIAS_BOX_KEYS)), head,
                                              m_block, n_block)  # fmt: skip
-                acc_dQ = cute.make_rmem_tensor(shape_dq, Float32)
-                if const_expr(t.dq_swapab):
-                    wgmma(tiled_mma_dq, acc_dQ, tQrK, tQrdS[None, None, None, ds_stage], zero_init=True)
-                else:
-                    wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_stage], tQrK, zero_init=True)
+                acc_dQ = self.issue_dq(tiled_mma_dq, shape_dq, tQrdS, tQrK, ds_stage)
                 wgmma(tiled_mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
                       tKrQ[None, None, None, stage], zero_init=False)  # fmt: skip
                 warpgroup.wait_group(1)  # dV and dQ done
@@ -704,22 +700,27 @@ class AttentionBackwardSm90:
         mdK, mdV, dkv_tma = dkv_out
         self.grad_bias_wait(tidx % 128 == 0)
         acc_dK.store(acc_dK.load() * softmax_scale)
-        if const_expr(t.dkv_tma_store):
-            # TMA drops rows past the tensor's end, not past a packed sequence's: with varlen a
-            # block reaching past seqlen_k takes the row-predicated stores
-            if const_expr(self.varlen):
-                if (n_block + 1) * t.tile_n <= seqlen_k:
-                    self.store_tiles_tma(acc_dK, acc_dV, dkv_tma, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block,
-                                         head_kv, batch, rows[1])  # fmt: skip
-                else:
-                    self.store_rows(acc_dK, mdK, tiled_mma_dkv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
-                    self.store_rows(acc_dV, mdV, tiled_mma_dv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
+        by_rows = (acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch, rows[1],
+                   seqlen_k)  # fmt: skip
+        by_tma = (acc_dK, acc_dV, dkv_tma, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch, rows[1])
+        if const_expr(not t.dkv_tma_store):
+            self.store_dkv_rows(*by_rows)
+        elif const_expr(self.varlen):
+            # TMA drops rows past the tensor's end, not past a packed sequence's: a block
+            # reaching past seqlen_k takes the row-predicated stores
+            if (n_block + 1) * t.tile_n <= seqlen_k:
+                self.store_tiles_tma(*by_tma)
             else:
-                self.store_tiles_tma(acc_dK, acc_dV, dkv_tma, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block,
-                                     head_kv, batch, rows[1])  # fmt: skip
+                self.store_dkv_rows(*by_rows)
         else:
-            self.store_rows(acc_dK, mdK, tiled_mma_dkv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
-            self.store_rows(acc_dV, mdV, tiled_mma_dv, tidx, n_block, head_kv, batch, rows[1], seqlen_k)
+            self.store_tiles_tma(*by_tma)
+
+    @cute.jit
+    def store_dkv_rows(self, acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch,
+                       offset_k, seqlen_k):  # fmt: skip
+        """dK / dV straight from registers (``store_rows``)."""
+        self.store_rows(acc_dK, mdK, tiled_mma_dkv, tidx, n_block, head_kv, batch, offset_k, seqlen_k)
+        self.store_rows(acc_dV, mdV, tiled_mma_dv, tidx, n_block, head_kv, batch, offset_k, seqlen_k)
 
     @cute.jit
     def store_tiles_tma(self, acc_dK, acc_dV, dkv_tma, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv,
@@ -1044,12 +1045,19 @@ class AttentionBackwardSm90:
                 self.store_grad_bias(feat, sdS, ds_stage, 1 - wg, head, m_block, n_block)
         if const_expr(t.dq_wait_dkv):
             warpgroup.wait_group(0)  # P^T / dS^T operand registers free before dQ's accumulator
+        acc_dQ = self.issue_dq(tiled_mma_dq, shape_dq, tQrdS, tQrK, ds_stage)
+        warpgroup.wait_group(0)
+        return acc_dQ
+
+    @cute.jit
+    def issue_dq(self, tiled_mma_dq, shape_dq, tQrdS, tQrK, ds_stage):
+        """dQ = dS K of dS buffer ``ds_stage`` into a fresh accumulator (dQ^T = K^T dS^T with
+        ``dq_swapab``), issued, not waited for."""
         acc_dQ = cute.make_rmem_tensor(shape_dq, Float32)
-        if const_expr(t.dq_swapab):
+        if const_expr(self.tiles.dq_swapab):
             wgmma(tiled_mma_dq, acc_dQ, tQrK, tQrdS[None, None, None, ds_stage], zero_init=True)
         else:
             wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_stage], tQrK, zero_init=True)
-        warpgroup.wait_group(0)
         return acc_dQ
 
     @cute.jit
