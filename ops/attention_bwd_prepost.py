@@ -64,7 +64,7 @@ def _fake_cu(varlen):
     return cc.fake_tensor(cutlass.Int32, (cute.sym_int(),), 1) if varlen else None
 
 
-def _build_preprocess(dtype, head_dim_tile, vec, varlen, clear_dq_accum, arch):
+def _build_preprocess(dtype, head_dim_tile, vec, varlen, clear_dq_accum, arch, lse_log2=False):
     import cutlass
     import cutlass.cute as cute
 
@@ -77,12 +77,13 @@ def _build_preprocess(dtype, head_dim_tile, vec, varlen, clear_dq_accum, arch):
         acc_shape = (s(), s(), t.head_dim) if varlen else (s(), s(), s(), t.head_dim)
         acc = cc.fake_tensor(cutlass.Float32, acc_shape, 4)
     return cc.compile_kernel(
-        ComputeDotDoO(dtype, t, varlen, clear_dq_accum),
+        ComputeDotDoO(dtype, t, varlen, clear_dq_accum, lse_log2),
         _fake_seq(dtype, varlen, None, vec),
         _fake_seq(dtype, varlen, None, vec),
         cc.fake_tensor(cutlass.Float32, (s(), s(), s()), 1),
         acc,
         _fake_cu(varlen),
+        *((cc.fake_tensor(cutlass.Float32, (s(), s(), s()), 1) for _ in range(2)) if lse_log2 else (None, None)),
         cutlass.Float32(1.0),
         cutlass.Int32(1),
         cc.fake_stream(),
@@ -282,20 +283,24 @@ def _cached_plan(key, make):
     return plan
 
 
-def launch_preprocess(out, grad_out, delta, dq_accum, scale, cu_seqlens_q, max_seqlen_q):
-    """compute_dot_do_o into preallocated Δ (and dQ accumulator to clear, or None)."""
-    key = ("pre", _meta(out), _meta(grad_out), _meta(delta), _meta(dq_accum), cu_seqlens_q is None, max_seqlen_q)
-    plan = _cached_plan(key, lambda: _plan_preprocess(out, grad_out, delta, dq_accum, cu_seqlens_q, max_seqlen_q))
+def launch_preprocess(out, grad_out, delta, dq_accum, scale, cu_seqlens_q, max_seqlen_q, lse=None, lse_log2=None):
+    """compute_dot_do_o into preallocated Δ (and dQ accumulator to clear, or None; and the
+    forward's LSE ``lse`` in log2 units into ``lse_log2``, shaped as Δ, or None)."""
+    key = ("pre", _meta(out), _meta(grad_out), _meta(delta), _meta(dq_accum), cu_seqlens_q is None, max_seqlen_q,
+           _meta(lse), _meta(lse_log2))  # fmt: skip
+    plan = _cached_plan(key, lambda: _plan_preprocess(out, grad_out, delta, dq_accum, cu_seqlens_q, max_seqlen_q,
+                                                      lse is not None))  # fmt: skip
     if plan is None:
-        if delta.numel():
-            delta.zero_()
+        for t in (delta, lse_log2):
+            if t is not None and t.numel():
+                t.zero_()
         return
     fn, num_m_blocks = plan
     if num_m_blocks:
-        fn(out, grad_out, delta, dq_accum, cu_seqlens_q, float(scale), num_m_blocks)
+        fn(out, grad_out, delta, dq_accum, cu_seqlens_q, lse, lse_log2, float(scale), num_m_blocks)
 
 
-def _plan_preprocess(out, grad_out, delta, dq_accum, cu_seqlens_q, max_seqlen_q):
+def _plan_preprocess(out, grad_out, delta, dq_accum, cu_seqlens_q, max_seqlen_q, lse_log2=False):
     if dq_accum is not None:
         _check_aligned("dq_accum", dq_accum)
     if out.numel() == 0 and dq_accum is None:
@@ -312,30 +317,34 @@ def _plan_preprocess(out, grad_out, delta, dq_accum, cu_seqlens_q, max_seqlen_q)
     num_m_blocks = t.ctas_along_rows(rows)
     if delta.shape[0] == 0 or delta.shape[1] == 0:
         num_m_blocks = 0
-    fn = compiled_preprocess(cc.cute_dtype(out.dtype), t.head_dim, vec, varlen, dq_accum is not None, arch)
+    fn = compiled_preprocess(cc.cute_dtype(out.dtype), t.head_dim, vec, varlen, dq_accum is not None, arch, lse_log2)
     return fn, num_m_blocks
 
 
-def _preprocess_impl(out, grad_out, scale, cu_seqlens_q, max_seqlen_q, zero_dq_accum, dq_head_dim=None):
+def _preprocess_impl(out, grad_out, scale, cu_seqlens_q, max_seqlen_q, zero_dq_accum, dq_head_dim=None, lse=None):
     """``dq_head_dim``: the query's head dim where it differs from out's (Dqk != Dv); the
-    accumulator then has its width and is zeroed apart (the fused clear walks out's width)."""
+    accumulator then has its width and is zeroed apart (the fused clear walks out's width).
+    ``lse``: the forward's [B, H, >= Sq] LSE; then a third result, LSE * log2(e) shaped as Δ
+    (0 past each sequence's end), from the same launch."""
     b = _batch(out, cu_seqlens_q)
     h, d = out.shape[-2], out.shape[-1]
     s_r = seqlen_rounded(_max_seqlen(out, cu_seqlens_q, max_seqlen_q))
     delta = torch.empty((b, h, s_r), dtype=torch.float32, device=out.device)
+    lse_log2 = None if lse is None else torch.empty((b, h, s_r), dtype=torch.float32, device=out.device)
     dq_accum = None
     if zero_dq_accum:
         varlen = cu_seqlens_q is not None
         dq_d = d if dq_head_dim is None else dq_head_dim
         shape = dq_accum_shape(b, out.shape[0] if varlen else out.shape[1], h, dq_d, varlen=varlen)
         if head_dim_rounded(dq_d) != head_dim_rounded(d):
-            launch_preprocess(out, grad_out, delta, None, scale, cu_seqlens_q, max_seqlen_q)
-            return delta, torch.zeros(shape, dtype=torch.float32, device=out.device)
+            dq_accum = torch.zeros(shape, dtype=torch.float32, device=out.device)
+            launch_preprocess(out, grad_out, delta, None, scale, cu_seqlens_q, max_seqlen_q, lse, lse_log2)
+            return (delta, dq_accum) if lse is None else (delta, dq_accum, lse_log2)
         dq_accum = torch.empty(shape, dtype=torch.float32, device=out.device)
-    launch_preprocess(out, grad_out, delta, dq_accum, scale, cu_seqlens_q, max_seqlen_q)
+    launch_preprocess(out, grad_out, delta, dq_accum, scale, cu_seqlens_q, max_seqlen_q, lse, lse_log2)
     if dq_accum is None:
         dq_accum = delta.new_empty((0,))
-    return delta, dq_accum
+    return (delta, dq_accum) if lse is None else (delta, dq_accum, lse_log2)
 
 
 @torch.library.custom_op("cute_kernels::attention_bwd_preprocess", mutates_args=())

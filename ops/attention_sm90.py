@@ -17,9 +17,8 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
 
-from cute_kernels.attention_sm90.attention_backward_sm90 import LOG2_E, AttentionBackwardSm90
+from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
 from cute_kernels.attention_sm90.attention_backward_sm90_wide import AttentionBackwardSm90Wide
 from layouts import attention_sm90 as tiling
 
@@ -124,24 +123,11 @@ def unsupported(query, key, value, grad_out, out, *, mask_type=0, window_size=No
     vec = tiling.tma_align_elems(8 * query.element_size())
     for name, t in (("query", query), ("key", key), ("value", value), ("grad_out", grad_out), ("out", out)):
         # fake / meta tensors have no address to check (their real counterparts are checked at run time)
-        address = 0 if t.device.type == "meta" or is_fake(t) else t.data_ptr()
+        address = 0 if t.device.type == "meta" or cc.is_fake_tensor(t) else t.data_ptr()
         if t.stride(-1) != 1 or address % tiling.TMA_ALIGN_BYTES or any(s % vec for s in t.stride()[:-1]):
             return (f"{name} is not TMA-aligned (last stride 1, other strides and address multiples of "
                     f"{tiling.TMA_ALIGN_BYTES} bytes)")  # fmt: skip
     return None
-
-
-def _lse_log2(lse: Tensor) -> Tensor:
-    """The kernel's LSE: the forward's natural-log [B, H, S] statistic times log2(e) (the
-    kernel's exp2 then needs no multiply per query), fp32, rows padded to TMA's 16 bytes.
-    One elementwise launch over B x H x S values."""
-    vec = tiling.tma_align_elems(32)
-    s = lse.shape[-1]
-    out = torch.empty(lse.shape[:-1] + (-(-s // vec) * vec,), dtype=torch.float32, device=lse.device)
-    torch.mul(lse, LOG2_E, out=out[..., :s])
-    if out.shape[-1] > s:  # rows past Sq are masked; defined values all the same
-        out[..., s:].zero_()
-    return out
 
 
 def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: float, mask_type: int = 0,
@@ -194,8 +180,10 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
         return torch.zeros_like(query), dk.zero_(), dv.zero_(), grad_bias
     # the pre / postprocess take packed sequences as [total, H, D]
     pack = (lambda x: x[0]) if varlen else (lambda x: x)
-    # Δ from out / dO (Dv wide), the zeroed dQ accumulator as query (Dqk wide)
-    delta, dq_accum = _preprocess_impl(pack(out), pack(grad_out), 1.0, cu_seqlens_q, max_seqlen_q, True, dq_head_dim=d)
+    # Δ from out / dO (Dv wide), the zeroed dQ accumulator as query (Dqk wide), the LSE in
+    # the kernel's log2 units: one launch
+    delta, dq_accum, lse_log2 = _preprocess_impl(pack(out), pack(grad_out), 1.0, cu_seqlens_q, max_seqlen_q, True,
+                                                 dq_head_dim=d, lse=logsumexp)  # fmt: skip
     window = int(window_size or 0)
     arch = cc.device_arch(query.device.index)
     dropout = float(dropout_p) > 0.0
@@ -210,7 +198,7 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     rng = (None,) * 5
     if dropout:
         rng = _dropout_args(dropout_p, philox_seed, philox_offset, rows_q, rows_k)
-    fn(query, key, value, grad_out, _lse_log2(logsumexp), delta, dq_accum.unsqueeze(0) if varlen else dq_accum,
+    fn(query, key, value, grad_out, lse_log2, delta, dq_accum.unsqueeze(0) if varlen else dq_accum,
        dk, dv, semaphore, cu_seqlens_q, cu_seqlens_k, bias, grad_bias, float(scale), window, rows_k, chunk, *rng)  # fmt: skip
     dq = _convert_dq_impl(dq_accum, float(scale), d, sq, cu_seqlens_q, max_seqlen_q, 0.0, query.dtype)
     return (dq.unsqueeze(0) if varlen else dq), dk, dv, grad_bias

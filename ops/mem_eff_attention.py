@@ -56,7 +56,7 @@ from layouts.attention_bwd_prepost import round_up
 
 from . import _compile as cc
 from . import attention_sm90 as sm90
-from ._validate import check_cuda, check_dtype, check_float, check_same_device, check_tensor
+from ._validate import check_cuda, check_dtype, check_float, check_same_device, check_tensor, validate_once
 
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BACKENDS = ("auto", "sm90", "mem_eff")
@@ -320,6 +320,36 @@ def _dropout_args(dropout_p, philox_seed, philox_offset, rows_q, rows_k):
     return int(philox_seed.item()), int(philox_offset.item()), p32, scale, rows_q * rows_k
 
 
+def _check_call(grad_out, query, key, value, bias, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                logsumexp, custom_mask_type, bias_requires_grad, window_size, num_splits_key, deterministic):  # fmt: skip
+    """efficient_attention_backward's checks of tensor metadata and flags (the per-call
+    values, dropout_p, scale and the philox tensors, are checked at each call)."""
+    for name, t in (("grad_out_", grad_out), ("query", query), ("key", key), ("value", value), ("out", out), ("logsumexp", logsumexp)):
+        check_tensor(name, t)
+    if bias_requires_grad and bias is None:
+        raise ValueError("bias_requires_grad needs a bias")
+    if not _is_int(custom_mask_type) or int(custom_mask_type) not in (0, 1, 2):
+        raise ValueError(f"custom_mask_type must be 0 (none), 1 (causal from top-left) or 2 (causal from bottom-right), got {custom_mask_type!r}")
+    if window_size is not None and (not _is_int(window_size) or int(window_size) < 0):
+        raise ValueError(f"window_size must be None or a non-negative int, got {window_size!r}")
+    if window_size is not None and int(window_size) > 0 and int(custom_mask_type) == 0:
+        raise ValueError("window_size needs a causal custom_mask_type (1 or 2)")
+    if num_splits_key is not None and (not _is_int(num_splits_key) or int(num_splits_key) < 1):
+        raise ValueError(f"num_splits_key must be a positive int, got {num_splits_key!r}")
+    if deterministic and num_splits_key is not None and int(num_splits_key) > 1:
+        raise ValueError(f"deterministic needs num_splits_key None or 1 (key splits add dQ in any order), got {num_splits_key}")
+    _check_inputs(grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp)
+    if bias is not None:
+        check_cuda("bias", bias)
+        _check_bias(bias, query, key, cu_seqlens_q)
+    max_head_dim = tiling.MAX_K_FP32 if query.dtype == torch.float32 else tiling.MAX_K
+    if max(query.shape[-1], value.shape[-1]) > max_head_dim:
+        raise NotImplementedError(
+            f"head dims above {max_head_dim} are not implemented for {query.dtype} yet "
+            f"(query's {query.shape[-1]}, value's {value.shape[-1]})"
+        )
+
+
 def _check_backend(backend) -> None:
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
@@ -571,37 +601,22 @@ def efficient_attention_backward(
     split (``num_splits_key`` must be None or 1)."""
     _check_backend(backend)
     deterministic = _resolve_deterministic(deterministic)
-    for name, t in (("grad_out_", grad_out_), ("query", query), ("key", key), ("value", value), ("out", out), ("logsumexp", logsumexp)):
-        check_tensor(name, t)
     check_float("dropout_p", dropout_p)
     if not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if float(dropout_p) > 0.0:
+    dropout = float(dropout_p) > 0.0
+    # what depends on tensor metadata and flags only: once per signature
+    validate_once(
+        ("eff_bwd", grad_out_, query, key, value, out, logsumexp, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+         max_seqlen_k, bias, bias_requires_grad, custom_mask_type, window_size, num_splits_key, deterministic),
+        lambda: _check_call(grad_out_, query, key, value, bias, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, logsumexp, custom_mask_type, bias_requires_grad, window_size,
+                            num_splits_key, deterministic),
+    )  # fmt: skip
+    if dropout:
         for name, t in (("philox_seed", philox_seed), ("philox_offset", philox_offset)):
             if not isinstance(t, Tensor) or t.numel() != 1 or t.dtype != torch.int64:
                 raise ValueError(f"dropout needs {name} as the forward returned it (an int64 scalar tensor), got {t!r}")
-    if bias_requires_grad and bias is None:
-        raise ValueError("bias_requires_grad needs a bias")
-    if not _is_int(custom_mask_type) or int(custom_mask_type) not in (0, 1, 2):
-        raise ValueError(f"custom_mask_type must be 0 (none), 1 (causal from top-left) or 2 (causal from bottom-right), got {custom_mask_type!r}")
-    if window_size is not None and (not _is_int(window_size) or int(window_size) < 0):
-        raise ValueError(f"window_size must be None or a non-negative int, got {window_size!r}")
-    if window_size is not None and int(window_size) > 0 and int(custom_mask_type) == 0:
-        raise ValueError("window_size needs a causal custom_mask_type (1 or 2)")
-    if num_splits_key is not None and (not _is_int(num_splits_key) or int(num_splits_key) < 1):
-        raise ValueError(f"num_splits_key must be a positive int, got {num_splits_key!r}")
-    if deterministic and num_splits_key is not None and int(num_splits_key) > 1:
-        raise ValueError(f"deterministic needs num_splits_key None or 1 (key splits add dQ in any order), got {num_splits_key}")
-    _check_inputs(grad_out_, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp)
-    if bias is not None:
-        check_cuda("bias", bias)
-        _check_bias(bias, query, key, cu_seqlens_q)
-    max_head_dim = tiling.MAX_K_FP32 if query.dtype == torch.float32 else tiling.MAX_K
-    if max(query.shape[-1], value.shape[-1]) > max_head_dim:
-        raise NotImplementedError(
-            f"head dims above {max_head_dim} are not implemented for {query.dtype} yet "
-            f"(query's {query.shape[-1]}, value's {value.shape[-1]})"
-        )
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     check_float("scale", scale)

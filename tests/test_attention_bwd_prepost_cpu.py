@@ -74,6 +74,19 @@ def test_compiles_fp32_inputs_and_clears(arch):
     assert A.compiled_clear_dkv_accum(32, arch) is A.compiled_clear_dkv_accum(32, arch)  # cached
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compiles_preprocess_with_lse_log2(arch):
+    """The sm90 path's preprocess (dQ accumulator cleared, LSE rescaled in the same launch)
+    at the head dims it serves, both dtypes, varlen on and off."""
+    import cutlass
+
+    for dtype, hd, vec, varlen in [(cutlass.BFloat16, 64, 8, False), (cutlass.Float16, 128, 8, True),
+                                   (cutlass.BFloat16, 96, 8, True), (cutlass.BFloat16, 256, 8, False)]:  # fmt: skip
+        fn = A.compiled_preprocess(dtype, hd, vec, varlen, True, arch, True)
+        assert callable(fn) and fn is not A.compiled_preprocess(dtype, hd, vec, varlen, True, arch)
+
+
 def test_compile_only_covers_configurations(monkeypatch):
     """compile_only asks each cache for every configuration once and counts them all."""
     seen = {}

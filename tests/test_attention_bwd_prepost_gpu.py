@@ -5,6 +5,8 @@ dims are chosen to reach each padded head dim and vector width once per dtype, a
 shapes, layouts and options of one configuration are looped inside one test.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -235,6 +237,39 @@ def test_zero_dq_accum(dtype, head_dim, varlen):
     check_delta(delta, out, grad_out, 1.0, cu, max_seqlen)
     # without the flag: Δ alone, the same values
     torch.testing.assert_close(A.attention_bwd_preprocess(out, grad_out, cu_seqlens_q=cu, max_seqlen_q=max_seqlen), delta, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_preprocess_lse_log2(varlen):
+    """The sm90 path's fused LSE rescale: LSE * log2(e) shaped as Δ, 0 past each sequence
+    (also where the allocator left NaN), the forward's padding and -inf rows as they are;
+    Δ and the cleared accumulator as without it."""
+    h, d, dtype = 3, 64, torch.bfloat16
+    if varlen:
+        lengths = [100, 0, 1, 199]
+        b, total, rows = len(lengths), sum(lengths), 199
+        out, grad_out = packed(total, h, d, dtype), packed(total, h, d, dtype)
+        cu, max_seqlen = cu_seqlens(lengths), rows
+    else:
+        lengths, b, rows = [300] * 2, 2, 300
+        out, grad_out = seq_tensor(b, rows, h, d, dtype, "bhsd"), seq_tensor(b, rows, h, d, dtype, "bhsd")
+        cu = max_seqlen = None
+    lse = torch.randn(b, h, 320, device=DEV) * 10  # the forward's rows, padded to 32 values
+    lse[..., rows:] = float("inf")
+    lse[0, 1, 0] = -float("inf")  # a query row that saw no key
+    s_r = A.seqlen_rounded(rows)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    poison_allocator(*(b * h * s_r * 4 for _ in range(2)))
+    delta, acc, got = A._preprocess_impl(out, grad_out, 1.0, cu, max_seqlen, True, lse=lse)
+    assert got.shape == delta.shape == (b, h, s_r) and got.dtype == torch.float32
+    want = torch.zeros(b, h, s_r, device=DEV)
+    want[..., :rows] = lse[..., :rows] * math.log2(math.e)
+    want = torch.where(valid_rows(b, h, s_r, lengths), want, 0.0)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert got[0, 1, 0] == -float("inf")
+    ref_delta, ref_acc = A._preprocess_impl(out, grad_out, 1.0, cu, max_seqlen, True)
+    assert torch.equal(delta, ref_delta) and (acc == 0).all() and acc.shape == ref_acc.shape
 
 
 def test_preprocess_empty():

@@ -244,17 +244,6 @@ def test_grad_bias_needs_a_keys_contiguous_ds_tile():
     AttentionBackwardSm90(cutlass.BFloat16, tiling.attention_sm90_tiles(128, ds_keys_contiguous=True), 0)
 
 
-def test_lse_log2_scales_and_pads():
-    """The kernel's LSE: log2(e) times the forward's, rows padded to 16 bytes with zeros."""
-    lse = torch.randn(2, 3, 5)
-    lse[0, 0, 0] = -math.inf  # a row without keys
-    got = S._lse_log2(lse)
-    assert got.shape == (2, 3, 8) and got.dtype == torch.float32 and got.is_contiguous()
-    torch.testing.assert_close(got[..., :5], lse * math.log2(math.e), rtol=1e-6, atol=0)
-    assert (got[..., 5:] == 0).all() and got[0, 0, 0] == -math.inf
-    assert S._lse_log2(torch.randn(1, 2, 8)).shape == (1, 2, 8)  # already whole 16-byte rows
-
-
 def test_config_key_follows_build_and_the_benchmark_precompiles_it(monkeypatch):
     """``_config`` lists _build's arguments in its order; the suite's precompile asks for the
     keys the op's calls will (causal top-left, features as flags)."""
@@ -585,8 +574,9 @@ def test_host_sizes_gradients_by_their_head_dims(monkeypatch, head_dim, head_dim
     dq, dk, dv, db = S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 1)
     assert keys == [(cutlass.BFloat16, head_dim, head_dim_v, 1, False, "sm_90a", False, False, False, False, False)]
     assert db is None
-    ((q_, k_, v_, do_, _, delta, acc, dk_, dv_, *_),) = launches
-    assert acc.shape == (2, 128, 4, head_dim) and delta.shape == (2, 4, 128)
+    ((q_, k_, v_, do_, lse, delta, acc, dk_, dv_, *_),) = launches
+    # the LSE in log2 units from the preprocess launch, shaped as Δ
+    assert acc.shape == (2, 128, 4, head_dim) and delta.shape == lse.shape == (2, 4, 128)
     assert dk_ is dk and dv_ is dv and dk.shape == (2, 130, 2, head_dim) and dv.shape == (2, 130, 2, head_dim_v)
     assert converted == [((2, 128, 4, head_dim), head_dim)] and dq.shape == q.shape
 

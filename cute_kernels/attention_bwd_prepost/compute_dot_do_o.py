@@ -8,8 +8,13 @@ One CTA per (tiles_per_cta x kBlockM rows, batch, head). Each thread loads its v
 zeros), multiplies, sums its columns, and the threads of a row finish the sum with a
 shuffle-xor butterfly (``Allreduce<THREADS_PER_ROW>``). Rows from the sequence end to
 seqlen_q_rounded get Δ = 0. With ``clear_dq_accum`` the same launch zeroes the CTA's
-rows of the fp32 dQ accumulator (``Clear_dQaccum``).
+rows of the fp32 dQ accumulator (``Clear_dQaccum``). With ``lse_log2`` it also writes the
+forward's LSE in log2 units, LSE * log2(e), into an array shaped as Δ (0 past the sequence
+end): the sm90 kernel's exp2 then needs no multiply per query (FA4's preprocess does the same).
 """
+
+import math
+
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -22,17 +27,20 @@ from layouts.attention_bwd_prepost import VARLEN_ACCUM_PAD, PrepostTiles
 from .seqlen import block_coords, seq_rows
 from .tile_io import clear_tile, load_tile
 
+LOG2_E = math.log2(math.e)
+
 
 class ComputeDotDoO:
     """Configuration: element dtype of O/dO, tiles, variable length, fused dQaccum clear."""
 
-    def __init__(self, dtype, tiles: PrepostTiles, varlen: bool, clear_dq_accum: bool):
+    def __init__(self, dtype, tiles: PrepostTiles, varlen: bool, clear_dq_accum: bool, lse_log2: bool = False):
         if dtype.width != tiles.elem_bits:
             raise ValueError(f"tiles are for {tiles.elem_bits}-bit elements, dtype is {dtype}")
         self.dtype = dtype
         self.tiles = tiles
         self.varlen = varlen
         self.clear_dq_accum = clear_dq_accum
+        self.lse_log2 = lse_log2
 
     @cute.jit
     def __call__(
@@ -42,13 +50,15 @@ class ComputeDotDoO:
         mDelta: cute.Tensor,  # [B, H, seqlen_q_rounded] fp32
         mdQaccum: cute.Tensor,  # [B, seqlen_q_rounded, H, kHeadDim] or [total_q + 128 B, H, kHeadDim]; or None
         mCuSeqlens: cute.Tensor,  # [B + 1] int32 (varlen) or None
+        mLSE: cute.Tensor,  # the forward's [B, H, >= seqlen_q] fp32 (lse_log2) or None
+        mLSElog2: cute.Tensor,  # [B, H, seqlen_q_rounded] fp32 (lse_log2) or None
         scale: Float32,
         num_m_blocks: Int32,  # CTAs along the rows: ceil(rows / (kBlockM * tiles_per_cta))
         stream: cuda.CUstream,
     ):
         copy = self.tiles.gmem_tiled_copy_do(load=True).build(self.dtype)
         copy_acc = self.tiles.gmem_tiled_copy_dq_accum().build(Float32)
-        self.kernel(mO, mdO, mDelta, mdQaccum, mCuSeqlens, scale, copy, copy_acc).launch(
+        self.kernel(mO, mdO, mDelta, mdQaccum, mCuSeqlens, mLSE, mLSElog2, scale, copy, copy_acc).launch(
             grid=self.tiles.grid(num_m_blocks, mDelta.shape[0], mDelta.shape[1]),
             block=[self.tiles.num_threads, 1, 1],
             stream=stream,
@@ -62,6 +72,8 @@ class ComputeDotDoO:
         mDelta: cute.Tensor,
         mdQaccum: cute.Tensor,
         mCuSeqlens: cute.Tensor,
+        mLSE: cute.Tensor,
+        mLSElog2: cute.Tensor,
         scale: Float32,
         copy: cute.TiledCopy,
         copy_acc: cute.TiledCopy,
@@ -106,6 +118,11 @@ class ComputeDotDoO:
                     r = row0 + tOc[0, m, 0][0]
                     if r < delta_rows:
                         gDelta[r] = rSum[m]
+                        if const_expr(self.lse_log2):
+                            lse = Float32(0.0)
+                            if r < seqlen:
+                                lse = mLSE[bidb, bidh, r] * LOG2_E
+                            mLSElog2[bidb, bidh, r] = lse
 
         if const_expr(self.clear_dq_accum):
             mAcc_b, _ = seq_rows(mdQaccum, mCuSeqlens, bidb, bidh, VARLEN_ACCUM_PAD if self.varlen else 0)
