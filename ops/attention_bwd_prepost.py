@@ -70,6 +70,8 @@ def _build_preprocess(dtype, head_dim_tile, vec, varlen, clear_dq_accum, arch, l
 
     from cute_kernels.attention_bwd_prepost import ComputeDotDoO
 
+    if lse_log2 and arch != "sm_90a":
+        raise ValueError(f"the LSE-rescaling preprocess serves the sm90 kernel (programmatic dependent launch): sm_90a, got {arch}")
     t = tiling.preprocess_tiles(dtype.width, head_dim_tile, vec, arch)
     s = cute.sym_int
     acc = None

@@ -178,12 +178,6 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
         if grad_bias is not None:
             grad_bias.zero_()
         return torch.zeros_like(query), dk.zero_(), dv.zero_(), grad_bias
-    # the pre / postprocess take packed sequences as [total, H, D]
-    pack = (lambda x: x[0]) if varlen else (lambda x: x)
-    # Δ from out / dO (Dv wide), the zeroed dQ accumulator as query (Dqk wide), the LSE in
-    # the kernel's log2 units: one launch
-    delta, dq_accum, lse_log2 = _preprocess_impl(pack(out), pack(grad_out), 1.0, cu_seqlens_q, max_seqlen_q, True,
-                                                 dq_head_dim=d, lse=logsumexp)  # fmt: skip
     window = int(window_size or 0)
     arch = cc.device_arch(query.device.index)
     dropout = float(dropout_p) > 0.0
@@ -191,13 +185,21 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
                            deterministic=deterministic, varlen=varlen, bias=bias is not None,
                            grad_bias=grad_bias is not None, dropout=dropout))  # fmt: skip
     tiles = _tiles(d, d_v, bias is not None, grad_bias is not None, dropout)
+    # whatever touches the stream goes before the preprocess: the kernel is launched right
+    # behind it (programmatic dependent launch, see the kernel's module)
     semaphore = None
     if deterministic:
         semaphore = torch.zeros((seqs, h, -(-rows_q // tiles.tile_m)), dtype=torch.int32, device=query.device)
     chunk = tiles.lpt_heads_per_chunk(rows_q, h // key.shape[2], query.element_size())
     rng = (None,) * 5
-    if dropout:
+    if dropout:  # reads the seed / offset tensors (a copy to the host)
         rng = _dropout_args(dropout_p, philox_seed, philox_offset, rows_q, rows_k)
+    # the pre / postprocess take packed sequences as [total, H, D]
+    pack = (lambda x: x[0]) if varlen else (lambda x: x)
+    # Δ from out / dO (Dv wide), the zeroed dQ accumulator as query (Dqk wide), the LSE in
+    # the kernel's log2 units: one launch
+    delta, dq_accum, lse_log2 = _preprocess_impl(pack(out), pack(grad_out), 1.0, cu_seqlens_q, max_seqlen_q, True,
+                                                 dq_head_dim=d, lse=logsumexp)  # fmt: skip
     fn(query, key, value, grad_out, lse_log2, delta, dq_accum.unsqueeze(0) if varlen else dq_accum,
        dk, dv, semaphore, cu_seqlens_q, cu_seqlens_k, bias, grad_bias, float(scale), window, rows_k, chunk, *rng)  # fmt: skip
     dq = _convert_dq_impl(dq_accum, float(scale), d, sq, cu_seqlens_q, max_seqlen_q, 0.0, query.dtype)

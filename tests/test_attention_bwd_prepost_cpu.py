@@ -75,11 +75,15 @@ def test_compiles_fp32_inputs_and_clears(arch):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("arch", ARCHS)
-def test_compiles_preprocess_with_lse_log2(arch):
-    """The sm90 path's preprocess (dQ accumulator cleared, LSE rescaled in the same launch)
-    at the head dims it serves, both dtypes, varlen on and off."""
+def test_compiles_preprocess_with_lse_log2():
+    """The sm90 path's preprocess (dQ accumulator cleared, LSE rescaled in the same launch,
+    programmatic dependent launch) at the head dims it serves, both dtypes, varlen on and
+    off; sm_90a only."""
     import cutlass
+
+    arch = "sm_90a"
+    with pytest.raises(ValueError, match="sm_90a"):
+        A.compiled_preprocess(cutlass.BFloat16, 64, 8, False, True, "sm_80", True)
 
     for dtype, hd, vec, varlen in [(cutlass.BFloat16, 64, 8, False), (cutlass.Float16, 128, 8, True),
                                    (cutlass.BFloat16, 96, 8, True), (cutlass.BFloat16, 256, 8, False)]:  # fmt: skip

@@ -11,10 +11,13 @@ seqlen_q_rounded get Δ = 0. With ``clear_dq_accum`` the same launch zeroes the 
 rows of the fp32 dQ accumulator (``Clear_dQaccum``). With ``lse_log2`` it also writes the
 forward's LSE in log2 units, LSE * log2(e), into an array shaped as Δ (0 past the sequence
 end): the sm90 kernel's exp2 then needs no multiply per query (FA4's preprocess does the same).
+That variant serves the sm90 kernel only and takes part in programmatic dependent launch
+(sm_90): launched early, it waits for the previous kernel before touching memory, and lets
+the sm90 kernel launch once its loads are done (that kernel waits for this one's results
+before it reads them): the launch gaps and the sm90 kernel's prologue overlap this one.
 """
 
 import math
-
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -62,6 +65,7 @@ class ComputeDotDoO:
             grid=self.tiles.grid(num_m_blocks, mDelta.shape[0], mDelta.shape[1]),
             block=[self.tiles.num_threads, 1, 1],
             stream=stream,
+            use_pdl=self.lse_log2,
         )
 
     @cute.kernel
@@ -80,6 +84,8 @@ class ComputeDotDoO:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         group, bidb, bidh = block_coords(self.tiles, mDelta.shape[1])
+        if const_expr(self.lse_log2):  # launched early (PDL): the previous kernel's outputs first
+            cute.arch.griddepcontrol_wait()
         tile = self.tiles.tile
         block_m = tile[0]
         n = self.tiles.tiles_per_cta
@@ -124,6 +130,10 @@ class ComputeDotDoO:
                                 lse = mLSE[bidb, bidh, r] * LOG2_E
                             mLSElog2[bidb, bidh, r] = lse
 
+        if const_expr(self.lse_log2):
+            # every load of this CTA is done: the sm90 kernel may launch (it waits for this
+            # grid's completion before reading Δ, LSE or the accumulator)
+            cute.arch.griddepcontrol_launch_dependents()
         if const_expr(self.clear_dq_accum):
             mAcc_b, _ = seq_rows(mdQaccum, mCuSeqlens, bidb, bidh, VARLEN_ACCUM_PAD if self.varlen else 0)
             acc_rows = seqlen + VARLEN_ACCUM_PAD if const_expr(self.varlen) else mdQaccum.shape[1]

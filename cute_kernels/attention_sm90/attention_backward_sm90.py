@@ -25,6 +25,12 @@ consumers and the dQ-store warp; with dq_per_wg a pair per warpgroup), KEEP_FLAG
 a warpgroup's flags of the block are drawn; one per warpgroup), EPILOGUE (dkv_tma_store:
 both warpgroups are done with K / V, then their dK / dV are written). Options and their
 measurements: layouts/attention_sm90.py, notes.md next to this file.
+
+Launched with programmatic dependent launch behind the preprocess launch, which triggers
+it once its loads are done: K / V loads and the CTA's set-up overlap the preprocess's
+tail; the producer and the dQ-store warp wait for the preprocess grid (griddepcontrol)
+before reading Δ / LSE or adding into the accumulator. Launch it right behind that
+preprocess (nothing in between on the stream).
 """
 
 import math
@@ -241,7 +247,8 @@ class AttentionBackwardSm90:
             t.tiled_mma_sdp(self.dtype), t.tiled_mma_dkv(self.dtype), t.tiled_mma_dkv(self.dtype, dv),
             t.tiled_mma_dq(self.dtype),
             seqlen_q, seqlen_k, group, softmax_scale, window_size, sched, rng, SharedStorage,
-        ).launch(grid=grid, block=[t.num_threads, 1, 1], min_blocks_per_mp=1, stream=stream)  # fmt: skip
+        ).launch(grid=grid, block=[t.num_threads, 1, 1], min_blocks_per_mp=1, stream=stream,
+                 use_pdl=True)  # fmt: skip
 
     # ------------------------------------------------------------------------------ kernel
     @cute.kernel
@@ -433,6 +440,8 @@ class AttentionBackwardSm90:
                 cute.arch.mbarrier_arrive_and_expect_tx(mbar_kv, self.kv_bytes)
             cute.copy(tma_K, tKg, tKs, tma_bar_ptr=mbar_kv)
             cute.copy(tma_V, tVg, tVs, tma_bar_ptr=mbar_kv)
+            # LSE and Δ come from the preprocess launch just before (PDL: it may still run)
+            cute.arch.griddepcontrol_wait()
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, t.stages)
             for i in cutlass.range(group * (m_max - m_min), unroll=1):
                 head, m_block = self.work_item(work, i)
@@ -471,6 +480,7 @@ class AttentionBackwardSm90:
         am, an = t.dq_atoms
         sub = t.dq_sub_tile
         lane = cute.arch.lane_idx()
+        cute.arch.griddepcontrol_wait()  # the preprocess launch has zeroed the accumulator (PDL)
         for i in cutlass.range(group * (m_max - m_min), unroll=1):
             head, m_block = self.work_item(work, i)
             sem = None
@@ -517,7 +527,9 @@ class AttentionBackwardSm90:
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
                 if lane == 0:
                     cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
-        cute.arch.cp_async_bulk_wait_group(0, read=False)
+        # sdQ read before the CTA leaves; the adds themselves are complete with the grid
+        # (the next kernel, convert_dq, is stream-ordered behind it), as after a TMA store
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def wait_turn(self, sem, turn, lane):
