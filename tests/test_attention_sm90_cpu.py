@@ -978,3 +978,16 @@ def test_catalogue_forms_match_the_kernel_layouts(d, dv):
         assert dsl.size() == layout.size(), name
         for i in range(layout.size()):
             assert layout(i) == byte_swizzle(dsl(i) * elem) // elem, (name, i)
+
+
+def test_is_fake_tensor_fast_path_agrees_with_torch():
+    """cc.is_fake_tensor answers plain tensors at once and otherwise as torch's is_fake:
+    fake tensors (FakeTensorMode) and functional wrappers of real or fake ones."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    plain = torch.zeros(2, 3)
+    with FakeTensorMode():
+        fake = torch.zeros(2, 3)
+    cases = [plain, plain[:, 1:], fake, torch._to_functional_tensor(plain), torch._to_functional_tensor(fake)]
+    got = [cc.is_fake_tensor(t) for t in cases]
+    assert got == [is_fake(t) for t in cases] == [False, False, True, False, True]
