@@ -605,6 +605,10 @@ def efficient_attention_backward(
     if not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     dropout = float(dropout_p) > 0.0
+    if dropout:
+        for name, t in (("philox_seed", philox_seed), ("philox_offset", philox_offset)):
+            if not isinstance(t, Tensor) or t.numel() != 1 or t.dtype != torch.int64:
+                raise ValueError(f"dropout needs {name} as the forward returned it (an int64 scalar tensor), got {t!r}")
     # what depends on tensor metadata and flags only: once per signature
     validate_once(
         ("eff_bwd", grad_out_, query, key, value, out, logsumexp, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -613,10 +617,6 @@ def efficient_attention_backward(
                             max_seqlen_k, logsumexp, custom_mask_type, bias_requires_grad, window_size,
                             num_splits_key, deterministic),
     )  # fmt: skip
-    if dropout:
-        for name, t in (("philox_seed", philox_seed), ("philox_offset", philox_offset)):
-            if not isinstance(t, Tensor) or t.numel() != 1 or t.dtype != torch.int64:
-                raise ValueError(f"dropout needs {name} as the forward returned it (an int64 scalar tensor), got {t!r}")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     check_float("scale", scale)
