@@ -17,20 +17,17 @@ the sm90 kernel launch once its loads are done (that kernel waits for this one's
 before it reads them): the launch gaps and the sm90 kernel's prologue overlap this one.
 """
 
-import math
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from cute_kernels.common.log2_units import LOG2_E
 from cute_kernels.common.row_reduce import row_allreduce_sum
 from layouts.attention_bwd_prepost import VARLEN_ACCUM_PAD, PrepostTiles
 
 from .seqlen import block_coords, seq_rows
 from .tile_io import clear_tile, load_tile
-
-LOG2_E = math.log2(math.e)
 
 
 class ComputeDotDoO:

@@ -33,7 +33,6 @@ before reading Δ / LSE or adding into the accumulator. Launch it right behind t
 preprocess (nothing in between on the stream).
 """
 
-import math
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -43,6 +42,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64, Uint8, Uint16, Uint32, Uint64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from cute_kernels.common.log2_units import LOG2_E
 from cute_kernels.common.philox import keep_flags_quads
 from cute_kernels.common.views import select_modes, transpose_view
 from layouts.attention_bwd_prepost import VARLEN_ACCUM_PAD
@@ -68,7 +68,6 @@ BAR_DQ_EMPTY_WG1 = 5  # with dq_per_wg: warpgroup 1's pair (warpgroup 0 uses BAR
 BAR_DQ_FULL_WG1 = 6
 BAR_KEEP_FLAGS = 7  # dropout: a warpgroup's keep flags of the block are drawn (warpgroup 1: 8)
 BAR_EPILOGUE = 9  # dkv_tma_store: both warpgroups done with K / V, then their dK / dV written
-LOG2_E = math.log2(math.e)
 
 
 class AttentionBackwardSm90:

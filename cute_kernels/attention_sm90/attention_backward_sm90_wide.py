@@ -28,9 +28,10 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
+from cute_kernels.common.log2_units import LOG2_E
 from cute_kernels.common.views import transpose_view
 
-from .attention_backward_sm90 import BAR_DQ_EMPTY, BAR_DQ_FULL, BAR_PDS, LOG2_E, AttentionBackwardSm90
+from .attention_backward_sm90 import BAR_DQ_EMPTY, BAR_DQ_FULL, BAR_PDS, AttentionBackwardSm90
 from .wgmma import wgmma
 
 

@@ -37,7 +37,6 @@ Bias and dropout (compile-time flags of the config, so the plain kernel pays not
 Layouts, swizzles, copy atoms and MMA atoms come from ``layouts/mem_eff_attention.py``.
 """
 
-import math
 from types import SimpleNamespace
 
 import cuda.bindings.driver as cuda
@@ -46,6 +45,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32, Uint64, const_expr
 
 from cute_kernels.attention_bwd_prepost.compute_delta import compute_delta
+from cute_kernels.common.log2_units import LOG2_E
 from cute_kernels.common.philox import keep_flags_quads
 from cute_kernels.common.views import transpose_view
 from layouts.attention_bwd_prepost import ComputeDeltaTiles
@@ -60,9 +60,6 @@ from .iteration import (
 )
 from .shared_storage import make_shared_storage
 from .warp_mma import col_chunk, gemm_smem
-
-LOG2E = math.log2(math.e)
-
 
 def _operands(thr_mma, s2r_a, s2r_b, sA, sB):
     """One matmul's register fragments and ldmatrix sources for shared A (M x K) and B
@@ -302,7 +299,7 @@ class AttentionBackwardKernel:
         if const_expr(cfg.output_in_rf):
             acc_dk = cute.make_rmem_tensor(m.thr_dkv.partition_shape_C((cfg.block_size_j, cfg.max_k)), Float32)
             acc_dv = cute.make_rmem_tensor(m.thr_dkv.partition_shape_C((cfg.block_size_j, cfg.max_k)), Float32)
-        scale_log2 = scale * LOG2E
+        scale_log2 = scale * LOG2_E
 
         stage = Int32(0)
         for key_start in cutlass.range(split_key * cfg.block_size_j, p.num_keys, num_splits_key * cfg.block_size_j, unroll=1):
@@ -547,12 +544,12 @@ class AttentionBackwardKernel:
                 keep = (kk < num_keys_in_block) & (qq < num_queries_in_block)
                 keep = keep & ~(causal & (kk > qq + shift))
                 keep = keep & ~(windowed & (kk <= qq + shift - window_size))
-                prob = cute.math.exp2(self.logit_log2(s, acc_s[e], scale_log2, kk, qq) - s_lse[qq] * LOG2E, fastmath=True)
+                prob = cute.math.exp2(self.logit_log2(s, acc_s[e], scale_log2, kk, qq) - s_lse[qq] * LOG2_E, fastmath=True)
                 acc_s[e] = cutlass.select_(keep, prob, Float32(0.0))
         else:
             for e in cutlass.range_constexpr(cute.size(acc_s)):
                 kk, qq = m.coord_s[e]
-                acc_s[e] = cute.math.exp2(self.logit_log2(s, acc_s[e], scale_log2, kk, qq) - s_lse[qq] * LOG2E, fastmath=True)
+                acc_s[e] = cute.math.exp2(self.logit_log2(s, acc_s[e], scale_log2, kk, qq) - s_lse[qq] * LOG2_E, fastmath=True)
         r_p = cute.make_fragment_like(acc_s, self.dtype)
         keep_bits = None
         if const_expr(cfg.apply_dropout):
@@ -628,7 +625,7 @@ class AttentionBackwardKernel:
         """log2(e) x (scale x (K_j Q_iᵀ) + B_ij): the logit before the LSE, in exp2 units."""
         logit = acc * scale_log2
         if const_expr(self.cfg.has_bias):
-            logit = logit + s.bias[qq, kk].to(Float32) * LOG2E
+            logit = logit + s.bias[qq, kk].to(Float32) * LOG2_E
         return logit
 
     def fragment_keep_bits(self, s, m):
