@@ -130,6 +130,19 @@ def unsupported(query, key, value, grad_out, out, *, mask_type=0, window_size=No
     return None
 
 
+def _heads_per_chunk(tiles, rows_q: int, rows_k: int, group: int, pairs: int, query: Tensor, mask_type: int,
+                     window: int, deterministic: bool, varlen: bool) -> int:  # fmt: skip
+    """The heavy-first order's chunk (the kernel's ``heads_per_chunk``; unused without a causal
+    mask or in deterministic mode). With variable lengths the key blocks' work depends on
+    lengths the host does not read: the chunk that fits L2, as before the model (also for a
+    tensor off CUDA, whose multiprocessors the model cannot count)."""
+    elem = query.element_size()
+    if mask_type == 0 or deterministic or varlen or query.device.type != "cuda":
+        return tiles.lpt_heads_per_chunk(rows_q, group, elem)
+    return tiles.lpt_heads_per_chunk(rows_q, group, elem, seqlen_k=rows_k, pairs=pairs, mask_type=mask_type,
+                                     window=window, num_sms=cc.num_sms(query.device.index))  # fmt: skip
+
+
 def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: float, mask_type: int = 0,
                             window_size: int = 0, deterministic: bool = False, cu_seqlens_q=None, cu_seqlens_k=None,
                             max_seqlen_q=None, max_seqlen_k=None, bias=None, bias_requires_grad: bool = False,
@@ -190,7 +203,8 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     semaphore = None
     if deterministic:
         semaphore = torch.zeros((seqs, h, -(-rows_q // tiles.tile_m)), dtype=torch.int32, device=query.device)
-    chunk = tiles.lpt_heads_per_chunk(rows_q, h // key.shape[2], query.element_size())
+    chunk = _heads_per_chunk(tiles, rows_q, rows_k, h // key.shape[2], seqs * key.shape[2], query, mask_type, window,
+                             deterministic, varlen)  # fmt: skip
     rng = (None,) * 5
     if dropout:  # reads the seed / offset tensors (a copy to the host)
         rng = _dropout_args(dropout_p, philox_seed, philox_offset, rows_q, rows_k)
