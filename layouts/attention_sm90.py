@@ -309,8 +309,10 @@ class AttentionSm90Tiles:
         return self.tile_m * self.tile_n // 8
 
     def smem_bytes(self, elem_bytes: int = 2, dropout: bool = False) -> int:
-        """Bytes of the kernel's SharedStorage, member by member with its alignments
-        (``dropout``: with the keep-flag buffers)."""
+        """Bytes of the kernel's SharedStorage, member by member with its alignments, the
+        whole rounded up to SMEM_ALIGN as the DSL sizes it (``dropout``: with the keep-flag
+        buffers; d64 with dq_stages 2 came to 233472 bytes on the H100, over the limit, while
+        it had a one-byte placeholder for them)."""
         d, dv = self.head_dim, self.head_dim_v
 
         def place(offset, size, align):
@@ -327,7 +329,8 @@ class AttentionSm90Tiles:
         off = place(off, self.dq_stages * self.tile_m * d * 4, SMEM_ALIGN)  # dQ staging
         if dropout:
             off = place(off, KEEP_FLAG_BUFFERS * self.keep_flag_bytes, STATS_ALIGN)
-        return off
+        # the struct's size is a multiple of its alignment (the DSL's launch checks that size)
+        return -(-off // SMEM_ALIGN) * SMEM_ALIGN
 
     # ---- DSL objects (called while tracing) -------------------------------------------
     def tiled_mma_sdp(self, dtype):

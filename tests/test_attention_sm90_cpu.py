@@ -207,6 +207,19 @@ def test_lpt_chunk_fits_the_l2_budget(seqlen_q, group, d):
     assert chunk >= 1 and (chunk == 1 or chunk * per_head <= tiling.LPT_L2_BYTES < (chunk + 1) * per_head)
 
 
+def test_smem_bytes_is_the_structs_size():
+    """SharedStorage's size is a multiple of its 1 KiB alignment, and without dropout it has
+    no keep-flag member: d64 with two dQ staging buffers (tile_m 128) then needs exactly the
+    limit, and launched on the H100 (with a one-byte placeholder member the DSL sized it
+    233472 bytes and refused the launch)."""
+    for d in tiling.HEAD_DIMS:
+        for bias_or_dropout in (False, True):
+            t = tiling.attention_sm90_tiles(d, bias_or_dropout=bias_or_dropout)
+            assert t.smem_bytes() % tiling.SMEM_ALIGN == 0 == t.smem_bytes(dropout=True) % tiling.SMEM_ALIGN
+    t = dataclasses.replace(tiling.attention_sm90_tiles(64), dq_stages=2)
+    assert t.tile_m == 128 and t.smem_bytes() == tiling.SMEM_LIMIT == 232448
+
+
 def test_heavy_first_order_walks_every_tile_once():
     """layouts/lpt_order.heavy_first_order: chunks of pairs, key blocks outer inside each,
     the last chunk narrower; every (key block, pair) exactly once."""

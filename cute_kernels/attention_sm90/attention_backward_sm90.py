@@ -222,7 +222,8 @@ class AttentionBackwardSm90:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], SMEM_ALIGN]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], SMEM_ALIGN]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], SMEM_ALIGN]
-            sKeep: cute.struct.Align[cute.struct.MemRange[Uint8, KEEP_FLAG_BUFFERS * t.keep_flag_bytes if self.dropout else 1], STATS_ALIGN]
+            if const_expr(self.dropout):  # no placeholder without it: a byte there rounds the struct up by 1 KiB
+                sKeep: cute.struct.Align[cute.struct.MemRange[Uint8, KEEP_FLAG_BUFFERS * t.keep_flag_bytes], STATS_ALIGN]
 
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
