@@ -119,7 +119,7 @@ def chunk_sweep(args, fa4, num_sms):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("probes", nargs="+", choices=("chunk",))
+    ap.add_argument("probe", choices=("chunk",))
     ap.add_argument("--cases", nargs="*", default=None)
     ap.add_argument("--chunks", default=DEFAULT_CHUNKS)
     ap.add_argument("--repeats", type=int, default=3)
@@ -131,10 +131,7 @@ def main(argv=None):
     fa4 = _import_fa4()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"gpu: {torch.cuda.get_device_name(0)}, {num_sms} SMs")
-    probes = {"chunk": chunk_sweep}
-    rows = []
-    for name in args.probes:
-        rows += probes[name](args, fa4, num_sms)
+    rows = chunk_sweep(args, fa4, num_sms)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(0), "rows": rows}, f, indent=1, default=str)
