@@ -24,13 +24,10 @@ DEFAULT_CHUNKS = "1,2,3,4,6,8,12,16,0"  # 0: the largest chunk that fits L2 (the
 
 def model_ratio(tiles, b, h, s, chunk, num_sms):
     """The heavy-first order's modelled makespan with ``chunk`` heads a chunk over the ideal
-    (all work spread evenly over ``num_sms``): causal from the top-left, Sq == Sk == s."""
-    from layouts.lpt_order import TILE_OVERHEAD_STEPS, heavy_first_order, makespan
+    (layouts/lpt_order.py): causal from the top-left, Sq == Sk == s, B x H pairs."""
+    from layouts.lpt_order import makespan_over_ideal
 
-    steps = tiles.key_block_steps(s, s, 1, 1)
-    costs = [x + TILE_OVERHEAD_STEPS for x in steps]
-    ideal = sum(costs) * b * h / num_sms
-    return makespan([costs[n] for n, _ in heavy_first_order(len(steps), b * h, chunk)], num_sms) / ideal
+    return makespan_over_ideal(tiles.key_block_steps(s, s, 1, 1), b * h, chunk, num_sms)
 
 
 class Problem:
@@ -41,7 +38,6 @@ class Problem:
         import ops
         from benchmarks.suites.attention_bwd import _setup_efficient, _setup_fa4
 
-        self.shape, self.causal = (b, h, s, d), causal
         mask = 1 if causal else 0
         q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         torch.manual_seed(0)

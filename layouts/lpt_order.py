@@ -48,6 +48,20 @@ def makespan(costs: Sequence[float], num_sms: int) -> float:
     return max(free)
 
 
+def chunk_makespan(block_steps: Sequence[int], pairs: int, heads_per_chunk: int, num_sms: int) -> float:
+    """Modelled makespan, in steps, of the heavy-first order with ``heads_per_chunk``:
+    ``block_steps[n]`` steps for key block n of every pair, plus TILE_OVERHEAD_STEPS per CTA
+    with work (a CTA without any returns at once)."""
+    costs = [s + TILE_OVERHEAD_STEPS if s > 0 else 0.0 for s in block_steps]
+    return makespan([costs[n] for n, _ in heavy_first_order(len(costs), pairs, heads_per_chunk)], num_sms)
+
+
+def makespan_over_ideal(block_steps: Sequence[int], pairs: int, heads_per_chunk: int, num_sms: int) -> float:
+    """chunk_makespan over the ideal: every CTA's cost spread evenly over ``num_sms``."""
+    total = sum(s + TILE_OVERHEAD_STEPS for s in block_steps if s > 0) * pairs
+    return chunk_makespan(block_steps, pairs, heads_per_chunk, num_sms) * max(1, num_sms) / max(total, 1)
+
+
 @functools.lru_cache(maxsize=256)
 def best_heads_per_chunk(block_steps: tuple, pairs: int, max_heads: int, num_sms: int) -> int:
     """The chunk size (1 .. ``max_heads``, the L2 budget) whose heavy-first order has the
@@ -59,10 +73,9 @@ def best_heads_per_chunk(block_steps: tuple, pairs: int, max_heads: int, num_sms
                         | {1 << k for k in range(max_heads.bit_length()) if 1 << k <= max_heads} | {max_heads})
     if len(block_steps) * pairs * len(candidates) > MAX_SIMULATED_CTAS:
         return max_heads
-    costs = [s + TILE_OVERHEAD_STEPS if s > 0 else 0.0 for s in block_steps]
     best, best_time = max_heads, None
     for h in candidates:
-        t = makespan([costs[n] for n, _ in heavy_first_order(len(block_steps), pairs, h)], num_sms)
+        t = chunk_makespan(block_steps, pairs, h, num_sms)
         if best_time is None or t < best_time * (1 - 1e-9):
             best, best_time = h, t
     return best
