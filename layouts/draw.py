@@ -14,7 +14,7 @@ One panel per view, cells coloured and (on grids small enough to read) labelled:
 Sizes are fixed by the grid (``cell_inches``), not by ``bbox_inches="tight"``, so a
 picture's pixel size is predictable (``figure_pixels``): 8x8 to 128x128 grids all
 come out a few hundred to ~2000 pixels wide; text shrinks with the cells and is
-dropped below ``MIN_FONT`` points, the colours stay.
+dropped below ``MIN_FONT`` points or above ``MAX_LABELS`` cells, the colours stay.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from .algebra import TVLayout  # noqa: E402
 
 DPI = 100
 MIN_FONT = 3.5  # points; smaller labels are not drawn
+MAX_LABELS = 64 * 64  # cells; a bigger grid is drawn unlabelled (at 100 dpi its text would be ~5 px high,
+# unreadable, and each label is a matplotlib artist: a 128x128 bank map took 16 s to draw)
 GRID_INCHES = 9.0  # the longer side of a panel's grid, before clamping the cell size
 MARGIN = 0.55  # inches around and between panels
 TITLE_LINE = 0.22  # inches per line of the figure's title block
@@ -183,7 +185,7 @@ def _draw_panel(fig, p: Panel, left: float, bottom: float, fig_w: float, fig_h: 
     ax.set_yticks(range(0, p.rows, step))
     ax.tick_params(which="both", length=0, labelsize=6, top=True, labeltop=True, bottom=False, labelbottom=False)
     ax.set_title(p.title, fontsize=8, pad=14, loc="left")
-    if p.labels is not None:
+    if p.labels is not None and p.rows * p.cols <= MAX_LABELS:
         lines = max(1, max(s.count("\n") + 1 for row in p.labels for s in row))
         longest = max(1, max(len(part) for row in p.labels for s in row for part in s.split("\n")))
         font = min(10.0, cell_pt * 0.8 / lines, cell_pt * 1.5 / longest)

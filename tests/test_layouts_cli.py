@@ -16,10 +16,10 @@ from layouts import draw
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(*args, ok=True):
+def run(*args, ok=True, timeout=300):
     env = dict(os.environ, MPLBACKEND="Agg")
     p = subprocess.run([sys.executable, "-m", "layouts", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
+                       timeout=timeout)
     if ok:
         assert p.returncode == 0, p.stderr
     return p
@@ -79,7 +79,7 @@ def test_conflicts():
 
 def test_gallery(tmp_path):
     out_dir = tmp_path / "gallery"
-    run("gallery", str(out_dir))
+    run("gallery", str(out_dir), timeout=600)  # ~100 s on a 2-core CI machine (every entry drawn)
     index = (out_dir / "index.html").read_text()
     for name in layouts.names():
         assert f"src='{name}.png'" in index
