@@ -336,11 +336,11 @@ class AttentionSm90Tiles:
     def tiled_mma_sdp(self, dtype):
         """S^T = K Q^T and dP^T = V dO^T: M = keys (64 per warpgroup), N = queries, K = head dim."""
         from cutlass import Float32
-        from cutlass.cute.nvgpu import warpgroup
+        from cutlass.cute.nvgpu import OperandMajorMode
         from cutlass.utils import hopper_helpers as hh
 
         return hh.make_trivial_tiled_mma(
-            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
             atom_layout_mnk=(NUM_CONSUMER_WG, 1, 1), tiler_mn=(64, self.tile_m),
         )  # fmt: skip
 
@@ -348,11 +348,11 @@ class AttentionSm90Tiles:
         """dV += P^T dO and dK += dS^T Q: A from registers, B the MN-major view of dO / Q.
         ``cols``: the product's head dim, dK's (head_dim, the default) or dV's (head_dim_v)."""
         from cutlass import Float32
-        from cutlass.cute.nvgpu import warpgroup
+        from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
         from cutlass.utils import hopper_helpers as hh
 
         return hh.make_trivial_tiled_mma(
-            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
             atom_layout_mnk=(NUM_CONSUMER_WG, 1, 1), tiler_mn=(64, cols or self.head_dim),
             a_source=warpgroup.OperandSource.RMEM,
         )  # fmt: skip
@@ -361,26 +361,26 @@ class AttentionSm90Tiles:
         """Major mode of the dS tile as a wgmma operand: dQ's A (queries x keys) or, transposed,
         the A of dK / dV (keys x queries, the wide kernel). K-major = contiguous along the
         product's reduction."""
-        from cutlass.cute.nvgpu import warpgroup
+        from cutlass.cute.nvgpu import OperandMajorMode
 
         k_major = self.ds_keys_contiguous == as_a_of_dq
-        return warpgroup.OperandMajorMode.K if k_major else warpgroup.OperandMajorMode.MN
+        return OperandMajorMode.K if k_major else OperandMajorMode.MN
 
     def tiled_mma_dq(self, dtype):
         """dQ = dS K: A = dS (queries contiguous: MN-major; keys: K-major), B = K's MN-major view."""
         from cutlass import Float32
-        from cutlass.cute.nvgpu import warpgroup
+        from cutlass.cute.nvgpu import OperandMajorMode
         from cutlass.utils import hopper_helpers as hh
 
         am, an = self.dq_atoms
         if self.dq_swapab:  # A = K^T (head dim contiguous: MN-major), B = dS^T (keys contiguous: K-major)
-            b_major = warpgroup.OperandMajorMode.K if self.ds_keys_contiguous else warpgroup.OperandMajorMode.MN
+            b_major = OperandMajorMode.K if self.ds_keys_contiguous else OperandMajorMode.MN
             return hh.make_trivial_tiled_mma(
-                dtype, dtype, warpgroup.OperandMajorMode.MN, b_major, Float32,
+                dtype, dtype, OperandMajorMode.MN, b_major, Float32,
                 atom_layout_mnk=(an, am, 1), tiler_mn=(64, self.tile_m),
             )  # fmt: skip
         return hh.make_trivial_tiled_mma(
-            dtype, dtype, self.ds_major(True), warpgroup.OperandMajorMode.MN, Float32,
+            dtype, dtype, self.ds_major(True), OperandMajorMode.MN, Float32,
             atom_layout_mnk=(am, an, 1), tiler_mn=(64, self.head_dim // an),
         )  # fmt: skip
 
@@ -449,7 +449,7 @@ class AttentionSm90Tiles:
         as ``slice_cols`` allows: a wgmma's MN-major slice must start on a whole atom."""
         import cutlass.cute as cute
         from cutlass.cute.nvgpu import warpgroup
-        from cutlass.utils import LayoutEnum
+        from cutlass.tensor_utils import LayoutEnum
         from cutlass.utils import hopper_helpers as hh
 
         cols = cols or self.head_dim
@@ -479,7 +479,7 @@ class AttentionSm90Tiles:
         GRAD_BIAS_BOX_KEYS columns of a buffer are one TMA box of the bias gradient."""
         import cutlass.cute as cute
         from cutlass.cute.nvgpu import warpgroup
-        from cutlass.utils import LayoutEnum
+        from cutlass.tensor_utils import LayoutEnum
         from cutlass.utils import hopper_helpers as hh
 
         if self.ds_keys_contiguous:
@@ -490,7 +490,7 @@ class AttentionSm90Tiles:
     def ds_keys_atom(self, dtype):
         """The keys-contiguous dS tile's swizzle atom: 8 rows of GRAD_BIAS_BOX_KEYS keys (128 bytes)."""
         from cutlass.cute.nvgpu import warpgroup
-        from cutlass.utils import LayoutEnum
+        from cutlass.tensor_utils import LayoutEnum
         from cutlass.utils import hopper_helpers as hh
 
         return warpgroup.make_smem_layout_atom(hh.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, GRAD_BIAS_BOX_KEYS), dtype)
@@ -515,7 +515,7 @@ class AttentionSm90Tiles:
         for 256 bytes (row-major 512-byte rows were 8-way conflicts); TMA unswizzles it."""
         from cutlass import Float32
         from cutlass.cute.nvgpu import warpgroup
-        from cutlass.utils import LayoutEnum
+        from cutlass.tensor_utils import LayoutEnum
         from cutlass.utils import hopper_helpers as hh
 
         return warpgroup.make_smem_layout_atom(hh.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, Float32, self.dq_slice_cols), Float32)
@@ -568,11 +568,11 @@ class AttentionSm90WideTiles(AttentionSm90Tiles):
     def tiled_mma_sdp(self, dtype):
         """S^T = K Q^T, dP^T = V dO^T: all 64 keys, each warpgroup half of the queries (m64n32)."""
         from cutlass import Float32
-        from cutlass.cute.nvgpu import warpgroup
+        from cutlass.cute.nvgpu import OperandMajorMode
         from cutlass.utils import hopper_helpers as hh
 
         return hh.make_trivial_tiled_mma(
-            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
             atom_layout_mnk=(1, NUM_CONSUMER_WG, 1), tiler_mn=(64, self.tile_m // NUM_CONSUMER_WG),
         )  # fmt: skip
 
@@ -581,11 +581,11 @@ class AttentionSm90WideTiles(AttentionSm90Tiles):
         contiguous), B the MN-major view of dO / Q; each warpgroup half of the head dim
         (``cols``: dK's head_dim by default, dV's head_dim_v)."""
         from cutlass import Float32
-        from cutlass.cute.nvgpu import warpgroup
+        from cutlass.cute.nvgpu import OperandMajorMode
         from cutlass.utils import hopper_helpers as hh
 
         return hh.make_trivial_tiled_mma(
-            dtype, dtype, self.ds_major(False), warpgroup.OperandMajorMode.MN, Float32,
+            dtype, dtype, self.ds_major(False), OperandMajorMode.MN, Float32,
             atom_layout_mnk=(1, NUM_CONSUMER_WG, 1), tiler_mn=(64, (cols or self.head_dim) // NUM_CONSUMER_WG),
         )  # fmt: skip
 
@@ -593,11 +593,11 @@ class AttentionSm90WideTiles(AttentionSm90Tiles):
         """dQ = dS K in two column halves, one after the other (their accumulators would not
         fit beside dK and dV): each warpgroup a quarter of d of each half."""
         from cutlass import Float32
-        from cutlass.cute.nvgpu import warpgroup
+        from cutlass.cute.nvgpu import OperandMajorMode
         from cutlass.utils import hopper_helpers as hh
 
         return hh.make_trivial_tiled_mma(
-            dtype, dtype, self.ds_major(True), warpgroup.OperandMajorMode.MN, Float32,
+            dtype, dtype, self.ds_major(True), OperandMajorMode.MN, Float32,
             atom_layout_mnk=(1, NUM_CONSUMER_WG, 1), tiler_mn=(64, self.dq_slice_cols),
         )  # fmt: skip
 

@@ -280,7 +280,7 @@ class AttentionBackwardSm90:
                 cpasync.prefetch_descriptor(dkv_tma[0])
                 cpasync.prefetch_descriptor(dkv_tma[2])
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
