@@ -79,7 +79,7 @@ def test_conflicts():
 
 def test_gallery(tmp_path):
     out_dir = tmp_path / "gallery"
-    run("gallery", str(out_dir), timeout=600)  # ~100 s on a 2-core CI machine (every entry drawn)
+    run("gallery", str(out_dir), timeout=600)  # every entry drawn: ~105 s on 2 CPU cores
     index = (out_dir / "index.html").read_text()
     for name in layouts.names():
         assert f"src='{name}.png'" in index
