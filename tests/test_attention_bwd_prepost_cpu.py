@@ -2,6 +2,7 @@
 tiles are consistent, the ops validate inputs before any launch, the fake
 implementations give the right shapes, and the fp64 references are right."""
 
+import dataclasses
 import math
 
 import pytest
@@ -208,6 +209,22 @@ def test_grid_covers_rows():
         # a million-row sequence still fits the grid's y and z limits
         gx, gy, gz = t.grid(t.ctas_along_rows(1 << 20), 1, 16)
         assert gx < 2**31 and gy <= 65535 and gz <= 65535
+
+
+def test_block_coords_walk_the_grid_once_backwards():
+    """Every (row block, batch, head) exactly once; with ``last_first`` (the pre- and
+    postprocess tiles) the first CTA takes the last batch's last head and row block, and
+    batch 0 comes last (where the attention backward starts reading)."""
+    nb, b, h = 7, 3, 5
+    for t in _all_tiles():
+        grid = t.grid(nb, b, h)
+        blocks = [(x, y, z) for z in range(grid[2]) for y in range(grid[1]) for x in range(grid[0])]  # launch order
+        coords = [t.block_coords(blk, grid, h) for blk in blocks]
+        assert sorted(coords) == [(m, bb, hh) for m in range(nb) for bb in range(b) for hh in range(h)]
+        assert t.last_first
+        assert coords[0][1] == b - 1 and coords[-1][1] == 0
+        forwards = dataclasses.replace(t, last_first=False)
+        assert [forwards.block_coords(blk, grid, h) for blk in blocks][::-1] == coords
 
 
 def test_tiled_mma_covers_the_tile():

@@ -32,8 +32,6 @@ def seqlen_of(mCuSeqlens, batch, static_seqlen) -> Int32:
 
 
 def block_coords(tiles, heads):
-    """(row block, batch, head) of this CTA under ``tiles.grid``'s raster order."""
-    x, y, z = cute.arch.block_idx()
-    if const_expr(tiles.heads_fastest):
-        return x // heads, y, x % heads
-    return x, y, z
+    """(row block, batch, head) of this CTA under ``tiles.grid``'s raster order (backwards
+    with ``tiles.last_first``: ``PrepostTiles.block_coords``)."""
+    return tiles.block_coords(cute.arch.block_idx(), cute.arch.grid_dim(), heads)
