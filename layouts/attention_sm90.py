@@ -55,7 +55,10 @@ dS^T with stmatrix (``ds_stmatrix``: four instructions for sixteen 32-bit stores
 per-step swizzled addresses). FA4's order within a step: LSE read into registers once S^T
 is issued and Δ after the exp (``stats_early``), dS^T stored before dV is issued
 (``ds_before_dv``), the store warp freeing both dQ buffers before waiting for either
-(``dq_empty_early``, above d64). d64's 64 + 64 fp32 of S^T / dP^T at tile_m 128 left
+(``dq_empty_early``). d64 without a bias or dropout issues each block's dQ a step late,
+beside the next block's dV (``dq_defer``): a warpgroup then waits for the other's dS half
+of a block written a step earlier, and the two stay a step apart at most instead of
+meeting at every block. d64's 64 + 64 fp32 of S^T / dP^T at tile_m 128 left
 ptxas short of registers in the older order (every wgmma serialised: C7515 with S^T a step
 ahead, C7512 without), so d64 ran tile_m 64 for a while; with dS^T stored before dV and the
 statistics read at their use it fits again (0 spills) and is 6-9% faster; a bias or dropout
@@ -200,6 +203,11 @@ class AttentionSm90Tiles:
     # non-causal d128 tile; dQ's own M would have to be a multiple of 64)
     dq_swapab: bool = False
     dq_wait_dkv: bool = False  # dV / dK complete before dQ is issued (their A operands' registers free)
+    # dQ of block i issued in step i + 1, beside its dV (replaces pds_split and the joint
+    # barrier): a warpgroup waits for the other's half of a block's dS a step after it was
+    # written, so the two meet once a step with a step of slack (one one-way barrier a step
+    # each way, ids alternating by step: an announcement can run one step ahead of its wait)
+    dq_defer: bool = False
     lpt: bool = True  # causal masks: heavy key blocks first over a chunk of heads (the kernel's cta_coords)
     # dS in shared memory with keys contiguous (rows as the bias gradient's: TMA stores it from
     # there) instead of queries (whose register pairs store as 32 bits); with the bias gradient
@@ -699,6 +707,8 @@ def attention_sm90_tiles(head_dim: int, *, head_dim_v: Optional[int] = None,
         t = AttentionSm90WideTiles(**fields)
         if t.tile_m != 64 or t.tile_n != 64:
             raise ValueError(f"head dims above {WIDE_FROM} need tile_m 64 and tile_n 64, got {t.tile_m}, {t.tile_n}")
+        if t.dq_defer:
+            raise ValueError(f"head dims above {WIDE_FROM} issue dQ in its own step (dq_defer False)")
         if t.dkv_tma_store:
             # its dK / dV accumulators split the head dim between the warpgroups (stored from registers)
             raise ValueError(f"head dims above {WIDE_FROM} store dK / dV from registers (dkv_tma_store False)")
@@ -735,10 +745,18 @@ def attention_sm90_tiles(head_dim: int, *, head_dim_v: Optional[int] = None,
             # 128 queries a step, as FA4: fits 240 registers with dS stored before dV is issued
             # (C7512 without), the 32 + 32 statistics read at their use (8x16x1024x64 0.262 vs
             # 0.280 ms at tile_m 64, causal 2x16x4096x64 0.425 vs 0.468; with a bias or dropout
-            # ptxas spills 32-880 bytes, so those keep 64)
-            fields.update(tile_m=128, stats_early=False)
+            # ptxas spills 32-880 bytes, so those keep 64). dQ a step late, both dQ buffers
+            # freed first (H100, same runs: 4x16x2048x64 0.393 vs 0.404 ms, causal 2x16x4096x64
+            # 0.401 vs 0.410, 8x16x1024x64 0.243 vs 0.245; at d128's tile_m 80 it spills)
+            fields.update(tile_m=128, stats_early=False, pds_split=False, dq_defer=True, dq_empty_early=True)
         fields.update(overrides)
         t = AttentionSm90Tiles(**fields)
+        if t.dq_defer and t.ds_stages < 2:
+            raise ValueError("dq_defer writes block i's dS while block i - 1's is read: ds_stages >= 2")
+        if t.dq_defer and t.overlap != "none":
+            raise ValueError("dq_defer issues every wgmma of a step within the step (overlap 'none')")
+        if t.dq_defer and t.pds_split:
+            raise ValueError("dq_defer has its own dS barriers (pds_split False)")
         if t.tile_m not in ((64, 80, 128) if t.dq_swapab else (64, 128)) or t.tile_n != 64 * NUM_CONSUMER_WG:
             raise ValueError(f"tile_m must be 64 or 128 (80 with dq_swapab) and tile_n {64 * NUM_CONSUMER_WG}, got "
                              f"{t.tile_m}, {t.tile_n}")  # fmt: skip

@@ -161,7 +161,7 @@ def test_compiles_unequal_head_dims_with_bias_and_dropout(head_dim, head_dim_v):
 def test_feature_flags_are_checked():
     from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
 
-    tiles = tiling.attention_sm90_tiles(64)
+    tiles = tiling.attention_sm90_tiles(64, bias_or_dropout=True)
     with pytest.raises(ValueError, match="grad_bias needs has_bias"):
         AttentionBackwardSm90(cutlass.BFloat16, tiles, 0, grad_bias=True)
     with pytest.raises(NotImplementedError, match="variable lengths"):
@@ -262,8 +262,11 @@ def test_query_tiles_follow_bias_and_dropout():
     (registers, dropout's flags) keeps 64."""
     t = tiling.attention_sm90_tiles(64)
     assert (t.tile_m, t.dq_order, t.dq_swapab) == (128, (1, 0), False)
+    # each block's dQ a step late (its own dS barriers), both dQ buffers freed first
+    assert (t.dq_defer, t.pds_split, t.dq_empty_early) == (True, False, True)
     t = tiling.attention_sm90_tiles(64, bias_or_dropout=True)
-    assert (t.tile_m, t.dq_order) == (64, (0, 1))
+    assert (t.tile_m, t.dq_order, t.dq_defer) == (64, (0, 1), False)
+    assert not tiling.attention_sm90_tiles(128).dq_defer
     t = tiling.attention_sm90_tiles(128)
     assert (t.tile_m, t.dq_swapab, t.pds_split, t.stats_stage_stride) == (80, True, False, 96)
     t = tiling.attention_sm90_tiles(128, bias_or_dropout=True)
@@ -481,6 +484,27 @@ def test_tile_overrides_are_checked():
         tiling.attention_sm90_tiles(256, dq_per_wg=True)
     with pytest.raises(ValueError, match="bytes of shared memory"):
         tiling.attention_sm90_tiles(256, stages=2)  # two Q / dO stages of d256: 257 KiB
+    # dq_defer: two dS buffers at least, every wgmma of a step in the step, its own barriers
+    with pytest.raises(ValueError, match="ds_stages >= 2"):
+        tiling.attention_sm90_tiles(64, ds_stages=1)
+    with pytest.raises(ValueError, match="overlap 'none'"):
+        tiling.attention_sm90_tiles(64, overlap="s")
+    with pytest.raises(ValueError, match="pds_split False"):
+        tiling.attention_sm90_tiles(64, pds_split=True)
+    with pytest.raises(ValueError, match="dq_defer False"):
+        tiling.attention_sm90_tiles(192, dq_defer=True)
+    tiling.attention_sm90_tiles(128, dq_defer=True)  # d128 may take it (measured slower: it spills)
+
+
+def test_dq_defer_without_bias_or_dropout():
+    """The deferred dQ's barriers do not order the bias gradient's stores or the keep flags."""
+    from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
+
+    t = tiling.attention_sm90_tiles(64)
+    for kw in (dict(has_bias=True), dict(dropout=True)):
+        with pytest.raises(ValueError, match="without a bias or dropout"):
+            AttentionBackwardSm90(cutlass.BFloat16, t, 0, **kw)
+    AttentionBackwardSm90(cutlass.BFloat16, t, 1, has_window=True, deterministic=True, varlen=True)
 
 
 # --------------------------------------------------------------------- unsupported()

@@ -20,7 +20,8 @@ say otherwise.)
 
 Synchronisation: the Q / dO pipelines (full: TMA transaction bytes, empty: the 8
 consumer warps); named barriers PDS (both consumer warpgroups wrote dS; with pds_split
-one one-way barrier per warpgroup), DQ_EMPTY and DQ_FULL (sdQ handed between the
+one one-way barrier per warpgroup; with dq_defer a pair per warpgroup, even and odd steps,
+as dQ waits for the other half a step later), DQ_EMPTY and DQ_FULL (sdQ handed between the
 consumers and the dQ-store warp; with dq_per_wg a pair per warpgroup), KEEP_FLAGS (dropout:
 a warpgroup's flags of the block are drawn; one per warpgroup), EPILOGUE (dkv_tma_store:
 both warpgroups are done with K / V, then their dK / dV are written). Options and their
@@ -68,6 +69,8 @@ BAR_DQ_EMPTY_WG1 = 5  # with dq_per_wg: warpgroup 1's pair (warpgroup 0 uses BAR
 BAR_DQ_FULL_WG1 = 6
 BAR_KEEP_FLAGS = 7  # dropout: a warpgroup's keep flags of the block are drawn (warpgroup 1: 8)
 BAR_EPILOGUE = 9  # dkv_tma_store: both warpgroups done with K / V, then their dK / dV written
+BAR_PDS_ODD = 10  # dq_defer: odd steps' dS announcements (even steps: BAR_PDS / BAR_PDS_WG1)
+BAR_PDS_WG1_ODD = 11
 
 
 class AttentionBackwardSm90:
@@ -112,6 +115,9 @@ class AttentionBackwardSm90:
             # the TMA stores of the bias gradient read dS rows of keys (without it either layout
             # serves: H100, same speed to 1%)
             raise ValueError("grad_bias needs tiles.ds_keys_contiguous")
+        if tiles.dq_defer and (has_bias or dropout):
+            # its dS barriers do not order the bias gradient's stores or the keep-flag buffers
+            raise ValueError("tiles.dq_defer is built for runs without a bias or dropout")
         if has_bias and varlen:
             raise NotImplementedError("attention bias with variable lengths (torch's forward refuses it too)")
         if dropout and tiles.smem_bytes(dtype.width // 8, dropout=True) > SMEM_LIMIT:
@@ -645,17 +651,26 @@ class AttentionBackwardSm90:
             # there (and visible to the async proxy): dQ = dS K, then dK += dS^T Q, so dQ can
             # leave while dK runs
             rdS = cute.make_rmem_tensor(shape_sdp, self.dtype)
-            if const_expr(t.ds_before_dv):
+            if const_expr(t.dq_defer):
                 rdS.store(acc_dP.load().to(self.dtype))
-                cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_stage])
-            wgmma(tiled_mma_dv, acc_dV, cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout)),
-                  tVrdO[None, None, None, stage], zero_init=False)  # fmt: skip
-            if const_expr(not t.ds_before_dv):
-                rdS.store(acc_dP.load().to(self.dtype))
-                cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_stage])
-            cute.arch.fence_view_async_shared()
+            else:
+                if const_expr(t.ds_before_dv):
+                    rdS.store(acc_dP.load().to(self.dtype))
+                    cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_stage])
+                wgmma(tiled_mma_dv, acc_dV, cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout)),
+                      tVrdO[None, None, None, stage], zero_init=False)  # fmt: skip
+                if const_expr(not t.ds_before_dv):
+                    rdS.store(acc_dP.load().to(self.dtype))
+                    cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_stage])
+                cute.arch.fence_view_async_shared()
             dbias = (feat, sdS, head, m_block, n_block)  # the bias gradient's stores (grad_bias)
-            if const_expr(t.pds_split):
+            if const_expr(t.dq_defer):
+                self.deferred_step(i, wg, stage, tiled_mma_dq, tiled_mma_dv, tiled_mma_dkv, acc_dV, acc_dK, rP, rdS,
+                                   tVrdO, tKrQ, tQrdS, tQrK, shape_dq, r2s_ds, thr_r2s_ds, tdSs, r2s_dq, thr_r2s_dq,
+                                   tdQs)  # fmt: skip
+                pipe_do.consumer_release(state)
+                pipe_q.consumer_release(state)
+            elif const_expr(t.pds_split):
                 acc_dQ = self.dq_dk_split(wg, stage, ds_stage, tiled_mma_dq, tiled_mma_dkv, acc_dK, rdS, tKrQ,
                                           tQrdS, tQrK, shape_dq, tidx, dbias)  # fmt: skip
                 pipe_do.consumer_release(state)
@@ -698,6 +713,15 @@ class AttentionBackwardSm90:
             state.advance()
             head, m_block = self.next_work_item(work, head, m_block)
 
+        if const_expr(t.dq_defer):
+            # the last block's dQ (computed without a block, and not staged, when there is none)
+            last = steps - 1
+            if steps > 0:
+                self.wait_ds_half(wg, last)
+            acc_dQ = self.issue_dq(tiled_mma_dq, shape_dq, tQrdS, tQrK, (last + t.ds_stages) % t.ds_stages)
+            warpgroup.wait_group(0)
+            if steps > 0:
+                self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, last % t.dq_stages, wg)
         self.epilogue(acc_dK, acc_dV, dkv_out, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch,
                       rows, seqlen_k, softmax_scale)  # fmt: skip
 
@@ -1060,6 +1084,65 @@ class AttentionBackwardSm90:
         acc_dQ = self.issue_dq(tiled_mma_dq, shape_dq, tQrdS, tQrK, ds_stage)
         warpgroup.wait_group(0)
         return acc_dQ
+
+    @cute.jit
+    def deferred_step(self, i, wg, stage, tiled_mma_dq, tiled_mma_dv, tiled_mma_dkv, acc_dV, acc_dK, rP, rdS, tVrdO,
+                      tKrQ, tQrdS, tQrK, shape_dq, r2s_ds, thr_r2s_ds, tdSs, r2s_dq, thr_r2s_dq, tdQs):  # fmt: skip
+        """The products of step ``i`` once its dS is in registers (``dq_defer``): this block's
+        dS^T stored (after the other warpgroup announced block i - 1, a step ago as a rule: it
+        announces a block only once its dQ of the block before has read the buffer written
+        here), the previous block's dQ and this block's dV issued, this half announced once
+        that dQ has read its buffer (the other warpgroup writes block i + 1 there), dK issued
+        and the previous block's dQ staged. Step 0 has no previous block: its dQ product runs
+        on the unused buffer and is dropped, which keeps the wgmma groups the same every step
+        (ptxas serialises wgmmas whose issue depends on a branch). Returns with all done."""
+        t = self.tiles
+        prev = i - 1
+        if i > 0:
+            self.wait_ds_half(wg, prev)
+        cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, i % t.ds_stages])
+        acc_dQ = self.issue_dq(tiled_mma_dq, shape_dq, tQrdS, tQrK, (i + t.ds_stages - 1) % t.ds_stages)
+        wgmma(tiled_mma_dv, acc_dV, cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout)),
+              tVrdO[None, None, None, stage], zero_init=False)  # fmt: skip
+        warpgroup.wait_group(1)  # dQ of block i - 1 done: its dS buffer is read
+        cute.arch.fence_view_async_shared()
+        self.announce_ds_half(wg, i)
+        wgmma(tiled_mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
+              tKrQ[None, None, None, stage], zero_init=False)  # fmt: skip
+        if i > 0:
+            self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, prev % t.dq_stages, wg)
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def announce_ds_half(self, wg, i):
+        """``dq_defer``: this warpgroup's half of block i's dS is written and fenced (static ids:
+        a register id makes ptxas reserve all 16)."""
+        n = self.tiles.num_mma_threads
+        if wg == 0:
+            if i % 2 == 0:
+                cute.arch.barrier_arrive(barrier_id=BAR_PDS, number_of_threads=n)
+            else:
+                cute.arch.barrier_arrive(barrier_id=BAR_PDS_ODD, number_of_threads=n)
+        else:
+            if i % 2 == 0:
+                cute.arch.barrier_arrive(barrier_id=BAR_PDS_WG1, number_of_threads=n)
+            else:
+                cute.arch.barrier_arrive(barrier_id=BAR_PDS_WG1_ODD, number_of_threads=n)
+
+    @cute.jit
+    def wait_ds_half(self, wg, i):
+        """``dq_defer``: wait until the other warpgroup announced its half of block i's dS."""
+        n = self.tiles.num_mma_threads
+        if wg == 0:
+            if i % 2 == 0:
+                cute.arch.barrier(barrier_id=BAR_PDS_WG1, number_of_threads=n)
+            else:
+                cute.arch.barrier(barrier_id=BAR_PDS_WG1_ODD, number_of_threads=n)
+        else:
+            if i % 2 == 0:
+                cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=n)
+            else:
+                cute.arch.barrier(barrier_id=BAR_PDS_ODD, number_of_threads=n)
 
     @cute.jit
     def issue_dq(self, tiled_mma_dq, shape_dq, tQrdS, tQrK, ds_stage):
