@@ -73,6 +73,14 @@ BAR_PDS_ODD = 10  # dq_defer: odd steps' dS announcements (even steps: BAR_PDS /
 BAR_PDS_WG1_ODD = 11
 
 
+def named_barrier(barrier_id: int, threads: int, arrive: bool):
+    """Arrive at named barrier ``barrier_id`` (and go on) or wait there for ``threads`` in all."""
+    if arrive:
+        cute.arch.barrier_arrive(barrier_id=barrier_id, number_of_threads=threads)
+    else:
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+
+
 class AttentionBackwardSm90:
     """Configuration: element type, tiles, mask (0 none, 1 causal from the top-left, 2 from the
     bottom-right) and, with a causal mask, a sliding window (key k sees query q when
@@ -717,7 +725,7 @@ class AttentionBackwardSm90:
             # the last block's dQ (computed without a block, and not staged, when there is none)
             last = steps - 1
             if steps > 0:
-                self.wait_ds_half(wg, last)
+                self.ds_half_barrier(1 - wg, last, False)
             acc_dQ = self.issue_dq(tiled_mma_dq, shape_dq, tQrdS, tQrK, (last + t.ds_stages) % t.ds_stages)
             warpgroup.wait_group(0)
             if steps > 0:
@@ -1099,14 +1107,14 @@ class AttentionBackwardSm90:
         t = self.tiles
         prev = i - 1
         if i > 0:
-            self.wait_ds_half(wg, prev)
+            self.ds_half_barrier(1 - wg, prev, False)
         cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, i % t.ds_stages])
         acc_dQ = self.issue_dq(tiled_mma_dq, shape_dq, tQrdS, tQrK, (i + t.ds_stages - 1) % t.ds_stages)
         wgmma(tiled_mma_dv, acc_dV, cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout)),
               tVrdO[None, None, None, stage], zero_init=False)  # fmt: skip
         warpgroup.wait_group(1)  # dQ of block i - 1 done: its dS buffer is read
         cute.arch.fence_view_async_shared()
-        self.announce_ds_half(wg, i)
+        self.ds_half_barrier(wg, i, True)
         wgmma(tiled_mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
               tKrQ[None, None, None, stage], zero_init=False)  # fmt: skip
         if i > 0:
@@ -1114,35 +1122,21 @@ class AttentionBackwardSm90:
         warpgroup.wait_group(0)
 
     @cute.jit
-    def announce_ds_half(self, wg, i):
-        """``dq_defer``: this warpgroup's half of block i's dS is written and fenced (static ids:
-        a register id makes ptxas reserve all 16)."""
+    def ds_half_barrier(self, owner, i, arrive: cutlass.Constexpr):
+        """``dq_defer``: warpgroup ``owner``'s half of block i's dS is written and fenced:
+        announced by it (``arrive``) or waited for by the other warpgroup. Static ids (a
+        register id makes ptxas reserve all 16), alternating by step."""
         n = self.tiles.num_mma_threads
-        if wg == 0:
+        if owner == 0:
             if i % 2 == 0:
-                cute.arch.barrier_arrive(barrier_id=BAR_PDS, number_of_threads=n)
+                named_barrier(BAR_PDS, n, arrive)
             else:
-                cute.arch.barrier_arrive(barrier_id=BAR_PDS_ODD, number_of_threads=n)
+                named_barrier(BAR_PDS_ODD, n, arrive)
         else:
             if i % 2 == 0:
-                cute.arch.barrier_arrive(barrier_id=BAR_PDS_WG1, number_of_threads=n)
+                named_barrier(BAR_PDS_WG1, n, arrive)
             else:
-                cute.arch.barrier_arrive(barrier_id=BAR_PDS_WG1_ODD, number_of_threads=n)
-
-    @cute.jit
-    def wait_ds_half(self, wg, i):
-        """``dq_defer``: wait until the other warpgroup announced its half of block i's dS."""
-        n = self.tiles.num_mma_threads
-        if wg == 0:
-            if i % 2 == 0:
-                cute.arch.barrier(barrier_id=BAR_PDS_WG1, number_of_threads=n)
-            else:
-                cute.arch.barrier(barrier_id=BAR_PDS_WG1_ODD, number_of_threads=n)
-        else:
-            if i % 2 == 0:
-                cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=n)
-            else:
-                cute.arch.barrier(barrier_id=BAR_PDS_ODD, number_of_threads=n)
+                named_barrier(BAR_PDS_WG1_ODD, n, arrive)
 
     @cute.jit
     def issue_dq(self, tiled_mma_dq, shape_dq, tQrdS, tQrK, ds_stage):
