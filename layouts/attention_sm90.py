@@ -47,8 +47,9 @@ it), the fp32 dQ staging the 64-byte one (16 columns: each warpgroup's 48-column
 whole atoms, reduce-added as three 16-column TMA boxes).
 
 All three hand each warpgroup's dQ half to the store warp separately (``dq_per_wg``),
-announce each dS half before waiting for the other (``pds_split``; d128 at tile_m 80 waits
-for both at one barrier and issues dQ before dK, FA4's order), issue each block's
+announce each dS half before waiting for the other (``pds_split``; d64 waits a step later,
+``dq_defer`` below; d128 at tile_m 80 waits for both at one barrier and issues dQ before dK,
+FA4's order), issue each block's
 S^T at the top of its step (``overlap="none"``: issued a step ahead, ptxas serialises
 every wgmma of the kernel, its warning C7515; d128 gained 16% without it) and store
 dS^T with stmatrix (``ds_stmatrix``: four instructions for sixteen 32-bit stores and their
