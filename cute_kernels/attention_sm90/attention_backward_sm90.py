@@ -657,7 +657,7 @@ class AttentionBackwardSm90:
 
             # dV += P^T dO (P^T from registers); dS^T -> sdS; once both warpgroups' halves are
             # there (and visible to the async proxy): dQ = dS K, then dK += dS^T Q, so dQ can
-            # leave while dK runs
+            # leave while dK runs. With dq_defer the dQ is the previous block's (deferred_step)
             rdS = cute.make_rmem_tensor(shape_sdp, self.dtype)
             if const_expr(t.dq_defer):
                 rdS.store(acc_dP.load().to(self.dtype))
