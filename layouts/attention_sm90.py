@@ -64,8 +64,10 @@ ptxas short of registers in the older order (every wgmma serialised: C7515 with 
 ahead, C7512 without), so d64 ran tile_m 64 for a while; with dS^T stored before dV and the
 statistics read at their use it fits again (0 spills) and is 6-9% faster; a bias or dropout
 still spills there and keeps 64. dK / dV leave through K's / V's shared memory (free once
-both warpgroups' last wgmmas have read them) and a TMA store (``dkv_tma_store``): 32-bit
-stores from registers cost 5% at 8x16x1024x64, where a CTA runs only 8 steps.
+both warpgroups' last wgmmas have read them) (``dkv_tma_store``): 32-bit stores from
+registers cost 5% at 8x16x1024x64, where a CTA runs only 8 steps. From there every consumer
+thread stores 16-byte row pieces (``dkv_vector_store``, d64 / d128 rows) rather than one
+thread's TMA store, which queues behind the last dQ reduce-adds while the CTA waits for it.
 Measurements: cute_kernels/attention_sm90/notes.md.
 
 CTA order: with a causal mask key block 0 sees the most query blocks, so the grid is 1-D
@@ -226,6 +228,10 @@ class AttentionSm90Tiles:
     # dK / dV through K's / V's shared memory (stmatrix) and a TMA store, instead of 32-bit
     # stores from registers straight to global memory
     dkv_tma_store: bool = False
+    # with dkv_tma_store: the staged dK / dV leave by 128-bit stores of every consumer thread
+    # instead of one thread's TMA stores, which queue behind the dQ-store warp's last reduce-adds
+    # (the CTA then waits for them to read shared memory before it can leave)
+    dkv_vector_store: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -422,6 +428,17 @@ class AttentionSm90Tiles:
 
         op = cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4)
         return cute.make_tiled_copy_C(cute.make_copy_atom(op, dtype), tiled_mma_dkv)
+
+    def s2g_copy_dkv(self, dtype, cols: int):
+        """Staged dK / dV rows (``cols`` wide) from shared to global memory by every consumer
+        thread, 16 bytes a copy, a row's copies on consecutive threads (``dkv_vector_store``)."""
+        import cutlass.cute as cute
+
+        vec = 128 // dtype.width
+        per_row = cols // vec
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+        thr = cute.make_layout((self.num_mma_threads // per_row, per_row), stride=(per_row, 1))
+        return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, vec)))
 
     def r2g_copy_dkv(self, dtype, tiled_mma_dkv):
         """dK / dV accumulators (cast) straight to global memory (once per CTA)."""
@@ -688,6 +705,14 @@ def head_dims_unsupported(head_dim: int, head_dim_v: int) -> Optional[str]:
 HEAD_DIM_PAIRS = tuple((a, b) for a in HEAD_DIMS for b in HEAD_DIMS if a != b and head_dims_unsupported(a, b) is None)
 
 
+def _rows_split_evenly(cols: int) -> bool:
+    """``dkv_vector_store``: the consumer threads cover whole rows of ``cols`` 16-bit values
+    with 16-byte stores (d64, d128; not d96's 12 stores a row)."""
+    per_row = cols * 16 // 128
+    threads = 128 * NUM_CONSUMER_WG
+    return cols * 16 % 128 == 0 and threads % per_row == 0 and 64 * NUM_CONSUMER_WG % (threads // per_row) == 0
+
+
 @functools.lru_cache(maxsize=None)  # also read on the call path (deterministic mode's semaphore shape)
 def attention_sm90_tiles(head_dim: int, *, head_dim_v: Optional[int] = None,
                          bias_or_dropout: bool = False, **overrides) -> AttentionSm90Tiles:  # fmt: skip
@@ -728,10 +753,14 @@ def attention_sm90_tiles(head_dim: int, *, head_dim_v: Optional[int] = None,
         # with them it cost 5-17% (2x16x4096x128 bias 2.170 vs 1.849 ms, dropout 2.197 vs 2.090)
         # dK / dV leave through shared memory and a TMA store (8x16x1024x64 0.246 vs 0.260 ms,
         # causal 2x16x4096x64 0.409 vs 0.425)
+        # ... and leave it by every consumer thread's 16-byte stores where the rows split evenly
+        # between the threads (H100, same runs, TMA store vs these: 8x16x1024x64 0.2442 vs 0.2419
+        # ms, 16x16x512x64 0.170 vs 0.168, 4x16x2048x128 0.682 vs 0.679, causal d64 even)
         fa4_order = not bias_or_dropout
         fields = dict(head_dim=head_dim, head_dim_v=dv, tile_m=64, tile_n=128, dq_per_wg=True, pds_split=True,
                       overlap="none", stats_early=fa4_order, ds_before_dv=fa4_order,
-                      dq_empty_early=fa4_order and max(head_dim, dv) > 64, dkv_tma_store=True)
+                      dq_empty_early=fa4_order and max(head_dim, dv) > 64, dkv_tma_store=True,
+                      dkv_vector_store=all(_rows_split_evenly(c) for c in (head_dim, dv)))
         if head_dim == dv == 128 and not bias_or_dropout:
             # 80 queries a step with dQ^T = K^T dS^T (FA3 / FA4's non-causal d128 tile), the
             # statistics read at their use, one dS barrier for both warpgroups then dQ before dK
@@ -758,6 +787,11 @@ def attention_sm90_tiles(head_dim: int, *, head_dim_v: Optional[int] = None,
             raise ValueError("dq_defer issues every wgmma of a step within the step (overlap 'none')")
         if t.dq_defer and t.pds_split:
             raise ValueError("dq_defer has its own dS barriers (pds_split False)")
+        if t.dkv_vector_store and not t.dkv_tma_store:
+            raise ValueError("dkv_vector_store stores the dK / dV that dkv_tma_store stages in shared memory")
+        if t.dkv_vector_store and not all(_rows_split_evenly(c) for c in (t.head_dim, t.head_dim_v)):
+            raise ValueError(f"dkv_vector_store: rows of {t.head_dim} / {t.head_dim_v} values do not split evenly "
+                             f"into the consumer threads' 16-byte stores")  # fmt: skip
         if t.tile_m not in ((64, 80, 128) if t.dq_swapab else (64, 128)) or t.tile_n != 64 * NUM_CONSUMER_WG:
             raise ValueError(f"tile_m must be 64 or 128 (80 with dq_swapab) and tile_n {64 * NUM_CONSUMER_WG}, got "
                              f"{t.tile_m}, {t.tile_n}")  # fmt: skip

@@ -494,6 +494,13 @@ def test_tile_overrides_are_checked():
     with pytest.raises(ValueError, match="dq_defer False"):
         tiling.attention_sm90_tiles(192, dq_defer=True)
     tiling.attention_sm90_tiles(128, dq_defer=True)  # d128 may take it (measured slower: it spills)
+    # dK / dV by every consumer thread's 16-byte stores: staged in shared memory, whole rows a pass
+    with pytest.raises(ValueError, match="dkv_vector_store stores the dK / dV that dkv_tma_store stages"):
+        tiling.attention_sm90_tiles(64, dkv_tma_store=False)
+    with pytest.raises(ValueError, match="do not split evenly"):
+        tiling.attention_sm90_tiles(96, dkv_vector_store=True)
+    assert [tiling.attention_sm90_tiles(d, head_dim_v=dv).dkv_vector_store
+            for d, dv in ((64, 64), (128, 128), (128, 64), (96, 96), (96, 128), (192, 192))] == [True] * 3 + [False] * 3
 
 
 def test_dq_defer_without_bias_or_dropout():

@@ -749,6 +749,9 @@ class AttentionBackwardSm90:
         by_tma = (acc_dK, acc_dV, dkv_tma, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch, rows[1])
         if const_expr(not t.dkv_tma_store):
             self.store_dkv_rows(*by_rows)
+        elif const_expr(t.dkv_vector_store):
+            self.store_tiles_vectors(acc_dK, acc_dV, mdK, mdV, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block,
+                                     head_kv, batch, rows[1], seqlen_k)  # fmt: skip
         elif const_expr(self.varlen):
             # TMA drops rows past the tensor's end, not past a packed sequence's: a block
             # reaching past seqlen_k takes the row-predicated stores
@@ -793,6 +796,34 @@ class AttentionBackwardSm90:
                 cute.copy(atom, ts, tg)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory stays until read
+
+    @cute.jit
+    def store_tiles_vectors(self, acc_dK, acc_dV, mdK, mdV, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block,
+                            head_kv, batch, offset_k, seqlen_k):  # fmt: skip
+        """dK / dV (cast) into K's / V's shared memory as for the TMA store, then every consumer
+        thread stores 16-byte vectors of whole rows (rows past seqlen_k dropped: also a packed
+        sequence's partial block): nothing waits behind the dQ-store warp's reduce-adds in the
+        TMA queue, and the CTA leaves without waiting for a TMA store to read shared memory."""
+        t = self.tiles
+        cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=t.num_mma_threads)
+        for acc, s, tiled_mma in ((acc_dK, sK, tiled_mma_dkv), (acc_dV, sV, tiled_mma_dv)):
+            r2s = t.r2s_copy_dkv(self.dtype, tiled_mma)
+            thr = r2s.get_slice(tidx)
+            rOut = cute.make_rmem_tensor(acc.shape, self.dtype)
+            rOut.store(acc.load().to(self.dtype))
+            cute.copy(r2s, thr.retile(rOut), thr.partition_D(s))
+        cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=t.num_mma_threads)
+        for s, mOut in ((sK, mdK), (sV, mdV)):
+            cols = mOut.shape[1]
+            tile = (t.tile_n, cols)
+            gOut = cute.local_tile(self.seq_tile_view(mOut, head_kv, batch, offset_k), tile, (n_block, 0))
+            cOut = cute.local_tile(cute.make_identity_tensor((seqlen_k, cols)), tile, (n_block, 0))
+            s2g = t.s2g_copy_dkv(self.dtype, cols)
+            thr = s2g.get_slice(tidx)
+            tS, tG, tC = thr.partition_S(s), thr.partition_D(gOut), thr.partition_D(cOut)
+            for r in cutlass.range_constexpr(cute.size(tS, mode=[1])):
+                if tC[0, r, 0][0] < seqlen_k:
+                    cute.copy(s2g, tS[None, r, None], tG[None, r, None])
 
     @cute.jit
     def probs(self, acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2,
