@@ -8,8 +8,9 @@ which also zeroes the dQ accumulator) and dQ from our ``convert_dq``; this kerne
 Shared memory (one phase: everything lives for the whole CTA)::
 
     sQ, sdO   [tile_m, d | dv, stages]  TMA ring, mbarrier pipelines (with sLSE, sDelta)
-    sK, sV    [tile_n, d | dv]          loaded once (kv mbarrier); with dkv_tma_store the
-                                        TMA-store source of dK / dV after the last block
+    sK, sV    [tile_n, d | dv]          loaded once (kv mbarrier); with dkv_tma_store dK / dV
+                                        staged there after the last block, for a TMA store or
+                                        (dkv_vector_store) every consumer thread's 16-byte stores
     sdS       [tile_m, tile_n, 2]       dS of the block, A operand of dQ = dS K (with the bias
                                         gradient keys contiguous: also its TMA-store source)
     sdQ       [tile_m, d, dq_stages] fp32   the block's dQ, source of the TMA reduce-add
@@ -24,7 +25,8 @@ one one-way barrier per warpgroup; with dq_defer a pair per warpgroup, even and 
 as dQ waits for the other half a step later), DQ_EMPTY and DQ_FULL (sdQ handed between the
 consumers and the dQ-store warp; with dq_per_wg a pair per warpgroup), KEEP_FLAGS (dropout:
 a warpgroup's flags of the block are drawn; one per warpgroup), EPILOGUE (dkv_tma_store:
-both warpgroups are done with K / V, then their dK / dV are written). Options and their
+both warpgroups are done with K / V, then their dK / dV are written and, with
+dkv_vector_store, read back). Options and their
 measurements: layouts/attention_sm90.py, notes.md next to this file.
 
 Launched with programmatic dependent launch behind the preprocess launch, which triggers
