@@ -772,14 +772,10 @@ class AttentionBackwardSm90:
         self.store_rows(acc_dV, mdV, tiled_mma_dv, tidx, n_block, head_kv, batch, offset_k, seqlen_k)
 
     @cute.jit
-    def store_tiles_tma(self, acc_dK, acc_dV, dkv_tma, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv,
-                        batch, offset_k):  # fmt: skip
-        """dK / dV (cast) into K's / V's shared memory, then one thread's TMA stores: the rows
-        leave as whole 128-byte lines and the warps are done at once (H100, 8x16x1024x64: 0.246
-        ms against 0.260 with 32-bit stores straight from registers, notes.md)."""
+    def stage_dkv(self, acc_dK, acc_dV, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx):
+        """dK / dV (cast) into K's / V's shared memory by stmatrix, once the other warpgroup's
+        last wgmmas (dQ's K, dP^T's V) have read K and V."""
         t = self.tiles
-        tma_dK, gdK_tma, tma_dV, gdV_tma = dkv_tma
-        # the other warpgroup's last wgmmas (dQ's K, dP^T's V) have read K and V
         cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=t.num_mma_threads)
         for acc, s, tiled_mma in ((acc_dK, sK, tiled_mma_dkv), (acc_dV, sV, tiled_mma_dv)):
             r2s = t.r2s_copy_dkv(self.dtype, tiled_mma)
@@ -787,6 +783,16 @@ class AttentionBackwardSm90:
             rOut = cute.make_rmem_tensor(acc.shape, self.dtype)
             rOut.store(acc.load().to(self.dtype))
             cute.copy(r2s, thr.retile(rOut), thr.partition_D(s))
+
+    @cute.jit
+    def store_tiles_tma(self, acc_dK, acc_dV, dkv_tma, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv,
+                        batch, offset_k):  # fmt: skip
+        """dK / dV (cast) into K's / V's shared memory, then one thread's TMA stores: the rows
+        leave as whole 128-byte lines and the warps are done at once (H100, 8x16x1024x64: 0.246
+        ms against 0.260 with 32-bit stores straight from registers, notes.md)."""
+        t = self.tiles
+        tma_dK, gdK_tma, tma_dV, gdV_tma = dkv_tma
+        self.stage_dkv(acc_dK, acc_dV, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx)
         cute.arch.fence_view_async_shared()  # visible to the TMA unit
         cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=t.num_mma_threads)
         if tidx == 0:
@@ -807,13 +813,7 @@ class AttentionBackwardSm90:
         sequence's partial block): nothing waits behind the dQ-store warp's reduce-adds in the
         TMA queue, and the CTA leaves without waiting for a TMA store to read shared memory."""
         t = self.tiles
-        cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=t.num_mma_threads)
-        for acc, s, tiled_mma in ((acc_dK, sK, tiled_mma_dkv), (acc_dV, sV, tiled_mma_dv)):
-            r2s = t.r2s_copy_dkv(self.dtype, tiled_mma)
-            thr = r2s.get_slice(tidx)
-            rOut = cute.make_rmem_tensor(acc.shape, self.dtype)
-            rOut.store(acc.load().to(self.dtype))
-            cute.copy(r2s, thr.retile(rOut), thr.partition_D(s))
+        self.stage_dkv(acc_dK, acc_dV, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx)
         cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=t.num_mma_threads)
         for s, mOut in ((sK, mdK), (sV, mdV)):
             cols = mOut.shape[1]
