@@ -168,6 +168,7 @@ STATS_ALIGN = 128  # bytes: the LSE / Δ stages (TMA destinations)
 DS_STORE_BITS = 32  # dS^T pair of 16-bit values, adjacent in the query-contiguous sdS
 DQ_STORE_BITS = 64  # dQ fp32 pair into the swizzled staging buffer
 DKV_STORE_BITS = 32  # dK / dV pair of 16-bit values into global memory
+DKV_VECTOR_BITS = 128  # dkv_vector_store: a consumer thread's copy of staged dK / dV rows to global memory
 KEEP_FLAG_BUFFERS = 2  # dropout keep-flag buffers: a warpgroup draws block i+1's while it may still read block i's
 GRAD_BIAS_BOX_KEYS = 64  # keys of one bias-gradient TMA store: one 128-byte swizzle atom row (16-bit types)
 
@@ -434,9 +435,9 @@ class AttentionSm90Tiles:
         thread, 16 bytes a copy, a row's copies on consecutive threads (``dkv_vector_store``)."""
         import cutlass.cute as cute
 
-        vec = 128 // dtype.width
+        vec = DKV_VECTOR_BITS // dtype.width
         per_row = cols // vec
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=DKV_VECTOR_BITS)
         thr = cute.make_layout((self.num_mma_threads // per_row, per_row), stride=(per_row, 1))
         return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, vec)))
 
@@ -705,12 +706,16 @@ def head_dims_unsupported(head_dim: int, head_dim_v: int) -> Optional[str]:
 HEAD_DIM_PAIRS = tuple((a, b) for a in HEAD_DIMS for b in HEAD_DIMS if a != b and head_dims_unsupported(a, b) is None)
 
 
-def _rows_split_evenly(cols: int) -> bool:
-    """``dkv_vector_store``: the consumer threads cover whole rows of ``cols`` 16-bit values
-    with 16-byte stores (d64, d128; not d96's 12 stores a row)."""
-    per_row = cols * 16 // 128
-    threads = 128 * NUM_CONSUMER_WG
-    return cols * 16 % 128 == 0 and threads % per_row == 0 and 64 * NUM_CONSUMER_WG % (threads // per_row) == 0
+def _rows_split_evenly(cols: int, elem_bits: int = 16) -> bool:
+    """``dkv_vector_store``: the consumer threads (``AttentionSm90Tiles.num_mma_threads``) cover
+    whole rows of ``cols`` values with ``s2g_copy_dkv``'s copies, and the tile's keys (tile_n)
+    whole passes of rows (d64, d128; not d96's 12 copies a row). 16-bit values: the path's
+    fp16 / bf16."""
+    threads, keys = 128 * NUM_CONSUMER_WG, 64 * NUM_CONSUMER_WG  # the narrow tiles' (checked below)
+    if cols * elem_bits % DKV_VECTOR_BITS:
+        return False
+    per_row = cols * elem_bits // DKV_VECTOR_BITS
+    return threads % per_row == 0 and keys % (threads // per_row) == 0
 
 
 @functools.lru_cache(maxsize=None)  # also read on the call path (deterministic mode's semaphore shape)
