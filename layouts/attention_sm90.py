@@ -239,6 +239,12 @@ class AttentionSm90Tiles:
             object.__setattr__(self, "head_dim_v", self.head_dim)
 
     @property
+    def dkv_by_tma(self) -> bool:
+        """dK / dV leave by TMA stores (staged, and not by the vector stores): the kernel then
+        needs their TMA atoms."""
+        return self.dkv_tma_store and not self.dkv_vector_store
+
+    @property
     def stats_stage_stride(self) -> int:
         """Floats between the LSE / Δ stages: TMA destinations are 128-byte aligned (tile_m 80)."""
         return -(-self.tile_m // 32) * 32

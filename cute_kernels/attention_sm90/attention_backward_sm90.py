@@ -208,8 +208,8 @@ class AttentionBackwardSm90:
             tma_dQ, gdQ_tma = cpasync.make_tiled_tma_atom(
                 cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, cute.select(sdQ_layout, mode=[0, 1]), (t.tile_m, d))
 
-        dkv_tma = None
-        if const_expr(t.dkv_tma_store):
+        dkv_tma = None  # (the vector stores read sK / sV and write mdK / mdV directly)
+        if const_expr(t.dkv_by_tma):
             tma_dK, gdK_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mdK, sK_layout, (t.tile_n, d))
             tma_dV, gdV_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mdV, sV_layout, (t.tile_n, dv))
             dkv_tma = (tma_dK, gdK_tma, tma_dV, gdV_tma)
@@ -292,7 +292,7 @@ class AttentionBackwardSm90:
                 cpasync.prefetch_descriptor(atom)
             if const_expr(self.grad_bias):
                 cpasync.prefetch_descriptor(grad_bias_tma[0])
-            if const_expr(t.dkv_tma_store):
+            if const_expr(t.dkv_by_tma):
                 cpasync.prefetch_descriptor(dkv_tma[0])
                 cpasync.prefetch_descriptor(dkv_tma[2])
 
