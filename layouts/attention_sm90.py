@@ -27,7 +27,7 @@ transposed form that keeps P and dS in registers for the dK / dV products:
 
 | head dim | tile_m | tile_n | Q / dO stages | dS stages | consumers | smem (bf16) |
 |----------|--------|--------|---------------|-----------|-----------|-------------|
-| 64       | 128    | 128    | 2             | 2         | 2 x 128   | 195 KiB     |
+| 64       | 128    | 128    | 2             | 2         | 2 x 128   | 227 KiB     |
 | 96       | 64     | 128    | 2             | 2         | 2 x 128   | 154 KiB     |
 | 128      | 80     | 128    | 2             | 2         | 2 x 128   | 226 KiB     |
 | 192      | 64     | 64     | 2             | 2         | 2 x 128   | 226 KiB     |
@@ -35,6 +35,10 @@ transposed form that keeps P and dS in registers for the dK / dV products:
 
 tile_m is 64 with a bias or dropout (d64: 114 KiB, d128: 194 KiB). d128 takes 80 with a
 causal mask too (FA4 keeps 64 there; 80 measured 3-5% faster at 4096 / 8192 keys).
+d64 holds two K / V buffers (``kv_buffers``, 32 KiB of its 227): without a mask its CTAs are
+persistent (one per multiprocessor) and load the next tile's K / V while the current tile runs;
+the consumers stage a tile's dK / dV in its K / V buffer and go on, and the producer
+warpgroup's warps 2 and 3 store them and free the buffer.
 
 Swizzle atoms: 128-byte for every tile of d128 and of d64 (on tile_m 128 the warpgroups split
 dQ's rows, not its columns); d64 on tile_m 64 (bias, dropout) gives K / V the 64-byte atom
@@ -157,6 +161,11 @@ HEAD_DIMS = (64, 96, 128, 192, 256)  # Dqk = Dv; HEAD_DIM_PAIRS (below) the (Dqk
 WIDE_FROM = 128  # head dims above this take AttentionSm90WideTiles / AttentionBackwardSm90Wide
 NUM_CONSUMER_WG = 2
 PRODUCER_REGS = 24  # setmaxnreg for the producer warpgroup
+# persistent CTAs, whose warps 2 and 3 also store dK / dV (at 24 they spilled): the three
+# warpgroups share the launch's 3 x 168 registers a thread slot (setmaxnreg.inc waits for
+# registers the others freed: 32 + 2 x 240 would hang)
+PRODUCER_REGS_PERSISTENT = 40
+CONSUMER_REGS_PERSISTENT = 232
 CONSUMER_REGS = 240  # for each consumer warpgroup (24 + 2 x 240 <= 504 per thread-slot budget)
 STORE_WARP_THREADS = 32  # the producer warpgroup's dQ-store warp
 SMEM_ALIGN = 1024  # bytes: every shared buffer starts on a whole 128-byte-swizzle period (8 x 128 B)
@@ -233,6 +242,11 @@ class AttentionSm90Tiles:
     # instead of one thread's TMA stores, which queue behind the dQ-store warp's last reduce-adds
     # (the CTA then waits for them to read shared memory before it can leave)
     dkv_vector_store: bool = False
+    # K / V buffers. 2: persistent CTAs (a CTA per multiprocessor walks the tiles) load the
+    # next tile's K / V while the current tile runs, so no CTA waits for its K / V at its start
+    # (measured ~2 us of a 24 us CTA at 8x16x1024x64); the kernel takes that path without a
+    # mask, varlen, determinism, bias or dropout and otherwise uses the first buffer alone
+    kv_buffers: int = 1
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -243,6 +257,11 @@ class AttentionSm90Tiles:
         """dK / dV leave by TMA stores (staged, and not by the vector stores): the kernel then
         needs their TMA atoms."""
         return self.dkv_tma_store and not self.dkv_vector_store
+
+    @property
+    def kv_barriers(self) -> int:
+        """mbarriers of K / V: one (loaded once) or a full / empty pair per buffer."""
+        return 1 if self.kv_buffers == 1 else 2 * self.kv_buffers
 
     @property
     def stats_stage_stride(self) -> int:
@@ -340,12 +359,13 @@ class AttentionSm90Tiles:
         def place(offset, size, align):
             return -(-offset // align) * align + size
 
-        off = 8 * (4 * self.stages + 1)  # mbarriers: Q and dO pipelines (full + empty), K/V
+        off = 8 * (4 * self.stages + self.kv_barriers)  # mbarriers: Q and dO pipelines (full + empty), K/V
         stats = 4 * ((self.stages - 1) * self.stats_stage_stride + self.tile_m)
         off = place(off, stats, STATS_ALIGN)  # LSE
         off = place(off, stats, STATS_ALIGN)  # Δ
         q_rows = self.stages * self.tile_m
-        for rows, cols in ((q_rows, d), (q_rows, dv), (self.tile_n, d), (self.tile_n, dv)):
+        kv_rows = self.kv_buffers * self.tile_n
+        for rows, cols in ((q_rows, d), (q_rows, dv), (kv_rows, d), (kv_rows, dv)):
             off = place(off, rows * cols * elem_bytes, SMEM_ALIGN)  # Q, dO, K, V
         off = place(off, self.ds_buffers * self.tile_m * self.tile_n * elem_bytes, SMEM_ALIGN)  # dS (and P)
         off = place(off, self.dq_stages * self.tile_m * d * 4, SMEM_ALIGN)  # dQ staging
@@ -436,15 +456,16 @@ class AttentionSm90Tiles:
         op = cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4)
         return cute.make_tiled_copy_C(cute.make_copy_atom(op, dtype), tiled_mma_dkv)
 
-    def s2g_copy_dkv(self, dtype, cols: int):
+    def s2g_copy_dkv(self, dtype, cols: int, threads: Optional[int] = None):
         """Staged dK / dV rows (``cols`` wide) from shared to global memory by every consumer
-        thread, 16 bytes a copy, a row's copies on consecutive threads (``dkv_vector_store``)."""
+        thread (or ``threads`` threads), 16 bytes a copy, a row's copies on consecutive threads
+        (``dkv_vector_store``)."""
         import cutlass.cute as cute
 
         vec = DKV_VECTOR_BITS // dtype.width
         per_row = cols // vec
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=DKV_VECTOR_BITS)
-        thr = cute.make_layout((self.num_mma_threads // per_row, per_row), stride=(per_row, 1))
+        thr = cute.make_layout(((threads or self.num_mma_threads) // per_row, per_row), stride=(per_row, 1))
         return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, vec)))
 
     def r2g_copy_dkv(self, dtype, tiled_mma_dkv):
@@ -499,12 +520,14 @@ class AttentionSm90Tiles:
         return self.smem_layout_rows(dtype, self.tile_m, self.stages, self.do_slice_cols, self.head_dim_v)
 
     def smem_layout_k(self, dtype):
-        """K: (tile_n, head_dim)."""
-        return self.smem_layout_rows(dtype, self.tile_n, None, self.k_slice_cols)
+        """K: (tile_n, head_dim[, kv_buffers])."""
+        buffers = self.kv_buffers if self.kv_buffers > 1 else None
+        return self.smem_layout_rows(dtype, self.tile_n, buffers, self.k_slice_cols)
 
     def smem_layout_v(self, dtype):
-        """V: (tile_n, head_dim_v) (``v_slice_cols``)."""
-        return self.smem_layout_rows(dtype, self.tile_n, None, self.v_slice_cols, self.head_dim_v)
+        """V: (tile_n, head_dim_v[, kv_buffers]) (``v_slice_cols``)."""
+        buffers = self.kv_buffers if self.kv_buffers > 1 else None
+        return self.smem_layout_rows(dtype, self.tile_n, buffers, self.v_slice_cols, self.head_dim_v)
 
     def smem_layout_ds(self, dtype):
         """(tile_m, tile_n, ds_buffers), queries contiguous: dS^T's register pairs are adjacent.
@@ -789,7 +812,8 @@ def attention_sm90_tiles(head_dim: int, *, head_dim_v: Optional[int] = None,
             # ptxas spills 32-880 bytes, so those keep 64). dQ a step late, both dQ buffers
             # freed first (H100, same runs: 4x16x2048x64 0.393 vs 0.404 ms, causal 2x16x4096x64
             # 0.401 vs 0.410, 8x16x1024x64 0.243 vs 0.245; at d128's tile_m 80 it spills)
-            fields.update(tile_m=128, stats_early=False, pds_split=False, dq_defer=True, dq_empty_early=True)
+            fields.update(tile_m=128, stats_early=False, pds_split=False, dq_defer=True, dq_empty_early=True,
+                          kv_buffers=2)
         fields.update(overrides)
         t = AttentionSm90Tiles(**fields)
         if t.dq_defer and t.ds_stages < 2:
@@ -798,6 +822,10 @@ def attention_sm90_tiles(head_dim: int, *, head_dim_v: Optional[int] = None,
             raise ValueError("dq_defer issues every wgmma of a step within the step (overlap 'none')")
         if t.dq_defer and t.pds_split:
             raise ValueError("dq_defer has its own dS barriers (pds_split False)")
+        if t.kv_buffers not in (1, 2):
+            raise ValueError(f"kv_buffers must be 1 or 2, got {t.kv_buffers}")
+        if t.kv_buffers == 2 and not (t.dq_defer and t.dkv_vector_store):
+            raise ValueError("kv_buffers 2 (persistent CTAs) is built on dq_defer and dkv_vector_store")
         if t.dkv_vector_store and not t.dkv_tma_store:
             raise ValueError("dkv_vector_store stores the dK / dV that dkv_tma_store stages in shared memory")
         if t.dkv_vector_store and not all(_rows_split_evenly(c) for c in (t.head_dim, t.head_dim_v)):

@@ -66,7 +66,8 @@ def _build(dtype, head_dim: int, head_dim_v: int, mask_type: int, has_window: bo
         rng = (cutlass.Int64(0), cutlass.Int64(0), cutlass.Float32(0.5), cutlass.Float32(2.0), cutlass.Int64(1))
     return cc.compile_kernel(
         kernel, q, k, v, do, lse, delta, dq_accum, dk, dv, semaphore, cu_q, cu_k, bias, grad_bias_t,
-        cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), *rng, cc.fake_stream(), arch=arch,
+        cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(1), *rng,
+        cc.fake_stream(), arch=arch,
     )  # fmt: skip
 
 
@@ -143,6 +144,19 @@ def _heads_per_chunk(tiles, rows_q: int, rows_k: int, group: int, pairs: int, qu
                                      window=window, num_sms=cc.num_sms(query.device.index))  # fmt: skip
 
 
+# persistent CTAs (the d64 tiles without a mask): how many; None for one per multiprocessor.
+# Tests set a small count so that every CTA walks several tiles.
+PERSISTENT_CTAS: Optional[int] = None
+
+
+def _persistent_ctas(query: Tensor) -> int:
+    """The persistent kernel's grid: PERSISTENT_CTAS, else the device's multiprocessors (1 off
+    a GPU, where the call only reaches a stand-in for the kernel)."""
+    if PERSISTENT_CTAS is not None:
+        return PERSISTENT_CTAS
+    return cc.num_sms(query.device.index) if query.device.type == "cuda" else 1
+
+
 def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: float, mask_type: int = 0,
                             window_size: int = 0, deterministic: bool = False, cu_seqlens_q=None, cu_seqlens_k=None,
                             max_seqlen_q=None, max_seqlen_k=None, bias=None, bias_requires_grad: bool = False,
@@ -215,6 +229,7 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     delta, dq_accum, lse_log2 = _preprocess_impl(pack(out), pack(grad_out), 1.0, cu_seqlens_q, max_seqlen_q, True,
                                                  dq_head_dim=d, lse=logsumexp)  # fmt: skip
     fn(query, key, value, grad_out, lse_log2, delta, dq_accum.unsqueeze(0) if varlen else dq_accum,
-       dk, dv, semaphore, cu_seqlens_q, cu_seqlens_k, bias, grad_bias, float(scale), window, rows_k, chunk, *rng)  # fmt: skip
+       dk, dv, semaphore, cu_seqlens_q, cu_seqlens_k, bias, grad_bias, float(scale), window, rows_k, chunk,
+       _persistent_ctas(query), *rng)  # fmt: skip
     dq = _convert_dq_impl(dq_accum, float(scale), d, sq, cu_seqlens_q, max_seqlen_q, 0.0, query.dtype)
     return (dq.unsqueeze(0) if varlen else dq), dk, dv, grad_bias

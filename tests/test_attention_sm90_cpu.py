@@ -216,8 +216,41 @@ def test_smem_bytes_is_the_structs_size():
         for bias_or_dropout in (False, True):
             t = tiling.attention_sm90_tiles(d, bias_or_dropout=bias_or_dropout)
             assert t.smem_bytes() % tiling.SMEM_ALIGN == 0 == t.smem_bytes(dropout=True) % tiling.SMEM_ALIGN
-    t = dataclasses.replace(tiling.attention_sm90_tiles(64), dq_stages=2)
+    t = dataclasses.replace(tiling.attention_sm90_tiles(64), dq_stages=2, kv_buffers=1)
     assert t.tile_m == 128 and t.smem_bytes() == tiling.SMEM_LIMIT == 232448
+    # the default d64 tiles spend the same 32 KiB on a second K / V buffer instead
+    t = tiling.attention_sm90_tiles(64)
+    assert t.kv_buffers == 2 and t.smem_bytes() == tiling.SMEM_LIMIT
+    assert t.smem_bytes() - dataclasses.replace(t, kv_buffers=1).smem_bytes() == 2 * 128 * 64 * 2
+
+
+def test_kv_buffers_choose_the_persistent_kernel():
+    """Two K / V buffers: d64 without a bias or dropout; the kernel runs persistent CTAs on
+    them only where every tile has the same work (no mask, no varlen) and nothing else keeps
+    per-CTA state (determinism's turns, bias, dropout); otherwise it uses the first buffer."""
+    from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
+
+    t = tiling.attention_sm90_tiles(64)
+    assert t.kv_buffers == 2 and t.kv_barriers == 4
+    for d in (96, 128):
+        assert tiling.attention_sm90_tiles(d).kv_buffers == 1
+    assert tiling.attention_sm90_tiles(64, bias_or_dropout=True).kv_buffers == 1
+    assert AttentionBackwardSm90(cutlass.BFloat16, t, 0).persistent
+    for kw in (dict(mask_type=1), dict(mask_type=2), dict(varlen=True), dict(deterministic=True)):
+        mask = kw.pop("mask_type", 0)
+        assert not AttentionBackwardSm90(cutlass.BFloat16, t, mask, **kw).persistent, kw
+    assert not AttentionBackwardSm90(cutlass.BFloat16, tiling.attention_sm90_tiles(128), 0).persistent
+    # setmaxnreg.inc waits for registers the producer freed: the three warpgroups' counts must
+    # fit the launch's 168 a thread slot (384 threads, 64 K registers), or the consumers hang
+    launch_regs = 65536 // t.num_threads // 8 * 8
+    for producer, consumer in ((tiling.PRODUCER_REGS, tiling.CONSUMER_REGS),
+                               (tiling.PRODUCER_REGS_PERSISTENT, tiling.CONSUMER_REGS_PERSISTENT)):
+        assert producer + tiling.NUM_CONSUMER_WG * consumer <= (1 + tiling.NUM_CONSUMER_WG) * launch_regs
+        assert producer % 8 == 0 == consumer % 8 and 24 <= producer <= consumer <= 256
+    with pytest.raises(ValueError, match="kv_buffers"):
+        tiling.attention_sm90_tiles(64, kv_buffers=3)
+    with pytest.raises(ValueError, match="dq_defer"):
+        tiling.attention_sm90_tiles(128, kv_buffers=2)
 
 
 def test_heavy_first_order_walks_every_tile_once():

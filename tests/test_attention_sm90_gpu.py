@@ -415,6 +415,43 @@ def test_memory_efficient_attention_grouped_heads():
             check(f"{name} (memory_efficient_attention, grouped heads, {backend})", g, r, like, BF16)
 
 
+# ---------------------------------------------------------------------- persistent CTAs
+
+# the d64 tiles without a mask run persistent CTAs (K / V double-buffered across tiles); with
+# one or three CTAs every CTA walks several tiles, K / V buffers alternate and the Q / dO
+# pipelines run on across tiles. (dtype, B, H, Hk, Sq, Sk, D)
+PERSISTENT_CASES = [
+    (BF16, 2, 3, 3, 300, 257, 64),  # partial query and key blocks: 18 tiles
+    (F16, 1, 4, 2, 129, 384, 64),  # grouped-query heads: a tile walks 2 query heads
+    (BF16, 3, 2, 2, 1, 200, 64),  # one query
+    (BF16, 2, 2, 1, 200, 300, 64),  # multi-query
+]
+
+
+def _persistent_id(c):
+    return f"{str(c[0])[6:]}-B{c[1]}H{c[2]}Hk{c[3]}q{c[4]}k{c[5]}d{dims_id(c[6])}"
+
+
+@pytest.mark.parametrize("ctas", [1, 3])
+@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=[_persistent_id(c) for c in PERSISTENT_CASES])
+def test_persistent_ctas_walk_several_tiles(case, ctas, monkeypatch, caplog):
+    from ops import attention_sm90 as sm90_ops
+
+    dtype, b, h, hk, sq, sk, d = case
+    assert tiling.attention_sm90_tiles(d).kv_buffers == 2
+    monkeypatch.setattr(sm90_ops, "PERSISTENT_CTAS", ctas)
+    q, _, _, do = make_inputs(b, h, sq, sk, d, dtype, seed=sq + ctas)
+    _, k, v, _ = make_inputs(b, hk, sq, sk, d, dtype, seed=sk + ctas)
+    out, lse = forward(q, k.repeat_interleave(h // hk, 2), v.repeat_interleave(h // hk, 2), 0)
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        grads = backward("sm90", q, k, v, do, out, lse, 0)
+    assert chosen(caplog) == ["sm90"]
+    ref = attention_backward_ref(q, k, v, do, custom_mask_type=0)
+    floors = rounding_floors(q, k, do, out, dtype)
+    for name, g, r, like, floor in zip(("dq", "dk", "dv"), grads, ref, (q, k, v), floors):
+        check(f"{name} [{_persistent_id(case)}] {ctas} CTAs", g, r, like, dtype, floor)
+
+
 # -------------------------------------------------------------------- deterministic mode
 
 # (dtype, B, H, Hk, Sq, Sk, D, mask, window): several key blocks add into each query block

@@ -54,6 +54,8 @@ from layouts.attention_sm90 import (
     GRAD_BIAS_BOX_KEYS,
     KEEP_FLAG_BUFFERS,
     PRODUCER_REGS,
+    PRODUCER_REGS_PERSISTENT,
+    CONSUMER_REGS_PERSISTENT,
     SMEM_ALIGN,
     SMEM_LIMIT,
     STATS_ALIGN,
@@ -73,6 +75,8 @@ BAR_KEEP_FLAGS = 7  # dropout: a warpgroup's keep flags of the block are drawn (
 BAR_EPILOGUE = 9  # dkv_tma_store: both warpgroups done with K / V, then their dK / dV written
 BAR_PDS_ODD = 10  # dq_defer: odd steps' dS announcements (even steps: BAR_PDS / BAR_PDS_WG1)
 BAR_PDS_WG1_ODD = 11
+BAR_DKV_STAGED = 12  # persistent CTAs: a tile's dK / dV are staged in K / V buffer 0's smem (buffer 1: 13)
+DKV_STORE_WARPS = (2, 3)  # persistent CTAs: the producer warpgroup's warps that store dK / dV
 
 
 def named_barrier(barrier_id: int, threads: int, arrive: bool):
@@ -144,6 +148,10 @@ class AttentionBackwardSm90:
         # heavy-first CTA order for causal masks (cta_coords); deterministic mode keeps the
         # launch order its dQ turns are built on (a CTA must never wait for one not launched)
         self.lpt = tiles.lpt and mask_type != 0 and not deterministic
+        # persistent CTAs with the next tile's K / V loaded ahead (tiles.kv_buffers 2): equal
+        # tiles only (no mask or varlen), and none of the paths with their own per-CTA set-up
+        self.persistent = (tiles.kv_buffers == 2 and mask_type == 0 and not varlen and not deterministic
+                           and not has_bias and not dropout)
         if varlen and tiles.tile_m > VARLEN_ACCUM_PAD:
             raise ValueError(f"tile_m {tiles.tile_m} overruns the dQ accumulator's {VARLEN_ACCUM_PAD} rows of slack")
 
@@ -168,6 +176,7 @@ class AttentionBackwardSm90:
         window_size: Int32,  # used with has_window
         max_seqlen_k: Int32,  # varlen: sizes the grid
         heads_per_chunk: Int32,  # the heavy-first order's L2 chunk (``lpt``; see cta_coords)
+        num_ctas: Int32,  # persistent CTAs: how many (the multiprocessors' count)
         philox_seed,  # dropout (None without): Int64 seed and offset, p and 1 / (1 - p) (Float32),
         philox_offset,  # and the stream words of one (batch, head): Mq * Mk (Int64)
         dropout_p,
@@ -195,8 +204,11 @@ class AttentionBackwardSm90:
             cpasync.CopyBulkTensorTileG2SOp(), mQ, cute.select(sQ_layout, mode=[0, 1]), (t.tile_m, d))
         tma_dO, gdO_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mdO, cute.select(sdO_layout, mode=[0, 1]), (t.tile_m, dv))
-        tma_K, gK_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mK, sK_layout, (t.tile_n, d))
-        tma_V, gV_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mV, sV_layout, (t.tile_n, dv))
+        sK_one, sV_one = sK_layout, sV_layout  # one K / V buffer
+        if const_expr(t.kv_buffers > 1):
+            sK_one, sV_one = cute.select(sK_layout, mode=[0, 1]), cute.select(sV_layout, mode=[0, 1])
+        tma_K, gK_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mK, sK_one, (t.tile_n, d))
+        tma_V, gV_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mV, sV_one, (t.tile_n, dv))
         tma_LSE, gLSE_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mLSE, cute.make_layout(t.tile_m), (t.tile_m,))
         tma_Delta, gDelta_tma = cpasync.make_tiled_tma_atom(
@@ -229,7 +241,7 @@ class AttentionBackwardSm90:
         class SharedStorage:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * t.stages]
             mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * t.stages]
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 1]
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, t.kv_barriers]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], STATS_ALIGN]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], STATS_ALIGN]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], SMEM_ALIGN]
@@ -252,6 +264,9 @@ class AttentionBackwardSm90:
         grid = (n_blocks, heads_kv, batches)
         if const_expr(self.lpt):
             grid = (n_blocks * heads_kv * batches, 1, 1)
+        if const_expr(self.persistent):
+            tiles_total = n_blocks * heads_kv * batches
+            grid = (cutlass.min(tiles_total, num_ctas), 1, 1)
         sched = (n_blocks, heads_kv, batches, heads_per_chunk)
         rng = None
         if const_expr(self.dropout):
@@ -311,11 +326,23 @@ class AttentionBackwardSm90:
         if const_expr(self.dropout):  # bytes; keep_flag_halves views them
             sKeep = storage.sKeep.get_tensor(cute.make_layout(KEEP_FLAG_BUFFERS * t.keep_flag_bytes))
 
-        if warp_idx == 0:
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_init(mbar_kv, 1)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, t.num_mma_threads // 32)
+        pipe_kv = None
+        if const_expr(self.persistent):
+            # K / V double-buffered across the CTA's tiles; a buffer is free once the dK / dV
+            # store warps have read the tile's dK / dV staged there
+            pipe_kv = pipeline.PipelineTmaAsync.create(
+                barrier_storage=mbar_kv, num_stages=t.kv_buffers, producer_group=producer,
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, len(DKV_STORE_WARPS)),
+                tx_count=self.kv_bytes, defer_sync=True,
+            )  # fmt: skip
+        else:
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_init(mbar_kv, 1)
+            if const_expr(t.kv_buffers > 1):  # one tile a CTA: the first buffer alone
+                sK, sV = sK[None, None, 0], sV[None, None, 0]
         pipe_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=t.stages,
             producer_group=producer, consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True,
@@ -339,7 +366,16 @@ class AttentionBackwardSm90:
         # the CTA's work: (query head of the group, query block) pairs, heads outer
         work = (head_kv, group, m_min, m_max)
 
-        if warp_idx < 4:
+        if const_expr(self.persistent):
+            self.persistent_roles(
+                warp_idx, tidx, sched, group, seqlen_q, seqlen_k, window_size, softmax_scale,
+                (gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, sQ, sdO, sK, sV, sLSE, sDelta,
+                 tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, pipe_q, pipe_do, pipe_kv),
+                (gdQ_tma, sdQ, tma_dQ, mSemaphore),
+                (sQ, sdO, sdS, sdQ, sLSE, sDelta, (mdK, mdV, dkv_tma), tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dv,
+                 tiled_mma_dq, pipe_q, pipe_do, mbar_kv),
+            )  # fmt: skip
+        elif warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
                 self.load(gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, sQ, sdO, sK, sV, sLSE, sDelta,
@@ -356,6 +392,72 @@ class AttentionBackwardSm90:
                      seqlen_q, seqlen_k, softmax_scale, window_size, feat)  # fmt: skip
 
     @cute.jit
+    def persistent_roles(self, warp_idx, tidx, sched, group, seqlen_q, seqlen_k, window_size, softmax_scale,
+                         load_args, store_args, mma_args):  # fmt: skip
+        """Persistent CTAs (``self.persistent``): CTA c runs tiles c, c + grid, ... in launch
+        order (key blocks of a head side by side, as the hardware would place them). The Q / dO
+        pipelines run on across tiles; K / V alternate between two buffers, so the producer
+        loads the next tile's while this one runs. The consumers stage a tile's dK / dV in its
+        buffer and go on with the next tile; warps 2 and 3 store them to global memory and free
+        the buffer (measured: ~2 us of a 24 us CTA at 8x16x1024x64 waited for K / V, ~1 us stored
+        dK / dV; notes.md)."""
+        t = self.tiles
+        n_blocks, heads_kv, batches, _ = sched
+        total = n_blocks * heads_kv * batches
+        first, _, _ = cute.arch.block_idx()
+        step, _, _ = cute.arch.grid_dim()
+        rows = (Int32(0), Int32(0))
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS_PERSISTENT)
+            if warp_idx == 0:
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, t.stages)
+                kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, t.kv_buffers)
+                for tile in cutlass.range(first, total, step, unroll=1):
+                    n_block, head_kv, batch = self.coords_of(sched, tile)
+                    m_min, m_max = self.m_block_range(n_block, seqlen_q, seqlen_k, window_size)
+                    state, kv_state = self.load(*load_args[:-1], None, n_block, batch, (head_kv, group, m_min, m_max),
+                                                rows, kv=(load_args[-1], kv_state, state))  # fmt: skip
+            if warp_idx == 1:
+                gdQ_tma, sdQ, tma_dQ, mSemaphore = store_args
+                for tile in cutlass.range(first, total, step, unroll=1):
+                    n_block, head_kv, batch = self.coords_of(sched, tile)
+                    m_min, m_max = self.m_block_range(n_block, seqlen_q, seqlen_k, window_size)
+                    self.store_dq(gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, (head_kv, group, m_min, m_max),
+                                  rows, seqlen_q, seqlen_k)  # fmt: skip
+            if warp_idx >= DKV_STORE_WARPS[0]:
+                # each tile's dK / dV from the K / V buffer the consumers staged them in, while
+                # the consumers go on with the next tile; then the buffer is free for the producer
+                pipe_kv = load_args[-1]
+                sK, sV = load_args[8], load_args[9]
+                mdK, mdV, _ = mma_args[6]
+                kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.kv_buffers)
+                for tile in cutlass.range(first, total, step, unroll=1):
+                    n_block, head_kv, batch = self.coords_of(sched, tile)
+                    b = kv_state.index
+                    self.dkv_staged_barrier(b, False)
+                    self.store_staged_dkv(sK[None, None, b], sV[None, None, b], mdK, mdV,
+                                          tidx - 32 * DKV_STORE_WARPS[0], 32 * len(DKV_STORE_WARPS), n_block,
+                                          head_kv, batch, Int32(0), seqlen_k)  # fmt: skip
+                    pipe_kv.consumer_release(kv_state)
+                    kv_state.advance()
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS_PERSISTENT)
+            sQ, sdO, sdS, sdQ, sLSE, sDelta, dkv_out, mma_sdp, mma_dkv, mma_dv, mma_dq, pipe_q, pipe_do, _ = mma_args
+            pipe_kv = load_args[-1]
+            sK, sV = load_args[8], load_args[9]
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.kv_buffers)
+            for tile in cutlass.range(first, total, step, unroll=1):
+                n_block, head_kv, batch = self.coords_of(sched, tile)
+                m_min, m_max = self.m_block_range(n_block, seqlen_q, seqlen_k, window_size)
+                b = kv_state.index
+                state, kv_state = self.mma(
+                    sQ, sdO, sK[None, None, b], sV[None, None, b], sdS, sdQ, sLSE, sDelta, dkv_out, mma_sdp, mma_dkv,
+                    mma_dv, mma_dq, pipe_q, pipe_do, None, tidx - 128, n_block, batch, (head_kv, group, m_min, m_max),
+                    rows, seqlen_q, seqlen_k, softmax_scale, window_size, None, kv=(pipe_kv, kv_state, state),
+                )  # fmt: skip
+
+    @cute.jit
     def cta_coords(self, sched):
         """(key block, key head, batch) of this CTA. With ``lpt`` (causal masks) the 1-D grid
         is walked heavy-first: key block n sees the query blocks from its diagonal on, so
@@ -365,8 +467,18 @@ class AttentionBackwardSm90:
         rows the running CTAs share within L2."""
         if const_expr(not self.lpt):
             return cute.arch.block_idx()
-        n_blocks, heads_kv, batches, heads_per_chunk = sched
         cta, _, _ = cute.arch.block_idx()
+        return self.coords_of(sched, cta)
+
+    @cute.jit
+    def coords_of(self, sched, cta):
+        """(key block, key head, batch) of the CTA (or persistent tile) of linear index ``cta``:
+        ``cta_coords``'s heavy-first order with ``lpt``, else the grid's (key blocks fastest)."""
+        n_blocks, heads_kv, batches, heads_per_chunk = sched
+        if const_expr(not self.lpt):
+            bh = cta // n_blocks
+            batch = bh // heads_kv
+            return cta - bh * n_blocks, bh - batch * heads_kv, batch
         per_chunk = heads_per_chunk * n_blocks
         chunk = cta // per_chunk
         r = cta - chunk * per_chunk
@@ -441,7 +553,9 @@ class AttentionBackwardSm90:
     @cute.jit
     def load(self, gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, sQ, sdO, sK, sV, sLSE, sDelta,
              tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, pipe_q, pipe_do, mbar_kv, n_block, batch, work,
-             rows):  # fmt: skip
+             rows, kv=None):  # fmt: skip
+        """K / V, then each step's Q / LSE and dO / Δ. ``kv``: persistent CTAs' (K / V pipeline,
+        its state, the Q / dO pipelines' state), both states returned advanced past the tile."""
         t = self.tiles
         head_kv, group, m_min, m_max = work
         offset_q, offset_k = rows
@@ -451,6 +565,20 @@ class AttentionBackwardSm90:
         tKs, tKg = cpasync.tma_partition(tma_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVs, tVg = cpasync.tma_partition(tma_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
+        if const_expr(self.persistent):  # every tile has steps (no mask, no varlen)
+            pipe_kv, kv_state, q_state = kv
+            pipe_kv.producer_acquire(kv_state)  # the dK / dV store warps freed it two tiles back
+            bar = pipe_kv.producer_get_barrier(kv_state)
+            cute.copy(tma_K, tKg, tKs[None, kv_state.index], tma_bar_ptr=bar)
+            cute.copy(tma_V, tVg, tVs[None, kv_state.index], tma_bar_ptr=bar)
+            kv_state.advance()
+            cute.arch.griddepcontrol_wait()  # (the first tile's: the preprocess may still run)
+            for i in cutlass.range(group * (m_max - m_min), unroll=1):
+                head, m_block = self.work_item(work, i)
+                self.load_step(gQ_tma, gdO_tma, gLSE_tma, gDelta_tma, sQ, sdO, sLSE, sDelta, tma_Q, tma_dO, tma_LSE,
+                               tma_Delta, pipe_q, pipe_do, q_state, head, batch, offset_q, m_block)  # fmt: skip
+                q_state.advance()
+            return q_state, kv_state
         if m_min < m_max:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(mbar_kv, self.kv_bytes)
@@ -461,15 +589,22 @@ class AttentionBackwardSm90:
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, t.stages)
             for i in cutlass.range(group * (m_max - m_min), unroll=1):
                 head, m_block = self.work_item(work, i)
-                pipe_q.producer_acquire(state)
-                bar = pipe_q.producer_get_barrier(state)
-                self.tma_load_block(tma_Q, gQ_tma, sQ, head, batch, offset_q, m_block, state.index, bar)
-                self.tma_load_block(tma_LSE, gLSE_tma, sLSE, head, batch, offset_q, m_block, state.index, bar)
-                pipe_do.producer_acquire(state)
-                bar = pipe_do.producer_get_barrier(state)
-                self.tma_load_block(tma_dO, gdO_tma, sdO, head, batch, offset_q, m_block, state.index, bar)
-                self.tma_load_block(tma_Delta, gDelta_tma, sDelta, head, batch, offset_q, m_block, state.index, bar)
+                self.load_step(gQ_tma, gdO_tma, gLSE_tma, gDelta_tma, sQ, sdO, sLSE, sDelta, tma_Q, tma_dO, tma_LSE,
+                               tma_Delta, pipe_q, pipe_do, state, head, batch, offset_q, m_block)  # fmt: skip
                 state.advance()
+
+    @cute.jit
+    def load_step(self, gQ_tma, gdO_tma, gLSE_tma, gDelta_tma, sQ, sdO, sLSE, sDelta, tma_Q, tma_dO, tma_LSE, tma_Delta,
+                  pipe_q, pipe_do, state, head, batch, offset_q, m_block):  # fmt: skip
+        """One step's Q / LSE and dO / Δ (query block ``m_block`` of ``head``) into the stage of ``state``."""
+        pipe_q.producer_acquire(state)
+        bar = pipe_q.producer_get_barrier(state)
+        self.tma_load_block(tma_Q, gQ_tma, sQ, head, batch, offset_q, m_block, state.index, bar)
+        self.tma_load_block(tma_LSE, gLSE_tma, sLSE, head, batch, offset_q, m_block, state.index, bar)
+        pipe_do.producer_acquire(state)
+        bar = pipe_do.producer_get_barrier(state)
+        self.tma_load_block(tma_dO, gdO_tma, sdO, head, batch, offset_q, m_block, state.index, bar)
+        self.tma_load_block(tma_Delta, gDelta_tma, sDelta, head, batch, offset_q, m_block, state.index, bar)
 
     @cute.jit
     def tma_load_block(self, atom, g_tma, s, head, batch, offset_q, m_block, stage, bar):
@@ -579,7 +714,10 @@ class AttentionBackwardSm90:
     @cute.jit
     def mma(self, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, dkv_out, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dv,
             tiled_mma_dq, pipe_q, pipe_do, mbar_kv, tidx, n_block, batch, work, rows, seqlen_q, seqlen_k, softmax_scale,
-            window_size, feat):  # fmt: skip
+            window_size, feat, kv=None):  # fmt: skip
+        """The consumers' steps of one tile, then its dK / dV. ``kv``: persistent CTAs' (K / V
+        pipeline, its state, the Q / dO pipelines' state), both returned advanced past the tile;
+        sK / sV are then the tile's buffer."""
         t = self.tiles
         d = t.head_dim
         head_kv, group, m_min, m_max = work
@@ -617,8 +755,12 @@ class AttentionBackwardSm90:
         key0 = n_block * t.tile_n
         acc_S = cute.make_rmem_tensor(shape_sdp, Float32)
         acc_dP = cute.make_rmem_tensor(shape_sdp, Float32)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
-        state_next = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
+        if const_expr(self.persistent):
+            pipe_kv, kv_state, state = kv
+            state_next = state  # (no overlap with dq_defer)
+        else:
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
+            state_next = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
         # overlap "none": S^T is issued at the top of each step. "s" / "sdp" issue the next
         # step's S^T (and dP^T) behind this step's dK; ptxas does not follow wgmma groups
         # across the loop's back edge and serialises every wgmma of the kernel (warnings
@@ -626,7 +768,10 @@ class AttentionBackwardSm90:
         # block). Measured: d128 gains 16% without it, d64 loses 4% (notes.md).
         prefetch = const_expr(t.overlap != "none")
         if m_min < m_max:
-            cute.arch.mbarrier_wait(mbar_kv, 0)
+            if const_expr(self.persistent):
+                pipe_kv.consumer_wait(kv_state)
+            else:
+                cute.arch.mbarrier_wait(mbar_kv, 0)
             if const_expr(prefetch):
                 self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
                 if const_expr(t.overlap == "sdp"):
@@ -732,6 +877,13 @@ class AttentionBackwardSm90:
             warpgroup.wait_group(0)
             if steps > 0:
                 self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, last % t.dq_stages, wg)
+        if const_expr(self.persistent):
+            # dK / dV staged in this tile's K / V buffer for the store warps, which free it
+            acc_dK.store(acc_dK.load() * softmax_scale)
+            self.stage_dkv(acc_dK, acc_dV, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx)
+            self.dkv_staged_barrier(kv_state.index, True)
+            kv_state.advance()
+            return state, kv_state
         self.epilogue(acc_dK, acc_dV, dkv_out, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch,
                       rows, seqlen_k, softmax_scale)  # fmt: skip
 
@@ -815,17 +967,30 @@ class AttentionBackwardSm90:
         t = self.tiles
         self.stage_dkv(acc_dK, acc_dV, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx)
         cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=t.num_mma_threads)
+        self.store_staged_dkv(sK, sV, mdK, mdV, tidx, t.num_mma_threads, n_block, head_kv, batch, offset_k, seqlen_k)
+
+    @cute.jit
+    def store_staged_dkv(self, sK, sV, mdK, mdV, tidx, threads: cutlass.Constexpr, n_block, head_kv, batch, offset_k,
+                         seqlen_k):  # fmt: skip
+        """The staged dK / dV tiles from shared to global memory by ``threads`` threads (``tidx``
+        among them), 16-byte row pieces, rows past seqlen_k dropped."""
+        t = self.tiles
         for s, mOut in ((sK, mdK), (sV, mdV)):
             cols = mOut.shape[1]
             tile = (t.tile_n, cols)
             gOut = cute.local_tile(self.seq_tile_view(mOut, head_kv, batch, offset_k), tile, (n_block, 0))
             cOut = cute.local_tile(cute.make_identity_tensor((seqlen_k, cols)), tile, (n_block, 0))
-            s2g = t.s2g_copy_dkv(self.dtype, cols)
+            s2g = t.s2g_copy_dkv(self.dtype, cols, threads)
             thr = s2g.get_slice(tidx)
             tS, tG, tC = thr.partition_S(s), thr.partition_D(gOut), thr.partition_D(cOut)
-            for r in cutlass.range_constexpr(cute.size(tS, mode=[1])):
-                if tC[0, r, 0][0] < seqlen_k:
-                    cute.copy(s2g, tS[None, r, None], tG[None, r, None])
+            if const_expr(threads == t.num_mma_threads):
+                for r in cutlass.range_constexpr(cute.size(tS, mode=[1])):
+                    if tC[0, r, 0][0] < seqlen_k:
+                        cute.copy(s2g, tS[None, r, None], tG[None, r, None])
+            else:  # the producer warpgroup's few registers: a rolled loop
+                for r in cutlass.range(cute.size(tS, mode=[1]), unroll=1):
+                    if tC[0, r, 0][0] < seqlen_k:
+                        cute.copy(s2g, tS[None, r, None], tG[None, r, None])
 
     @cute.jit
     def probs(self, acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2,
@@ -1153,6 +1318,17 @@ class AttentionBackwardSm90:
         if i > 0:
             self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, prev % t.dq_stages, wg)
         warpgroup.wait_group(0)
+
+    @cute.jit
+    def dkv_staged_barrier(self, buffer, arrive: cutlass.Constexpr):
+        """Persistent CTAs: the consumers have staged a tile's dK / dV in K / V buffer
+        ``buffer`` (``arrive``), or the store warps wait for it. An id per buffer: the consumers
+        stage into a buffer again only after the store warps freed it."""
+        n = self.tiles.num_mma_threads + 32 * len(DKV_STORE_WARPS)
+        if buffer == 0:
+            named_barrier(BAR_DKV_STAGED, n, arrive)
+        else:
+            named_barrier(BAR_DKV_STAGED + 1, n, arrive)
 
     @cute.jit
     def ds_half_barrier(self, owner, i, arrive: cutlass.Constexpr):
