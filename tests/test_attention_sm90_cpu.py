@@ -1066,12 +1066,12 @@ def test_catalogue_forms_match_the_kernel_layouts(d, dv):
     bf16 = cutlass.BFloat16
     layouts = {  # made while tracing
         "smem_q": lambda: cute.select(t.smem_layout_q(bf16), mode=[0, 1]),
-        "smem_k": lambda: t.smem_layout_k(bf16),
+        "smem_k": lambda: cute.select(t.smem_layout_k(bf16), mode=[0, 1]),  # one buffer (d64 holds two)
         "smem_ds": lambda: cute.select(t.smem_layout_ds(bf16), mode=[0, 1]),
         "smem_dq": lambda: cute.select(t.smem_layout_dq(), mode=[0, 1]),
     }
     if dv != d:
-        layouts.update(smem_do=lambda: cute.select(t.smem_layout_do(bf16), mode=[0, 1]), smem_v=lambda: t.smem_layout_v(bf16))
+        layouts.update(smem_do=lambda: cute.select(t.smem_layout_do(bf16), mode=[0, 1]), smem_v=lambda: cute.select(t.smem_layout_v(bf16), mode=[0, 1]))
 
     @cute.jit
     def trace():
