@@ -259,6 +259,12 @@ class AttentionSm90Tiles:
         return self.dkv_tma_store and not self.dkv_vector_store
 
     @property
+    def tile_ring(self) -> int:
+        """Persistent CTAs (kv_buffers 2): slots of the shared ring through which the producer
+        warp hands the tile indices it takes from the tile counter to the other warps."""
+        return 4 if self.kv_buffers == 2 else 0
+
+    @property
     def kv_barriers(self) -> int:
         """mbarriers of K / V: one (loaded once) or a full / empty pair per buffer."""
         return 1 if self.kv_buffers == 1 else 2 * self.kv_buffers
@@ -359,7 +365,8 @@ class AttentionSm90Tiles:
         def place(offset, size, align):
             return -(-offset // align) * align + size
 
-        off = 8 * (4 * self.stages + self.kv_barriers)  # mbarriers: Q and dO pipelines (full + empty), K/V
+        # mbarriers: Q and dO pipelines (full + empty), K/V, the tile ring's (full + empty); its slots
+        off = 8 * (4 * self.stages + self.kv_barriers + 2 * self.tile_ring) + 4 * self.tile_ring
         stats = 4 * ((self.stages - 1) * self.stats_stage_stride + self.tile_m)
         off = place(off, stats, STATS_ALIGN)  # LSE
         off = place(off, stats, STATS_ALIGN)  # Δ

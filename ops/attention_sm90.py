@@ -55,6 +55,8 @@ def _build(dtype, head_dim: int, head_dim_v: int, mask_type: int, has_window: bo
     lse, delta = (cc.fake_tensor(cutlass.Float32, (seqs, h, cute.sym_int()), vec32) for _ in range(2))
     dq_accum = cc.fake_tensor(cutlass.Float32, (b, cute.sym_int(), h, head_dim), vec32)
     semaphore = cc.fake_tensor(cutlass.Int32, (seqs, h, cute.sym_int()), 1) if deterministic else None
+    dynamic = kernel.dynamic_tiles
+    counter = cc.fake_tensor(cutlass.Int32, (1,), 1) if dynamic else None  # the tile counter, zeroed
     cu_q, cu_k = (cc.fake_tensor(cutlass.Int32, (cute.sym_int(),), 1) if varlen else None for _ in range(2))
     # the bias: any strides (0 for broadcast dims; read element by element); its gradient
     # dense rows (padded to 128 bits, as torch's) with any row stride
@@ -65,7 +67,7 @@ def _build(dtype, head_dim: int, head_dim_v: int, mask_type: int, has_window: bo
     if dropout:  # seed, offset, p, 1 / (1 - p), stream words per (batch, head)
         rng = (cutlass.Int64(0), cutlass.Int64(0), cutlass.Float32(0.5), cutlass.Float32(2.0), cutlass.Int64(1))
     return cc.compile_kernel(
-        kernel, q, k, v, do, lse, delta, dq_accum, dk, dv, semaphore, cu_q, cu_k, bias, grad_bias_t,
+        kernel, q, k, v, do, lse, delta, dq_accum, dk, dv, semaphore, counter, cu_q, cu_k, bias, grad_bias_t,
         cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(1), *rng,
         cc.fake_stream(), arch=arch,
     )  # fmt: skip
@@ -217,6 +219,10 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     semaphore = None
     if deterministic:
         semaphore = torch.zeros((seqs, h, -(-rows_q // tiles.tile_m)), dtype=torch.int32, device=query.device)
+    counter = None
+    if AttentionBackwardSm90.tile_schedule(tiles, mask_type, window > 0, deterministic, varlen, bias is not None,
+                                           dropout) == "dynamic":  # fmt: skip
+        counter = torch.zeros(1, dtype=torch.int32, device=query.device)  # the persistent CTAs' tile counter
     chunk = _heads_per_chunk(tiles, rows_q, rows_k, h // key.shape[2], seqs * key.shape[2], query, mask_type, window,
                              deterministic, varlen)  # fmt: skip
     rng = (None,) * 5
@@ -229,7 +235,7 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     delta, dq_accum, lse_log2 = _preprocess_impl(pack(out), pack(grad_out), 1.0, cu_seqlens_q, max_seqlen_q, True,
                                                  dq_head_dim=d, lse=logsumexp)  # fmt: skip
     fn(query, key, value, grad_out, lse_log2, delta, dq_accum.unsqueeze(0) if varlen else dq_accum,
-       dk, dv, semaphore, cu_seqlens_q, cu_seqlens_k, bias, grad_bias, float(scale), window, rows_k, chunk,
+       dk, dv, semaphore, counter, cu_seqlens_q, cu_seqlens_k, bias, grad_bias, float(scale), window, rows_k, chunk,
        _persistent_ctas(query), *rng)  # fmt: skip
     dq = _convert_dq_impl(dq_accum, float(scale), d, sq, cu_seqlens_q, max_seqlen_q, 0.0, query.dtype)
     return (dq.unsqueeze(0) if varlen else dq), dk, dv, grad_bias

@@ -235,11 +235,18 @@ def test_kv_buffers_choose_the_persistent_kernel():
     for d in (96, 128):
         assert tiling.attention_sm90_tiles(d).kv_buffers == 1
     assert tiling.attention_sm90_tiles(64, bias_or_dropout=True).kv_buffers == 1
-    assert AttentionBackwardSm90(cutlass.BFloat16, t, 0).persistent
-    for kw in (dict(mask_type=1), dict(mask_type=2), dict(varlen=True), dict(deterministic=True)):
-        mask = kw.pop("mask_type", 0)
-        assert not AttentionBackwardSm90(cutlass.BFloat16, t, mask, **kw).persistent, kw
+    k = AttentionBackwardSm90(cutlass.BFloat16, t, 0)
+    assert k.persistent and not k.dynamic_tiles
+    for mask in (1, 2):  # causal tiles differ in work: taken from a counter, heavy-first
+        k = AttentionBackwardSm90(cutlass.BFloat16, t, mask)
+        assert k.persistent and k.dynamic_tiles
+        assert AttentionBackwardSm90.tile_schedule(t, mask) == "dynamic"
+    assert AttentionBackwardSm90.tile_schedule(t, 0) == "persistent"
+    for kw in (dict(has_window=True), dict(varlen=True), dict(deterministic=True)):
+        assert not AttentionBackwardSm90(cutlass.BFloat16, t, 1, **kw).persistent, kw
+        assert AttentionBackwardSm90.tile_schedule(t, 1, **kw) == "grid", kw
     assert not AttentionBackwardSm90(cutlass.BFloat16, tiling.attention_sm90_tiles(128), 0).persistent
+    assert tiling.attention_sm90_tiles(128).tile_ring == 0 < t.tile_ring
     # setmaxnreg.inc waits for registers the producer freed: the three warpgroups' counts must
     # fit the launch's 168 a thread slot (384 threads, 64 K registers), or the consumers hang
     launch_regs = 65536 // t.num_threads // 8 * 8

@@ -148,12 +148,24 @@ class AttentionBackwardSm90:
         # heavy-first CTA order for causal masks (cta_coords); deterministic mode keeps the
         # launch order its dQ turns are built on (a CTA must never wait for one not launched)
         self.lpt = tiles.lpt and mask_type != 0 and not deterministic
-        # persistent CTAs with the next tile's K / V loaded ahead (tiles.kv_buffers 2): equal
-        # tiles only (no mask or varlen), and none of the paths with their own per-CTA set-up
-        self.persistent = (tiles.kv_buffers == 2 and mask_type == 0 and not varlen and not deterministic
-                           and not has_bias and not dropout)
+        schedule = self.tile_schedule(tiles, mask_type, has_window, deterministic, varlen, has_bias, dropout)
+        self.persistent = schedule != "grid"
+        self.dynamic_tiles = schedule == "dynamic"
         if varlen and tiles.tile_m > VARLEN_ACCUM_PAD:
             raise ValueError(f"tile_m {tiles.tile_m} overruns the dQ accumulator's {VARLEN_ACCUM_PAD} rows of slack")
+
+    @staticmethod
+    def tile_schedule(tiles: AttentionSm90Tiles, mask_type: int, has_window: bool = False, deterministic: bool = False,
+                      varlen: bool = False, has_bias: bool = False, dropout: bool = False) -> str:  # fmt: skip
+        """How CTAs meet tiles: "grid" (a CTA a tile, placed by the hardware), "persistent" (a CTA
+        per multiprocessor walking tiles c, c + grid, ...: equal tiles, no mask) or "dynamic"
+        (persistent, each next tile taken from a zeroed counter in the heavy-first order: causal
+        tiles differ in work). Persistent CTAs need tiles.kv_buffers 2 (the next tile's K / V load
+        while a tile runs) and none of the paths with per-CTA state of their own (varlen offsets,
+        determinism's turns, bias, dropout; a window's empty key blocks)."""
+        if tiles.kv_buffers != 2 or has_window or deterministic or varlen or has_bias or dropout:
+            return "grid"
+        return "dynamic" if mask_type != 0 else "persistent"
 
     @cute.jit
     def __call__(
@@ -168,6 +180,7 @@ class AttentionBackwardSm90:
         mdK: cute.Tensor,  # [B, Sk, Hk, D]
         mdV: cute.Tensor,  # [B, Sk, Hk, Dv]
         mSemaphore: Optional[cute.Tensor],  # [B, H, query blocks] int32, zeroed (deterministic), or None
+        mTileCounter: Optional[cute.Tensor],  # [1] int32, zeroed (tile_schedule "dynamic"), or None
         mCuSeqlensQ: Optional[cute.Tensor],  # [sequences + 1] int32 (varlen), or None
         mCuSeqlensK: Optional[cute.Tensor],
         mBias: Optional[cute.Tensor],  # [B, H, Sq, Sk] (has_bias), or None
@@ -242,6 +255,9 @@ class AttentionBackwardSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * t.stages]
             mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * t.stages]
             mbar_kv: cute.struct.MemRange[cutlass.Int64, t.kv_barriers]
+            if const_expr(t.tile_ring > 0):  # (reserved with two K / V buffers: smem_bytes counts it)
+                mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * t.tile_ring]
+                sTile: cute.struct.MemRange[Int32, t.tile_ring]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], STATS_ALIGN]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], STATS_ALIGN]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], SMEM_ALIGN]
@@ -272,7 +288,7 @@ class AttentionBackwardSm90:
         if const_expr(self.dropout):
             rng = (philox_seed, philox_offset, dropout_p, dropout_scale, dropout_bh_elems)
         self.kernel(
-            gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, gdQ_tma, mdK, mdV, mSemaphore,
+            gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, gdQ_tma, mdK, mdV, mSemaphore, mTileCounter,
             mCuSeqlensQ, mCuSeqlensK, mBias, (tma_dB, gdB_tma), dkv_tma, tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, sStat_layout,
             t.tiled_mma_sdp(self.dtype), t.tiled_mma_dkv(self.dtype), t.tiled_mma_dkv(self.dtype, dv),
@@ -287,7 +303,7 @@ class AttentionBackwardSm90:
         self,
         gQ_tma: cute.Tensor, gdO_tma: cute.Tensor, gK_tma: cute.Tensor, gV_tma: cute.Tensor,
         gLSE_tma: cute.Tensor, gDelta_tma: cute.Tensor, gdQ_tma: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-        mSemaphore: Optional[cute.Tensor], mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+        mSemaphore: Optional[cute.Tensor], mTileCounter: Optional[cute.Tensor], mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
         mBias: Optional[cute.Tensor], grad_bias_tma: tuple, dkv_tma: Optional[tuple], tma_Q: cute.CopyAtom, tma_dO: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
         tma_LSE: cute.CopyAtom, tma_Delta: cute.CopyAtom, tma_dQ: cute.CopyAtom,
         sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
@@ -343,6 +359,15 @@ class AttentionBackwardSm90:
                     cute.arch.mbarrier_init(mbar_kv, 1)
             if const_expr(t.kv_buffers > 1):  # one tile a CTA: the first buffer alone
                 sK, sV = sK[None, None, 0], sV[None, None, 0]
+        tiles_args = None  # persistent CTAs: (tile ring pipeline, its slots, the tile counter)
+        if const_expr(self.dynamic_tiles):
+            # the producer warp takes tiles from the counter and hands them to the other warps
+            pipe_tile = pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar_tile.data_ptr(), num_stages=t.tile_ring,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.num_threads - 32), defer_sync=True,
+            )  # fmt: skip
+            tiles_args = (pipe_tile, storage.sTile.get_tensor(cute.make_layout(t.tile_ring)), mTileCounter)
         pipe_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=t.stages,
             producer_group=producer, consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True,
@@ -368,7 +393,7 @@ class AttentionBackwardSm90:
 
         if const_expr(self.persistent):
             self.persistent_roles(
-                warp_idx, tidx, sched, group, seqlen_q, seqlen_k, window_size, softmax_scale,
+                warp_idx, tidx, sched, group, seqlen_q, seqlen_k, window_size, softmax_scale, tiles_args,
                 (gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, sQ, sdO, sK, sV, sLSE, sDelta,
                  tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, pipe_q, pipe_do, pipe_kv),
                 (gdQ_tma, sdQ, tma_dQ, mSemaphore),
@@ -393,37 +418,47 @@ class AttentionBackwardSm90:
 
     @cute.jit
     def persistent_roles(self, warp_idx, tidx, sched, group, seqlen_q, seqlen_k, window_size, softmax_scale,
-                         load_args, store_args, mma_args):  # fmt: skip
+                         tiles_args, load_args, store_args, mma_args):  # fmt: skip
         """Persistent CTAs (``self.persistent``): CTA c runs tiles c, c + grid, ... in launch
-        order (key blocks of a head side by side, as the hardware would place them). The Q / dO
-        pipelines run on across tiles; K / V alternate between two buffers, so the producer
-        loads the next tile's while this one runs. The consumers stage a tile's dK / dV in its
-        buffer and go on with the next tile; warps 2 and 3 store them to global memory and free
-        the buffer (measured: ~2 us of a 24 us CTA at 8x16x1024x64 waited for K / V, ~1 us stored
-        dK / dV; notes.md)."""
+        order (key blocks of a head side by side, as the hardware would place them), or with
+        ``dynamic_tiles`` tile c, then whichever the tile counter hands out next (grid + k, in
+        the heavy-first order of causal masks: list scheduling, as the hardware does it for a
+        CTA per tile). The Q / dO pipelines run on across tiles; K / V alternate between two
+        buffers, so the producer loads the next tile's while this one runs. The consumers stage a
+        tile's dK / dV in its buffer and go on with the next tile; warps 2 and 3 store them to
+        global memory and free the buffer (measured: ~2 us of a 24 us CTA at 8x16x1024x64 waited
+        for K / V, ~1 us stored dK / dV; notes.md)."""
         t = self.tiles
         n_blocks, heads_kv, batches, _ = sched
         total = n_blocks * heads_kv * batches
         first, _, _ = cute.arch.block_idx()
         step, _, _ = cute.arch.grid_dim()
         rows = (Int32(0), Int32(0))
+        ring = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, max(t.tile_ring, 1))
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS_PERSISTENT)
             if warp_idx == 0:
+                ring = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, max(t.tile_ring, 1))
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, t.stages)
                 kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, t.kv_buffers)
-                for tile in cutlass.range(first, total, step, unroll=1):
+                tile = first
+                while tile < total:
+                    ring = self.publish_tile(tiles_args, tile, ring)
                     n_block, head_kv, batch = self.coords_of(sched, tile)
                     m_min, m_max = self.m_block_range(n_block, seqlen_q, seqlen_k, window_size)
                     state, kv_state = self.load(*load_args[:-1], None, n_block, batch, (head_kv, group, m_min, m_max),
                                                 rows, kv=(load_args[-1], kv_state, state))  # fmt: skip
+                    tile = self.fetch_tile(tiles_args, tile, step)
+                ring = self.publish_tile(tiles_args, total, ring)  # the end, for the other warps
             if warp_idx == 1:
                 gdQ_tma, sdQ, tma_dQ, mSemaphore = store_args
-                for tile in cutlass.range(first, total, step, unroll=1):
+                tile, ring = self.take_tile(tiles_args, first - step, step, ring)
+                while tile < total:
                     n_block, head_kv, batch = self.coords_of(sched, tile)
                     m_min, m_max = self.m_block_range(n_block, seqlen_q, seqlen_k, window_size)
                     self.store_dq(gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, (head_kv, group, m_min, m_max),
                                   rows, seqlen_q, seqlen_k)  # fmt: skip
+                    tile, ring = self.take_tile(tiles_args, tile, step, ring)
             if warp_idx >= DKV_STORE_WARPS[0]:
                 # each tile's dK / dV from the K / V buffer the consumers staged them in, while
                 # the consumers go on with the next tile; then the buffer is free for the producer
@@ -431,7 +466,8 @@ class AttentionBackwardSm90:
                 sK, sV = load_args[8], load_args[9]
                 mdK, mdV, _ = mma_args[6]
                 kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.kv_buffers)
-                for tile in cutlass.range(first, total, step, unroll=1):
+                tile, ring = self.take_tile(tiles_args, first - step, step, ring)
+                while tile < total:
                     n_block, head_kv, batch = self.coords_of(sched, tile)
                     b = kv_state.index
                     self.dkv_staged_barrier(b, False)
@@ -440,6 +476,7 @@ class AttentionBackwardSm90:
                                           head_kv, batch, Int32(0), seqlen_k)  # fmt: skip
                     pipe_kv.consumer_release(kv_state)
                     kv_state.advance()
+                    tile, ring = self.take_tile(tiles_args, tile, step, ring)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS_PERSISTENT)
             sQ, sdO, sdS, sdQ, sLSE, sDelta, dkv_out, mma_sdp, mma_dkv, mma_dv, mma_dq, pipe_q, pipe_do, _ = mma_args
@@ -447,7 +484,8 @@ class AttentionBackwardSm90:
             sK, sV = load_args[8], load_args[9]
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.kv_buffers)
-            for tile in cutlass.range(first, total, step, unroll=1):
+            tile, ring = self.take_tile(tiles_args, first - step, step, ring)
+            while tile < total:
                 n_block, head_kv, batch = self.coords_of(sched, tile)
                 m_min, m_max = self.m_block_range(n_block, seqlen_q, seqlen_k, window_size)
                 b = kv_state.index
@@ -456,6 +494,45 @@ class AttentionBackwardSm90:
                     mma_dv, mma_dq, pipe_q, pipe_do, None, tidx - 128, n_block, batch, (head_kv, group, m_min, m_max),
                     rows, seqlen_q, seqlen_k, softmax_scale, window_size, None, kv=(pipe_kv, kv_state, state),
                 )  # fmt: skip
+                tile, ring = self.take_tile(tiles_args, tile, step, ring)
+
+    @cute.jit
+    def publish_tile(self, tiles_args, tile, ring):
+        """``dynamic_tiles``: the producer warp hands ``tile`` to the other warps through the ring."""
+        if const_expr(self.dynamic_tiles):
+            pipe_tile, sTile, _ = tiles_args
+            pipe_tile.producer_acquire(ring)
+            with cute.arch.elect_one():
+                sTile[ring.index] = tile
+                pipe_tile.producer_commit(ring)
+            ring.advance()
+        return ring
+
+    @cute.jit
+    def fetch_tile(self, tiles_args, tile, step):
+        """The producer warp's next tile: tile + step, or with ``dynamic_tiles`` the counter's next
+        (the first ``step`` tiles are the CTAs' own)."""
+        if const_expr(self.dynamic_tiles):
+            taken = Int32(0)
+            if cute.arch.lane_idx() == 0:
+                taken = cute.arch.atomic_add(tiles_args[2].iterator, Int32(1), sem="relaxed", scope="gpu")
+            tile = cute.arch.shuffle_sync(taken, 0) + step
+        else:
+            tile = tile + step
+        return tile
+
+    @cute.jit
+    def take_tile(self, tiles_args, tile, step, ring):
+        """Every other warp's next tile: tile + step, or with ``dynamic_tiles`` the ring's next."""
+        if const_expr(self.dynamic_tiles):
+            pipe_tile, sTile, _ = tiles_args
+            pipe_tile.consumer_wait(ring)
+            tile = sTile[ring.index]
+            pipe_tile.consumer_release(ring)
+            ring.advance()
+        else:
+            tile = tile + step
+        return tile, ring
 
     @cute.jit
     def cta_coords(self, sched):
@@ -565,7 +642,7 @@ class AttentionBackwardSm90:
         tKs, tKg = cpasync.tma_partition(tma_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVs, tVg = cpasync.tma_partition(tma_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
-        if const_expr(self.persistent):  # every tile has steps (no mask, no varlen)
+        if const_expr(self.persistent):  # K / V also for a tile without steps (the consumers wait for it)
             pipe_kv, kv_state, q_state = kv
             pipe_kv.producer_acquire(kv_state)  # the dK / dV store warps freed it two tiles back
             bar = pipe_kv.producer_get_barrier(kv_state)
@@ -767,11 +844,10 @@ class AttentionBackwardSm90:
         # C7514 / C7515; also when the issue is made unconditional with a repeated last Q
         # block). Measured: d128 gains 16% without it, d64 loses 4% (notes.md).
         prefetch = const_expr(t.overlap != "none")
-        if m_min < m_max:
-            if const_expr(self.persistent):
-                pipe_kv.consumer_wait(kv_state)
-            else:
-                cute.arch.mbarrier_wait(mbar_kv, 0)
+        if const_expr(self.persistent):
+            pipe_kv.consumer_wait(kv_state)  # also for a tile without steps (dK / dV zeros)
+        elif m_min < m_max:
+            cute.arch.mbarrier_wait(mbar_kv, 0)
             if const_expr(prefetch):
                 self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
                 if const_expr(t.overlap == "sdp"):
