@@ -35,8 +35,9 @@ transposed form that keeps P and dS in registers for the dK / dV products:
 
 tile_m is 64 with a bias or dropout (d64: 114 KiB, d128: 194 KiB). d128 takes 80 with a
 causal mask too (FA4 keeps 64 there; 80 measured 3-5% faster at 4096 / 8192 keys).
-d64 holds two K / V buffers (``kv_buffers``, 32 KiB of its 227): without a mask its CTAs are
-persistent (one per multiprocessor) and load the next tile's K / V while the current tile runs;
+d64 holds two K / V buffers (``kv_buffers``, 32 KiB of its 227): its CTAs are persistent (one
+per multiprocessor; causal ones take their tiles from a counter) and load the next tile's K / V
+while the current tile runs;
 the consumers stage a tile's dK / dV in its K / V buffer and go on, and the producer
 warpgroup's warps 2 and 3 store them and free the buffer.
 
@@ -245,7 +246,8 @@ class AttentionSm90Tiles:
     # K / V buffers. 2: persistent CTAs (a CTA per multiprocessor walks the tiles) load the
     # next tile's K / V while the current tile runs, so no CTA waits for its K / V at its start
     # (measured ~2 us of a 24 us CTA at 8x16x1024x64); the kernel takes that path without a
-    # mask, varlen, determinism, bias or dropout and otherwise uses the first buffer alone
+    # window, varlen, determinism, bias or dropout (AttentionBackwardSm90.tile_schedule) and
+    # otherwise uses the first buffer alone
     kv_buffers: int = 1
 
     def __post_init__(self):
