@@ -242,7 +242,8 @@ def test_kv_buffers_choose_the_persistent_kernel():
         assert k.persistent and k.dynamic_tiles
         assert AttentionBackwardSm90.tile_schedule(t, mask) == "dynamic"
     assert AttentionBackwardSm90.tile_schedule(t, 0) == "persistent"
-    for kw in (dict(has_window=True), dict(varlen=True), dict(deterministic=True)):
+    assert AttentionBackwardSm90.tile_schedule(t, 1, has_window=True) == "dynamic"
+    for kw in (dict(varlen=True), dict(deterministic=True)):
         assert not AttentionBackwardSm90(cutlass.BFloat16, t, 1, **kw).persistent, kw
         assert AttentionBackwardSm90.tile_schedule(t, 1, **kw) == "grid", kw
     assert not AttentionBackwardSm90(cutlass.BFloat16, tiling.attention_sm90_tiles(128), 0).persistent

@@ -417,9 +417,9 @@ def test_memory_efficient_attention_grouped_heads():
 
 # ---------------------------------------------------------------------- persistent CTAs
 
-# the d64 tiles without a window run persistent CTAs (K / V double-buffered across tiles; causal
-# tiles from a counter); with one or three CTAs every CTA walks several tiles, K / V buffers
-# alternate and the Q / dO pipelines run on across tiles. (dtype, B, H, Hk, Sq, Sk, D, mask)
+# the d64 tiles run persistent CTAs (K / V double-buffered across tiles; causal tiles from a
+# counter); with one or three CTAs every CTA walks several tiles, K / V buffers alternate and the
+# Q / dO pipelines run on across tiles. (dtype, B, H, Hk, Sq, Sk, D, mask[, window])
 PERSISTENT_CASES = [
     (BF16, 2, 3, 3, 300, 257, 64, 0),  # partial query and key blocks: 18 tiles
     (F16, 1, 4, 2, 129, 384, 64, 0),  # grouped-query heads: a tile walks 2 query heads
@@ -429,11 +429,15 @@ PERSISTENT_CASES = [
     (BF16, 2, 3, 3, 300, 257, 64, 1),  # top-left, Sq > Sk
     (F16, 1, 4, 2, 130, 520, 64, 1),  # top-left, Sq < Sk: key blocks no query sees (tiles without steps)
     (BF16, 2, 2, 1, 257, 300, 64, 2),  # bottom-right, multi-query
+    # sliding windows (dtype, ..., mask, window)
+    (BF16, 2, 2, 2, 600, 600, 64, 1, 100),  # across key blocks
+    (F16, 1, 4, 2, 520, 130, 64, 2, 60),  # bottom-right, Sq > Sk, grouped heads
+    (BF16, 1, 2, 2, 130, 520, 64, 1, 200),  # top-left, Sq < Sk: key blocks no query sees
 ]
 
 
 def _persistent_id(c):
-    return f"{str(c[0])[6:]}-B{c[1]}H{c[2]}Hk{c[3]}q{c[4]}k{c[5]}d{dims_id(c[6])}m{c[7]}"
+    return f"{str(c[0])[6:]}-B{c[1]}H{c[2]}Hk{c[3]}q{c[4]}k{c[5]}d{dims_id(c[6])}m{c[7]}" + (f"w{c[8]}" if len(c) > 8 else "")
 
 
 @pytest.mark.parametrize("ctas", [1, 3])
@@ -441,16 +445,21 @@ def _persistent_id(c):
 def test_persistent_ctas_walk_several_tiles(case, ctas, monkeypatch, caplog):
     from ops import attention_sm90 as sm90_ops
 
-    dtype, b, h, hk, sq, sk, d, mask_type = case
+    dtype, b, h, hk, sq, sk, d, mask_type = case[:8]
+    window = case[8] if len(case) > 8 else 0
     assert tiling.attention_sm90_tiles(d).kv_buffers == 2
     monkeypatch.setattr(sm90_ops, "PERSISTENT_CTAS", ctas)
     q, _, _, do = make_inputs(b, h, sq, sk, d, dtype, seed=sq + ctas)
     _, k, v, _ = make_inputs(b, hk, sq, sk, d, dtype, seed=sk + ctas)
-    out, lse = forward(q, k.repeat_interleave(h // hk, 2), v.repeat_interleave(h // hk, 2), mask_type)
+    kw = dict(window_size=window) if window else {}
+    if window:
+        out, lse = _padded_ref_forward(q, k, v, mask_type, window)
+    else:
+        out, lse = forward(q, k.repeat_interleave(h // hk, 2), v.repeat_interleave(h // hk, 2), mask_type)
     with caplog.at_level(logging.DEBUG, logger=LOGGER):
-        grads = backward("sm90", q, k, v, do, out, lse, mask_type)
+        grads = backward("sm90", q, k, v, do, out, lse, mask_type, **kw)
     assert chosen(caplog) == ["sm90"]
-    ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type)
+    ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type, window_size=window)
     floors = rounding_floors(q, k, do, out, dtype)
     for name, g, r, like, floor in zip(("dq", "dk", "dv"), grads, ref, (q, k, v), floors):
         check(f"{name} [{_persistent_id(case)}] {ctas} CTAs", g, r, like, dtype, floor)

@@ -162,8 +162,9 @@ class AttentionBackwardSm90:
         (persistent, each next tile taken from a zeroed counter in the heavy-first order: causal
         tiles differ in work). Persistent CTAs need tiles.kv_buffers 2 (the next tile's K / V load
         while a tile runs) and none of the paths with per-CTA state of their own (varlen offsets,
-        determinism's turns, bias, dropout; a window's empty key blocks)."""
-        if tiles.kv_buffers != 2 or has_window or deterministic or varlen or has_bias or dropout:
+        determinism's turns, bias, dropout). A key block no query sees (a window, top-left
+        Sq < Sk) is a tile without steps: K / V loaded, zero dK / dV stored."""
+        if tiles.kv_buffers != 2 or deterministic or varlen or has_bias or dropout:
             return "grid"
         return "dynamic" if mask_type != 0 else "persistent"
 
