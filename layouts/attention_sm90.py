@@ -169,6 +169,8 @@ PRODUCER_REGS_PERSISTENT = 40
 CONSUMER_REGS_PERSISTENT = 232
 CONSUMER_REGS = 240  # for each consumer warpgroup (24 + 2 x 240 <= 504 per thread-slot budget)
 STORE_WARP_THREADS = 32  # the producer warpgroup's dQ-store warp
+DKV_STORE_WARPS = (2, 3)  # persistent CTAs: the producer warpgroup's warps that store dK / dV
+TILE_RING_SLOTS = 4  # persistent CTAs: tile indices in flight from the producer warp to the others
 SMEM_ALIGN = 1024  # bytes: every shared buffer starts on a whole 128-byte-swizzle period (8 x 128 B)
 SWIZZLE_ROW_BITS = (1024, 512, 256)  # the wgmma / TMA swizzle atoms' rows (128, 64, 32 bytes), widest first
 LPT_L2_BYTES = 24 << 20  # of the H100's 50 MiB L2: what a chunk of the heavy-first CTA order may keep in it
@@ -264,7 +266,7 @@ class AttentionSm90Tiles:
     def tile_ring(self) -> int:
         """Persistent CTAs (kv_buffers 2): slots of the shared ring through which the producer
         warp hands the tile indices it takes from the tile counter to the other warps."""
-        return 4 if self.kv_buffers == 2 else 0
+        return TILE_RING_SLOTS if self.kv_buffers == 2 else 0
 
     @property
     def kv_barriers(self) -> int:

@@ -146,8 +146,9 @@ def _heads_per_chunk(tiles, rows_q: int, rows_k: int, group: int, pairs: int, qu
                                      window=window, num_sms=cc.num_sms(query.device.index))  # fmt: skip
 
 
-# persistent CTAs (the d64 tiles without a mask): how many; None for one per multiprocessor.
-# Tests set a small count so that every CTA walks several tiles.
+# persistent CTAs (AttentionBackwardSm90.tile_schedule: the d64 tiles without varlen,
+# determinism, bias or dropout): how many; None for one per multiprocessor. Tests set a small
+# count so that every CTA walks several tiles.
 PERSISTENT_CTAS: Optional[int] = None
 
 

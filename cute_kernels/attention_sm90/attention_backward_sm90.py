@@ -56,6 +56,7 @@ from layouts.attention_sm90 import (
     PRODUCER_REGS,
     PRODUCER_REGS_PERSISTENT,
     CONSUMER_REGS_PERSISTENT,
+    DKV_STORE_WARPS,
     SMEM_ALIGN,
     SMEM_LIMIT,
     STATS_ALIGN,
@@ -76,7 +77,6 @@ BAR_EPILOGUE = 9  # dkv_tma_store: both warpgroups done with K / V, then their d
 BAR_PDS_ODD = 10  # dq_defer: odd steps' dS announcements (even steps: BAR_PDS / BAR_PDS_WG1)
 BAR_PDS_WG1_ODD = 11
 BAR_DKV_STAGED = 12  # persistent CTAs: a tile's dK / dV are staged in K / V buffer 0's smem (buffer 1: 13)
-DKV_STORE_WARPS = (2, 3)  # persistent CTAs: the producer warpgroup's warps that store dK / dV
 
 
 def named_barrier(barrier_id: int, threads: int, arrive: bool):
@@ -445,20 +445,17 @@ class AttentionBackwardSm90:
                 tile = first
                 while tile < total:
                     ring = self.publish_tile(tiles_args, tile, ring)
-                    n_block, head_kv, batch = self.coords_of(sched, tile)
-                    m_min, m_max = self.m_block_range(n_block, seqlen_q, seqlen_k, window_size)
-                    state, kv_state = self.load(*load_args[:-1], None, n_block, batch, (head_kv, group, m_min, m_max),
-                                                rows, kv=(load_args[-1], kv_state, state))  # fmt: skip
+                    n_block, batch, work = self.tile_work(sched, tile, group, seqlen_q, seqlen_k, window_size)
+                    state, kv_state = self.load(*load_args[:-1], None, n_block, batch, work, rows,
+                                                kv=(load_args[-1], kv_state, state))  # fmt: skip
                     tile = self.fetch_tile(tiles_args, tile, step)
                 ring = self.publish_tile(tiles_args, total, ring)  # the end, for the other warps
             if warp_idx == 1:
                 gdQ_tma, sdQ, tma_dQ, mSemaphore = store_args
                 tile, ring = self.take_tile(tiles_args, first - step, step, ring)
                 while tile < total:
-                    n_block, head_kv, batch = self.coords_of(sched, tile)
-                    m_min, m_max = self.m_block_range(n_block, seqlen_q, seqlen_k, window_size)
-                    self.store_dq(gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, (head_kv, group, m_min, m_max),
-                                  rows, seqlen_q, seqlen_k)  # fmt: skip
+                    n_block, batch, work = self.tile_work(sched, tile, group, seqlen_q, seqlen_k, window_size)
+                    self.store_dq(gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, work, rows, seqlen_q, seqlen_k)
                     tile, ring = self.take_tile(tiles_args, tile, step, ring)
             if warp_idx >= DKV_STORE_WARPS[0]:
                 # each tile's dK / dV from the K / V buffer the consumers staged them in, while
@@ -469,7 +466,7 @@ class AttentionBackwardSm90:
                 kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.kv_buffers)
                 tile, ring = self.take_tile(tiles_args, first - step, step, ring)
                 while tile < total:
-                    n_block, head_kv, batch = self.coords_of(sched, tile)
+                    n_block, head_kv, batch = self.coords_of(sched, tile)  # (no query blocks needed)
                     b = kv_state.index
                     self.dkv_staged_barrier(b, False)
                     self.store_staged_dkv(sK[None, None, b], sV[None, None, b], mdK, mdV,
@@ -487,15 +484,22 @@ class AttentionBackwardSm90:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.kv_buffers)
             tile, ring = self.take_tile(tiles_args, first - step, step, ring)
             while tile < total:
-                n_block, head_kv, batch = self.coords_of(sched, tile)
-                m_min, m_max = self.m_block_range(n_block, seqlen_q, seqlen_k, window_size)
+                n_block, batch, work = self.tile_work(sched, tile, group, seqlen_q, seqlen_k, window_size)
                 b = kv_state.index
                 state, kv_state = self.mma(
                     sQ, sdO, sK[None, None, b], sV[None, None, b], sdS, sdQ, sLSE, sDelta, dkv_out, mma_sdp, mma_dkv,
-                    mma_dv, mma_dq, pipe_q, pipe_do, None, tidx - 128, n_block, batch, (head_kv, group, m_min, m_max),
-                    rows, seqlen_q, seqlen_k, softmax_scale, window_size, None, kv=(pipe_kv, kv_state, state),
+                    mma_dv, mma_dq, pipe_q, pipe_do, None, tidx - 128, n_block, batch, work, rows, seqlen_q,
+                    seqlen_k, softmax_scale, window_size, None, kv=(pipe_kv, kv_state, state),
                 )  # fmt: skip
                 tile, ring = self.take_tile(tiles_args, tile, step, ring)
+
+    @cute.jit
+    def tile_work(self, sched, tile, group, seqlen_q, seqlen_k, window_size):
+        """Persistent CTAs: (key block, batch, work) of tile ``tile``; work as ``kernel``'s:
+        (key head, group, first and end query block)."""
+        n_block, head_kv, batch = self.coords_of(sched, tile)
+        m_min, m_max = self.m_block_range(n_block, seqlen_q, seqlen_k, window_size)
+        return n_block, batch, (head_kv, group, m_min, m_max)
 
     @cute.jit
     def publish_tile(self, tiles_args, tile, ring):
