@@ -419,6 +419,39 @@ def _compute_delta_impl(out, grad_out, cu_seqlens_q, max_seqlen_q):
     return delta
 
 
+def zero_blind_delta(delta: Tensor, mask_type: int, window: int, seqlen_q: int, seqlen_k: int,
+                     cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None) -> None:  # fmt: skip
+    """Δ := 0 in the query rows that see no key, in place. A forward may leave O unwritten
+    there: torch's memory-efficient forward does for head dims above 128 (whole query blocks of
+    a bottom-right mask with Sq > Sk; compute-sanitizer's initcheck flags the reads), and with
+    P = 0 in such a row dS = P (dP - Δ) is NaN wherever Δ is. ``delta`` [sequences, H, rows];
+    row q sees keys (q + offset - window, q + offset] of [0, Sk) (offset Sk - Sq bottom-right,
+    else 0; without a window the left end is open). No mask: every row sees every key. Dense
+    rows are slices (nothing to do unless bottom-right Sq > Sk or a window ends before the
+    last rows); packed sequences take one masked fill when bottom-right or windowed."""
+    if mask_type == 0 and window <= 0:
+        return
+    if cu_seqlens_q is None:
+        offset = seqlen_k - seqlen_q if mask_type == 2 else 0
+        first = max(0, -offset)  # rows q < first: q + offset < 0
+        if first > 0:
+            delta[..., :first].zero_()
+        if window > 0:  # rows q >= last: the window starts past the last key
+            last = max(first, seqlen_k + window - 1 - offset)
+            if last < delta.shape[-1]:
+                delta[..., last:].zero_()
+        return
+    if mask_type != 2 and window <= 0:  # top-left: row q sees key 0 (empty key sequences are never visited)
+        return
+    sq, sk = cu_seqlens_q.diff(), cu_seqlens_k.diff()
+    offset = (sk - sq if mask_type == 2 else torch.zeros_like(sq))[:, None]
+    rows = torch.arange(delta.shape[-1], device=delta.device)[None, :]
+    blind = rows + offset < 0
+    if window > 0:
+        blind |= rows + offset - window + 1 >= sk[:, None]
+    delta.masked_fill_(blind[:, None, :], 0.0)
+
+
 @torch.library.custom_op("cute_kernels::attention_bwd_compute_delta", mutates_args=())
 def _compute_delta_op(out: Tensor, grad_out: Tensor, cu_seqlens_q: Optional[Tensor], max_seqlen_q: Optional[int]) -> Tensor:
     return _compute_delta_impl(out, grad_out, cu_seqlens_q, max_seqlen_q)

@@ -184,7 +184,7 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     ``bias_requires_grad`` grad_bias is [B, H, Sq, Sk] (rows padded to 128 bits, as torch's),
     else None. Dropout: the keep mask of torch's memory-efficient forward for
     ``philox_seed / philox_offset`` (int64 scalar tensors), p = ``dropout_p``."""
-    from .attention_bwd_prepost import _convert_dq_impl, _preprocess_impl
+    from .attention_bwd_prepost import _convert_dq_impl, _preprocess_impl, zero_blind_delta
     from .mem_eff_attention import _dropout_args, grad_bias_buffer
 
     varlen = cu_seqlens_q is not None
@@ -235,6 +235,7 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     # the kernel's log2 units: one launch
     delta, dq_accum, lse_log2 = _preprocess_impl(pack(out), pack(grad_out), 1.0, cu_seqlens_q, max_seqlen_q, True,
                                                  dq_head_dim=d, lse=logsumexp)  # fmt: skip
+    zero_blind_delta(delta, mask_type, window, sq, sk, cu_seqlens_q, cu_seqlens_k)  # O may be unwritten there
     fn(query, key, value, grad_out, lse_log2, delta, dq_accum.unsqueeze(0) if varlen else dq_accum,
        dk, dv, semaphore, counter, cu_seqlens_q, cu_seqlens_k, bias, grad_bias, float(scale), window, rows_k, chunk,
        _persistent_ctas(query), *rng)  # fmt: skip

@@ -481,16 +481,20 @@ def _mem_eff_impl(
     unvisited = varlen or params.window_size > 0 or (params.custom_mask_type == 2 and rows_q > rows_k)
     if unvisited:
         grad_q.zero_()
-    computes_delta = cfg.kernel_computes_delta and params.num_splits_key == 1
+    # rows that see no key may hold an unwritten O (zero_blind_delta): their Δ is zeroed after
+    # its own launch, so the kernel does not compute it there
+    blind_rows = params.window_size > 0 or (params.custom_mask_type == 2 and (varlen or rows_q > rows_k))
+    computes_delta = cfg.kernel_computes_delta and params.num_splits_key == 1 and not blind_rows
     if computes_delta:
         delta = torch.empty((seqs, h, rows_q), dtype=torch.float32, device=query.device)
     else:
-        from .attention_bwd_prepost import _compute_delta_impl
+        from .attention_bwd_prepost import _compute_delta_impl, zero_blind_delta
 
         if varlen:
             delta = _compute_delta_impl(out[0], grad_out[0], cu_seqlens_q, rows_q)
         else:
             delta = _compute_delta_impl(out, grad_out, None, None)
+        zero_blind_delta(delta, params.custom_mask_type, params.window_size, mq, mk, cu_seqlens_q, cu_seqlens_k)
     alloc = torch.zeros if params.should_zero_workspace() else torch.empty
     workspace = alloc(
         (seqs * h, params.num_query_blocks(), cfg.grad_q_temp_storage_words), dtype=torch.float32, device=query.device

@@ -58,7 +58,8 @@ def delta_rounding_floors(q, k, do, out, dtype, scale=None):
 
     eps = UNIT_ROUNDOFF[dtype]
     sm_scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    row = (do.double() * out.double()).norm(dim=-1, keepdim=True)
+    # rows that see no key (O NaN there: tests poison what a forward leaves unwritten) carry none
+    row = (do.double() * out.double().nan_to_num(0.0)).norm(dim=-1, keepdim=True)
     dq_floor = 4 * eps * sm_scale * row * k.double().abs().max().item()
     dk_floor = 4 * eps * sm_scale * q.double().abs().max().item() * row.square().sum(1, keepdim=True).sqrt()
     return dq_floor, dk_floor

@@ -601,3 +601,49 @@ def test_reference_layouts_agree_with_transposed_inputs():
     g = torch.randn(2, 3, 5, 7, dtype=torch.float64)
     d = attention_delta_ref(o.transpose(1, 2), g.transpose(1, 2), rounded=False)
     torch.testing.assert_close(d, (o * g).sum(-1))
+
+
+# ------------------------------------------------------------------ rows without keys
+
+
+def _blind_brute(sq, sk, mask_type, window):
+    """[Sq] bool by enumeration: no key k in [0, Sk) passes the mask of query q."""
+    offset = sk - sq if mask_type == 2 else 0
+    rows = []
+    for q in range(sq):
+        sees = [k for k in range(sk) if (mask_type == 0 or k <= q + offset) and not (window > 0 and k <= q + offset - window)]
+        rows.append(not sees)
+    return torch.tensor(rows, dtype=torch.bool)
+
+
+BLIND_CASES = [  # (Sq, Sk, mask, window)
+    (300, 100, 2, 0), (100, 300, 2, 0), (64, 64, 2, 0), (300, 100, 1, 0), (300, 100, 1, 50), (300, 100, 2, 50),
+    (129, 129, 2, 1), (400, 260, 1, 300), (257, 300, 2, 70), (50, 80, 0, 0), (90, 10, 1, 1),
+]
+
+
+@pytest.mark.parametrize("case", BLIND_CASES, ids=[f"q{c[0]}k{c[1]}m{c[2]}w{c[3]}" for c in BLIND_CASES])
+def test_zero_blind_delta_dense(case):
+    """Exactly the rows that see no key are zeroed (rows padded past Sq are left alone)."""
+    sq, sk, mask_type, window = case
+    rows = (sq + 127) // 128 * 128
+    delta = torch.randn(2, 3, rows).add_(5.0)  # no zero anywhere before
+    A.zero_blind_delta(delta, mask_type, window, sq, sk)
+    want = torch.zeros(rows, dtype=torch.bool)
+    want[:sq] = _blind_brute(sq, sk, mask_type, window)
+    zeroed = delta == 0
+    assert (zeroed[..., :sq] == want[:sq]).all(), (zeroed[0, 0, :sq].nonzero().flatten(), want.nonzero().flatten())
+
+
+@pytest.mark.parametrize("mask_type,window", [(2, 0), (1, 30), (2, 30), (1, 0)])
+def test_zero_blind_delta_packed(mask_type, window):
+    """Packed sequences: each sequence's own blind rows; rows past its end are not asked about."""
+    lens_q, lens_k = [300, 5, 64, 0, 100], [100, 50, 64, 7, 250]
+    cu = lambda lens: torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)  # noqa: E731
+    rows = max(lens_q)
+    delta = torch.randn(len(lens_q), 2, rows).add_(5.0)
+    A.zero_blind_delta(delta, mask_type, window, sum(lens_q), sum(lens_k), cu(lens_q), cu(lens_k))
+    for i, (sq, sk) in enumerate(zip(lens_q, lens_k)):
+        if sq == 0:
+            continue
+        assert ((delta[i, :, :sq] == 0) == _blind_brute(sq, sk, mask_type, window)).all(), (i, sq, sk)
