@@ -36,13 +36,15 @@ def _tiles(head_dim: int, head_dim_v: int, bias: bool, grad_bias: bool, dropout:
 
 def _build(dtype, head_dim: int, head_dim_v: int, mask_type: int, has_window: bool, arch: str,
            deterministic: bool = False, varlen: bool = False, has_bias: bool = False, grad_bias: bool = False,
-           dropout: bool = False):  # fmt: skip
+           dropout: bool = False, carry_dq: bool = False):  # fmt: skip
     """One configuration; ``head_dim`` is Dqk (Q, K), ``head_dim_v`` Dv (V, dO). The bias
-    gradient leaves by TMA from a keys-contiguous dS tile (``ds_keys_contiguous``)."""
+    gradient leaves by TMA from a keys-contiguous dS tile (``ds_keys_contiguous``);
+    ``carry_dq``: short tiles of persistent CTAs (``_carries_dq``)."""
     tiles = _tiles(head_dim, head_dim_v, has_bias, grad_bias, dropout)
     # a head dim above 128: the 64 x 64 decomposition (P^T / dS^T through shared memory)
     cls = AttentionBackwardSm90Wide if isinstance(tiles, tiling.AttentionSm90WideTiles) else AttentionBackwardSm90
-    kernel = cls(dtype, tiles, mask_type, has_window, deterministic, varlen, has_bias, grad_bias, dropout)
+    extra = dict(carry_dq=True) if carry_dq else {}
+    kernel = cls(dtype, tiles, mask_type, has_window, deterministic, varlen, has_bias, grad_bias, dropout, **extra)
     b, h, hk, mq, mk = (cute.sym_int() for _ in range(5))
     # TMA: last stride 1, the other strides and the addresses multiples of TMA_ALIGN_BYTES
     vec, vec32 = tiling.tma_align_elems(dtype.width), tiling.tma_align_elems(32)
@@ -78,10 +80,19 @@ compiled = cc.CompileCache("attention_bwd_sm90", _build)
 
 def _config(dtype, head_dim: int, head_dim_v: int, mask_type: int, arch: str, *, window: bool = False,
             deterministic: bool = False, varlen: bool = False, bias: bool = False, grad_bias: bool = False,
-            dropout: bool = False) -> tuple:  # fmt: skip
+            dropout: bool = False, carry_dq: bool = False) -> tuple:  # fmt: skip
     """The ``compiled`` key (``_build``'s arguments, in order) of one configuration."""
     return (dtype, int(head_dim), int(head_dim_v), int(mask_type), bool(window), arch, bool(deterministic),
-            bool(varlen), bool(bias), bool(grad_bias), bool(dropout))  # fmt: skip
+            bool(varlen), bool(bias), bool(grad_bias), bool(dropout), bool(carry_dq))  # fmt: skip
+
+
+def _carries_dq(tiles, mask_type: int, window: bool, deterministic: bool, varlen: bool, bias: bool, dropout: bool,
+                rows_q: int, group: int) -> bool:  # fmt: skip
+    """Whether the kernel computes a tile's last dQ in the next tile's step 0: persistent CTAs
+    over equal tiles of at most ``CARRY_DQ_MAX_STEPS`` steps (group x query blocks)."""
+    if AttentionBackwardSm90.tile_schedule(tiles, mask_type, window, deterministic, varlen, bias, dropout) != "persistent":
+        return False
+    return tiles.carries_dq(group * -(-rows_q // tiles.tile_m))
 
 
 def compile_for_benchmark_cases(cases, arch: str) -> int:
@@ -91,14 +102,17 @@ def compile_for_benchmark_cases(cases, arch: str) -> int:
     if arch != "sm_90a":
         return 0
     keys = set()
-    for (_, _, _, d), dtype_name, causal, *feature in cases:
+    for (_, _, s, d), dtype_name, causal, *feature in cases:
         if d not in tiling.HEAD_DIMS:
             continue
         feature = feature[0] if feature else None
+        bias, dropout = feature in ("bias", "bias_grad"), feature == "dropout"
         # as attention_backward_sm90 calls it: causal is top-left, no window / determinism / varlen
-        keys.add(_config(cc.cute_dtype(getattr(torch, dtype_name)), d, d, 1 if causal else 0, arch,
-                         bias=feature in ("bias", "bias_grad"), grad_bias=feature == "bias_grad",
-                         dropout=feature == "dropout"))  # fmt: skip
+        mask = 1 if causal else 0
+        carry = _carries_dq(_tiles(d, d, bias, feature == "bias_grad", dropout), mask, False, False, False, bias,
+                            dropout, s, 1)  # fmt: skip
+        keys.add(_config(cc.cute_dtype(getattr(torch, dtype_name)), d, d, mask, arch, bias=bias,
+                         grad_bias=feature == "bias_grad", dropout=dropout, carry_dq=carry))  # fmt: skip
     for key in sorted(keys, key=str):
         compiled(*key)
     return len(keys)
@@ -211,10 +225,12 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     window = int(window_size or 0)
     arch = cc.device_arch(query.device.index)
     dropout = float(dropout_p) > 0.0
+    tiles = _tiles(d, d_v, bias is not None, grad_bias is not None, dropout)
+    carry = _carries_dq(tiles, mask_type, window > 0, deterministic, varlen, bias is not None, dropout, rows_q,
+                        h // key.shape[2])  # fmt: skip
     fn = compiled(*_config(cc.cute_dtype(query.dtype), d, d_v, mask_type, arch, window=window > 0,
                            deterministic=deterministic, varlen=varlen, bias=bias is not None,
-                           grad_bias=grad_bias is not None, dropout=dropout))  # fmt: skip
-    tiles = _tiles(d, d_v, bias is not None, grad_bias is not None, dropout)
+                           grad_bias=grad_bias is not None, dropout=dropout, carry_dq=carry))  # fmt: skip
     # whatever touches the stream goes before the preprocess: the kernel is launched right
     # behind it (programmatic dependent launch, see the kernel's module)
     semaphore = None

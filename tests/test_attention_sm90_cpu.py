@@ -34,6 +34,35 @@ WINDOW_CONFIGS = [(dt, d, mask) for dt in (cutlass.BFloat16, cutlass.Float16) fo
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("dtype", [cutlass.BFloat16, cutlass.Float16], ids=["bf16", "fp16"])
+def test_compiles_carry_dq(dtype):
+    """Persistent d64 CTAs over short tiles: a tile's last dQ in the next tile's step 0."""
+    assert callable(S._build(dtype, 64, 64, 0, False, "sm_90a", False, False, False, False, False, True))
+
+
+def test_carry_dq_only_for_short_equal_tiles(monkeypatch):
+    """The op asks for carry_dq where persistent CTAs walk equal tiles of at most
+    CARRY_DQ_MAX_STEPS steps (query blocks x the query heads of a key head; 0: never)."""
+    t = tiling.attention_sm90_tiles(64)
+    most = 8
+    monkeypatch.setattr(tiling, "CARRY_DQ_MAX_STEPS", most)
+    plain = dict(window=False, deterministic=False, varlen=False, bias=False, dropout=False)
+    rows = lambda steps: steps * t.tile_m  # noqa: E731
+    assert S._carries_dq(t, 0, rows_q=rows(most), group=1, **plain)
+    assert S._carries_dq(t, 0, rows_q=rows(most) - t.tile_m + 1, group=1, **plain)
+    assert not S._carries_dq(t, 0, rows_q=rows(most) + 1, group=1, **plain)
+    assert not S._carries_dq(t, 0, rows_q=rows(most // 2) + 1, group=2, **plain)  # 2 heads x (most / 2 + 1) blocks
+    assert S._carries_dq(t, 0, rows_q=1, group=1, **plain)
+    for mask, kw in ((1, {}), (0, dict(varlen=True)), (0, dict(deterministic=True)), (0, dict(bias=True)),
+                     (0, dict(dropout=True))):  # fmt: skip
+        assert not S._carries_dq(t, mask, rows_q=1, group=1, **{**plain, **kw}), (mask, kw)
+    for d in (96, 128, 192):
+        assert not S._carries_dq(tiling.attention_sm90_tiles(d), 0, rows_q=1, group=1, **plain)
+    monkeypatch.setattr(tiling, "CARRY_DQ_MAX_STEPS", 0)
+    assert not S._carries_dq(t, 0, rows_q=1, group=1, **plain)
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("dtype,head_dim,mask_type", CONFIGS, ids=[f"{dt.__name__}-d{d}-mask{m}" for dt, d, m in CONFIGS])
 def test_compiles(dtype, head_dim, mask_type):
     assert callable(S._build(dtype, head_dim, head_dim, mask_type, False, "sm_90a"))
@@ -257,6 +286,8 @@ def test_kv_buffers_choose_the_persistent_kernel():
         assert producer % 8 == 0 == consumer % 8 and 24 <= producer <= consumer <= 256
     with pytest.raises(ValueError, match="kv_buffers"):
         tiling.attention_sm90_tiles(64, kv_buffers=3)
+    with pytest.raises(ValueError, match="carry_dq"):  # only over equal tiles
+        AttentionBackwardSm90(cutlass.BFloat16, t, 1, carry_dq=True)
     with pytest.raises(ValueError, match="dq_defer"):
         tiling.attention_sm90_tiles(128, kv_buffers=2)
 
@@ -338,24 +369,28 @@ def test_grad_bias_needs_a_keys_contiguous_ds_tile():
 
 def test_config_key_follows_build_and_the_benchmark_precompiles_it(monkeypatch):
     """``_config`` lists _build's arguments in its order; the suite's precompile asks for the
-    keys the op's calls will (causal top-left, features as flags)."""
+    keys the op's calls will (causal top-left, features as flags, carry_dq by the steps a tile)."""
     import inspect
 
+    monkeypatch.setattr(tiling, "CARRY_DQ_MAX_STEPS", 8)
     params = list(inspect.signature(S._build).parameters)
     key = S._config("dt", 128, 64, 2, "sm_90a", window=True, deterministic=True, varlen=True, bias=True,
-                    grad_bias=True, dropout=True)  # fmt: skip
+                    grad_bias=True, dropout=True, carry_dq=True)  # fmt: skip
     assert len(key) == len(params) and dict(zip(params, key)) == dict(
         dtype="dt", head_dim=128, head_dim_v=64, mask_type=2, has_window=True, arch="sm_90a", deterministic=True,
-        varlen=True, has_bias=True, grad_bias=True, dropout=True)  # fmt: skip
+        varlen=True, has_bias=True, grad_bias=True, dropout=True, carry_dq=True)  # fmt: skip
     seen = []
     monkeypatch.setattr(S, "compiled", lambda *k: seen.append(k))
     cases = [((2, 16, 4096, 128), "bfloat16", True), ((2, 16, 4096, 128), "bfloat16", False, "bias_grad"),
-             ((2, 16, 4096, 64), "float16", False, "dropout"), ((2, 16, 4096, 80), "bfloat16", False)]
-    assert S.compile_for_benchmark_cases(cases, "sm_90a") == 3 and S.compile_for_benchmark_cases(cases, "sm_80") == 0
+             ((2, 16, 4096, 64), "float16", False, "dropout"), ((2, 16, 4096, 80), "bfloat16", False),
+             ((8, 16, 1024, 64), "bfloat16", False), ((2, 16, 4096, 64), "bfloat16", False)]
+    assert S.compile_for_benchmark_cases(cases, "sm_90a") == 5 and S.compile_for_benchmark_cases(cases, "sm_80") == 0
     assert sorted(seen, key=str) == sorted([
         S._config(cutlass.BFloat16, 128, 128, 1, "sm_90a"),
         S._config(cutlass.BFloat16, 128, 128, 0, "sm_90a", bias=True, grad_bias=True),
         S._config(cutlass.Float16, 64, 64, 0, "sm_90a", dropout=True),
+        S._config(cutlass.BFloat16, 64, 64, 0, "sm_90a", carry_dq=True),  # 8 steps a tile
+        S._config(cutlass.BFloat16, 64, 64, 0, "sm_90a"),  # 32
     ], key=str)  # fmt: skip
 
 
@@ -692,7 +727,7 @@ def test_host_sizes_gradients_by_their_head_dims(monkeypatch, head_dim, head_dim
     monkeypatch.setattr(P, "_convert_dq_impl", convert)
     q, k, v, do, o = _problem(h=4, hk=2, d=head_dim, dv=head_dim_v)
     dq, dk, dv, db = S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 1)
-    assert keys == [(cutlass.BFloat16, head_dim, head_dim_v, 1, False, "sm_90a", False, False, False, False, False)]
+    assert keys == [(cutlass.BFloat16, head_dim, head_dim_v, 1, False, "sm_90a", False, False, False, False, False, False)]
     assert db is None
     ((q_, k_, v_, do_, lse, delta, acc, dk_, dv_, *_),) = launches
     # the LSE in log2 units from the preprocess launch, shaped as Δ
@@ -1012,10 +1047,13 @@ def test_suite_compile_only_covers_ours_sm90(monkeypatch):
     monkeypatch.setattr(S, "compiled", lambda *k: seen["sm90"].append(k))
     assert attention_bwd.compile_only("sm_90a") == len(seen["mem_eff"]) + len(seen["sm90"])
     bf16 = cutlass.BFloat16
-    # (dtype, Dqk, Dv, mask type, has_window, arch, deterministic, varlen, bias, bias gradient, dropout)
-    plain = {(bf16, d, d, m, False, "sm_90a", False, False, False, False, False) for d in (64, 128) for m in (0, 1)}
-    features = {(bf16, 128, 128, 0, False, "sm_90a", False, False) + f for f in ((True, False, False), (True, True, False),
-                                                                             (False, False, True))}  # fmt: skip
+    # (dtype, Dqk, Dv, mask type, has_window, arch, deterministic, varlen, bias, bias gradient, dropout, carry_dq):
+    # the one d64 case without a mask (8x16x1024x64) has 8 steps a tile: it carries dQ where 8 steps do
+    carry = tiling.CARRY_DQ_MAX_STEPS >= 8
+    plain = {(bf16, d, d, m, False, "sm_90a", False, False, False, False, False, carry and d == 64 and m == 0)
+             for d in (64, 128) for m in (0, 1)}  # fmt: skip
+    features = {(bf16, 128, 128, 0, False, "sm_90a", False, False) + f + (False,)
+                for f in ((True, False, False), (True, True, False), (False, False, True))}  # fmt: skip
     assert set(seen["sm90"]) == plain | features
     seen["sm90"].clear()
     attention_bwd.compile_only("sm_80")

@@ -463,15 +463,25 @@ def _persistent_id(c):
     return f"{str(c[0])[6:]}-B{c[1]}H{c[2]}Hk{c[3]}q{c[4]}k{c[5]}d{dims_id(c[6])}m{c[7]}" + (f"w{c[8]}" if len(c) > 8 else "")
 
 
+# without a mask: each case with carry_dq (a tile's last dQ in the next tile's step 0, which the op
+# asks for on tiles of at most CARRY_DQ_MAX_STEPS steps: set to 8 here) and without
+PERSISTENT_RUNS = [(c, carry) for c in PERSISTENT_CASES for carry in ((True, False) if c[7] == 0 else (None,))]
+
+
 @pytest.mark.parametrize("ctas", [1, 3])
-@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=[_persistent_id(c) for c in PERSISTENT_CASES])
-def test_persistent_ctas_walk_several_tiles(case, ctas, monkeypatch, caplog):
+@pytest.mark.parametrize("case,carry", PERSISTENT_RUNS,
+                         ids=[_persistent_id(c) + {True: "-carry", False: "-nocarry", None: ""}[k] for c, k in PERSISTENT_RUNS])  # fmt: skip
+def test_persistent_ctas_walk_several_tiles(case, carry, ctas, monkeypatch, caplog):
     from ops import attention_sm90 as sm90_ops
 
     dtype, b, h, hk, sq, sk, d, mask_type = case[:8]
     window = case[8] if len(case) > 8 else 0
     assert tiling.attention_sm90_tiles(d).kv_buffers == 2
     monkeypatch.setattr(sm90_ops, "PERSISTENT_CTAS", ctas)
+    if carry is not None:
+        steps = (h // hk) * -(-sq // tiling.attention_sm90_tiles(d).tile_m)
+        assert steps <= 8  # so that carry_dq is on with the limit below
+        monkeypatch.setattr(tiling, "CARRY_DQ_MAX_STEPS", 8 if carry else 0)
     q, _, _, do = make_inputs(b, h, sq, sk, d, dtype, seed=sq + ctas)
     _, k, v, _ = make_inputs(b, hk, sq, sk, d, dtype, seed=sk + ctas)
     kw = dict(window_size=window) if window else {}

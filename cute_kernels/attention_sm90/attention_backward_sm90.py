@@ -77,6 +77,14 @@ BAR_EPILOGUE = 9  # dkv_tma_store: both warpgroups done with K / V, then their d
 BAR_PDS_ODD = 10  # dq_defer: odd steps' dS announcements (even steps: BAR_PDS / BAR_PDS_WG1)
 BAR_PDS_WG1_ODD = 11
 BAR_DKV_STAGED = 12  # persistent CTAs: a tile's dK / dV are staged in K / V buffer 0's smem (buffer 1: 13)
+BAR_DS_FREE = 14  # carry_dq: the store warps have read the staged dK out of its dS buffer
+BAR_K_FREE = 15  # carry_dq: the consumers' last product on the previous tile's K is done
+
+
+def cyclic(i, n: int):
+    """i mod n for a step count (never negative): a mask where n is a power of two (the
+    signed remainder costs sign fix-ups in every step)."""
+    return i & (n - 1) if n & (n - 1) == 0 else i % n
 
 
 def named_barrier(barrier_id: int, threads: int, arrive: bool):
@@ -116,11 +124,18 @@ class AttentionBackwardSm90:
     thread draws ``keep_flag_keys`` consecutive keys of one query row (4 per Philox call)
     into a bit buffer in shared memory, and reads its fragment's bits back after its
     warpgroup's barrier. dV += (P∘Z)^T dO and dS = P∘(Z∘dP - Δ), Z = 0 or 1 / (1 - p);
-    Δ = rowsum(dO∘O) as without dropout (O holds the dropped P)."""
+    Δ = rowsum(dO∘O) as without dropout (O holds the dropped P).
+
+    ``carry_dq`` (persistent CTAs over equal tiles, asked for where tiles are short): a tile's
+    last block's dQ is the next tile's step 0 product (with ``dq_defer`` step 0 had none), on the
+    finished tile's K, which stays in its buffer until then; that tile's dK is staged in the dS
+    buffer its next block writes, and the store warps read it out first (``BAR_DS_FREE``) and
+    free the K / V buffer once step 0 is done with K (``BAR_K_FREE``). The CTA's last tile runs
+    its last dQ after the loop (``carried_dq_tail``)."""
 
     def __init__(self, dtype, tiles: AttentionSm90Tiles, mask_type: int, has_window: bool = False,
                  deterministic: bool = False, varlen: bool = False, has_bias: bool = False,
-                 grad_bias: bool = False, dropout: bool = False):  # fmt: skip
+                 grad_bias: bool = False, dropout: bool = False, carry_dq: bool = False):  # fmt: skip
         if has_window and mask_type == 0:
             raise ValueError("a sliding window needs a causal mask (mask_type 1 or 2)")
         if grad_bias and not has_bias:
@@ -151,6 +166,12 @@ class AttentionBackwardSm90:
         schedule = self.tile_schedule(tiles, mask_type, has_window, deterministic, varlen, has_bias, dropout)
         self.persistent = schedule != "grid"
         self.dynamic_tiles = schedule == "dynamic"
+        # persistent CTAs over equal tiles (every tile has steps): the last block's dQ of a tile
+        # is the next tile's step 0 product (dK staged in a free dS buffer, K kept until then);
+        # the caller asks for it where tiles are short (tiles.carries_dq)
+        if carry_dq and (schedule != "persistent" or tiles.dq_swapab):
+            raise ValueError(f"carry_dq needs persistent CTAs over equal tiles (schedule {schedule!r}) and dQ = dS K")
+        self.carry_dq = carry_dq
         if varlen and tiles.tile_m > VARLEN_ACCUM_PAD:
             raise ValueError(f"tile_m {tiles.tile_m} overruns the dQ accumulator's {VARLEN_ACCUM_PAD} rows of slack")
 
@@ -339,6 +360,13 @@ class AttentionBackwardSm90:
         sLSE = storage.sLSE.get_tensor(sStat_layout)
         sDelta = storage.sDelta.get_tensor(sStat_layout)
         mbar_kv = storage.mbar_kv.data_ptr()
+        sdK_carry = None
+        if const_expr(self.carry_dq):
+            # carry_dq stages a tile's dK in the dS buffer its next block will write (K's layout)
+            sdK_carry = storage.sdS.get_tensor(
+                cute.append(cute.select(sK_layout.outer, mode=[0, 1]), cute.select(sdS_layout.outer, mode=[2])),
+                swizzle=sK_layout.inner,
+            )
         sKeep = None
         if const_expr(self.dropout):  # bytes; keep_flag_halves views them
             sKeep = storage.sKeep.get_tensor(cute.make_layout(KEEP_FLAG_BUFFERS * t.keep_flag_bytes))
@@ -400,6 +428,7 @@ class AttentionBackwardSm90:
                 (gdQ_tma, sdQ, tma_dQ, mSemaphore),
                 (sQ, sdO, sdS, sdQ, sLSE, sDelta, (mdK, mdV, dkv_tma), tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dv,
                  tiled_mma_dq, pipe_q, pipe_do, mbar_kv),
+                sdK_carry,
             )  # fmt: skip
         elif warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -419,7 +448,7 @@ class AttentionBackwardSm90:
 
     @cute.jit
     def persistent_roles(self, warp_idx, tidx, sched, group, seqlen_q, seqlen_k, window_size, softmax_scale,
-                         tiles_args, load_args, store_args, mma_args):  # fmt: skip
+                         tiles_args, load_args, store_args, mma_args, sdK_carry):  # fmt: skip
         """Persistent CTAs (``self.persistent``): CTA c runs tiles c, c + grid, ... in launch
         order (key blocks of a head side by side, as the hardware would place them), or with
         ``dynamic_tiles`` tile c, then whichever the tile counter hands out next (grid + k, in
@@ -464,14 +493,29 @@ class AttentionBackwardSm90:
                 sK, sV = load_args[8], load_args[9]
                 mdK, mdV, _ = mma_args[6]
                 kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.kv_buffers)
+                store_threads = 32 * len(DKV_STORE_WARPS)
+                store_tidx = tidx - 32 * DKV_STORE_WARPS[0]
+                done = Int32(0)  # carry_dq: the steps of the tiles before (dK's dS buffer)
                 tile, ring = self.take_tile(tiles_args, first - step, step, ring)
                 while tile < total:
-                    n_block, head_kv, batch = self.coords_of(sched, tile)  # (no query blocks needed)
+                    n_block, batch, work = self.tile_work(sched, tile, group, seqlen_q, seqlen_k, window_size)
+                    head_kv = work[0]
                     b = kv_state.index
                     self.dkv_staged_barrier(b, False)
-                    self.store_staged_dkv(sK[None, None, b], sV[None, None, b], mdK, mdV,
-                                          tidx - 32 * DKV_STORE_WARPS[0], 32 * len(DKV_STORE_WARPS), n_block,
-                                          head_kv, batch, Int32(0), seqlen_k)  # fmt: skip
+                    if const_expr(self.carry_dq):
+                        # dK first: the consumers' next block writes its dS where dK is staged
+                        done += work[1] * (work[3] - work[2])
+                        self.store_staged_tile(sdK_carry[None, None, done % t.ds_stages], mdK, store_tidx,
+                                               store_threads, n_block, head_kv, batch, Int32(0), seqlen_k)  # fmt: skip
+                        if tile + step < total:
+                            named_barrier(BAR_DS_FREE, t.num_mma_threads + store_threads, True)
+                        self.store_staged_tile(sV[None, None, b], mdV, store_tidx, store_threads, n_block, head_kv,
+                                               batch, Int32(0), seqlen_k)  # fmt: skip
+                        # K stays until the consumers' product on it (the next tile's step 0) is done
+                        named_barrier(BAR_K_FREE, t.num_mma_threads + store_threads, False)
+                    else:
+                        self.store_staged_dkv(sK[None, None, b], sV[None, None, b], mdK, mdV, store_tidx,
+                                              store_threads, n_block, head_kv, batch, Int32(0), seqlen_k)  # fmt: skip
                     pipe_kv.consumer_release(kv_state)
                     kv_state.advance()
                     tile, ring = self.take_tile(tiles_args, tile, step, ring)
@@ -482,16 +526,20 @@ class AttentionBackwardSm90:
             sK, sV = load_args[8], load_args[9]
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.kv_buffers)
+            done = Int32(0)  # carry_dq: the steps of the tiles before
             tile, ring = self.take_tile(tiles_args, first - step, step, ring)
             while tile < total:
                 n_block, batch, work = self.tile_work(sched, tile, group, seqlen_q, seqlen_k, window_size)
                 b = kv_state.index
-                state, kv_state = self.mma(
+                state, kv_state, done = self.mma(
                     sQ, sdO, sK[None, None, b], sV[None, None, b], sdS, sdQ, sLSE, sDelta, dkv_out, mma_sdp, mma_dkv,
                     mma_dv, mma_dq, pipe_q, pipe_do, None, tidx - 128, n_block, batch, work, rows, seqlen_q,
                     seqlen_k, softmax_scale, window_size, None, kv=(pipe_kv, kv_state, state),
+                    carry=(done, sK, sdK_carry) if const_expr(self.carry_dq) else None,
                 )  # fmt: skip
                 tile, ring = self.take_tile(tiles_args, tile, step, ring)
+            if const_expr(self.carry_dq):
+                self.carried_dq_tail(sK, sdS, sdQ, mma_dq, tidx - 128, done, kv_state, first < total)
 
     @cute.jit
     def tile_work(self, sched, tile, group, seqlen_q, seqlen_k, window_size):
@@ -796,10 +844,13 @@ class AttentionBackwardSm90:
     @cute.jit
     def mma(self, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, dkv_out, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dv,
             tiled_mma_dq, pipe_q, pipe_do, mbar_kv, tidx, n_block, batch, work, rows, seqlen_q, seqlen_k, softmax_scale,
-            window_size, feat, kv=None):  # fmt: skip
+            window_size, feat, kv=None, carry=None):  # fmt: skip
         """The consumers' steps of one tile, then its dK / dV. ``kv``: persistent CTAs' (K / V
-        pipeline, its state, the Q / dO pipelines' state), both returned advanced past the tile;
-        sK / sV are then the tile's buffer."""
+        pipeline, its state, the Q / dO pipelines' state), both returned advanced past the tile
+        with the steps done so far; sK / sV are then the tile's buffer. ``carry`` (carry_dq):
+        (the steps of the CTA's tiles before, both K buffers, dK's staging view over the dS
+        buffers): step 0 computes the previous tile's last dQ on its K, dS buffers and named
+        barriers alternate with the CTA's step count, and dK is staged in a dS buffer."""
         t = self.tiles
         d = t.head_dim
         head_kv, group, m_min, m_max = work
@@ -824,6 +875,11 @@ class AttentionBackwardSm90:
             tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
             tQrK = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
             shape_dq = thr_dq.partition_shape_C((t.tile_m, d))
+        done = Int32(0)
+        tQrK_both = None
+        if const_expr(carry is not None):
+            done, sK_both, sdK_both = carry
+            tQrK_both = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK_both)))
 
         # registers -> shared: dS^T into sdS (its (key, query) view), dQ into sdQ
         r2s_ds = t.r2s_copy_ds(self.dtype, tiled_mma_sdp)
@@ -861,7 +917,9 @@ class AttentionBackwardSm90:
         # the loop stays outside that if (it runs 0 steps without work): nested in it, ptxas
         # spilled 384 bytes in d64 and the kernel ran ~10% slower (notes.md)
         head, m_block = self.work_item(work, 0)
-        for i in cutlass.range(steps, unroll=1):
+        # carry_dq counts the CTA's steps (dS buffers and barriers alternate with it)
+        first_step = done if const_expr(carry is not None) else 0
+        for i in cutlass.range(first_step, first_step + steps, unroll=1):
             stage = state.index
             ds_stage = i % t.ds_stages
             q0 = m_block * t.tile_m
@@ -901,9 +959,16 @@ class AttentionBackwardSm90:
                 cute.arch.fence_view_async_shared()
             dbias = (feat, sdS, head, m_block, n_block)  # the bias gradient's stores (grad_bias)
             if const_expr(t.dq_defer):
+                carry_in = None
+                tQrK_step = tQrK
+                if const_expr(carry is not None):
+                    # step 0's product is the previous tile's last block, on that tile's K
+                    kb = kv_state.index
+                    tQrK_step = tQrK_both[None, None, None, cutlass.select_(i > done, kb, 1 - kb)]
+                    carry_in = (i, done)
                 self.deferred_step(i, wg, stage, tiled_mma_dq, tiled_mma_dv, tiled_mma_dkv, acc_dV, acc_dK, rP, rdS,
-                                   tVrdO, tKrQ, tQrdS, tQrK, shape_dq, r2s_ds, thr_r2s_ds, tdSs, r2s_dq, thr_r2s_dq,
-                                   tdQs)  # fmt: skip
+                                   tVrdO, tKrQ, tQrdS, tQrK_step, shape_dq, r2s_ds, thr_r2s_ds, tdSs, r2s_dq,
+                                   thr_r2s_dq, tdQs, carry_in)  # fmt: skip
                 pipe_do.consumer_release(state)
                 pipe_q.consumer_release(state)
             elif const_expr(t.pds_split):
@@ -949,7 +1014,7 @@ class AttentionBackwardSm90:
             state.advance()
             head, m_block = self.next_work_item(work, head, m_block)
 
-        if const_expr(t.dq_defer):
+        if const_expr(t.dq_defer and carry is None):
             # the last block's dQ (computed without a block, and not staged, when there is none)
             last = steps - 1
             if steps > 0:
@@ -961,10 +1026,16 @@ class AttentionBackwardSm90:
         if const_expr(self.persistent):
             # dK / dV staged in this tile's K / V buffer for the store warps, which free it
             acc_dK.store(acc_dK.load() * softmax_scale)
-            self.stage_dkv(acc_dK, acc_dV, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx)
+            if const_expr(carry is not None):
+                # K stays for the next step 0: dK goes to the dS buffer the last block left free
+                done += steps
+                self.stage_dkv(acc_dK, acc_dV, sdK_both[None, None, done % t.ds_stages], sV, tiled_mma_dkv,
+                               tiled_mma_dv, tidx)  # fmt: skip
+            else:
+                self.stage_dkv(acc_dK, acc_dV, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx)
             self.dkv_staged_barrier(kv_state.index, True)
             kv_state.advance()
-            return state, kv_state
+            return state, kv_state, done
         self.epilogue(acc_dK, acc_dV, dkv_out, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch,
                       rows, seqlen_k, softmax_scale)  # fmt: skip
 
@@ -1055,23 +1126,29 @@ class AttentionBackwardSm90:
                          seqlen_k):  # fmt: skip
         """The staged dK / dV tiles from shared to global memory by ``threads`` threads (``tidx``
         among them), 16-byte row pieces, rows past seqlen_k dropped."""
-        t = self.tiles
         for s, mOut in ((sK, mdK), (sV, mdV)):
-            cols = mOut.shape[1]
-            tile = (t.tile_n, cols)
-            gOut = cute.local_tile(self.seq_tile_view(mOut, head_kv, batch, offset_k), tile, (n_block, 0))
-            cOut = cute.local_tile(cute.make_identity_tensor((seqlen_k, cols)), tile, (n_block, 0))
-            s2g = t.s2g_copy_dkv(self.dtype, cols, threads)
-            thr = s2g.get_slice(tidx)
-            tS, tG, tC = thr.partition_S(s), thr.partition_D(gOut), thr.partition_D(cOut)
-            if const_expr(threads == t.num_mma_threads):
-                for r in cutlass.range_constexpr(cute.size(tS, mode=[1])):
-                    if tC[0, r, 0][0] < seqlen_k:
-                        cute.copy(s2g, tS[None, r, None], tG[None, r, None])
-            else:  # the producer warpgroup's few registers: a rolled loop
-                for r in cutlass.range(cute.size(tS, mode=[1]), unroll=1):
-                    if tC[0, r, 0][0] < seqlen_k:
-                        cute.copy(s2g, tS[None, r, None], tG[None, r, None])
+            self.store_staged_tile(s, mOut, tidx, threads, n_block, head_kv, batch, offset_k, seqlen_k)
+
+    @cute.jit
+    def store_staged_tile(self, s, mOut, tidx, threads: cutlass.Constexpr, n_block, head_kv, batch, offset_k,
+                          seqlen_k):  # fmt: skip
+        """One staged tile (``store_staged_dkv``)."""
+        t = self.tiles
+        cols = mOut.shape[1]
+        tile = (t.tile_n, cols)
+        gOut = cute.local_tile(self.seq_tile_view(mOut, head_kv, batch, offset_k), tile, (n_block, 0))
+        cOut = cute.local_tile(cute.make_identity_tensor((seqlen_k, cols)), tile, (n_block, 0))
+        s2g = t.s2g_copy_dkv(self.dtype, cols, threads)
+        thr = s2g.get_slice(tidx)
+        tS, tG, tC = thr.partition_S(s), thr.partition_D(gOut), thr.partition_D(cOut)
+        if const_expr(threads == t.num_mma_threads):
+            for r in cutlass.range_constexpr(cute.size(tS, mode=[1])):
+                if tC[0, r, 0][0] < seqlen_k:
+                    cute.copy(s2g, tS[None, r, None], tG[None, r, None])
+        else:  # the producer warpgroup's few registers: a rolled loop
+            for r in cutlass.range(cute.size(tS, mode=[1]), unroll=1):
+                if tC[0, r, 0][0] < seqlen_k:
+                    cute.copy(s2g, tS[None, r, None], tG[None, r, None])
 
     @cute.jit
     def probs(self, acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2,
@@ -1374,7 +1451,8 @@ class AttentionBackwardSm90:
 
     @cute.jit
     def deferred_step(self, i, wg, stage, tiled_mma_dq, tiled_mma_dv, tiled_mma_dkv, acc_dV, acc_dK, rP, rdS, tVrdO,
-                      tKrQ, tQrdS, tQrK, shape_dq, r2s_ds, thr_r2s_ds, tdSs, r2s_dq, thr_r2s_dq, tdQs):  # fmt: skip
+                      tKrQ, tQrdS, tQrK, shape_dq, r2s_ds, thr_r2s_ds, tdSs, r2s_dq, thr_r2s_dq, tdQs,
+                      carry_in=None):  # fmt: skip
         """The products of step ``i`` once its dS is in registers (``dq_defer``): this block's
         dS^T stored (after the other warpgroup announced block i - 1, a step ago as a rule: it
         announces a block only once its dQ of the block before has read the buffer written
@@ -1382,23 +1460,63 @@ class AttentionBackwardSm90:
         that dQ has read its buffer (the other warpgroup writes block i + 1 there), dK issued
         and the previous block's dQ staged. Step 0 has no previous block: its dQ product runs
         on the unused buffer and is dropped, which keeps the wgmma groups the same every step
-        (ptxas serialises wgmmas whose issue depends on a branch). Returns with all done."""
+        (ptxas serialises wgmmas whose issue depends on a branch). Returns with all done.
+        ``carry_in`` (carry_dq): (this step's index among the CTA's steps, the tile's first):
+        the previous block may be the previous tile's last (tQrK is then that tile's K); its
+        dS buffer is the one the store warps read the previous tile's dK from."""
         t = self.tiles
-        prev = i - 1
-        if i > 0:
+        n_handoff = self.tiles.num_mma_threads + 32 * len(DKV_STORE_WARPS)
+        g = i
+        if const_expr(carry_in is not None):
+            g = carry_in[0]
+        prev = g - 1
+        if g > 0:
             self.ds_half_barrier(1 - wg, prev, False)
-        cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, i % t.ds_stages])
-        acc_dQ = self.issue_dq(tiled_mma_dq, shape_dq, tQrdS, tQrK, (i + t.ds_stages - 1) % t.ds_stages)
+            if const_expr(carry_in is not None):
+                if g == carry_in[1]:  # the tile's step 0: the previous tile's dK has left this buffer
+                    named_barrier(BAR_DS_FREE, n_handoff, False)
+        cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, cyclic(g, t.ds_stages)])
+        acc_dQ = self.issue_dq(tiled_mma_dq, shape_dq, tQrdS, tQrK, cyclic(g + t.ds_stages - 1, t.ds_stages))
         wgmma(tiled_mma_dv, acc_dV, cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout)),
               tVrdO[None, None, None, stage], zero_init=False)  # fmt: skip
         warpgroup.wait_group(1)  # dQ of block i - 1 done: its dS buffer is read
+        if const_expr(carry_in is not None):
+            if g > 0:
+                if g == carry_in[1]:  # ... and the previous tile's K: its buffer may be refilled
+                    named_barrier(BAR_K_FREE, n_handoff, True)
         cute.arch.fence_view_async_shared()
-        self.ds_half_barrier(wg, i, True)
+        self.ds_half_barrier(wg, g, True)
         wgmma(tiled_mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
               tKrQ[None, None, None, stage], zero_init=False)  # fmt: skip
-        if i > 0:
-            self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, prev % t.dq_stages, wg)
+        if g > 0:
+            self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, cyclic(prev, t.dq_stages), wg)
         warpgroup.wait_group(0)
+
+    @cute.jit
+    def carried_dq_tail(self, sK, sdS, sdQ, tiled_mma_dq, tidx, done, kv_state, any_tile):
+        """carry_dq, after the CTA's last tile: that tile's last block's dQ (on its K, still in
+        its buffer), staged for the store warp; then the K buffer is released. A CTA without
+        tiles issues the product on whatever the buffers hold and stages nothing (no wgmma
+        under a branch)."""
+        t = self.tiles
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wg_dq = tiled_mma_dq.get_slice(wg * 128)
+        thr_dq = tiled_mma_dq.get_slice(tidx)
+        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        tQrK = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
+        shape_dq = thr_dq.partition_shape_C((t.tile_m, t.head_dim))
+        r2s_dq = t.r2s_copy_dq(tiled_mma_dq)
+        thr_r2s_dq = r2s_dq.get_slice(tidx)
+        tdQs = thr_r2s_dq.partition_D(sdQ)
+        last = done - 1
+        if any_tile:
+            self.ds_half_barrier(1 - wg, last, False)
+        acc_dQ = self.issue_dq(tiled_mma_dq, shape_dq, tQrdS, tQrK[None, None, None, 1 - kv_state.index],
+                               (last + t.ds_stages) % t.ds_stages)  # fmt: skip
+        warpgroup.wait_group(0)
+        if any_tile:
+            self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, last % t.dq_stages, wg)
+            named_barrier(BAR_K_FREE, t.num_mma_threads + 32 * len(DKV_STORE_WARPS), True)
 
     @cute.jit
     def dkv_staged_barrier(self, buffer, arrive: cutlass.Constexpr):
@@ -1418,12 +1536,12 @@ class AttentionBackwardSm90:
         register id makes ptxas reserve all 16), alternating by step."""
         n = self.tiles.num_mma_threads
         if owner == 0:
-            if i % 2 == 0:
+            if cyclic(i, 2) == 0:
                 named_barrier(BAR_PDS, n, arrive)
             else:
                 named_barrier(BAR_PDS_ODD, n, arrive)
         else:
-            if i % 2 == 0:
+            if cyclic(i, 2) == 0:
                 named_barrier(BAR_PDS_WG1, n, arrive)
             else:
                 named_barrier(BAR_PDS_WG1_ODD, n, arrive)
