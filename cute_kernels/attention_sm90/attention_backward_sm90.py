@@ -852,7 +852,6 @@ class AttentionBackwardSm90:
         buffers): step 0 computes the previous tile's last dQ on its K, dS buffers and named
         barriers alternate with the CTA's step count, and dK is staged in a dS buffer."""
         t = self.tiles
-        d = t.head_dim
         head_kv, group, m_min, m_max = work
         steps = group * (m_max - m_min)
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -865,29 +864,18 @@ class AttentionBackwardSm90:
         tVrdO, tKrQ, acc_dV, acc_dK = self.dkv_operands(tiled_mma_dkv, tiled_mma_dv, tidx, wg, sQ, sdO)
 
         # dQ = dS K
-        wg_dq = tiled_mma_dq.get_slice(wg * 128)
-        thr_dq = tiled_mma_dq.get_slice(tidx)
-        if const_expr(t.dq_swapab):  # dQ^T = K^T dS^T: A = K's (d, keys) view, B = dS (queries, keys)
-            tQrK = wg_dq.make_fragment_A(wg_dq.partition_A(transpose_view(sK)))
-            tQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))
-            shape_dq = thr_dq.partition_shape_C((d, t.tile_m))
-        else:
-            tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
-            tQrK = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
-            shape_dq = thr_dq.partition_shape_C((t.tile_m, d))
+        tQrdS, tQrK, shape_dq = self.dq_operands(tiled_mma_dq, tidx, wg, sK, sdS)
         done = Int32(0)
         tQrK_both = None
         if const_expr(carry is not None):
             done, sK_both, sdK_both = carry
-            tQrK_both = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK_both)))
+            tQrK_both = self.dq_operands(tiled_mma_dq, tidx, wg, sK_both, sdS)[1]
 
         # registers -> shared: dS^T into sdS (its (key, query) view), dQ into sdQ
         r2s_ds = t.r2s_copy_ds(self.dtype, tiled_mma_sdp)
         thr_r2s_ds = r2s_ds.get_slice(tidx)
         tdSs = thr_r2s_ds.partition_D(transpose_view(sdS))
-        r2s_dq = t.r2s_copy_dq(tiled_mma_dq)
-        thr_r2s_dq = r2s_dq.get_slice(tidx)
-        tdQs = thr_r2s_dq.partition_D(transpose_view(sdQ) if const_expr(t.dq_swapab) else sdQ)
+        r2s_dq, thr_r2s_dq, tdQs = self.dq_staging(tiled_mma_dq, tidx, sdQ)
 
         offset = self.causal_offset(seqlen_q, seqlen_k)
         key0 = n_block * t.tile_n
@@ -1493,6 +1481,32 @@ class AttentionBackwardSm90:
         warpgroup.wait_group(0)
 
     @cute.jit
+    def dq_operands(self, tiled_mma_dq, tidx, wg, sK, sdS):
+        """dQ = dS K: the warpgroup's operand fragments (dS's and K's, with their stage / buffer
+        modes) and the thread's accumulator shape. With ``dq_swapab`` dQ^T = K^T dS^T: A = K's
+        (d, keys) view, B = dS (queries, keys)."""
+        t = self.tiles
+        wg_dq = tiled_mma_dq.get_slice(wg * 128)
+        thr_dq = tiled_mma_dq.get_slice(tidx)
+        if const_expr(t.dq_swapab):
+            tQrK = wg_dq.make_fragment_A(wg_dq.partition_A(transpose_view(sK)))
+            tQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))
+            shape_dq = thr_dq.partition_shape_C((t.head_dim, t.tile_m))
+        else:
+            tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+            tQrK = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
+            shape_dq = thr_dq.partition_shape_C((t.tile_m, t.head_dim))
+        return tQrdS, tQrK, shape_dq
+
+    @cute.jit
+    def dq_staging(self, tiled_mma_dq, tidx, sdQ):
+        """The copy of the dQ accumulator into the staging buffers sdQ and this thread's part of
+        them (transposed with ``dq_swapab``)."""
+        r2s_dq = self.tiles.r2s_copy_dq(tiled_mma_dq)
+        thr_r2s_dq = r2s_dq.get_slice(tidx)
+        return r2s_dq, thr_r2s_dq, thr_r2s_dq.partition_D(transpose_view(sdQ) if const_expr(self.tiles.dq_swapab) else sdQ)
+
+    @cute.jit
     def carried_dq_tail(self, sK, sdS, sdQ, tiled_mma_dq, tidx, done, kv_state, any_tile):
         """carry_dq, after the CTA's last tile: that tile's last block's dQ (on its K, still in
         its buffer), staged for the store warp; then the K buffer is released. A CTA without
@@ -1500,14 +1514,8 @@ class AttentionBackwardSm90:
         under a branch)."""
         t = self.tiles
         wg = cute.arch.make_warp_uniform(tidx // 128)
-        wg_dq = tiled_mma_dq.get_slice(wg * 128)
-        thr_dq = tiled_mma_dq.get_slice(tidx)
-        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
-        tQrK = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
-        shape_dq = thr_dq.partition_shape_C((t.tile_m, t.head_dim))
-        r2s_dq = t.r2s_copy_dq(tiled_mma_dq)
-        thr_r2s_dq = r2s_dq.get_slice(tidx)
-        tdQs = thr_r2s_dq.partition_D(sdQ)
+        tQrdS, tQrK, shape_dq = self.dq_operands(tiled_mma_dq, tidx, wg, sK, sdS)
+        r2s_dq, thr_r2s_dq, tdQs = self.dq_staging(tiled_mma_dq, tidx, sdQ)
         last = done - 1
         if any_tile:
             self.ds_half_barrier(1 - wg, last, False)
