@@ -419,6 +419,12 @@ def _compute_delta_impl(out, grad_out, cu_seqlens_q, max_seqlen_q):
     return delta
 
 
+def may_have_blind_rows(mask_type: int, window: int, seqlen_q: int, seqlen_k: int, packed: bool) -> bool:
+    """Whether some query row may see no key (``zero_blind_delta``): a bottom-right mask with
+    more queries than keys (any packed sequence may have them), or a window."""
+    return window > 0 or (mask_type == 2 and (packed or seqlen_q > seqlen_k))
+
+
 def zero_blind_delta(delta: Tensor, mask_type: int, window: int, seqlen_q: int, seqlen_k: int,
                      cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None) -> None:  # fmt: skip
     """Δ := 0 in the query rows that see no key, in place. A forward may leave O unwritten
@@ -429,7 +435,7 @@ def zero_blind_delta(delta: Tensor, mask_type: int, window: int, seqlen_q: int, 
     else 0; without a window the left end is open). No mask: every row sees every key. Dense
     rows are slices (nothing to do unless bottom-right Sq > Sk or a window ends before the
     last rows); packed sequences take one masked fill when bottom-right or windowed."""
-    if mask_type == 0 and window <= 0:
+    if not may_have_blind_rows(mask_type, window, seqlen_q, seqlen_k, cu_seqlens_q is not None):
         return
     if cu_seqlens_q is None:
         offset = seqlen_k - seqlen_q if mask_type == 2 else 0
@@ -440,8 +446,6 @@ def zero_blind_delta(delta: Tensor, mask_type: int, window: int, seqlen_q: int, 
             last = max(first, seqlen_k + window - 1 - offset)
             if last < delta.shape[-1]:
                 delta[..., last:].zero_()
-        return
-    if mask_type != 2 and window <= 0:  # top-left: row q sees key 0 (empty key sequences are never visited)
         return
     sq, sk = cu_seqlens_q.diff(), cu_seqlens_k.diff()
     offset = (sk - sq if mask_type == 2 else torch.zeros_like(sq))[:, None]

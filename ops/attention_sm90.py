@@ -86,13 +86,11 @@ def _config(dtype, head_dim: int, head_dim_v: int, mask_type: int, arch: str, *,
             bool(varlen), bool(bias), bool(grad_bias), bool(dropout), bool(carry_dq))  # fmt: skip
 
 
-def _carries_dq(tiles, mask_type: int, window: bool, deterministic: bool, varlen: bool, bias: bool, dropout: bool,
-                rows_q: int, group: int) -> bool:  # fmt: skip
+def _carries_dq(tiles, schedule: str, rows_q: int, group: int) -> bool:
     """Whether the kernel computes a tile's last dQ in the next tile's step 0: persistent CTAs
-    over equal tiles of at most ``CARRY_DQ_MAX_STEPS`` steps (group x query blocks)."""
-    if AttentionBackwardSm90.tile_schedule(tiles, mask_type, window, deterministic, varlen, bias, dropout) != "persistent":
-        return False
-    return tiles.carries_dq(group * -(-rows_q // tiles.tile_m))
+    over equal tiles (``schedule`` "persistent", AttentionBackwardSm90.tile_schedule) of at most
+    ``CARRY_DQ_MAX_STEPS`` steps (group x query blocks)."""
+    return schedule == "persistent" and tiles.carries_dq(group * -(-rows_q // tiles.tile_m))
 
 
 def compile_for_benchmark_cases(cases, arch: str) -> int:
@@ -109,8 +107,9 @@ def compile_for_benchmark_cases(cases, arch: str) -> int:
         bias, dropout = feature in ("bias", "bias_grad"), feature == "dropout"
         # as attention_backward_sm90 calls it: causal is top-left, no window / determinism / varlen
         mask = 1 if causal else 0
-        carry = _carries_dq(_tiles(d, d, bias, feature == "bias_grad", dropout), mask, False, False, False, bias,
-                            dropout, s, 1)  # fmt: skip
+        tiles = _tiles(d, d, bias, feature == "bias_grad", dropout)
+        schedule = AttentionBackwardSm90.tile_schedule(tiles, mask, has_bias=bias, dropout=dropout)
+        carry = _carries_dq(tiles, schedule, s, 1)
         keys.add(_config(cc.cute_dtype(getattr(torch, dtype_name)), d, d, mask, arch, bias=bias,
                          grad_bias=feature == "bias_grad", dropout=dropout, carry_dq=carry))  # fmt: skip
     for key in sorted(keys, key=str):
@@ -226,8 +225,9 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     arch = cc.device_arch(query.device.index)
     dropout = float(dropout_p) > 0.0
     tiles = _tiles(d, d_v, bias is not None, grad_bias is not None, dropout)
-    carry = _carries_dq(tiles, mask_type, window > 0, deterministic, varlen, bias is not None, dropout, rows_q,
-                        h // key.shape[2])  # fmt: skip
+    schedule = AttentionBackwardSm90.tile_schedule(tiles, mask_type, window > 0, deterministic, varlen,
+                                                   bias is not None, dropout)  # fmt: skip
+    carry = _carries_dq(tiles, schedule, rows_q, h // key.shape[2])
     fn = compiled(*_config(cc.cute_dtype(query.dtype), d, d_v, mask_type, arch, window=window > 0,
                            deterministic=deterministic, varlen=varlen, bias=bias is not None,
                            grad_bias=grad_bias is not None, dropout=dropout, carry_dq=carry))  # fmt: skip
@@ -237,8 +237,7 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     if deterministic:
         semaphore = torch.zeros((seqs, h, -(-rows_q // tiles.tile_m)), dtype=torch.int32, device=query.device)
     counter = None
-    if AttentionBackwardSm90.tile_schedule(tiles, mask_type, window > 0, deterministic, varlen, bias is not None,
-                                           dropout) == "dynamic":  # fmt: skip
+    if schedule == "dynamic":
         counter = torch.zeros(1, dtype=torch.int32, device=query.device)  # the persistent CTAs' tile counter
     chunk = _heads_per_chunk(tiles, rows_q, rows_k, h // key.shape[2], seqs * key.shape[2], query, mask_type, window,
                              deterministic, varlen)  # fmt: skip

@@ -481,14 +481,15 @@ def _mem_eff_impl(
     unvisited = varlen or params.window_size > 0 or (params.custom_mask_type == 2 and rows_q > rows_k)
     if unvisited:
         grad_q.zero_()
+    from .attention_bwd_prepost import _compute_delta_impl, may_have_blind_rows, zero_blind_delta
+
     # rows that see no key may hold an unwritten O (zero_blind_delta): their Δ is zeroed after
     # its own launch, so the kernel does not compute it there
-    blind_rows = params.window_size > 0 or (params.custom_mask_type == 2 and (varlen or rows_q > rows_k))
+    blind_rows = may_have_blind_rows(params.custom_mask_type, params.window_size, rows_q, rows_k, varlen)
     computes_delta = cfg.kernel_computes_delta and params.num_splits_key == 1 and not blind_rows
     if computes_delta:
         delta = torch.empty((seqs, h, rows_q), dtype=torch.float32, device=query.device)
     else:
-        from .attention_bwd_prepost import _compute_delta_impl, zero_blind_delta
 
         if varlen:
             delta = _compute_delta_impl(out[0], grad_out[0], cu_seqlens_q, rows_q)

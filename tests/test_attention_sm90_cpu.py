@@ -43,23 +43,30 @@ def test_compiles_carry_dq(dtype):
 def test_carry_dq_only_for_short_equal_tiles(monkeypatch):
     """The op asks for carry_dq where persistent CTAs walk equal tiles of at most
     CARRY_DQ_MAX_STEPS steps (query blocks x the query heads of a key head; 0: never)."""
+    from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
+
     t = tiling.attention_sm90_tiles(64)
     most = 8
     monkeypatch.setattr(tiling, "CARRY_DQ_MAX_STEPS", most)
-    plain = dict(window=False, deterministic=False, varlen=False, bias=False, dropout=False)
+
+    def carries(tiles, mask, rows_q, group, window=False, deterministic=False, varlen=False, bias=False,
+                dropout=False):  # fmt: skip
+        schedule = AttentionBackwardSm90.tile_schedule(tiles, mask, window, deterministic, varlen, bias, dropout)
+        return S._carries_dq(tiles, schedule, rows_q, group)
+
     rows = lambda steps: steps * t.tile_m  # noqa: E731
-    assert S._carries_dq(t, 0, rows_q=rows(most), group=1, **plain)
-    assert S._carries_dq(t, 0, rows_q=rows(most) - t.tile_m + 1, group=1, **plain)
-    assert not S._carries_dq(t, 0, rows_q=rows(most) + 1, group=1, **plain)
-    assert not S._carries_dq(t, 0, rows_q=rows(most // 2) + 1, group=2, **plain)  # 2 heads x (most / 2 + 1) blocks
-    assert S._carries_dq(t, 0, rows_q=1, group=1, **plain)
+    assert carries(t, 0, rows_q=rows(most), group=1)
+    assert carries(t, 0, rows_q=rows(most) - t.tile_m + 1, group=1)
+    assert not carries(t, 0, rows_q=rows(most) + 1, group=1)
+    assert not carries(t, 0, rows_q=rows(most // 2) + 1, group=2)  # 2 heads x (most / 2 + 1) blocks
+    assert carries(t, 0, rows_q=1, group=1)
     for mask, kw in ((1, {}), (0, dict(varlen=True)), (0, dict(deterministic=True)), (0, dict(bias=True)),
                      (0, dict(dropout=True))):  # fmt: skip
-        assert not S._carries_dq(t, mask, rows_q=1, group=1, **{**plain, **kw}), (mask, kw)
+        assert not carries(t, mask, rows_q=1, group=1, **kw), (mask, kw)
     for d in (96, 128, 192):
-        assert not S._carries_dq(tiling.attention_sm90_tiles(d), 0, rows_q=1, group=1, **plain)
+        assert not carries(tiling.attention_sm90_tiles(d), 0, rows_q=1, group=1)
     monkeypatch.setattr(tiling, "CARRY_DQ_MAX_STEPS", 0)
-    assert not S._carries_dq(t, 0, rows_q=1, group=1, **plain)
+    assert not carries(t, 0, rows_q=1, group=1)
 
 
 @pytest.mark.compile
