@@ -172,13 +172,13 @@ STORE_WARP_THREADS = 32  # the producer warpgroup's dQ-store warp
 DKV_STORE_WARPS = (2, 3)  # persistent CTAs: the producer warpgroup's warps that store dK / dV
 TILE_RING_SLOTS = 4  # persistent CTAs: tile indices in flight from the producer warp to the others
 # persistent CTAs over equal tiles (no mask): a tile's last dQ computed in the next tile's step 0
-# (``carry_dq``) saves ~1 us a tile and costs ~1-2% a step (its bookkeeping), so it would pay for
-# tiles of a few steps. H100, full backward, same processes (ms, without / with; steps a tile):
-# 16x16x512x64 (4) 0.1576 / 0.1465, 8x16x1024x64 (8) 0.2242 / 0.2218, 2x16x4096x64 (32) 0.6887 /
-# 0.7002, 1x16x8192x64 (64) 1.3699 / 1.3662. Off (0) for now: with it, 2 of 6 rounds at
-# 16x16x512x64 ran 15-35% slow and two suite runs read 8x16x1024x64 at 0.232 and 0.313 ms, which
-# the kernel without it never did (notes.md: unexplained; the tests turn it on)
-CARRY_DQ_MAX_STEPS = 0
+# (``carry_dq``) saves ~1 us a tile and costs ~1-2% a step (its bookkeeping), so it pays for
+# tiles of a few steps. H100, full backward, CUDA-graph replay (no host time; ms, without / with;
+# steps a tile; FA4 same process): 16x16x512x64 (4) 0.1541 / 0.1430 (FA4 0.1502), 8x16x1024x64
+# (8) 0.2202 / 0.2174 (0.2199), 4x16x2048x64 (16) 0.375 / 0.383. The slow outliers once blamed on
+# it are the host's: event-timed rounds (the suite's do_bench) scatter for both kernels alike
+# when the lent machine's CPU is slow, graph replays do not (notes.md)
+CARRY_DQ_MAX_STEPS = 8
 SMEM_ALIGN = 1024  # bytes: every shared buffer starts on a whole 128-byte-swizzle period (8 x 128 B)
 SWIZZLE_ROW_BITS = (1024, 512, 256)  # the wgmma / TMA swizzle atoms' rows (128, 64, 32 bytes), widest first
 LPT_L2_BYTES = 24 << 20  # of the H100's 50 MiB L2: what a chunk of the heavy-first CTA order may keep in it
