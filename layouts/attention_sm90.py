@@ -341,6 +341,17 @@ class AttentionSm90Tiles:
         return (2, 1) if self.tile_m == 128 else (1, 2)
 
     @property
+    def dkv_store_threads(self) -> int:
+        """Persistent CTAs: the producer warpgroup's threads that store staged dK / dV."""
+        return 32 * len(DKV_STORE_WARPS)
+
+    @property
+    def dkv_handoff_threads(self) -> int:
+        """Persistent CTAs: threads meeting at a barrier between the consumers and the dK / dV
+        store warps (a tile's dK / dV staged; carry_dq's dS buffer and K buffer freed)."""
+        return self.num_mma_threads + self.dkv_store_threads
+
+    @property
     def dq_handoff_threads(self) -> int:
         """Threads meeting at a dQ staging barrier: the store warp and one warpgroup
         (dq_per_wg) or both."""

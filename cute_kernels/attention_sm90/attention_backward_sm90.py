@@ -493,7 +493,7 @@ class AttentionBackwardSm90:
                 sK, sV = load_args[8], load_args[9]
                 mdK, mdV, _ = mma_args[6]
                 kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.kv_buffers)
-                store_threads = 32 * len(DKV_STORE_WARPS)
+                store_threads = t.dkv_store_threads
                 store_tidx = tidx - 32 * DKV_STORE_WARPS[0]
                 done = Int32(0)  # carry_dq: the steps of the tiles before (dK's dS buffer)
                 tile, ring = self.take_tile(tiles_args, first - step, step, ring)
@@ -508,11 +508,11 @@ class AttentionBackwardSm90:
                         self.store_staged_tile(sdK_carry[None, None, done % t.ds_stages], mdK, store_tidx,
                                                store_threads, n_block, head_kv, batch, Int32(0), seqlen_k)  # fmt: skip
                         if tile + step < total:
-                            named_barrier(BAR_DS_FREE, t.num_mma_threads + store_threads, True)
+                            named_barrier(BAR_DS_FREE, t.dkv_handoff_threads, True)
                         self.store_staged_tile(sV[None, None, b], mdV, store_tidx, store_threads, n_block, head_kv,
                                                batch, Int32(0), seqlen_k)  # fmt: skip
                         # K stays until the consumers' product on it (the next tile's step 0) is done
-                        named_barrier(BAR_K_FREE, t.num_mma_threads + store_threads, False)
+                        named_barrier(BAR_K_FREE, t.dkv_handoff_threads, False)
                     else:
                         self.store_staged_dkv(sK[None, None, b], sV[None, None, b], mdK, mdV, store_tidx,
                                               store_threads, n_block, head_kv, batch, Int32(0), seqlen_k)  # fmt: skip
@@ -1453,7 +1453,7 @@ class AttentionBackwardSm90:
         the previous block may be the previous tile's last (tQrK is then that tile's K); its
         dS buffer is the one the store warps read the previous tile's dK from."""
         t = self.tiles
-        n_handoff = self.tiles.num_mma_threads + 32 * len(DKV_STORE_WARPS)
+        n_handoff = t.dkv_handoff_threads
         g = i
         if const_expr(carry_in is not None):
             g = carry_in[0]
@@ -1524,14 +1524,14 @@ class AttentionBackwardSm90:
         warpgroup.wait_group(0)
         if any_tile:
             self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, last % t.dq_stages, wg)
-            named_barrier(BAR_K_FREE, t.num_mma_threads + 32 * len(DKV_STORE_WARPS), True)
+            named_barrier(BAR_K_FREE, t.dkv_handoff_threads, True)
 
     @cute.jit
     def dkv_staged_barrier(self, buffer, arrive: cutlass.Constexpr):
         """Persistent CTAs: the consumers have staged a tile's dK / dV in K / V buffer
         ``buffer`` (``arrive``), or the store warps wait for it. An id per buffer: the consumers
         stage into a buffer again only after the store warps freed it."""
-        n = self.tiles.num_mma_threads + 32 * len(DKV_STORE_WARPS)
+        n = self.tiles.dkv_handoff_threads
         if buffer == 0:
             named_barrier(BAR_DKV_STAGED, n, arrive)
         else:
