@@ -93,6 +93,18 @@ def _carries_dq(tiles, schedule: str, rows_q: int, group: int) -> bool:
     return schedule == "persistent" and tiles.carries_dq(group * -(-rows_q // tiles.tile_m))
 
 
+def _plan(dtype, head_dim: int, head_dim_v: int, mask_type: int, arch: str, *, window: bool, deterministic: bool,
+          varlen: bool, bias: bool, grad_bias: bool, dropout: bool, rows_q: int, group: int) -> tuple:  # fmt: skip
+    """(tiles, tile schedule, ``compiled`` key) of one call: the choices made per call from the
+    configuration and the query rows (``carry_dq``)."""
+    tiles = _tiles(head_dim, head_dim_v, bias, grad_bias, dropout)
+    schedule = AttentionBackwardSm90.tile_schedule(tiles, mask_type, window, deterministic, varlen, bias, dropout)
+    carry = _carries_dq(tiles, schedule, rows_q, group)
+    key = _config(dtype, head_dim, head_dim_v, mask_type, arch, window=window, deterministic=deterministic,
+                  varlen=varlen, bias=bias, grad_bias=grad_bias, dropout=dropout, carry_dq=carry)  # fmt: skip
+    return tiles, schedule, key
+
+
 def compile_for_benchmark_cases(cases, arch: str) -> int:
     """The configurations the ``attention_bwd`` suite's ours_sm90 rows run: ((B, H, S, D),
     dtype, causal[, feature]) with feature None, "bias", "bias_grad" or "dropout", head dims
@@ -104,14 +116,11 @@ def compile_for_benchmark_cases(cases, arch: str) -> int:
         if d not in tiling.HEAD_DIMS:
             continue
         feature = feature[0] if feature else None
-        bias, dropout = feature in ("bias", "bias_grad"), feature == "dropout"
-        # as attention_backward_sm90 calls it: causal is top-left, no window / determinism / varlen
-        mask = 1 if causal else 0
-        tiles = _tiles(d, d, bias, feature == "bias_grad", dropout)
-        schedule = AttentionBackwardSm90.tile_schedule(tiles, mask, has_bias=bias, dropout=dropout)
-        carry = _carries_dq(tiles, schedule, s, 1)
-        keys.add(_config(cc.cute_dtype(getattr(torch, dtype_name)), d, d, mask, arch, bias=bias,
-                         grad_bias=feature == "bias_grad", dropout=dropout, carry_dq=carry))  # fmt: skip
+        # as attention_backward_sm90 calls it: causal is top-left, no window / determinism /
+        # varlen, a query head per key head
+        keys.add(_plan(cc.cute_dtype(getattr(torch, dtype_name)), d, d, 1 if causal else 0, arch, window=False,
+                       deterministic=False, varlen=False, bias=feature in ("bias", "bias_grad"),
+                       grad_bias=feature == "bias_grad", dropout=feature == "dropout", rows_q=s, group=1)[2])  # fmt: skip
     for key in sorted(keys, key=str):
         compiled(*key)
     return len(keys)
@@ -224,13 +233,11 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     window = int(window_size or 0)
     arch = cc.device_arch(query.device.index)
     dropout = float(dropout_p) > 0.0
-    tiles = _tiles(d, d_v, bias is not None, grad_bias is not None, dropout)
-    schedule = AttentionBackwardSm90.tile_schedule(tiles, mask_type, window > 0, deterministic, varlen,
-                                                   bias is not None, dropout)  # fmt: skip
-    carry = _carries_dq(tiles, schedule, rows_q, h // key.shape[2])
-    fn = compiled(*_config(cc.cute_dtype(query.dtype), d, d_v, mask_type, arch, window=window > 0,
-                           deterministic=deterministic, varlen=varlen, bias=bias is not None,
-                           grad_bias=grad_bias is not None, dropout=dropout, carry_dq=carry))  # fmt: skip
+    tiles, schedule, config = _plan(cc.cute_dtype(query.dtype), d, d_v, mask_type, arch, window=window > 0,
+                                    deterministic=deterministic, varlen=varlen, bias=bias is not None,
+                                    grad_bias=grad_bias is not None, dropout=dropout, rows_q=rows_q,
+                                    group=h // key.shape[2])  # fmt: skip
+    fn = compiled(*config)
     # whatever touches the stream goes before the preprocess: the kernel is launched right
     # behind it (programmatic dependent launch, see the kernel's module)
     semaphore = None

@@ -490,7 +490,6 @@ def _mem_eff_impl(
     if computes_delta:
         delta = torch.empty((seqs, h, rows_q), dtype=torch.float32, device=query.device)
     else:
-
         if varlen:
             delta = _compute_delta_impl(out[0], grad_out[0], cu_seqlens_q, rows_q)
         else:
