@@ -405,9 +405,10 @@ def _impl(
         bias=bias, dropout_p=dropout_p, num_splits_key=num_splits_key,
         shared_storage_dqdkdv=shared_storage_dqdkdv,
     )  # fmt: skip
-    b, mq, h, d = query.shape
-    log.debug("attention backward: %s (%s; B=%d Mq=%d Mk=%d H=%d D=%d mask %d)",
-              choice, why, b, mq, key.shape[1], h, d, int(custom_mask_type))  # fmt: skip
+    if log.isEnabledFor(logging.DEBUG):  # (the arguments cost host time on every call)
+        b, mq, h, d = query.shape
+        log.debug("attention backward: %s (%s; B=%d Mq=%d Mk=%d H=%d D=%d mask %d)",
+                  choice, why, b, mq, key.shape[1], h, d, int(custom_mask_type))  # fmt: skip
     if choice == "sm90":
         return sm90.attention_backward_sm90(
             grad_out, query, key, value, out, logsumexp, scale, int(custom_mask_type), int(window_size or 0),

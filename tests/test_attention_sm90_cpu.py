@@ -663,6 +663,21 @@ def test_supported_problems_with_unequal_head_dims(head_dim, head_dim_v):
     assert S.unsupported(*_problem(h=6, hk=2, d=head_dim, dv=head_dim_v), mask_type=2, arch="sm_90a") is None
 
 
+def test_unsupported_checks_addresses_on_every_call():
+    """The verdict on metadata is kept per signature; addresses are checked each call, and
+    the first tensor in argument order with a bad address or bad strides is named."""
+    q, k, v, do, o = _problem(sq=64, sk=64)
+    assert S.unsupported(q, k, v, do, o, arch="sm_90a") is None
+    shifted = torch.zeros(k.numel() + 8, dtype=BF16)[8:].view(k.shape)  # 16 bytes in: aligned
+    assert S.unsupported(q, shifted, v, do, o, arch="sm_90a") is None
+    shifted = torch.zeros(k.numel() + 1, dtype=BF16)[1:].view(k.shape)  # same metadata, 2 bytes in
+    assert "key is not TMA-aligned" in S.unsupported(q, shifted, v, do, o, arch="sm_90a")
+    assert S.unsupported(q, k, v, do, o, arch="sm_90a") is None
+    strided = torch.zeros(*o.shape[:-1], 68, dtype=BF16)[..., :64]  # out: head stride not 16 bytes
+    assert "out is not TMA-aligned" in S.unsupported(q, k, v, do, strided, arch="sm_90a")
+    assert "key is not TMA-aligned" in S.unsupported(q, shifted, v, do, strided, arch="sm_90a")
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_100a"])
 def test_other_archs_get_a_reason(arch):
     assert S.unsupported(*_problem(), arch=arch) == f"needs sm_90a, the device is {arch}"
