@@ -257,7 +257,8 @@ class AttentionSm90Tiles:
     # next tile's K / V while the current tile runs, so no CTA waits for its K / V at its start
     # (measured ~2 us of a 24 us CTA at 8x16x1024x64); the kernel takes that path without a
     # window, varlen, determinism, bias or dropout (AttentionBackwardSm90.tile_schedule) and
-    # otherwise uses the first buffer alone
+    # otherwise uses the first buffer alone. d128 has room for one only: persistent CTAs over
+    # it measured 3-7% slower than a CTA per tile (notes.md, 2026-11-25 sixth session)
     kv_buffers: int = 1
 
     def __post_init__(self):
