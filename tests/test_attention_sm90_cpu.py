@@ -664,8 +664,8 @@ def test_supported_problems_with_unequal_head_dims(head_dim, head_dim_v):
 
 
 def test_unsupported_checks_addresses_on_every_call():
-    """The verdict on metadata is kept per signature; addresses are checked each call, and
-    the first tensor in argument order with a bad address or bad strides is named."""
+    """Addresses are checked on every call (the same metadata at another address gets its own
+    verdict), and the first tensor in argument order with a bad address or bad strides is named."""
     q, k, v, do, o = _problem(sq=64, sk=64)
     assert S.unsupported(q, k, v, do, o, arch="sm_90a") is None
     shifted = torch.zeros(k.numel() + 8, dtype=BF16)[8:].view(k.shape)  # 16 bytes in: aligned
