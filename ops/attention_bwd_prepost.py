@@ -134,6 +134,32 @@ def _build_convert_dq(dtype, head_dim_tile, vec, varlen, arch):
     )
 
 
+def _build_convert_dq_ready(dtype, head_dim_tile, vec, varlen, arch):
+    """ConvertDQReady: behind the sm90 backward (programmatic dependent launch, sm_90a)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from cute_kernels.attention_bwd_prepost import ConvertDQReady
+
+    if arch != "sm_90a":
+        raise ValueError(f"ConvertDQReady follows the sm90 attention backward: sm_90a, got {arch}")
+    t = tiling.postprocess_tiles(dtype.width, head_dim_tile, vec, arch)
+    s = cute.sym_int
+    acc_shape = (s(), s(), s(), t.head_dim) if varlen else (s(), s(), s(), s(), t.head_dim)
+    i32 = cutlass.Int32
+    return cc.compile_kernel(
+        ConvertDQReady(dtype, t, varlen),
+        cc.fake_tensor(cutlass.Float32, acc_shape, 4),
+        _fake_seq(dtype, varlen, None, vec),
+        _fake_cu(varlen),
+        cc.fake_tensor(i32, (1,), 1),
+        cc.fake_tensor(i32, (s(), s()), 1),
+        cutlass.Float32(1.0), i32(1), i32(1), i32(1), i32(1), i32(1),
+        cc.fake_stream(),
+        arch=arch,
+    )  # fmt: skip
+
+
 def _build_convert_dkv(dtype, head_dim_tile, vec, varlen, arch):
     import cutlass
     import cutlass.cute as cute
@@ -173,6 +199,7 @@ def _build_clear_dkv_accum(head_dim_tile, arch):
 compiled_preprocess = cc.CompileCache("compute_dot_do_o", _build_preprocess)
 compiled_compute_delta = cc.CompileCache("compute_delta", _build_compute_delta)
 compiled_convert_dq = cc.CompileCache("convert_dq", _build_convert_dq)
+compiled_convert_dq_ready = cc.CompileCache("convert_dq_ready", _build_convert_dq_ready)
 compiled_convert_dkv = cc.CompileCache("convert_dkv", _build_convert_dkv)
 compiled_clear_dkv_accum = cc.CompileCache("clear_dkv_accum", _build_clear_dkv_accum)
 
@@ -492,7 +519,20 @@ def launch_convert_dq(dq_accum, dq, scale, cu_seqlens_q, max_seqlen_q=None):
         fn(dq_accum, dq, cu_seqlens_q, float(scale), batch, num_m_blocks)
 
 
-def _plan_convert_dq(dq_accum, dq, cu_seqlens_q, max_seqlen_q):
+def launch_convert_dq_ready(dq_accum, dq, scale, cu_seqlens_q, max_seqlen_q, ready):
+    """ConvertDQReady into a preallocated dq, launched right behind the sm90 backward that
+    counts into ``ready`` = (tile counter [1], counts [sequences, Hk], query heads per key
+    head, the count of a complete head), both int32 and zeroed before that kernel."""
+    key = ("dq_ready", _meta(dq_accum), _meta(dq), cu_seqlens_q is None, max_seqlen_q)
+    plan = _cached_plan(key, lambda: _plan_convert_dq(dq_accum, dq, cu_seqlens_q, max_seqlen_q, ready=True))
+    if plan is not None:
+        fn, batch, num_m_blocks = plan
+        tiles, counts, group, expected = ready
+        ctas = min(batch * dq.shape[-2] * num_m_blocks, cc.num_sms(dq.device.index) * tiling.READY_CTAS_PER_SM)
+        fn(dq_accum, dq, cu_seqlens_q, tiles, counts, float(scale), batch, num_m_blocks, group, expected, ctas)
+
+
+def _plan_convert_dq(dq_accum, dq, cu_seqlens_q, max_seqlen_q, ready=False):
     if dq.numel() == 0:
         return None
     _check_aligned("dq_accum", dq_accum)
@@ -506,10 +546,13 @@ def _plan_convert_dq(dq_accum, dq, cu_seqlens_q, max_seqlen_q):
     num_m_blocks = -(-rows // t.block_m)
     if batch == 0 or num_m_blocks == 0:
         return None
-    return compiled_convert_dq(cc.cute_dtype(dq.dtype), t.head_dim, vec, varlen, arch), batch, num_m_blocks
+    cache = compiled_convert_dq_ready if ready else compiled_convert_dq
+    return cache(cc.cute_dtype(dq.dtype), t.head_dim, vec, varlen, arch), batch, num_m_blocks
 
 
-def _convert_dq_impl(dq_accum, softmax_scale, head_dim, seqlen_q, cu_seqlens_q, max_seqlen_q, p_dropout, dtype):
+def _convert_dq_impl(dq_accum, softmax_scale, head_dim, seqlen_q, cu_seqlens_q, max_seqlen_q, p_dropout, dtype,
+                     ready=None):  # fmt: skip
+    """``ready``: ConvertDQReady's counters (``launch_convert_dq_ready``), behind the sm90 backward."""
     varlen = cu_seqlens_q is not None
     acc = dq_accum if dq_accum.dim() == (4 if varlen else 5) else dq_accum.unsqueeze(0)
     if varlen:
@@ -520,7 +563,10 @@ def _convert_dq_impl(dq_accum, softmax_scale, head_dim, seqlen_q, cu_seqlens_q, 
     dq = torch.empty(shape, dtype=dtype, device=dq_accum.device)
     if acc.shape[0] == 0:
         return dq.zero_()
-    launch_convert_dq(acc, dq, softmax_scale / (1.0 - p_dropout), cu_seqlens_q, max_seqlen_q)
+    if ready is not None:
+        launch_convert_dq_ready(acc, dq, softmax_scale / (1.0 - p_dropout), cu_seqlens_q, max_seqlen_q, ready)
+    else:
+        launch_convert_dq(acc, dq, softmax_scale / (1.0 - p_dropout), cu_seqlens_q, max_seqlen_q)
     return dq
 
 

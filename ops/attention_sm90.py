@@ -1,7 +1,9 @@
 """Torch face of the Hopper-native attention backward (``cute_kernels.attention_sm90``).
 
 Three launches: our preprocess (Δ = rowsum(dO∘O) and a zeroed fp32 dQ accumulator),
-the sm90 kernel (dK, dV, dQ added into the accumulator), our ``convert_dq``.
+the sm90 kernel (dK, dV, dQ added into the accumulator), our ``convert_dq`` (where the
+kernel's last wave leaves multiprocessors idle, ``ConvertDQReady``: launched early, it
+converts each head once the kernel has counted all its key blocks; ``_overlaps_convert``).
 ``unsupported`` says why this path cannot take a problem (None: it can);
 ``ops.efficient_attention_backward`` and ``ops.memory_efficient_attention`` choose
 between it and the sm80-structured kernel (``backend=``, see ``ops.mem_eff_attention``).
@@ -36,14 +38,17 @@ def _tiles(head_dim: int, head_dim_v: int, bias: bool, grad_bias: bool, dropout:
 
 def _build(dtype, head_dim: int, head_dim_v: int, mask_type: int, has_window: bool, arch: str,
            deterministic: bool = False, varlen: bool = False, has_bias: bool = False, grad_bias: bool = False,
-           dropout: bool = False, carry_dq: bool = False):  # fmt: skip
+           dropout: bool = False, carry_dq: bool = False, dq_ready: bool = False):  # fmt: skip
     """One configuration; ``head_dim`` is Dqk (Q, K), ``head_dim_v`` Dv (V, dO). The bias
     gradient leaves by TMA from a keys-contiguous dS tile (``ds_keys_contiguous``);
-    ``carry_dq``: short tiles of persistent CTAs (``_carries_dq``)."""
+    ``carry_dq``: short tiles of persistent CTAs (``_carries_dq``); ``dq_ready``: the kernel
+    counts each key block's dQ for ConvertDQReady behind it (``DQ_READY``)."""
     tiles = _tiles(head_dim, head_dim_v, has_bias, grad_bias, dropout)
     # a head dim above 128: the 64 x 64 decomposition (P^T / dS^T through shared memory)
     cls = AttentionBackwardSm90Wide if isinstance(tiles, tiling.AttentionSm90WideTiles) else AttentionBackwardSm90
     extra = dict(carry_dq=True) if carry_dq else {}
+    if dq_ready:
+        extra["dq_ready"] = True
     kernel = cls(dtype, tiles, mask_type, has_window, deterministic, varlen, has_bias, grad_bias, dropout, **extra)
     b, h, hk, mq, mk = (cute.sym_int() for _ in range(5))
     # TMA: last stride 1, the other strides and the addresses multiples of TMA_ALIGN_BYTES
@@ -59,6 +64,7 @@ def _build(dtype, head_dim: int, head_dim_v: int, mask_type: int, has_window: bo
     semaphore = cc.fake_tensor(cutlass.Int32, (seqs, h, cute.sym_int()), 1) if deterministic else None
     dynamic = kernel.dynamic_tiles
     counter = cc.fake_tensor(cutlass.Int32, (1,), 1) if dynamic else None  # the tile counter, zeroed
+    ready = cc.fake_tensor(cutlass.Int32, (seqs, hk), 1) if dq_ready else None  # dQ's key blocks per (sequence, key head)
     cu_q, cu_k = (cc.fake_tensor(cutlass.Int32, (cute.sym_int(),), 1) if varlen else None for _ in range(2))
     # the bias: any strides (0 for broadcast dims; read element by element); its gradient
     # dense rows (padded to 128 bits, as torch's) with any row stride
@@ -69,7 +75,7 @@ def _build(dtype, head_dim: int, head_dim_v: int, mask_type: int, has_window: bo
     if dropout:  # seed, offset, p, 1 / (1 - p), stream words per (batch, head)
         rng = (cutlass.Int64(0), cutlass.Int64(0), cutlass.Float32(0.5), cutlass.Float32(2.0), cutlass.Int64(1))
     return cc.compile_kernel(
-        kernel, q, k, v, do, lse, delta, dq_accum, dk, dv, semaphore, counter, cu_q, cu_k, bias, grad_bias_t,
+        kernel, q, k, v, do, lse, delta, dq_accum, dk, dv, semaphore, counter, ready, cu_q, cu_k, bias, grad_bias_t,
         cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(1), *rng,
         cc.fake_stream(), arch=arch,
     )  # fmt: skip
@@ -80,10 +86,33 @@ compiled = cc.CompileCache("attention_bwd_sm90", _build)
 
 def _config(dtype, head_dim: int, head_dim_v: int, mask_type: int, arch: str, *, window: bool = False,
             deterministic: bool = False, varlen: bool = False, bias: bool = False, grad_bias: bool = False,
-            dropout: bool = False, carry_dq: bool = False) -> tuple:  # fmt: skip
+            dropout: bool = False, carry_dq: bool = False, dq_ready: bool = False) -> tuple:  # fmt: skip
     """The ``compiled`` key (``_build``'s arguments, in order) of one configuration."""
     return (dtype, int(head_dim), int(head_dim_v), int(mask_type), bool(window), arch, bool(deterministic),
-            bool(varlen), bool(bias), bool(grad_bias), bool(dropout), bool(carry_dq))  # fmt: skip
+            bool(varlen), bool(bias), bool(grad_bias), bool(dropout), bool(carry_dq), bool(dq_ready))  # fmt: skip
+
+
+# convert_dq overlapping the kernel's last wave (_overlaps_convert): the kernel counts each key
+# block's dQ per (sequence, key head), ConvertDQReady (a programmatic dependent launch) converts
+# each head once its count is complete. H100, device time from the kernel's start to convert_dq's
+# end (torch profiler, medians of 7 x 7 calls): 4x16x2048x128 592.8 -> 579.1 us, 2x16x4096x128
+# 1099.7 -> 1082.4, 4x16x2048x96 535.0 -> 527.6, 8x16x1024x128 340.8 -> 339.5 (notes.md)
+DQ_READY = True
+
+
+# ... where a head has at most this many key blocks: each CTA's count waits until its last dQ
+# adds have landed, behind those of the head's other key blocks into the same rows (1x16x8192x128,
+# 64 key blocks a head: the kernel 1-3% longer, as much as the overlap saves)
+DQ_READY_MAX_KEY_BLOCKS = 32
+
+
+def _overlaps_convert(schedule: str, mask_type: int, deterministic: bool, key_blocks: int) -> bool:
+    """Whether the call takes ConvertDQReady: a CTA per tile in launch order ("grid", no
+    heavy-first order), whose last wave leaves multiprocessors idle while the heads before are
+    complete. Persistent CTAs and the heavy-first order of causal masks end all multiprocessors
+    nearly together, so the counts would cost without an overlap (causal d128 +0.7%)."""
+    return (DQ_READY and schedule == "grid" and (mask_type == 0 or deterministic)
+            and key_blocks <= DQ_READY_MAX_KEY_BLOCKS)  # fmt: skip
 
 
 def _carries_dq(tiles, schedule: str, rows_q: int, group: int) -> bool:
@@ -94,14 +123,16 @@ def _carries_dq(tiles, schedule: str, rows_q: int, group: int) -> bool:
 
 
 def _plan(dtype, head_dim: int, head_dim_v: int, mask_type: int, arch: str, *, window: bool, deterministic: bool,
-          varlen: bool, bias: bool, grad_bias: bool, dropout: bool, rows_q: int, group: int) -> tuple:  # fmt: skip
+          varlen: bool, bias: bool, grad_bias: bool, dropout: bool, rows_q: int, group: int,
+          rows_k: int) -> tuple:  # fmt: skip
     """(tiles, tile schedule, ``compiled`` key) of one call: the choices made per call from the
-    configuration and the query rows (``carry_dq``)."""
+    configuration and the query rows (``carry_dq``) and key rows (``dq_ready``)."""
     tiles = _tiles(head_dim, head_dim_v, bias, grad_bias, dropout)
     schedule = AttentionBackwardSm90.tile_schedule(tiles, mask_type, window, deterministic, varlen, bias, dropout)
     carry = _carries_dq(tiles, schedule, rows_q, group)
     key = _config(dtype, head_dim, head_dim_v, mask_type, arch, window=window, deterministic=deterministic,
-                  varlen=varlen, bias=bias, grad_bias=grad_bias, dropout=dropout, carry_dq=carry)  # fmt: skip
+                  varlen=varlen, bias=bias, grad_bias=grad_bias, dropout=dropout, carry_dq=carry,
+                  dq_ready=_overlaps_convert(schedule, mask_type, deterministic, -(-rows_k // tiles.tile_n)))  # fmt: skip
     return tiles, schedule, key
 
 
@@ -120,7 +151,8 @@ def compile_for_benchmark_cases(cases, arch: str) -> int:
         # varlen, a query head per key head
         keys.add(_plan(cc.cute_dtype(getattr(torch, dtype_name)), d, d, 1 if causal else 0, arch, window=False,
                        deterministic=False, varlen=False, bias=feature in ("bias", "bias_grad"),
-                       grad_bias=feature == "bias_grad", dropout=feature == "dropout", rows_q=s, group=1)[2])  # fmt: skip
+                       grad_bias=feature == "bias_grad", dropout=feature == "dropout", rows_q=s, group=1,
+                       rows_k=s)[2])  # fmt: skip
     for key in sorted(keys, key=str):
         compiled(*key)
     return len(keys)
@@ -236,16 +268,21 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     tiles, schedule, config = _plan(cc.cute_dtype(query.dtype), d, d_v, mask_type, arch, window=window > 0,
                                     deterministic=deterministic, varlen=varlen, bias=bias is not None,
                                     grad_bias=grad_bias is not None, dropout=dropout, rows_q=rows_q,
-                                    group=h // key.shape[2])  # fmt: skip
+                                    group=h // key.shape[2], rows_k=rows_k)  # fmt: skip
     fn = compiled(*config)
     # whatever touches the stream goes before the preprocess: the kernel is launched right
     # behind it (programmatic dependent launch, see the kernel's module)
     semaphore = None
     if deterministic:
         semaphore = torch.zeros((seqs, h, -(-rows_q // tiles.tile_m)), dtype=torch.int32, device=query.device)
-    counter = None
+    counter = ready = None
     if schedule == "dynamic":
         counter = torch.zeros(1, dtype=torch.int32, device=query.device)  # the persistent CTAs' tile counter
+    if config[-1]:  # dq_ready: ConvertDQReady's tile counter and the kernel's counts, one zeroed buffer
+        hk = key.shape[2]
+        flags = torch.zeros(1 + seqs * hk, dtype=torch.int32, device=query.device)
+        # a head is complete once every key block of the grid (ceil(rows_k / tile_n)) is counted
+        ready = (flags[:1], flags[1:].view(seqs, hk), h // hk, -(-rows_k // tiles.tile_n))
     chunk = _heads_per_chunk(tiles, rows_q, rows_k, h // key.shape[2], seqs * key.shape[2], query, mask_type, window,
                              deterministic, varlen)  # fmt: skip
     rng = (None,) * 5
@@ -259,7 +296,7 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
                                                  dq_head_dim=d, lse=logsumexp)  # fmt: skip
     zero_blind_delta(delta, mask_type, window, sq, sk, cu_seqlens_q, cu_seqlens_k)  # O may be unwritten there
     fn(query, key, value, grad_out, lse_log2, delta, dq_accum.unsqueeze(0) if varlen else dq_accum,
-       dk, dv, semaphore, counter, cu_seqlens_q, cu_seqlens_k, bias, grad_bias, float(scale), window, rows_k, chunk,
+       dk, dv, semaphore, counter, None if ready is None else ready[1], cu_seqlens_q, cu_seqlens_k, bias, grad_bias, float(scale), window, rows_k, chunk,
        _persistent_ctas(query), *rng)  # fmt: skip
-    dq = _convert_dq_impl(dq_accum, float(scale), d, sq, cu_seqlens_q, max_seqlen_q, 0.0, query.dtype)
+    dq = _convert_dq_impl(dq_accum, float(scale), d, sq, cu_seqlens_q, max_seqlen_q, 0.0, query.dtype, ready=ready)
     return (dq.unsqueeze(0) if varlen else dq), dk, dv, grad_bias

@@ -92,6 +92,20 @@ def test_compiles_preprocess_with_lse_log2():
         assert callable(fn) and fn is not A.compiled_preprocess(dtype, hd, vec, varlen, True, arch)
 
 
+@pytest.mark.compile
+def test_compiles_convert_dq_ready():
+    """ConvertDQReady (behind the sm90 backward: sm_90a only) at the padded head dims of the
+    sm90 path, both dtypes, varlen on and off."""
+    import cutlass
+
+    with pytest.raises(ValueError, match="sm_90a"):
+        A.compiled_convert_dq_ready(cutlass.BFloat16, 64, 8, False, "sm_80")
+    for dtype, hd, varlen in [(cutlass.BFloat16, 64, False), (cutlass.Float16, 128, True), (cutlass.BFloat16, 96, True),
+                              (cutlass.Float16, 192, False), (cutlass.BFloat16, 256, True)]:  # fmt: skip
+        fn = A.compiled_convert_dq_ready(dtype, hd, 8, varlen, "sm_90a")
+        assert callable(fn) and fn is not A.compiled_convert_dq(dtype, hd, 8, varlen, "sm_90a")
+
+
 def test_compile_only_covers_configurations(monkeypatch):
     """compile_only asks each cache for every configuration once and counts them all."""
     seen = {}

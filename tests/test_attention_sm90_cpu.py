@@ -382,10 +382,10 @@ def test_config_key_follows_build_and_the_benchmark_precompiles_it(monkeypatch):
     monkeypatch.setattr(tiling, "CARRY_DQ_MAX_STEPS", 8)
     params = list(inspect.signature(S._build).parameters)
     key = S._config("dt", 128, 64, 2, "sm_90a", window=True, deterministic=True, varlen=True, bias=True,
-                    grad_bias=True, dropout=True, carry_dq=True)  # fmt: skip
+                    grad_bias=True, dropout=True, carry_dq=True, dq_ready=True)  # fmt: skip
     assert len(key) == len(params) and dict(zip(params, key)) == dict(
         dtype="dt", head_dim=128, head_dim_v=64, mask_type=2, has_window=True, arch="sm_90a", deterministic=True,
-        varlen=True, has_bias=True, grad_bias=True, dropout=True, carry_dq=True)  # fmt: skip
+        varlen=True, has_bias=True, grad_bias=True, dropout=True, carry_dq=True, dq_ready=True)  # fmt: skip
     seen = []
     monkeypatch.setattr(S, "compiled", lambda *k: seen.append(k))
     cases = [((2, 16, 4096, 128), "bfloat16", True), ((2, 16, 4096, 128), "bfloat16", False, "bias_grad"),
@@ -394,8 +394,8 @@ def test_config_key_follows_build_and_the_benchmark_precompiles_it(monkeypatch):
     assert S.compile_for_benchmark_cases(cases, "sm_90a") == 5 and S.compile_for_benchmark_cases(cases, "sm_80") == 0
     assert sorted(seen, key=str) == sorted([
         S._config(cutlass.BFloat16, 128, 128, 1, "sm_90a"),
-        S._config(cutlass.BFloat16, 128, 128, 0, "sm_90a", bias=True, grad_bias=True),
-        S._config(cutlass.Float16, 64, 64, 0, "sm_90a", dropout=True),
+        S._config(cutlass.BFloat16, 128, 128, 0, "sm_90a", bias=True, grad_bias=True, dq_ready=True),
+        S._config(cutlass.Float16, 64, 64, 0, "sm_90a", dropout=True, dq_ready=True),
         S._config(cutlass.BFloat16, 64, 64, 0, "sm_90a", carry_dq=True),  # 8 steps a tile
         S._config(cutlass.BFloat16, 64, 64, 0, "sm_90a"),  # 32
     ], key=str)  # fmt: skip
@@ -742,14 +742,15 @@ def test_host_sizes_gradients_by_their_head_dims(monkeypatch, head_dim, head_dim
     monkeypatch.setattr(S, "compiled", lambda *key: keys.append(key) or (lambda *a: launches.append(a)))
     converted = []
 
-    def convert(acc, scale, d, sq, *rest):
+    def convert(acc, scale, d, sq, *rest, ready=None):
         converted.append((acc.shape, d))
         return torch.zeros(acc.shape[0], sq, acc.shape[2], d, dtype=BF16)
 
     monkeypatch.setattr(P, "_convert_dq_impl", convert)
     q, k, v, do, o = _problem(h=4, hk=2, d=head_dim, dv=head_dim_v)
     dq, dk, dv, db = S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 1)
-    assert keys == [(cutlass.BFloat16, head_dim, head_dim_v, 1, False, "sm_90a", False, False, False, False, False, False)]
+    assert keys == [(cutlass.BFloat16, head_dim, head_dim_v, 1, False, "sm_90a", False, False, False, False, False, False,
+                     False)]  # fmt: skip
     assert db is None
     ((q_, k_, v_, do_, lse, delta, acc, dk_, dv_, *_),) = launches
     # the LSE in log2 units from the preprocess launch, shaped as Δ
@@ -757,6 +758,68 @@ def test_host_sizes_gradients_by_their_head_dims(monkeypatch, head_dim, head_dim
     assert dk_ is dk and dv_ is dv and dk.shape == (2, 130, 2, head_dim) and dv.shape == (2, 130, 2, head_dim_v)
     assert converted == [((2, 128, 4, head_dim), head_dim)] and dq.shape == q.shape
 
+
+@pytest.mark.parametrize("mask_type,deterministic,overlaps", [(0, False, True), (0, True, True), (1, False, False),
+                                                              (1, True, True), (2, False, False)])  # fmt: skip
+def test_convert_overlaps_where_the_grid_has_an_idle_tail(monkeypatch, mask_type, deterministic, overlaps):
+    """A CTA per tile in launch order (d128: schedule "grid"; causal only with determinism's
+    launch order) counts each key block's dQ into a zeroed [sequences, Hk] int32, and
+    ConvertDQReady gets the counts, their tile counter, the query heads per key head and the
+    count that completes a head: the grid's key blocks, ceil(Sk / tile_n). Persistent CTAs
+    (d64) and the heavy-first order do not."""
+    from ops import attention_bwd_prepost as P
+
+    keys, launches, readies = [], [], []
+    monkeypatch.setattr(cc, "device_arch", lambda index: "sm_90a")
+    monkeypatch.setattr(P, "launch_preprocess", lambda *a: None)
+    monkeypatch.setattr(S, "compiled", lambda *key: keys.append(key) or (lambda *a: launches.append(a)))
+
+    def convert(acc, scale, d, sq, *rest, ready=None):
+        readies.append(ready)
+        return torch.zeros(acc.shape[0], sq, acc.shape[2], d, dtype=BF16)
+
+    monkeypatch.setattr(P, "_convert_dq_impl", convert)
+    q, k, v, do, o = _problem(h=4, hk=2, d=128, dv=128)
+    S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, mask_type, deterministic=deterministic)
+    assert keys[-1][-1] is overlaps
+    counts = launches[-1][11]
+    if not overlaps:
+        assert counts is None and readies == [None]
+        return
+    ((tiles, counts_, group, expected),) = readies
+    assert counts_ is counts and counts.shape == (2, 2) and counts.dtype == torch.int32 and not counts.any()
+    assert tiles.shape == (1,) and not tiles.any() and tiles.data_ptr() + 4 == counts.data_ptr()
+    assert group == 2 and expected == -(-130 // tiling.attention_sm90_tiles(128).tile_n)
+    # nor where a head has more key blocks than DQ_READY_MAX_KEY_BLOCKS
+    blocks = S.DQ_READY_MAX_KEY_BLOCKS
+    assert S._overlaps_convert("grid", mask_type, deterministic, blocks)
+    assert not S._overlaps_convert("grid", mask_type, deterministic, blocks + 1)
+    # d64's persistent CTAs never count
+    keys.clear()
+    q, k, v, do, o = _problem(h=4, hk=2, d=64, dv=64)
+    S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, mask_type, deterministic=deterministic)
+    assert keys[-1][-1] is (deterministic and overlaps)
+
+
+def test_dq_ready_needs_a_cta_per_tile():
+    """The kernel counts a CTA's key block at its end: persistent CTAs refuse dq_ready."""
+    from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
+
+    with pytest.raises(ValueError, match="dq_ready"):
+        AttentionBackwardSm90(cutlass.BFloat16, tiling.attention_sm90_tiles(64), 0, dq_ready=True)
+    assert AttentionBackwardSm90(cutlass.BFloat16, tiling.attention_sm90_tiles(128), 0, dq_ready=True).dq_ready
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("config", [(128, 128, 0, False, False, False), (96, 96, 0, True, True, False),
+                                    (192, 128, 0, False, False, True), (64, 64, 0, False, False, True),
+                                    (128, 128, 1, True, False, False)])  # fmt: skip
+def test_compiles_dq_ready(config):
+    """The counting kernel where the op takes it (schedule "grid"): d128 / d96 with determinism
+    and varlen, a wide head dim, d64 with dropout (a CTA per tile), causal with determinism."""
+    d, dv, mask, det, varlen, dropout = config
+    assert callable(S._build(cutlass.BFloat16, d, dv, mask, False, "sm_90a", det, varlen, False, False, dropout,
+                             False, True))  # fmt: skip
 
 # ------------------------------------------------------------------------ dispatch
 
@@ -1069,12 +1132,15 @@ def test_suite_compile_only_covers_ours_sm90(monkeypatch):
     monkeypatch.setattr(S, "compiled", lambda *k: seen["sm90"].append(k))
     assert attention_bwd.compile_only("sm_90a") == len(seen["mem_eff"]) + len(seen["sm90"])
     bf16 = cutlass.BFloat16
-    # (dtype, Dqk, Dv, mask type, has_window, arch, deterministic, varlen, bias, bias gradient, dropout, carry_dq):
-    # the one d64 case without a mask (8x16x1024x64) has 8 steps a tile: it carries dQ where 8 steps do
+    # (dtype, Dqk, Dv, mask type, has_window, arch, deterministic, varlen, bias, bias gradient, dropout, carry_dq,
+    # dq_ready): the one d64 case without a mask (8x16x1024x64) has 8 steps a tile: it carries dQ where 8
+    # steps do; d128 without a mask (a CTA per tile in launch order) overlaps convert_dq
     carry = tiling.CARRY_DQ_MAX_STEPS >= 8
-    plain = {(bf16, d, d, m, False, "sm_90a", False, False, False, False, False, carry and d == 64 and m == 0)
-             for d in (64, 128) for m in (0, 1)}  # fmt: skip
-    features = {(bf16, 128, 128, 0, False, "sm_90a", False, False) + f + (False,)
+    plain = {(bf16, d, d, m, False, "sm_90a", False, False, False, False, False, carry and d == 64 and m == 0,
+              d == 128 and m == 0) for d in (64, 128) for m in (0, 1)}  # fmt: skip
+    # 1x16x8192x128: 64 key blocks a head, more than DQ_READY_MAX_KEY_BLOCKS
+    plain.add((bf16, 128, 128, 0, False, "sm_90a", False, False, False, False, False, False, False))
+    features = {(bf16, 128, 128, 0, False, "sm_90a", False, False) + f + (False, True)
                 for f in ((True, False, False), (True, True, False), (False, False, True))}  # fmt: skip
     assert set(seen["sm90"]) == plain | features
     seen["sm90"].clear()

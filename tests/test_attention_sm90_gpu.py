@@ -19,6 +19,8 @@
 * variable lengths (packed sequences, empty ones included) with every mask, grouped heads
   and deterministic mode, against fp64 and the memory-efficient kernel;
 * deterministic mode: three runs bitwise equal, and against fp64;
+* convert_dq overlapping the kernel's last wave: deterministic bits equal to the late
+  convert's, three runs against fp64;
 * layouts: contiguous [B, S, H, D], [B, H, S, D] transposed views, packed QKV;
 * Dqk != Dv (every supported pair, both dtypes, masks, grouped heads) against fp64 and the
   memory-efficient kernel; with a window, deterministic mode and packed sequences too.
@@ -532,6 +534,50 @@ def test_deterministic_is_bitwise_repeatable(case):
     floors = rounding_floors(q, k, do, out, dtype)
     for name, g, r, like, floor in zip(("dq", "dk", "dv"), runs[0], ref, (q, k, v), floors):
         check(f"{name} [{_grouped_id(case)}] deterministic", g, r, like, dtype, floor)
+
+
+# (dtype, B, H, Hk, Sq, Sk, D, mask): several waves of CTAs, so heads complete while the grid runs
+OVERLAP_CASES = [
+    (BF16, 2, 8, 8, 2048, 2048, 96, 0),
+    (F16, 2, 8, 4, 1536, 2048, 128, 0),  # grouped heads: a key head's count completes its query heads
+    (BF16, 1, 4, 4, 1024, 1500, (192, 128), 0),  # wide tiles, Dqk != Dv
+    (BF16, 2, 8, 8, 1024, 1024, 128, 1),  # causal: overlapped only in deterministic mode (launch order)
+]
+
+
+@pytest.mark.parametrize("case", OVERLAP_CASES, ids=[_grouped_id(c + (0,)) for c in OVERLAP_CASES])
+def test_convert_overlap_is_the_late_convert(case, monkeypatch):
+    """convert_dq overlapping the kernel (ConvertDQReady: a head converted once all its key
+    blocks have counted their dQ adds) gives deterministic mode the late convert_dq's bits;
+    without determinism, three runs against fp64 (a head converted before its adds are all
+    visible would be off by whole blocks' contributions)."""
+    from ops import attention_bwd_prepost as P
+    from ops import attention_sm90 as S
+
+    dtype, b, h, hk, sq, sk, d, mask_type = case
+    q, _, _, do = make_inputs(b, h, sq, sk, d, dtype, seed=sq + h)
+    _, k, v, _ = make_inputs(b, hk, sq, sk, d, dtype, seed=sk + hk)
+    out, lse = _padded_ref_forward(q, k, v, mask_type, 0)
+    overlapped = []
+    launch = P.launch_convert_dq_ready
+    monkeypatch.setattr(P, "launch_convert_dq_ready", lambda *a: overlapped.append(1) or launch(*a))
+    runs = {}
+    for ready in (True, False):
+        monkeypatch.setattr(S, "DQ_READY", ready)
+        runs[ready] = backward("sm90", q, k, v, do, out, lse, mask_type, deterministic=True)
+    assert len(overlapped) == 1, "the overlapping convert was not taken"
+    for name, a, c in zip(("dq", "dk", "dv"), runs[True], runs[False]):
+        assert torch.equal(a, c), f"{name}: overlapped and late convert_dq differ"
+    if mask_type:
+        return
+    monkeypatch.setattr(S, "DQ_READY", True)
+    ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type)
+    floors = rounding_floors(q, k, do, out, dtype)
+    for i in range(3):
+        got = backward("sm90", q, k, v, do, out, lse, mask_type)
+        for name, g, r, like, floor in zip(("dq", "dk", "dv"), got, ref, (q, k, v), floors):
+            check(f"{name} run {i}", g, r, like, dtype, floor)
+    assert len(overlapped) == 4
 
 
 def test_deterministic_follows_torch_flag():

@@ -7,5 +7,6 @@ from .compute_delta import ComputeDelta, compute_delta
 from .compute_dot_do_o import ComputeDotDoO
 from .convert_dkv import ConvertDKV
 from .convert_dq import ConvertDQ
+from .convert_dq_ready import ConvertDQReady
 
-__all__ = ["ClearDKVAccum", "ComputeDelta", "ComputeDotDoO", "ConvertDKV", "ConvertDQ", "compute_delta"]
+__all__ = ["ClearDKVAccum", "ComputeDelta", "ComputeDotDoO", "ConvertDKV", "ConvertDQ", "ConvertDQReady", "compute_delta"]

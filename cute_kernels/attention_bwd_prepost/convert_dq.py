@@ -59,13 +59,17 @@ class ConvertDQ:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, bidb, bidh = block_coords(self.tiles, mdQ.shape[1] if const_expr(self.varlen) else mdQ.shape[2])
+        smem = cutlass.memory.SmemAllocator()
+        sdQ = smem.allocate_tensor(self.dtype, self.tiles.smem_layout_dq().build(self.dtype), byte_alignment=128)
+        self.convert_tile(mdQaccum, mdQ, mCuSeqlens, scale, gmem_copy, sdQ, m_block, bidb, bidh, tidx)
+
+    @cute.jit
+    def convert_tile(self, mdQaccum, mdQ, mCuSeqlens, scale, gmem_copy, sdQ, m_block, bidb, bidh, tidx):
+        """Rows m_block * kBlockM ... of (sequence ``bidb``, head ``bidh``): the splits summed,
+        scaled, converted and stored through ``sdQ``."""
         tile = self.tiles.tile
         row0 = m_block * tile[0]
         mdQ_b, seqlen = seq_rows(mdQ, mCuSeqlens, bidb, bidh)
-
-        smem = cutlass.memory.SmemAllocator()
-        sdQ = smem.allocate_tensor(self.dtype, self.tiles.smem_layout_dq().build(self.dtype), byte_alignment=128)
-
         if row0 < seqlen:
             tiled_mma = self.tiles.tiled_mma().build(self.dtype)
             acc_copy = accum_copy(tiled_mma, self.tiles.accum_copy_bits())

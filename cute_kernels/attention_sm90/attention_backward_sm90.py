@@ -34,6 +34,12 @@ it once its loads are done: K / V loads and the CTA's set-up overlap the preproc
 tail; the producer and the dQ-store warp wait for the preprocess grid (griddepcontrol)
 before reading Δ / LSE or adding into the accumulator. Launch it right behind that
 preprocess (nothing in between on the stream).
+
+With ``dq_ready`` every CTA lets the launch behind it go at its start
+(griddepcontrol.launch_dependents) and counts its key block into a zeroed int32 per
+(sequence, key head) once its dQ adds are written (release): ``ConvertDQReady``, launched
+behind as a programmatic dependent, converts a head's dQ as soon as all its key blocks are
+counted, on the multiprocessors this grid's last wave leaves idle.
 """
 
 from typing import Optional
@@ -135,7 +141,8 @@ class AttentionBackwardSm90:
 
     def __init__(self, dtype, tiles: AttentionSm90Tiles, mask_type: int, has_window: bool = False,
                  deterministic: bool = False, varlen: bool = False, has_bias: bool = False,
-                 grad_bias: bool = False, dropout: bool = False, carry_dq: bool = False):  # fmt: skip
+                 grad_bias: bool = False, dropout: bool = False, carry_dq: bool = False,
+                 dq_ready: bool = False):  # fmt: skip
         if has_window and mask_type == 0:
             raise ValueError("a sliding window needs a causal mask (mask_type 1 or 2)")
         if grad_bias and not has_bias:
@@ -172,6 +179,11 @@ class AttentionBackwardSm90:
         if carry_dq and (schedule != "persistent" or tiles.dq_swapab):
             raise ValueError(f"carry_dq needs persistent CTAs over equal tiles (schedule {schedule!r}) and dQ = dS K")
         self.carry_dq = carry_dq
+        if dq_ready and self.persistent:
+            # their tails are short (a CTA per multiprocessor runs to the end): the per-tile
+            # counts cost what the overlap saves (H100: 8x16x1024x64 -0.7%, 16x16x512x64 +-0)
+            raise ValueError(f"dq_ready counts a CTA per tile (schedule 'grid'), not {schedule!r}")
+        self.dq_ready = dq_ready
         if varlen and tiles.tile_m > VARLEN_ACCUM_PAD:
             raise ValueError(f"tile_m {tiles.tile_m} overruns the dQ accumulator's {VARLEN_ACCUM_PAD} rows of slack")
 
@@ -203,6 +215,7 @@ class AttentionBackwardSm90:
         mdV: cute.Tensor,  # [B, Sk, Hk, Dv]
         mSemaphore: Optional[cute.Tensor],  # [B, H, query blocks] int32, zeroed (deterministic), or None
         mTileCounter: Optional[cute.Tensor],  # [1] int32, zeroed (tile_schedule "dynamic"), or None
+        mDqReady: Optional[cute.Tensor],  # [sequences, Hk] int32, zeroed (dq_ready): key blocks whose dQ is added
         mCuSeqlensQ: Optional[cute.Tensor],  # [sequences + 1] int32 (varlen), or None
         mCuSeqlensK: Optional[cute.Tensor],
         mBias: Optional[cute.Tensor],  # [B, H, Sq, Sk] (has_bias), or None
@@ -311,7 +324,7 @@ class AttentionBackwardSm90:
             rng = (philox_seed, philox_offset, dropout_p, dropout_scale, dropout_bh_elems)
         self.kernel(
             gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, gdQ_tma, mdK, mdV, mSemaphore, mTileCounter,
-            mCuSeqlensQ, mCuSeqlensK, mBias, (tma_dB, gdB_tma), dkv_tma, tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ,
+            mDqReady, mCuSeqlensQ, mCuSeqlensK, mBias, (tma_dB, gdB_tma), dkv_tma, tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, sStat_layout,
             t.tiled_mma_sdp(self.dtype), t.tiled_mma_dkv(self.dtype), t.tiled_mma_dkv(self.dtype, dv),
             t.tiled_mma_dq(self.dtype),
@@ -325,7 +338,8 @@ class AttentionBackwardSm90:
         self,
         gQ_tma: cute.Tensor, gdO_tma: cute.Tensor, gK_tma: cute.Tensor, gV_tma: cute.Tensor,
         gLSE_tma: cute.Tensor, gDelta_tma: cute.Tensor, gdQ_tma: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-        mSemaphore: Optional[cute.Tensor], mTileCounter: Optional[cute.Tensor], mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+        mSemaphore: Optional[cute.Tensor], mTileCounter: Optional[cute.Tensor], mDqReady: Optional[cute.Tensor],
+        mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
         mBias: Optional[cute.Tensor], grad_bias_tma: tuple, dkv_tma: Optional[tuple], tma_Q: cute.CopyAtom, tma_dO: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
         tma_LSE: cute.CopyAtom, tma_Delta: cute.CopyAtom, tma_dQ: cute.CopyAtom,
         sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
@@ -341,6 +355,10 @@ class AttentionBackwardSm90:
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = self.cta_coords(sched)
         if warp_idx == 0:
+            if const_expr(self.dq_ready):
+                # ConvertDQReady, behind on the stream, may take the multiprocessors this grid's
+                # CTAs leave once every one has started (it waits for each head's count)
+                cute.arch.griddepcontrol_launch_dependents()
             for atom in (tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ):
                 cpasync.prefetch_descriptor(atom)
             if const_expr(self.grad_bias):
@@ -437,7 +455,8 @@ class AttentionBackwardSm90:
                           tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, pipe_q, pipe_do, mbar_kv,
                           n_block, batch, work, rows)  # fmt: skip
             if warp_idx == 1:
-                self.store_dq(gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, work, rows, seqlen_q, seqlen_k)
+                self.store_dq(gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, work, rows, seqlen_q, seqlen_k,
+                              mDqReady)  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             feat = self.features(mBias, grad_bias_tma, sKeep, rng, batch, group * sched[1])  # query heads
@@ -751,8 +770,10 @@ class AttentionBackwardSm90:
         cute.copy(atom, tg, ts[None, stage], tma_bar_ptr=bar)
 
     @cute.jit
-    def store_dq(self, gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, work, rows, seqlen_q, seqlen_k):
-        """Add each query block's dQ (staged in sdQ by the consumers) into the fp32 accumulator."""
+    def store_dq(self, gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, work, rows, seqlen_q, seqlen_k,
+                 mDqReady=None):  # fmt: skip
+        """Add each query block's dQ (staged in sdQ by the consumers) into the fp32 accumulator;
+        with ``dq_ready`` then count the key block into its (sequence, key head)'s counter."""
         t = self.tiles
         head_kv, group, m_min, m_max = work
         # varlen: sequence b's accumulator rows start VARLEN_ACCUM_PAD * b rows further down
@@ -808,9 +829,23 @@ class AttentionBackwardSm90:
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
                 if lane == 0:
                     cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
-        # sdQ read before the CTA leaves; the adds themselves are complete with the grid
-        # (the next kernel, convert_dq, is stream-ordered behind it), as after a TMA store
-        cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if const_expr(self.dq_ready):
+            cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds written, not only read
+            self.count_dq_ready(mDqReady, Int32(cute.crd2idx((batch, head_kv), mDqReady.layout)), lane)
+        else:
+            # sdQ read before the CTA leaves; the adds themselves are complete with the grid
+            # (the next kernel, convert_dq, is stream-ordered behind it), as after a TMA store
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def count_dq_ready(self, mDqReady, index, lane):
+        """dq_ready: count a key block whose dQ adds are written (the caller waited for them)
+        into entry ``index`` of mDqReady, with release semantics."""
+        cute.arch.fence_proxy("async.global")  # the async proxy's adds, then the generic release
+        if lane == 0:
+            # release, not relaxed: the bulk adds' completion alone does not make them visible
+            # to other CTAs (H100, a relaxed count let convert read partial sums: 6.5e-2 error)
+            cute.arch.atomic_add(mDqReady.iterator + index, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
     def wait_turn(self, sem, turn, lane):
