@@ -2,7 +2,7 @@
 
 Runs the configurations of ``benchmarks/sanitize_workloads.py`` (the GPU test matrix at
 small sizes: dropout + bias, LayerNorm / RMSNorm, the attention-backward pre/post
-kernels and the memory-efficient attention backward) under NVIDIA compute-sanitizer's
+kernels, the memory-efficient attention backward and, on sm_90a, the Hopper one) under NVIDIA compute-sanitizer's
 memcheck, racecheck and synccheck, and reports the errors per (configuration, tool).
 Exit status 0 only when every configuration ran clean under every tool (and each
 positive control, a DSL kernel with a planted bug, was caught).
@@ -302,11 +302,15 @@ class Job:
     parsed: Optional[Parsed] = None
 
 
-def select_configs(configs, only: Optional[str], canary: bool = True):
+def select_configs(configs, only: Optional[str], canary: bool = True, arch: Optional[str] = None):
+    """Configurations named by ``only`` (substrings), without the positive controls unless
+    ``canary``, and with ``arch`` (the device's) only those that run there."""
     subs = [s for s in (only or "").split(",") if s]
     out = []
     for c in configs:
         if subs and not any(s in c.name for s in subs):
+            continue
+        if arch is not None and c.arch not in (None, arch):
             continue
         if not canary and c.expect_errors:
             continue
@@ -561,6 +565,10 @@ def main(argv=None) -> int:
     from .arch import settings as arch_settings
 
     arch = device_arch(torch.cuda.current_device())
+    configs = select_configs(configs, None, arch=arch)  # e.g. the sm90 kernel's only on sm_90a
+    if not configs:
+        print(f"no selected configuration runs on {arch}", file=sys.stderr)
+        return 2
     device = torch.cuda.get_device_name()
     version = sanitizer_version(sanitizer)
     jobs_n = args.jobs or max(1, min(6, (os.cpu_count() or 2) // 2))

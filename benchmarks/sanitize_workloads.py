@@ -24,7 +24,7 @@ import torch
 DEV = "cuda"
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
-FAMILIES = ("dropout_bias", "norm", "attn_prepost", "mem_eff_attention")
+FAMILIES = ("dropout_bias", "norm", "attn_prepost", "mem_eff_attention", "attention_sm90")
 CANARY = "canary"
 
 
@@ -38,6 +38,7 @@ class Config:
     tools: Optional[Tuple[str, ...]] = None  # only these tools (None: every tool)
     expect_errors: bool = False  # a positive control: the tool must report errors here
     gpu_only: bool = False  # cannot run under FakeTensorMode (compiles for the device)
+    arch: Optional[str] = None  # runs only on a device of this arch (None: any)
 
     @property
     def family(self) -> str:
@@ -396,6 +397,64 @@ def _mea_configs():
     return c
 
 
+# --------------------------------------------------------- Hopper attention backward (sm90)
+
+
+def _sm90(dtype, b, mq, mk, h, hk, kd, kv, *, mask=0, window=0, lengths=None, deterministic=False, bias=False,
+          dropout=0.0):  # fmt: skip
+    """One ``ops.efficient_attention_backward(backend="sm90")`` on the out / logsumexp (and
+    Philox state) of torch's forward; ``hk`` key / value heads (the forward sees them repeated),
+    ``bias``: a [B, H, Mq, Mk] bias whose gradient is asked for."""
+    import ops
+
+    if lengths is not None:
+        b, mq, mk = 1, sum(lengths[0]), sum(lengths[1])
+    q, do = _randn(b, mq, h, kd, dtype=dtype), _randn(b, mq, h, kv, dtype=dtype)
+    k, v = _randn(b, mk, hk, kd, dtype=dtype), _randn(b, mk, hk, kv, dtype=dtype)
+    cq = ck = None
+    max_q, max_k = mq, mk
+    if lengths is not None:
+        cq, ck = _cu_seqlens(lengths[0]), _cu_seqlens(lengths[1])
+        max_q, max_k = max(max(lengths[0]), 1), max(max(lengths[1]), 1)
+    attn_bias = _randn(b, h, mq, mk, dtype=dtype) if bias else None
+    varlen = cq is not None
+    group = h // hk
+    out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
+        q, k.repeat_interleave(group, 2), v.repeat_interleave(group, 2), attn_bias, cq, ck,
+        max_q if varlen else None, max_k if varlen else None, dropout, mask, True, window_size=window or None,
+    )  # fmt: skip
+    ops.efficient_attention_backward(
+        do, q, k, v, attn_bias, out, cq, ck, max_q, max_k, lse, dropout, seed, offset, mask, bias,
+        window_size=window or None, deterministic=deterministic, backend="sm90",
+    )  # fmt: skip
+
+
+def _sm90_configs():
+    c = []
+
+    def add(group, variant, fn):
+        c.append(Config(f"attention_sm90/{variant}", f"attention_sm90_{group}", fn, arch="sm_90a"))
+
+    # the schedules: persistent d64 (with and without carried dQ), the heavy-first counter, a CTA
+    # per tile with convert_dq overlapped (d128 / d96 / d192), deterministic turns (a)
+    add("a", "bf16-d64-2x100x257-nomask-carry", lambda: _sm90(BF16, 2, 100, 257, 2, 2, 64, 64))
+    add("a", "fp16-d64-1x300x300-causal_tl", lambda: _sm90(F16, 1, 300, 300, 2, 2, 64, 64, mask=1))
+    add("a", "bf16-d128-1x300x400-nomask-overlap", lambda: _sm90(BF16, 1, 300, 400, 2, 2, 128, 128))
+    add("a", "bf16-d96-2x130x257-gqa-overlap", lambda: _sm90(BF16, 2, 130, 257, 4, 2, 96, 96))
+    add("a", "bf16-d128-1x200x260-causal_tl-deterministic",
+        lambda: _sm90(BF16, 1, 200, 260, 2, 1, 128, 128, mask=1, deterministic=True))
+    # wide tiles, Dqk != Dv, windows, variable lengths, bias + gradient + dropout (b)
+    add("b", "bf16-d192-1x100x130-nomask-overlap", lambda: _sm90(BF16, 1, 100, 130, 2, 2, 192, 192))
+    add("b", "fp16-d256-1x130x257-causal_br", lambda: _sm90(F16, 1, 130, 257, 2, 2, 256, 256, mask=2))
+    add("b", "bf16-k128v64-1x100x257-causal_br", lambda: _sm90(BF16, 1, 100, 257, 2, 2, 128, 64, mask=2))
+    add("b", "bf16-d64-1x257x257-window16_tl", lambda: _sm90(BF16, 1, 257, 257, 2, 2, 64, 64, mask=1, window=16))
+    add("b", "fp16-d128-varlen-causal_tl",
+        lambda: _sm90(F16, 1, 0, 0, 2, 2, 128, 128, mask=1, lengths=([77, 0, 130, 1], [77, 5, 120, 1])))
+    add("b", "bf16-d128-1x130x200-bias_grad-dropout",
+        lambda: _sm90(BF16, 1, 130, 200, 2, 2, 128, 128, bias=True, dropout=0.1))
+    return c
+
+
 # ------------------------------------------------------------------ positive controls
 
 
@@ -427,7 +486,8 @@ def _canary_configs():
 
 
 def all_configs():
-    configs = _dropout_configs() + _norm_configs() + _prepost_configs() + _mea_configs() + _canary_configs()
+    configs = (_dropout_configs() + _norm_configs() + _prepost_configs() + _mea_configs() + _sm90_configs()
+               + _canary_configs())  # fmt: skip
     for cfg in configs:
         assert "," not in cfg.name and " " not in cfg.name, cfg.name
     return configs

@@ -60,6 +60,10 @@ def test_configurations_reach_the_important_variants():
     for part in ("-d64-", "-d128-", "-d256-", "k128v64", "causal_tl", "causal_br", "window", "varlen", "splits2",
                  "fp16-", "bf16-", "packed", "bhmk"):  # fmt: skip
         assert part in mea, part
+    sm90 = names("attention_sm90")
+    for part in ("-d64-", "-d128-", "-d96-", "-d192-", "-d256-", "k128v64", "causal_tl", "causal_br", "window", "varlen",
+                 "gqa", "deterministic", "bias_grad-dropout", "overlap", "carry", "fp16-", "bf16-"):  # fmt: skip
+        assert part in sm90, part
     canaries = [c for c in CONFIGS if c.expect_errors]
     assert {t for c in canaries for t in c.tools} == {"memcheck", "racecheck"}
 
@@ -278,6 +282,10 @@ def test_select_configs():
     picked = S.select_configs(CONFIGS, "norm/rms,clear_dkv")
     assert picked and all("norm/rms" in c.name or "clear_dkv" in c.name for c in picked)
     assert not any(c.expect_errors for c in S.select_configs(CONFIGS, None, canary=False))
+    # the sm90 kernel's configurations run on sm_90a only; the others anywhere
+    sm80, sm90 = S.select_configs(CONFIGS, None, arch="sm_80"), S.select_configs(CONFIGS, None, arch="sm_90a")
+    assert sm90 == CONFIGS and sm80 == [c for c in CONFIGS if c.family != "attention_sm90"]
+    assert all(c.arch == "sm_90a" for c in CONFIGS if c.family == "attention_sm90")
 
 
 def _fake_tool(path: Path) -> Path:
