@@ -46,10 +46,8 @@ def _build(dtype, head_dim: int, head_dim_v: int, mask_type: int, has_window: bo
     tiles = _tiles(head_dim, head_dim_v, has_bias, grad_bias, dropout)
     # a head dim above 128: the 64 x 64 decomposition (P^T / dS^T through shared memory)
     cls = AttentionBackwardSm90Wide if isinstance(tiles, tiling.AttentionSm90WideTiles) else AttentionBackwardSm90
-    extra = dict(carry_dq=True) if carry_dq else {}
-    if dq_ready:
-        extra["dq_ready"] = True
-    kernel = cls(dtype, tiles, mask_type, has_window, deterministic, varlen, has_bias, grad_bias, dropout, **extra)
+    kernel = cls(dtype, tiles, mask_type, has_window, deterministic, varlen, has_bias, grad_bias, dropout,
+                 carry_dq=carry_dq, dq_ready=dq_ready)  # fmt: skip
     b, h, hk, mq, mk = (cute.sym_int() for _ in range(5))
     # TMA: last stride 1, the other strides and the addresses multiples of TMA_ALIGN_BYTES
     vec, vec32 = tiling.tma_align_elems(dtype.width), tiling.tma_align_elems(32)
@@ -270,6 +268,7 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
                                     grad_bias=grad_bias is not None, dropout=dropout, rows_q=rows_q,
                                     group=h // key.shape[2], rows_k=rows_k)  # fmt: skip
     fn = compiled(*config)
+    dq_ready = config[-1]  # _config's last field: the kernel counts dQ's key blocks for ConvertDQReady
     # whatever touches the stream goes before the preprocess: the kernel is launched right
     # behind it (programmatic dependent launch, see the kernel's module)
     semaphore = None
@@ -278,7 +277,7 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     counter = ready = None
     if schedule == "dynamic":
         counter = torch.zeros(1, dtype=torch.int32, device=query.device)  # the persistent CTAs' tile counter
-    if config[-1]:  # dq_ready: ConvertDQReady's tile counter and the kernel's counts, one zeroed buffer
+    if dq_ready:  # ConvertDQReady's tile counter and the kernel's counts, one zeroed buffer
         hk = key.shape[2]
         flags = torch.zeros(1 + seqs * hk, dtype=torch.int32, device=query.device)
         # a head is complete once every key block of the grid (ceil(rows_k / tile_n)) is counted
@@ -296,7 +295,7 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
                                                  dq_head_dim=d, lse=logsumexp)  # fmt: skip
     zero_blind_delta(delta, mask_type, window, sq, sk, cu_seqlens_q, cu_seqlens_k)  # O may be unwritten there
     fn(query, key, value, grad_out, lse_log2, delta, dq_accum.unsqueeze(0) if varlen else dq_accum,
-       dk, dv, semaphore, counter, None if ready is None else ready[1], cu_seqlens_q, cu_seqlens_k, bias, grad_bias, float(scale), window, rows_k, chunk,
-       _persistent_ctas(query), *rng)  # fmt: skip
+       dk, dv, semaphore, counter, ready[1] if dq_ready else None, cu_seqlens_q, cu_seqlens_k, bias, grad_bias,
+       float(scale), window, rows_k, chunk, _persistent_ctas(query), *rng)  # fmt: skip
     dq = _convert_dq_impl(dq_accum, float(scale), d, sq, cu_seqlens_q, max_seqlen_q, 0.0, query.dtype, ready=ready)
     return (dq.unsqueeze(0) if varlen else dq), dk, dv, grad_bias
