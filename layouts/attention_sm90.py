@@ -179,6 +179,11 @@ TILE_RING_SLOTS = 4  # persistent CTAs: tile indices in flight from the producer
 # it are the host's: event-timed rounds (the suite's do_bench) scatter for both kernels alike
 # when the lent machine's CPU is slow, graph replays do not (notes.md)
 CARRY_DQ_MAX_STEPS = 8
+# convert_dq overlapping a CTA-per-tile grid's last wave (ops.attention_sm90._overlaps_convert):
+# only where a head has at most this many key blocks. Each CTA's count waits until its last dQ
+# adds have landed, behind those of the head's other key blocks into the same rows (H100,
+# 1x16x8192x128, 64 key blocks a head: the kernel 1-3% longer, as much as the overlap saves)
+DQ_READY_MAX_KEY_BLOCKS = 32
 SMEM_ALIGN = 1024  # bytes: every shared buffer starts on a whole 128-byte-swizzle period (8 x 128 B)
 SWIZZLE_ROW_BITS = (1024, 512, 256)  # the wgmma / TMA swizzle atoms' rows (128, 64, 32 bytes), widest first
 LPT_L2_BYTES = 24 << 20  # of the H100's 50 MiB L2: what a chunk of the heavy-first CTA order may keep in it

@@ -92,16 +92,11 @@ def _config(dtype, head_dim: int, head_dim_v: int, mask_type: int, arch: str, *,
 
 # convert_dq overlapping the kernel's last wave (_overlaps_convert): the kernel counts each key
 # block's dQ per (sequence, key head), ConvertDQReady (a programmatic dependent launch) converts
-# each head once its count is complete. H100, device time from the kernel's start to convert_dq's
-# end (torch profiler, medians of 7 x 7 calls): 4x16x2048x128 592.8 -> 579.1 us, 2x16x4096x128
-# 1099.7 -> 1082.4, 4x16x2048x96 535.0 -> 527.6, 8x16x1024x128 340.8 -> 339.5 (notes.md)
+# each head once its count is complete (where a head has at most tiling.DQ_READY_MAX_KEY_BLOCKS
+# key blocks). H100, device time from the kernel's start to convert_dq's end (torch profiler,
+# medians of 7 x 7 calls): 4x16x2048x128 592.8 -> 579.1 us, 2x16x4096x128 1099.7 -> 1082.4,
+# 4x16x2048x96 535.0 -> 527.6, 8x16x1024x128 340.8 -> 339.5 (notes.md)
 DQ_READY = True
-
-
-# ... where a head has at most this many key blocks: each CTA's count waits until its last dQ
-# adds have landed, behind those of the head's other key blocks into the same rows (1x16x8192x128,
-# 64 key blocks a head: the kernel 1-3% longer, as much as the overlap saves)
-DQ_READY_MAX_KEY_BLOCKS = 32
 
 
 def _overlaps_convert(schedule: str, mask_type: int, deterministic: bool, key_blocks: int) -> bool:
@@ -110,7 +105,7 @@ def _overlaps_convert(schedule: str, mask_type: int, deterministic: bool, key_bl
     complete. Persistent CTAs and the heavy-first order of causal masks end all multiprocessors
     nearly together, so the counts would cost without an overlap (causal d128 +0.7%)."""
     return (DQ_READY and schedule == "grid" and (mask_type == 0 or deterministic)
-            and key_blocks <= DQ_READY_MAX_KEY_BLOCKS)  # fmt: skip
+            and key_blocks <= tiling.DQ_READY_MAX_KEY_BLOCKS)  # fmt: skip
 
 
 def _carries_dq(tiles, schedule: str, rows_q: int, group: int) -> bool:

@@ -791,7 +791,7 @@ def test_convert_overlaps_where_the_grid_has_an_idle_tail(monkeypatch, mask_type
     assert tiles.shape == (1,) and not tiles.any() and tiles.data_ptr() + 4 == counts.data_ptr()
     assert group == 2 and expected == -(-130 // tiling.attention_sm90_tiles(128).tile_n)
     # nor where a head has more key blocks than DQ_READY_MAX_KEY_BLOCKS
-    blocks = S.DQ_READY_MAX_KEY_BLOCKS
+    blocks = tiling.DQ_READY_MAX_KEY_BLOCKS
     assert S._overlaps_convert("grid", mask_type, deterministic, blocks)
     assert not S._overlaps_convert("grid", mask_type, deterministic, blocks + 1)
     # d64's persistent CTAs never count
