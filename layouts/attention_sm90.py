@@ -237,6 +237,9 @@ class AttentionSm90Tiles:
     # written, so the two meet once a step with a step of slack (one one-way barrier a step
     # each way, ids alternating by step: an announcement can run one step ahead of its wait)
     dq_defer: bool = False
+    # each query block's first dQ stored instead of added, so the accumulator needs no zeroing
+    # (the kernel's store_first; the op takes it where every query block is seen)
+    store_first: bool = False
     lpt: bool = True  # causal masks: heavy key blocks first over a chunk of heads (the kernel's cta_coords)
     # dS in shared memory with keys contiguous (rows as the bias gradient's: TMA stores it from
     # there) instead of queries (whose register pairs store as 32 bits); with the bias gradient
@@ -846,6 +849,11 @@ def attention_sm90_tiles(head_dim: int, *, head_dim_v: Optional[int] = None,
             # vs 1.443, 4x16x2048x128 0.464 vs 0.467 (notes.md). Dropout's flags would not fit
             # beside it in shared memory.
             fields.update(tile_m=80, dq_swapab=True, stats_early=False, pds_split=False)
+            # store_first: H100, same run (zeroed accumulator / stored first, ms): 2x16x4096x128
+            # 1.2653 / 1.2356, 4x16x2048x128 0.6720 / 0.6676, 1x16x8192x128 2.3986 / 2.3785,
+            # causal 0.7203 / 0.7165 (2x16x4096x128 gained 2.1-3.3% in four runs); at d64 it
+            # cost 2.6-9% (8x16x1024x64 0.2203 / 0.2307, 16x16x512x64 0.1473 / 0.1611: notes.md)
+            fields.update(store_first=True)
         if max(head_dim, dv) <= 64 and not bias_or_dropout:
             # 128 queries a step, as FA4: fits 240 registers with dS stored before dV is issued
             # (C7512 without), the 32 + 32 statistics read at their use (8x16x1024x64 0.262 vs

@@ -38,16 +38,18 @@ def _tiles(head_dim: int, head_dim_v: int, bias: bool, grad_bias: bool, dropout:
 
 def _build(dtype, head_dim: int, head_dim_v: int, mask_type: int, has_window: bool, arch: str,
            deterministic: bool = False, varlen: bool = False, has_bias: bool = False, grad_bias: bool = False,
-           dropout: bool = False, carry_dq: bool = False, dq_ready: bool = False):  # fmt: skip
+           dropout: bool = False, carry_dq: bool = False, dq_ready: bool = False,
+           store_first: bool = False):  # fmt: skip
     """One configuration; ``head_dim`` is Dqk (Q, K), ``head_dim_v`` Dv (V, dO). The bias
     gradient leaves by TMA from a keys-contiguous dS tile (``ds_keys_contiguous``);
     ``carry_dq``: short tiles of persistent CTAs (``_carries_dq``); ``dq_ready``: the kernel
-    counts each key block's dQ for ConvertDQReady behind it (``DQ_READY``)."""
+    counts each key block's dQ for ConvertDQReady behind it (``DQ_READY``); ``store_first``:
+    each query block's first dQ is stored, no zeroed accumulator (``_stores_first``)."""
     tiles = _tiles(head_dim, head_dim_v, has_bias, grad_bias, dropout)
     # a head dim above 128: the 64 x 64 decomposition (P^T / dS^T through shared memory)
     cls = AttentionBackwardSm90Wide if isinstance(tiles, tiling.AttentionSm90WideTiles) else AttentionBackwardSm90
     kernel = cls(dtype, tiles, mask_type, has_window, deterministic, varlen, has_bias, grad_bias, dropout,
-                 carry_dq=carry_dq, dq_ready=dq_ready)  # fmt: skip
+                 carry_dq=carry_dq, dq_ready=dq_ready, store_first=store_first)  # fmt: skip
     b, h, hk, mq, mk = (cute.sym_int() for _ in range(5))
     # TMA: last stride 1, the other strides and the addresses multiples of TMA_ALIGN_BYTES
     vec, vec32 = tiling.tma_align_elems(dtype.width), tiling.tma_align_elems(32)
@@ -63,6 +65,8 @@ def _build(dtype, head_dim: int, head_dim_v: int, mask_type: int, has_window: bo
     dynamic = kernel.dynamic_tiles
     counter = cc.fake_tensor(cutlass.Int32, (1,), 1) if dynamic else None  # the tile counter, zeroed
     ready = cc.fake_tensor(cutlass.Int32, (seqs, hk), 1) if dq_ready else None  # dQ's key blocks per (sequence, key head)
+    # store_first: a flag per (batch, query head, query block), zeroed
+    first = cc.fake_tensor(cutlass.Int32, (b, h, cute.sym_int()), 1) if store_first else None
     cu_q, cu_k = (cc.fake_tensor(cutlass.Int32, (cute.sym_int(),), 1) if varlen else None for _ in range(2))
     # the bias: any strides (0 for broadcast dims; read element by element); its gradient
     # dense rows (padded to 128 bits, as torch's) with any row stride
@@ -73,7 +77,7 @@ def _build(dtype, head_dim: int, head_dim_v: int, mask_type: int, has_window: bo
     if dropout:  # seed, offset, p, 1 / (1 - p), stream words per (batch, head)
         rng = (cutlass.Int64(0), cutlass.Int64(0), cutlass.Float32(0.5), cutlass.Float32(2.0), cutlass.Int64(1))
     return cc.compile_kernel(
-        kernel, q, k, v, do, lse, delta, dq_accum, dk, dv, semaphore, counter, ready, cu_q, cu_k, bias, grad_bias_t,
+        kernel, q, k, v, do, lse, delta, dq_accum, dk, dv, semaphore, counter, ready, first, cu_q, cu_k, bias, grad_bias_t,
         cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(1), *rng,
         cc.fake_stream(), arch=arch,
     )  # fmt: skip
@@ -84,10 +88,12 @@ compiled = cc.CompileCache("attention_bwd_sm90", _build)
 
 def _config(dtype, head_dim: int, head_dim_v: int, mask_type: int, arch: str, *, window: bool = False,
             deterministic: bool = False, varlen: bool = False, bias: bool = False, grad_bias: bool = False,
-            dropout: bool = False, carry_dq: bool = False, dq_ready: bool = False) -> tuple:  # fmt: skip
+            dropout: bool = False, carry_dq: bool = False, dq_ready: bool = False,
+            store_first: bool = False) -> tuple:  # fmt: skip
     """The ``compiled`` key (``_build``'s arguments, in order) of one configuration."""
     return (dtype, int(head_dim), int(head_dim_v), int(mask_type), bool(window), arch, bool(deterministic),
-            bool(varlen), bool(bias), bool(grad_bias), bool(dropout), bool(carry_dq), bool(dq_ready))  # fmt: skip
+            bool(varlen), bool(bias), bool(grad_bias), bool(dropout), bool(carry_dq), bool(dq_ready),
+            bool(store_first))  # fmt: skip
 
 
 # convert_dq overlapping the kernel's last wave (_overlaps_convert): the kernel counts each key
@@ -108,6 +114,22 @@ def _overlaps_convert(schedule: str, mask_type: int, deterministic: bool, key_bl
             and key_blocks <= tiling.DQ_READY_MAX_KEY_BLOCKS)  # fmt: skip
 
 
+# each query block's first dQ stored instead of added into a zeroed accumulator (_stores_first)
+STORE_FIRST = True
+
+
+def _stores_first(tiles, mask_type: int, window: bool, deterministic: bool, varlen: bool, rows_q: int,
+                  rows_k: int) -> bool:  # fmt: skip
+    """Whether the kernel stores each query block's first dQ (``store_first``), so that the
+    preprocess need not zero the accumulator: for tiles that ask for it (``tiles.store_first``,
+    measured per head dim), where every query block is seen by some key block (no mask;
+    top-left causal; bottom-right with Sq <= Sk; no window), without deterministic mode's
+    ordered adds or varlen's per-sequence rows. A block no key block sees would keep whatever
+    the accumulator held."""
+    reached = mask_type in (0, 1) or rows_q <= rows_k
+    return STORE_FIRST and tiles.store_first and reached and not (window or deterministic or varlen) and rows_k > 0
+
+
 def _carries_dq(tiles, schedule: str, rows_q: int, group: int) -> bool:
     """Whether the kernel computes a tile's last dQ in the next tile's step 0: persistent CTAs
     over equal tiles (``schedule`` "persistent", AttentionBackwardSm90.tile_schedule) of at most
@@ -125,7 +147,8 @@ def _plan(dtype, head_dim: int, head_dim_v: int, mask_type: int, arch: str, *, w
     carry = _carries_dq(tiles, schedule, rows_q, group)
     key = _config(dtype, head_dim, head_dim_v, mask_type, arch, window=window, deterministic=deterministic,
                   varlen=varlen, bias=bias, grad_bias=grad_bias, dropout=dropout, carry_dq=carry,
-                  dq_ready=_overlaps_convert(schedule, mask_type, deterministic, -(-rows_k // tiles.tile_n)))  # fmt: skip
+                  dq_ready=_overlaps_convert(schedule, mask_type, deterministic, -(-rows_k // tiles.tile_n)),
+                  store_first=_stores_first(tiles, mask_type, window, deterministic, varlen, rows_q, rows_k))  # fmt: skip
     return tiles, schedule, key
 
 
@@ -207,6 +230,11 @@ def _persistent_ctas(query: Tensor) -> int:
     return cc.num_sms(query.device.index) if query.device.type == "cuda" else 1
 
 
+def _new_dq_accum(shape, device) -> Tensor:
+    """The fp32 dQ accumulator of a ``store_first`` call, not zeroed (tests fill it with NaN)."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
 def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: float, mask_type: int = 0,
                             window_size: int = 0, deterministic: bool = False, cu_seqlens_q=None, cu_seqlens_k=None,
                             max_seqlen_q=None, max_seqlen_k=None, bias=None, bias_requires_grad: bool = False,
@@ -231,7 +259,7 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     ``bias_requires_grad`` grad_bias is [B, H, Sq, Sk] (rows padded to 128 bits, as torch's),
     else None. Dropout: the keep mask of torch's memory-efficient forward for
     ``philox_seed / philox_offset`` (int64 scalar tensors), p = ``dropout_p``."""
-    from .attention_bwd_prepost import _convert_dq_impl, _preprocess_impl, zero_blind_delta
+    from .attention_bwd_prepost import _convert_dq_impl, _preprocess_impl, dq_accum_shape, zero_blind_delta
     from .mem_eff_attention import _dropout_args, grad_bias_buffer
 
     varlen = cu_seqlens_q is not None
@@ -263,20 +291,28 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
                                     grad_bias=grad_bias is not None, dropout=dropout, rows_q=rows_q,
                                     group=h // key.shape[2], rows_k=rows_k)  # fmt: skip
     fn = compiled(*config)
-    dq_ready = config[-1]  # _config's last field: the kernel counts dQ's key blocks for ConvertDQReady
+    # _config's last fields: the kernel counts dQ's key blocks for ConvertDQReady; it stores each
+    # query block's first dQ (the accumulator is not zeroed)
+    dq_ready, store_first = config[-2:]
     # whatever touches the stream goes before the preprocess: the kernel is launched right
     # behind it (programmatic dependent launch, see the kernel's module)
     semaphore = None
     if deterministic:
         semaphore = torch.zeros((seqs, h, -(-rows_q // tiles.tile_m)), dtype=torch.int32, device=query.device)
-    counter = ready = None
+    counter = ready = first = None
     if schedule == "dynamic":
         counter = torch.zeros(1, dtype=torch.int32, device=query.device)  # the persistent CTAs' tile counter
-    if dq_ready:  # ConvertDQReady's tile counter and the kernel's counts, one zeroed buffer
-        hk = key.shape[2]
-        flags = torch.zeros(1 + seqs * hk, dtype=torch.int32, device=query.device)
-        # a head is complete once every key block of the grid (ceil(rows_k / tile_n)) is counted
-        ready = (flags[:1], flags[1:].view(seqs, hk), h // hk, -(-rows_k // tiles.tile_n))
+    # ConvertDQReady's tile counter and the kernel's counts, the store_first flags: one zeroed buffer
+    hk, blocks_q = key.shape[2], -(-rows_q // tiles.tile_m)
+    n_ready = 1 + seqs * hk if dq_ready else 0
+    n_first = b * h * blocks_q if store_first else 0
+    if n_ready + n_first:
+        flags = torch.zeros(n_ready + n_first, dtype=torch.int32, device=query.device)
+        if dq_ready:
+            # a head is complete once every key block of the grid (ceil(rows_k / tile_n)) is counted
+            ready = (flags[:1], flags[1:n_ready].view(seqs, hk), h // hk, -(-rows_k // tiles.tile_n))
+        if store_first:
+            first = flags[n_ready:].view(b, h, blocks_q)
     chunk = _heads_per_chunk(tiles, rows_q, rows_k, h // key.shape[2], seqs * key.shape[2], query, mask_type, window,
                              deterministic, varlen)  # fmt: skip
     rng = (None,) * 5
@@ -286,11 +322,13 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     pack = (lambda x: x[0]) if varlen else (lambda x: x)
     # Δ from out / dO (Dv wide), the zeroed dQ accumulator as query (Dqk wide), the LSE in
     # the kernel's log2 units: one launch
-    delta, dq_accum, lse_log2 = _preprocess_impl(pack(out), pack(grad_out), 1.0, cu_seqlens_q, max_seqlen_q, True,
-                                                 dq_head_dim=d, lse=logsumexp)  # fmt: skip
+    delta, dq_accum, lse_log2 = _preprocess_impl(pack(out), pack(grad_out), 1.0, cu_seqlens_q, max_seqlen_q,
+                                                 not store_first, dq_head_dim=d, lse=logsumexp)  # fmt: skip
+    if store_first:  # every block's first dQ is stored there: no zeros needed
+        dq_accum = _new_dq_accum(dq_accum_shape(b, sq, h, d), query.device)
     zero_blind_delta(delta, mask_type, window, sq, sk, cu_seqlens_q, cu_seqlens_k)  # O may be unwritten there
     fn(query, key, value, grad_out, lse_log2, delta, dq_accum.unsqueeze(0) if varlen else dq_accum,
-       dk, dv, semaphore, counter, ready[1] if dq_ready else None, cu_seqlens_q, cu_seqlens_k, bias, grad_bias,
+       dk, dv, semaphore, counter, ready[1] if dq_ready else None, first, cu_seqlens_q, cu_seqlens_k, bias, grad_bias,
        float(scale), window, rows_k, chunk, _persistent_ctas(query), *rng)  # fmt: skip
     dq = _convert_dq_impl(dq_accum, float(scale), d, sq, cu_seqlens_q, max_seqlen_q, 0.0, query.dtype, ready=ready)
     return (dq.unsqueeze(0) if varlen else dq), dk, dv, grad_bias

@@ -382,10 +382,11 @@ def test_config_key_follows_build_and_the_benchmark_precompiles_it(monkeypatch):
     monkeypatch.setattr(tiling, "CARRY_DQ_MAX_STEPS", 8)
     params = list(inspect.signature(S._build).parameters)
     key = S._config("dt", 128, 64, 2, "sm_90a", window=True, deterministic=True, varlen=True, bias=True,
-                    grad_bias=True, dropout=True, carry_dq=True, dq_ready=True)  # fmt: skip
+                    grad_bias=True, dropout=True, carry_dq=True, dq_ready=True, store_first=True)  # fmt: skip
     assert len(key) == len(params) and dict(zip(params, key)) == dict(
         dtype="dt", head_dim=128, head_dim_v=64, mask_type=2, has_window=True, arch="sm_90a", deterministic=True,
-        varlen=True, has_bias=True, grad_bias=True, dropout=True, carry_dq=True, dq_ready=True)  # fmt: skip
+        varlen=True, has_bias=True, grad_bias=True, dropout=True, carry_dq=True, dq_ready=True,
+        store_first=True)  # fmt: skip
     seen = []
     monkeypatch.setattr(S, "compiled", lambda *k: seen.append(k))
     cases = [((2, 16, 4096, 128), "bfloat16", True), ((2, 16, 4096, 128), "bfloat16", False, "bias_grad"),
@@ -393,7 +394,7 @@ def test_config_key_follows_build_and_the_benchmark_precompiles_it(monkeypatch):
              ((8, 16, 1024, 64), "bfloat16", False), ((2, 16, 4096, 64), "bfloat16", False)]
     assert S.compile_for_benchmark_cases(cases, "sm_90a") == 5 and S.compile_for_benchmark_cases(cases, "sm_80") == 0
     assert sorted(seen, key=str) == sorted([
-        S._config(cutlass.BFloat16, 128, 128, 1, "sm_90a"),
+        S._config(cutlass.BFloat16, 128, 128, 1, "sm_90a", store_first=True),
         S._config(cutlass.BFloat16, 128, 128, 0, "sm_90a", bias=True, grad_bias=True, dq_ready=True),
         S._config(cutlass.Float16, 64, 64, 0, "sm_90a", dropout=True, dq_ready=True),
         S._config(cutlass.BFloat16, 64, 64, 0, "sm_90a", carry_dq=True),  # 8 steps a tile
@@ -781,7 +782,7 @@ def test_convert_overlaps_where_the_grid_has_an_idle_tail(monkeypatch, mask_type
     monkeypatch.setattr(P, "_convert_dq_impl", convert)
     q, k, v, do, o = _problem(h=4, hk=2, d=128, dv=128)
     S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, mask_type, deterministic=deterministic)
-    assert keys[-1][-1] is overlaps
+    assert keys[-1][-2] is overlaps  # (_config's last field is store_first)
     counts = launches[-1][11]
     if not overlaps:
         assert counts is None and readies == [None]
@@ -798,7 +799,7 @@ def test_convert_overlaps_where_the_grid_has_an_idle_tail(monkeypatch, mask_type
     keys.clear()
     q, k, v, do, o = _problem(h=4, hk=2, d=64, dv=64)
     S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, mask_type, deterministic=deterministic)
-    assert keys[-1][-1] is (deterministic and overlaps)
+    assert keys[-1][-2] is (deterministic and overlaps)
 
 
 def test_dq_ready_needs_a_cta_per_tile():
@@ -820,6 +821,70 @@ def test_compiles_dq_ready(config):
     d, dv, mask, det, varlen, dropout = config
     assert callable(S._build(cutlass.BFloat16, d, dv, mask, False, "sm_90a", det, varlen, False, False, dropout,
                              False, True))  # fmt: skip
+
+
+def test_store_first_where_every_query_block_is_seen():
+    """The op stores each query block's first dQ (no zeroed accumulator) only where some key
+    block sees every query block and the adds are not ordered or per sequence."""
+    from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
+
+    t = tiling.attention_sm90_tiles(128)
+    assert t.store_first and not tiling.attention_sm90_tiles(64).store_first
+    assert not tiling.attention_sm90_tiles(128, bias_or_dropout=True).store_first
+    first = lambda mask, sq, sk, **kw: S._stores_first(kw.get("tiles", t), mask, kw.get("window", False),  # noqa: E731
+                                                      kw.get("det", False), kw.get("varlen", False), sq, sk)
+    assert first(0, 700, 300) and first(1, 900, 100) and first(1, 100, 900) and first(2, 500, 500)
+    assert first(2, 400, 900)
+    assert not first(2, 900, 400)  # bottom-right, Sq > Sk: the first query blocks see no key
+    assert not first(1, 500, 500, window=True) and not first(0, 500, 500, det=True)
+    assert not first(0, 500, 500, varlen=True) and not first(0, 500, 0)
+    assert not first(0, 500, 500, tiles=tiling.attention_sm90_tiles(64))  # (measured slower there)
+    for kw in (dict(deterministic=True), dict(varlen=True)):
+        with pytest.raises(ValueError, match="store_first"):
+            AttentionBackwardSm90(cutlass.BFloat16, t, 0, store_first=True, **kw)
+    assert AttentionBackwardSm90(cutlass.BFloat16, t, 0, store_first=True).rotates
+    assert not AttentionBackwardSm90(cutlass.BFloat16, t, 1, store_first=True).rotates
+
+
+def test_store_first_call_hands_over_flags_not_zeros(monkeypatch):
+    """A store_first call: the accumulator is the op's unzeroed buffer, the preprocess is asked
+    for no zeroing, and the kernel gets a zeroed int32 flag per (batch, query head, query
+    block) beside ConvertDQReady's counts in one buffer."""
+    from ops import attention_bwd_prepost as P
+
+    keys, launches, zeroing = [], [], []
+    monkeypatch.setattr(cc, "device_arch", lambda index: "sm_90a")
+    pre = P._preprocess_impl
+    monkeypatch.setattr(P, "_preprocess_impl", lambda *a, **kw: zeroing.append(a[5]) or pre(*a, **kw))
+    monkeypatch.setattr(P, "launch_preprocess", lambda *a: None)
+    monkeypatch.setattr(S, "compiled", lambda *key: keys.append(key) or (lambda *a: launches.append(a)))
+    monkeypatch.setattr(P, "_convert_dq_impl", lambda acc, scale, d, sq, *r, ready=None: torch.zeros(
+        acc.shape[0], sq, acc.shape[2], d, dtype=BF16))  # fmt: skip
+    q, k, v, do, o = _problem(h=4, hk=2, d=128, dv=128)
+    S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
+    assert keys[-1][-1] is True and zeroing == [False]
+    acc, counts, flags = launches[-1][6], launches[-1][11], launches[-1][12]
+    blocks = -(-q.shape[1] // tiling.attention_sm90_tiles(128).tile_m)
+    assert acc.shape[1] >= q.shape[1] and acc.dtype == torch.float32  # (TMA clips a block past its rows)
+    assert flags.shape == (2, 4, blocks) and flags.dtype == torch.int32 and not flags.any()
+    assert flags.data_ptr() == counts.data_ptr() + 4 * counts.numel()
+    monkeypatch.setattr(S, "STORE_FIRST", False)
+    S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
+    assert keys[-1][-1] is False and zeroing == [False, True] and launches[-1][12] is None
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("config", [(64, 64, 0, False, True, False), (128, 128, 0, True, False, False),
+                                    (96, 96, 1, False, False, False), (64, 64, 2, False, False, False),
+                                    (192, 128, 0, True, False, False), (256, 256, 1, False, False, False),
+                                    (128, 128, 0, True, False, True), (64, 128, 1, False, False, False)])  # fmt: skip
+def test_compiles_store_first(config):
+    """store_first where the op takes it: d64 persistent (with carry_dq), d128 with the counts,
+    causal corners (dynamic tiles at d64), wide tiles, with bias and its gradient, Dqk != Dv."""
+    d, dv, mask, ready, carry, bias = config
+    assert callable(S._build(cutlass.BFloat16, d, dv, mask, False, "sm_90a", False, False, bias, bias, False,
+                             carry, ready, True))  # fmt: skip
+
 
 # ------------------------------------------------------------------------ dispatch
 
@@ -1133,14 +1198,15 @@ def test_suite_compile_only_covers_ours_sm90(monkeypatch):
     assert attention_bwd.compile_only("sm_90a") == len(seen["mem_eff"]) + len(seen["sm90"])
     bf16 = cutlass.BFloat16
     # (dtype, Dqk, Dv, mask type, has_window, arch, deterministic, varlen, bias, bias gradient, dropout, carry_dq,
-    # dq_ready): the one d64 case without a mask (8x16x1024x64) has 8 steps a tile: it carries dQ where 8
-    # steps do; d128 without a mask (a CTA per tile in launch order) overlaps convert_dq
-    carry = tiling.CARRY_DQ_MAX_STEPS >= 8
+    # dq_ready, store_first): the one d64 case without a mask (8x16x1024x64) has 8 steps a tile: it carries dQ
+    # where 8 steps do; d128 without a mask (a CTA per tile in launch order) overlaps convert_dq; d128's
+    # tiles without a bias or dropout store each query block's first dQ (tiles.store_first; Sq == Sk)
+    carry, first = tiling.CARRY_DQ_MAX_STEPS >= 8, S.STORE_FIRST and tiling.attention_sm90_tiles(128).store_first
     plain = {(bf16, d, d, m, False, "sm_90a", False, False, False, False, False, carry and d == 64 and m == 0,
-              d == 128 and m == 0) for d in (64, 128) for m in (0, 1)}  # fmt: skip
+              d == 128 and m == 0, first and d == 128) for d in (64, 128) for m in (0, 1)}  # fmt: skip
     # 1x16x8192x128: 64 key blocks a head, more than DQ_READY_MAX_KEY_BLOCKS
-    plain.add((bf16, 128, 128, 0, False, "sm_90a", False, False, False, False, False, False, False))
-    features = {(bf16, 128, 128, 0, False, "sm_90a", False, False) + f + (False, True)
+    plain.add((bf16, 128, 128, 0, False, "sm_90a", False, False, False, False, False, False, False, first))
+    features = {(bf16, 128, 128, 0, False, "sm_90a", False, False) + f + (False, True, False)
                 for f in ((True, False, False), (True, True, False), (False, False, True))}  # fmt: skip
     assert set(seen["sm90"]) == plain | features
     seen["sm90"].clear()

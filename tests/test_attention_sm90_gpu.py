@@ -21,6 +21,8 @@
 * deterministic mode: three runs bitwise equal, and against fp64;
 * convert_dq overlapping the kernel's last wave: deterministic bits equal to the late
   convert's, three runs against fp64;
+* store_first (each query block's first dQ stored): the accumulator handed over full of NaN,
+  three runs against fp64 and the zeroed accumulator's run;
 * layouts: contiguous [B, S, H, D], [B, H, S, D] transposed views, packed QKV;
 * Dqk != Dv (every supported pair, both dtypes, masks, grouped heads) against fp64 and the
   memory-efficient kernel; with a window, deterministic mode and packed sequences too.
@@ -578,6 +580,58 @@ def test_convert_overlap_is_the_late_convert(case, monkeypatch):
         for name, g, r, like, floor in zip(("dq", "dk", "dv"), got, ref, (q, k, v), floors):
             check(f"{name} run {i}", g, r, like, dtype, floor)
     assert len(overlapped) == 4
+
+
+# (dtype, B, H, Hk, Sq, Sk, D, mask, persistent CTAs or None): every query block is seen, so the
+# op asks for store_first; several key blocks reach each query block
+STORE_FIRST_CASES = [
+    (BF16, 2, 4, 4, 1024, 1024, 64, 0, 3),  # persistent CTAs walking several tiles, carry_dq
+    (F16, 1, 4, 2, 700, 900, 64, 0, None),  # grouped heads, a partial last block, rotated order
+    (BF16, 2, 8, 8, 2048, 2048, 128, 0, None),  # a CTA per tile, ConvertDQReady overlapping
+    (F16, 1, 4, 4, 1000, 1300, 96, 1, None),  # causal top-left, Sq < Sk
+    (BF16, 1, 4, 2, 1300, 700, 128, 1, None),  # causal top-left, Sq > Sk
+    (BF16, 1, 2, 2, 600, 900, 64, 2, None),  # causal bottom-right, Sq <= Sk (dynamic tiles)
+    (F16, 1, 4, 2, 700, 900, (192, 128), 0, None),  # wide tiles: the joint dQ handoff
+    (BF16, 1, 2, 2, 640, 640, 256, 1, None),
+]
+
+
+@pytest.mark.parametrize("case", STORE_FIRST_CASES, ids=[_grouped_id(c[:8] + (0,)) for c in STORE_FIRST_CASES])
+def test_store_first_needs_no_zeroed_accumulator(case, monkeypatch):
+    """store_first: each query block's first dQ is stored, not added, so the accumulator is
+    handed to the kernel full of NaN; dQ / dK / dV against fp64 (a block added before its
+    first store lands, or stored over another's add, is off by whole blocks) and the zeroed
+    accumulator's run, in three runs (claims race differently)."""
+    import dataclasses
+
+    from ops import attention_sm90 as S
+
+    dtype, b, h, hk, sq, sk, d, mask_type, ctas = case
+    if ctas is not None:
+        monkeypatch.setattr(S, "PERSISTENT_CTAS", ctas)
+    # every tile kind, also those that do not ask for it (tiles.store_first: chosen by speed)
+    tiles = S._tiles
+    monkeypatch.setattr(S, "_tiles", lambda *a: dataclasses.replace(tiles(*a), store_first=True))
+    poisoned = []
+
+    def nan_accum(shape, device):
+        poisoned.append(shape)
+        return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
+
+    monkeypatch.setattr(S, "_new_dq_accum", nan_accum)
+    q, _, _, do = make_inputs(b, h, sq, sk, d, dtype, seed=sq + 7 * h)
+    _, k, v, _ = make_inputs(b, hk, sq, sk, d, dtype, seed=sk + 7 * hk)
+    out, lse = _padded_ref_forward(q, k, v, mask_type, 0)
+    ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type)
+    floors = rounding_floors(q, k, do, out, dtype)
+    runs = [backward("sm90", q, k, v, do, out, lse, mask_type) for _ in range(3)]
+    assert len(poisoned) == 3, "store_first was not taken"
+    monkeypatch.setattr(S, "STORE_FIRST", False)
+    zeroed = backward("sm90", q, k, v, do, out, lse, mask_type)
+    assert len(poisoned) == 3
+    for i, got in enumerate(runs + [zeroed]):
+        for name, g, r, like, floor in zip(("dq", "dk", "dv"), got, ref, (q, k, v), floors):
+            check(f"{name} [{_grouped_id(case[:8] + (0,))}] run {i}", g, r, like, dtype, floor)
 
 
 def test_deterministic_follows_torch_flag():

@@ -137,12 +137,20 @@ class AttentionBackwardSm90:
     finished tile's K, which stays in its buffer until then; that tile's dK is staged in the dS
     buffer its next block writes, and the store warps read it out first (``BAR_DS_FREE``) and
     free the K / V buffer once step 0 is done with K (``BAR_K_FREE``). The CTA's last tile runs
-    its last dQ after the loop (``carried_dq_tail``)."""
+    its last dQ after the loop (``carried_dq_tail``).
+
+    ``store_first`` (the caller asks for it where every query block is seen by some key block):
+    the accumulator is not zeroed; the first key block to reach a query block stores its dQ
+    there (a TMA store instead of a reduce-add) and publishes it, the others add once it is
+    published. A zeroed int32 per (batch, query head, query block) is 0 (free), 1 (claimed by
+    the CTA storing it) or 2 (stored). The dQ-store warp claims a block by compare-and-swap
+    before its dQ is staged; without a mask key block n walks its query blocks from
+    n * blocks / key blocks on (``work_item``), so claims rarely meet."""
 
     def __init__(self, dtype, tiles: AttentionSm90Tiles, mask_type: int, has_window: bool = False,
                  deterministic: bool = False, varlen: bool = False, has_bias: bool = False,
                  grad_bias: bool = False, dropout: bool = False, carry_dq: bool = False,
-                 dq_ready: bool = False):  # fmt: skip
+                 dq_ready: bool = False, store_first: bool = False):  # fmt: skip
         if has_window and mask_type == 0:
             raise ValueError("a sliding window needs a causal mask (mask_type 1 or 2)")
         if grad_bias and not has_bias:
@@ -184,6 +192,14 @@ class AttentionBackwardSm90:
             # counts cost what the overlap saves (H100: 8x16x1024x64 -0.7%, 16x16x512x64 +-0)
             raise ValueError(f"dq_ready counts a CTA per tile (schedule 'grid'), not {schedule!r}")
         self.dq_ready = dq_ready
+        if store_first and (deterministic or varlen):
+            # determinism orders the adds by turns; varlen's accumulator rows are per sequence
+            raise ValueError("store_first is built for runs without deterministic mode or varlen")
+        self.store_first = store_first
+        # store_first without a mask: key block n starts n / key blocks of the way through its
+        # query blocks, so each block's first writer is nearly always alone there (a causal
+        # mask staggers them already: key block n starts at its diagonal)
+        self.rotates = store_first and mask_type == 0
         if varlen and tiles.tile_m > VARLEN_ACCUM_PAD:
             raise ValueError(f"tile_m {tiles.tile_m} overruns the dQ accumulator's {VARLEN_ACCUM_PAD} rows of slack")
 
@@ -210,12 +226,13 @@ class AttentionBackwardSm90:
         mdO: cute.Tensor,  # [B, Sq, H, Dv]
         mLSE: cute.Tensor,  # [B, H, >= Sq] fp32, in log2 units: LSE * log2(e) (varlen: [sequences, H, >= max_seqlen_q])
         mDelta: cute.Tensor,  # [B, H, >= Sq] fp32 (varlen: as LSE)
-        mdQaccum: cute.Tensor,  # [B, round_up(Sq, tile_m), H, D] fp32, zeroed (varlen: [1, total_q + pad * sequences, H, D])
+        mdQaccum: cute.Tensor,  # [B, round_up(Sq, tile_m), H, D] fp32, zeroed unless store_first (varlen: [1, total_q + pad * sequences, H, D])
         mdK: cute.Tensor,  # [B, Sk, Hk, D]
         mdV: cute.Tensor,  # [B, Sk, Hk, Dv]
         mSemaphore: Optional[cute.Tensor],  # [B, H, query blocks] int32, zeroed (deterministic), or None
         mTileCounter: Optional[cute.Tensor],  # [1] int32, zeroed (tile_schedule "dynamic"), or None
         mDqReady: Optional[cute.Tensor],  # [sequences, Hk] int32, zeroed (dq_ready): key blocks whose dQ is added
+        mDqFirst: Optional[cute.Tensor],  # [B, H, query blocks] int32, zeroed (store_first): 0 free, 1 claimed, 2 stored
         mCuSeqlensQ: Optional[cute.Tensor],  # [sequences + 1] int32 (varlen), or None
         mCuSeqlensK: Optional[cute.Tensor],
         mBias: Optional[cute.Tensor],  # [B, H, Sq, Sk] (has_bias), or None
@@ -239,6 +256,8 @@ class AttentionBackwardSm90:
         mLSE, mDelta = [select_modes(x, (2, 1, 0)) for x in (mLSE, mDelta)]
         if const_expr(self.deterministic):
             mSemaphore = select_modes(mSemaphore, (2, 1, 0))  # (query blocks, heads, batch)
+        if const_expr(self.store_first):
+            mDqFirst = select_modes(mDqFirst, (2, 1, 0))  # (query blocks, heads, batch)
 
         sQ_layout = t.smem_layout_q(self.dtype)
         sdO_layout = t.smem_layout_do(self.dtype)
@@ -261,12 +280,13 @@ class AttentionBackwardSm90:
             cpasync.CopyBulkTensorTileG2SOp(), mLSE, cute.make_layout(t.tile_m), (t.tile_m,))
         tma_Delta, gDelta_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mDelta, cute.make_layout(t.tile_m), (t.tile_m,))
-        if const_expr(t.dq_per_wg):
-            tma_dQ, gdQ_tma = cpasync.make_tiled_tma_atom(
-                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, t.smem_layout_dq_sub(), t.dq_sub_tile)
-        else:
-            tma_dQ, gdQ_tma = cpasync.make_tiled_tma_atom(
-                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, cute.select(sdQ_layout, mode=[0, 1]), (t.tile_m, d))
+        # the reduce-add of a block's dQ, and with store_first the plain store of its first one
+        dq_box = (t.smem_layout_dq_sub(), t.dq_sub_tile) if const_expr(t.dq_per_wg) else (
+            cute.select(sdQ_layout, mode=[0, 1]), (t.tile_m, d))
+        tma_dQ, gdQ_tma = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, *dq_box)
+        tma_dQ_store = None
+        if const_expr(self.store_first):
+            tma_dQ_store, _ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mdQaccum, *dq_box)
 
         dkv_tma = None  # (the vector stores read sK / sV and write mdK / mdV directly)
         if const_expr(t.dkv_by_tma):
@@ -324,7 +344,7 @@ class AttentionBackwardSm90:
             rng = (philox_seed, philox_offset, dropout_p, dropout_scale, dropout_bh_elems)
         self.kernel(
             gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, gdQ_tma, mdK, mdV, mSemaphore, mTileCounter,
-            mDqReady, mCuSeqlensQ, mCuSeqlensK, mBias, (tma_dB, gdB_tma), dkv_tma, tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ,
+            mDqReady, (mDqFirst, tma_dQ_store), mCuSeqlensQ, mCuSeqlensK, mBias, (tma_dB, gdB_tma), dkv_tma, tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, sStat_layout,
             t.tiled_mma_sdp(self.dtype), t.tiled_mma_dkv(self.dtype), t.tiled_mma_dkv(self.dtype, dv),
             t.tiled_mma_dq(self.dtype),
@@ -339,7 +359,7 @@ class AttentionBackwardSm90:
         gQ_tma: cute.Tensor, gdO_tma: cute.Tensor, gK_tma: cute.Tensor, gV_tma: cute.Tensor,
         gLSE_tma: cute.Tensor, gDelta_tma: cute.Tensor, gdQ_tma: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
         mSemaphore: Optional[cute.Tensor], mTileCounter: Optional[cute.Tensor], mDqReady: Optional[cute.Tensor],
-        mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+        dq_first: tuple, mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
         mBias: Optional[cute.Tensor], grad_bias_tma: tuple, dkv_tma: Optional[tuple], tma_Q: cute.CopyAtom, tma_dO: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
         tma_LSE: cute.CopyAtom, tma_Delta: cute.CopyAtom, tma_dQ: cute.CopyAtom,
         sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
@@ -363,6 +383,8 @@ class AttentionBackwardSm90:
                 cpasync.prefetch_descriptor(atom)
             if const_expr(self.grad_bias):
                 cpasync.prefetch_descriptor(grad_bias_tma[0])
+            if const_expr(self.store_first):
+                cpasync.prefetch_descriptor(dq_first[1])
             if const_expr(t.dkv_by_tma):
                 cpasync.prefetch_descriptor(dkv_tma[0])
                 cpasync.prefetch_descriptor(dkv_tma[2])
@@ -434,16 +456,15 @@ class AttentionBackwardSm90:
             seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
             seqlen_k = mCuSeqlensK[batch + 1] - offset_k
         rows = (offset_q, offset_k)
-        m_min, m_max = self.m_block_range(n_block, seqlen_q, seqlen_k, window_size)
         # the CTA's work: (query head of the group, query block) pairs, heads outer
-        work = (head_kv, group, m_min, m_max)
+        work = self.work_of(n_block, head_kv, group, seqlen_q, seqlen_k, window_size)
 
         if const_expr(self.persistent):
             self.persistent_roles(
                 warp_idx, tidx, sched, group, seqlen_q, seqlen_k, window_size, softmax_scale, tiles_args,
                 (gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, sQ, sdO, sK, sV, sLSE, sDelta,
                  tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, pipe_q, pipe_do, pipe_kv),
-                (gdQ_tma, sdQ, tma_dQ, mSemaphore),
+                (gdQ_tma, sdQ, tma_dQ, mSemaphore, dq_first),
                 (sQ, sdO, sdS, sdQ, sLSE, sDelta, (mdK, mdV, dkv_tma), tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dv,
                  tiled_mma_dq, pipe_q, pipe_do, mbar_kv),
                 sdK_carry,
@@ -456,7 +477,7 @@ class AttentionBackwardSm90:
                           n_block, batch, work, rows)  # fmt: skip
             if warp_idx == 1:
                 self.store_dq(gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, work, rows, seqlen_q, seqlen_k,
-                              mDqReady)  # fmt: skip
+                              mDqReady, dq_first)  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             feat = self.features(mBias, grad_bias_tma, sKeep, rng, batch, group * sched[1])  # query heads
@@ -499,12 +520,16 @@ class AttentionBackwardSm90:
                     tile = self.fetch_tile(tiles_args, tile, step)
                 ring = self.publish_tile(tiles_args, total, ring)  # the end, for the other warps
             if warp_idx == 1:
-                gdQ_tma, sdQ, tma_dQ, mSemaphore = store_args
+                gdQ_tma, sdQ, tma_dQ, mSemaphore, dq_first = store_args
+                pending = Int32(-1)  # store_first: published across tiles
                 tile, ring = self.take_tile(tiles_args, first - step, step, ring)
                 while tile < total:
                     n_block, batch, work = self.tile_work(sched, tile, group, seqlen_q, seqlen_k, window_size)
-                    self.store_dq(gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, work, rows, seqlen_q, seqlen_k)
+                    pending = self.store_dq(gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, work, rows, seqlen_q,
+                                            seqlen_k, None, dq_first, pending)  # fmt: skip
                     tile, ring = self.take_tile(tiles_args, tile, step, ring)
+                if const_expr(self.store_first):
+                    self.publish_stored(dq_first[0], pending, cute.arch.lane_idx(), 0)
             if warp_idx >= DKV_STORE_WARPS[0]:
                 # each tile's dK / dV from the K / V buffer the consumers staged them in, while
                 # the consumers go on with the next tile; then the buffer is free for the producer
@@ -565,8 +590,18 @@ class AttentionBackwardSm90:
         """Persistent CTAs: (key block, batch, work) of tile ``tile``; work as ``kernel``'s:
         (key head, group, first and end query block)."""
         n_block, head_kv, batch = self.coords_of(sched, tile)
+        return n_block, batch, self.work_of(n_block, head_kv, group, seqlen_q, seqlen_k, window_size)
+
+    @cute.jit
+    def work_of(self, n_block, head_kv, group, seqlen_q, seqlen_k, window_size):
+        """(key head, group, first and end query block, rotation) of key block ``n_block``: its
+        steps walk the group's query heads, each from query block first + rotation round to
+        it (``work_item``; the rotation is 0 unless ``rotates``)."""
         m_min, m_max = self.m_block_range(n_block, seqlen_q, seqlen_k, window_size)
-        return n_block, batch, (head_kv, group, m_min, m_max)
+        rot = Int32(0)
+        if const_expr(self.rotates):
+            rot = n_block * (m_max - m_min) // cute.ceil_div(seqlen_k, self.tiles.tile_n)
+        return (head_kv, group, m_min, m_max, rot)
 
     @cute.jit
     def publish_tile(self, tiles_args, tile, ring):
@@ -683,19 +718,30 @@ class AttentionBackwardSm90:
     @cute.jit
     def work_item(self, work, i):
         """(query head, query block) of the CTA's i-th step."""
-        head_kv, group, m_min, m_max = work
+        head_kv, group, m_min, m_max, rot = work
         g = i // (m_max - m_min)
-        return head_kv * group + g, m_min + i - g * (m_max - m_min)
+        r = i - g * (m_max - m_min)
+        if const_expr(self.rotates):
+            r = r + rot
+            if r >= m_max - m_min:
+                r = r - (m_max - m_min)
+        return head_kv * group + g, m_min + r
 
     @cute.jit
     def next_work_item(self, work, head, m_block):
         """The step after (head, m_block) in ``work_item``'s order, without its division (the
         consumers carry the pair from step to step: ~20 instructions a step less)."""
-        _, _, m_min, m_max = work
+        _, _, m_min, m_max, rot = work
         m_block = m_block + 1
-        if m_block == m_max:
-            m_block = m_min
-            head = head + 1
+        if const_expr(self.rotates):
+            if m_block == m_max:
+                m_block = m_min
+            if m_block == m_min + rot:  # round to where the head began
+                head = head + 1
+        else:
+            if m_block == m_max:
+                m_block = m_min
+                head = head + 1
         return head, m_block
 
     # ---------------------------------------------------------------------------- producer
@@ -706,7 +752,7 @@ class AttentionBackwardSm90:
         """K / V, then each step's Q / LSE and dO / Δ. ``kv``: persistent CTAs' (K / V pipeline,
         its state, the Q / dO pipelines' state), both states returned advanced past the tile."""
         t = self.tiles
-        head_kv, group, m_min, m_max = work
+        head_kv, group, m_min, m_max, _ = work
         offset_q, offset_k = rows
         one = cute.make_layout(1)
         gK = cute.local_tile(self.seq_tile_view(gK_tma, head_kv, batch, offset_k), (t.tile_n, t.head_dim), (n_block, 0))
@@ -771,23 +817,38 @@ class AttentionBackwardSm90:
 
     @cute.jit
     def store_dq(self, gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, work, rows, seqlen_q, seqlen_k,
-                 mDqReady=None):  # fmt: skip
-        """Add each query block's dQ (staged in sdQ by the consumers) into the fp32 accumulator;
-        with ``dq_ready`` then count the key block into its (sequence, key head)'s counter."""
+                 mDqReady=None, dq_first=(None, None), pending=None):  # fmt: skip
+        """Add each query block's dQ (staged in sdQ by the consumers) into the fp32 accumulator
+        (``store_first``: store it where this CTA claimed the block); with ``dq_ready`` then
+        count the key block into its (sequence, key head)'s counter. ``pending`` (persistent
+        CTAs, store_first): the last stored block's flag of the tile before, published here;
+        this tile's is returned unpublished (the next tile's first handoff publishes it)."""
         t = self.tiles
-        head_kv, group, m_min, m_max = work
+        head_kv, group, m_min, m_max, _ = work
         # varlen: sequence b's accumulator rows start VARLEN_ACCUM_PAD * b rows further down
         acc_row0 = rows[0] + batch * VARLEN_ACCUM_PAD if const_expr(self.varlen) else rows[0]
         handoff = t.dq_handoff_threads
         am, an = t.dq_atoms
         sub = t.dq_sub_tile
         lane = cute.arch.lane_idx()
-        cute.arch.griddepcontrol_wait()  # the preprocess launch has zeroed the accumulator (PDL)
+        mDqFirst, tma_dQ_store = dq_first
+        # store_first: the flag of the block this CTA stored last, published once the next
+        # block's copies are issued (its store has landed by then: no wait on the handoff's path)
+        groups = 2 if const_expr(t.dq_per_wg) else 1  # bulk groups a block
+        carried = pending is not None
+        if const_expr(not carried):
+            pending = Int32(-1)
+        # the preprocess launch has zeroed the accumulator, or the store_first flags (PDL)
+        cute.arch.griddepcontrol_wait()
         for i in cutlass.range(group * (m_max - m_min), unroll=1):
             head, m_block = self.work_item(work, i)
             sem = None
             if const_expr(self.deterministic):
                 sem = mSemaphore.iterator + cute.crd2idx((m_block, head, batch), mSemaphore.layout)
+            flag = Int32(0)
+            claim = Int32(0)  # store_first: the flag's value before this CTA's claim (0: stored here)
+            if const_expr(self.store_first):
+                flag = Int32(cute.crd2idx((m_block, head, batch), mDqFirst.layout))
             if const_expr(t.dq_per_wg):
                 # each warpgroup's part of a block's dQ is its own reduce-add and handoff
                 gdQ = cute.local_tile(self.seq_tile_view(gdQ_tma, head, batch, acc_row0), sub, (None, None))  # (rows, cols, m, n)
@@ -798,6 +859,8 @@ class AttentionBackwardSm90:
                     for w in cutlass.range_constexpr(2):
                         cute.arch.cp_async_bulk_wait_group(2 * t.dq_stages - 1 - w, read=True)
                         cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY if w == 0 else BAR_DQ_EMPTY_WG1, number_of_threads=handoff)
+                    if const_expr(self.store_first):
+                        claim = self.claim_block(mDqFirst.iterator + flag, lane)
                 for w in cutlass.range_constexpr(2):
                     wm, wn = (w, 0) if am == 2 else (0, w)
                     sdQ_w = cute.local_tile(sdQ[None, None, i % t.dq_stages], sub, (wm, wn))
@@ -807,10 +870,14 @@ class AttentionBackwardSm90:
                         # this part's reduce-add dq_stages blocks back has read it (two groups a block)
                         cute.arch.cp_async_bulk_wait_group(2 * t.dq_stages - 1, read=True)
                         cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY if w == 0 else BAR_DQ_EMPTY_WG1, number_of_threads=handoff)
+                        if const_expr(self.store_first and w == 0):
+                            claim = self.claim_block(mDqFirst.iterator + flag, lane)
                     cute.arch.barrier(barrier_id=BAR_DQ_FULL if w == 0 else BAR_DQ_FULL_WG1, number_of_threads=handoff)
                     if const_expr(self.deterministic and w == 0):
                         self.wait_turn(sem, self.dq_turn(m_block, n_block, seqlen_q, seqlen_k), lane)
-                    cute.copy(tma_dQ, tdQs, tdQg[None, m_block * am + wm, wn])
+                    if const_expr(self.store_first and w == 0):
+                        claim, pending = self.wait_stored(mDqFirst, flag, claim, pending, lane)
+                    self.copy_dq(tma_dQ, tma_dQ_store, tdQs, tdQg[None, m_block * am + wm, wn], claim)
                     cute.arch.cp_async_bulk_commit_group()
             else:
                 gdQ = cute.local_tile(self.seq_tile_view(gdQ_tma, head, batch, acc_row0), (t.tile_m, t.head_dim), (m_block, 0))
@@ -819,16 +886,27 @@ class AttentionBackwardSm90:
                 # the buffer of this block is free once the reduce-add dq_stages blocks back has read it
                 cute.arch.cp_async_bulk_wait_group(t.dq_stages - 1, read=True)
                 cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY, number_of_threads=handoff)
+                if const_expr(self.store_first):
+                    claim = self.claim_block(mDqFirst.iterator + flag, lane)
                 cute.arch.barrier(barrier_id=BAR_DQ_FULL, number_of_threads=handoff)
                 if const_expr(self.deterministic):
                     self.wait_turn(sem, self.dq_turn(m_block, n_block, seqlen_q, seqlen_k), lane)
-                cute.copy(tma_dQ, tdQs[None, i % t.dq_stages], tdQg)
+                if const_expr(self.store_first):
+                    claim, pending = self.wait_stored(mDqFirst, flag, claim, pending, lane)
+                self.copy_dq(tma_dQ, tma_dQ_store, tdQs[None, i % t.dq_stages], tdQg, claim)
                 cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.store_first):
+                # the block stored a step back: its store is older than this block's groups
+                pending = self.publish_stored(mDqFirst, pending, lane, groups)
+                if claim == 0:
+                    pending = flag
             if const_expr(self.deterministic):
                 # the adds are done (written, not only read) before the next key block's turn
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
                 if lane == 0:
                     cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
+        if const_expr(self.store_first and not carried):
+            pending = self.publish_stored(mDqFirst, pending, lane, 0)
         if const_expr(self.dq_ready):
             cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds written, not only read
             self.count_dq_ready(mDqReady, Int32(cute.crd2idx((batch, head_kv), mDqReady.layout)), lane)
@@ -836,6 +914,62 @@ class AttentionBackwardSm90:
             # sdQ read before the CTA leaves; the adds themselves are complete with the grid
             # (the next kernel, convert_dq, is stream-ordered behind it), as after a TMA store
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+        return pending
+
+    @cute.jit
+    def claim_block(self, flag, lane):
+        """store_first: the block's flag before this CTA's compare-and-swap 0 -> 1, in lane 0
+        (0: this CTA stores the block's first dQ; 1: another CTA is storing it; 2: stored, add).
+        Issued once the staging buffer is handed back (a barrier arrive waits for the lane's
+        memory operations before it: ahead of it the round trip held up the consumers, H100
+        8x16x1024x64 -9%); the barrier for the staged dQ waits for it. ``wait_stored`` hands
+        the result to the warp."""
+        old = Int32(0)
+        if lane == 0:
+            # acquire: where the block is already stored (2), the adds come after that store
+            old = cute.arch.atomic_cas(flag, cmp=Int32(0), val=Int32(1), sem="acquire", scope="gpu")
+        return old
+
+    @cute.jit
+    def publish_stored(self, mDqFirst, pending, lane, newer: cutlass.Constexpr):
+        """store_first: mark the block of flag index ``pending`` (-1: none) stored once its
+        stores are written, all bulk groups but the ``newer`` last ones (a release after the async
+        proxy's writes, as count_dq_ready); returns -1."""
+        if pending >= 0:
+            cute.arch.cp_async_bulk_wait_group(newer, read=False)
+            cute.arch.fence_proxy("async.global")
+            if lane == 0:
+                cute.arch.store(mDqFirst.iterator + pending, Int32(2), sem="release", scope="gpu")
+            cute.arch.sync_warp()
+        return Int32(-1)
+
+    @cute.jit
+    def wait_stored(self, mDqFirst, flag, old, pending, lane):
+        """store_first, before a block's copies: (the claim's result for the warp, ``pending``).
+        Where another CTA claimed the block (1), this CTA's own stored block is published first
+        (so no two CTAs wait for each other), then the claimer's store is waited for: a claimer
+        publishes without waiting for any other CTA. The acquire orders the reduce-add after
+        the store, as deterministic mode's turns do."""
+        claim = cute.arch.shuffle_sync(old, 0)
+        if claim == 1:
+            pending = self.publish_stored(mDqFirst, pending, lane, 0)
+            if lane == 0:
+                while cute.arch.load(mDqFirst.iterator + flag, Int32, sem="acquire", scope="gpu") != 2:
+                    cute.arch.inline_ptx("nanosleep.u32 20;")
+            cute.arch.sync_warp()
+        return claim, pending
+
+    @cute.jit
+    def copy_dq(self, tma_dQ, tma_dQ_store, src, dst, claim):
+        """A block's dQ (part) into the accumulator: added, or stored where ``claim`` is 0
+        (store_first, this CTA claimed the block)."""
+        if const_expr(self.store_first):
+            if claim == 0:
+                cute.copy(tma_dQ_store, src, dst)
+            else:
+                cute.copy(tma_dQ, src, dst)
+        else:
+            cute.copy(tma_dQ, src, dst)
 
     @cute.jit
     def count_dq_ready(self, mDqReady, index, lane):
@@ -887,7 +1021,7 @@ class AttentionBackwardSm90:
         buffers): step 0 computes the previous tile's last dQ on its K, dS buffers and named
         barriers alternate with the CTA's step count, and dK is staged in a dS buffer."""
         t = self.tiles
-        head_kv, group, m_min, m_max = work
+        head_kv, group, m_min, m_max, _ = work
         steps = group * (m_max - m_min)
         wg = cute.arch.make_warp_uniform(tidx // 128)
         scale_log2 = softmax_scale * LOG2_E

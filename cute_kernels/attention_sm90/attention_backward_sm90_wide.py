@@ -45,7 +45,7 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
             window_size, feat):  # fmt: skip
         t = self.tiles
         d = t.head_dim
-        head_kv, group, m_min, m_max = work
+        head_kv, group, m_min, m_max, _ = work
         steps = group * (m_max - m_min)
         wg = cute.arch.make_warp_uniform(tidx // 128)
         scale_log2 = softmax_scale * LOG2_E
