@@ -1,6 +1,7 @@
 """Torch face of the Hopper-native attention backward (``cute_kernels.attention_sm90``).
 
-Three launches: our preprocess (Δ = rowsum(dO∘O) and a zeroed fp32 dQ accumulator),
+Three launches: our preprocess (Δ = rowsum(dO∘O) and a zeroed fp32 dQ accumulator, or
+with ``store_first`` an unzeroed one: the kernel stores each query block's first dQ),
 the sm90 kernel (dK, dV, dQ added into the accumulator), our ``convert_dq`` (where the
 kernel's last wave leaves multiprocessors idle, ``ConvertDQReady``: launched early, it
 converts each head once the kernel has counted all its key blocks; ``_overlaps_convert``).

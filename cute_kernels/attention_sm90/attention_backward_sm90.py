@@ -2,8 +2,9 @@
 
 The decomposition (warpgroups, products, shared-memory operands) is in
 ``layouts/attention_sm90.py``. Δ comes from our preprocess (``compute_dot_do_o``,
-which also zeroes the dQ accumulator) and dQ from our ``convert_dq``; this kernel adds
-``dS K`` of every (query block, key block) pair into the accumulator with TMA reduce-adds.
+which also zeroes the dQ accumulator unless ``store_first``) and dQ from our ``convert_dq``;
+this kernel adds ``dS K`` of every (query block, key block) pair into the accumulator with TMA
+reduce-adds (with ``store_first`` a query block's first one is a TMA store).
 
 Shared memory (one phase: everything lives for the whole CTA)::
 
