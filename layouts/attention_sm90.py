@@ -851,7 +851,7 @@ def attention_sm90_tiles(head_dim: int, *, head_dim_v: Optional[int] = None,
             fields.update(tile_m=80, dq_swapab=True, stats_early=False, pds_split=False)
             # store_first: H100, same run (zeroed accumulator / stored first, ms): 2x16x4096x128
             # 1.2653 / 1.2356, 4x16x2048x128 0.6720 / 0.6676, 1x16x8192x128 2.3986 / 2.3785,
-            # causal 0.7203 / 0.7165 (2x16x4096x128 gained 2.1-3.3% in four runs); at d64 it
+            # causal 0.7203 / 0.7165 (2x16x4096x128 gained 0.4-3.3% in five runs); at d64 it
             # cost 2.6-9% (8x16x1024x64 0.2203 / 0.2307, 16x16x512x64 0.1473 / 0.1611: notes.md)
             fields.update(store_first=True)
         if max(head_dim, dv) <= 64 and not bias_or_dropout:
