@@ -184,6 +184,14 @@ CARRY_DQ_MAX_STEPS = 8
 # adds have landed, behind those of the head's other key blocks into the same rows (H100,
 # 1x16x8192x128, 64 key blocks a head: the kernel 1-3% longer, as much as the overlap saves)
 DQ_READY_MAX_KEY_BLOCKS = 32
+# persistent CTAs over equal tiles zero the dQ accumulator themselves, a round of tiles ahead
+# (the kernel's zero_ahead), instead of the preprocess: it saves the preprocess's zeroing (a
+# fixed ~10 us at 32 MB) and costs a little per step, so the op takes it for tiles of at most
+# this many steps. H100, full backward, same process (ms, preprocess zeroes / kernel zeroes, two
+# runs; do_bench and CUDA-graph medians): 16x16x512x64 (4 steps) 0.1482 / 0.1420, 8x16x1024x64 (8)
+# 0.2202 / 0.2165, 4x16x2048x64 (16) 0.3851 / 0.3699, 2x16x4096x64 (32) 0.7075 / 0.6980 but graph
+# 0.7010 / 0.7026, 1x16x8192x64 (64) 1.3490 / 1.3665 (notes.md)
+ZERO_AHEAD_MAX_STEPS = 16
 SMEM_ALIGN = 1024  # bytes: every shared buffer starts on a whole 128-byte-swizzle period (8 x 128 B)
 SWIZZLE_ROW_BITS = (1024, 512, 256)  # the wgmma / TMA swizzle atoms' rows (128, 64, 32 bytes), widest first
 LPT_L2_BYTES = 24 << 20  # of the H100's 50 MiB L2: what a chunk of the heavy-first CTA order may keep in it

@@ -1,7 +1,8 @@
 """Torch face of the Hopper-native attention backward (``cute_kernels.attention_sm90``).
 
 Three launches: our preprocess (Δ = rowsum(dO∘O) and a zeroed fp32 dQ accumulator, or
-with ``store_first`` an unzeroed one: the kernel stores each query block's first dQ),
+with ``store_first`` an unzeroed one: the kernel stores each query block's first dQ; with
+``zero_ahead`` persistent CTAs zero it themselves, a tile ahead),
 the sm90 kernel (dK, dV, dQ added into the accumulator), our ``convert_dq`` (where the
 kernel's last wave leaves multiprocessors idle, ``ConvertDQReady``: launched early, it
 converts each head once the kernel has counted all its key blocks; ``_overlaps_convert``).
@@ -40,17 +41,18 @@ def _tiles(head_dim: int, head_dim_v: int, bias: bool, grad_bias: bool, dropout:
 def _build(dtype, head_dim: int, head_dim_v: int, mask_type: int, has_window: bool, arch: str,
            deterministic: bool = False, varlen: bool = False, has_bias: bool = False, grad_bias: bool = False,
            dropout: bool = False, carry_dq: bool = False, dq_ready: bool = False,
-           store_first: bool = False):  # fmt: skip
+           store_first: bool = False, zero_ahead: bool = False):  # fmt: skip
     """One configuration; ``head_dim`` is Dqk (Q, K), ``head_dim_v`` Dv (V, dO). The bias
     gradient leaves by TMA from a keys-contiguous dS tile (``ds_keys_contiguous``);
     ``carry_dq``: short tiles of persistent CTAs (``_carries_dq``); ``dq_ready``: the kernel
     counts each key block's dQ for ConvertDQReady behind it (``DQ_READY``); ``store_first``:
-    each query block's first dQ is stored, no zeroed accumulator (``_stores_first``)."""
+    each query block's first dQ is stored, no zeroed accumulator (``_stores_first``);
+    ``zero_ahead``: persistent CTAs zero the accumulator a tile ahead (``_zeroes_ahead``)."""
     tiles = _tiles(head_dim, head_dim_v, has_bias, grad_bias, dropout)
     # a head dim above 128: the 64 x 64 decomposition (P^T / dS^T through shared memory)
     cls = AttentionBackwardSm90Wide if isinstance(tiles, tiling.AttentionSm90WideTiles) else AttentionBackwardSm90
     kernel = cls(dtype, tiles, mask_type, has_window, deterministic, varlen, has_bias, grad_bias, dropout,
-                 carry_dq=carry_dq, dq_ready=dq_ready, store_first=store_first)  # fmt: skip
+                 carry_dq=carry_dq, dq_ready=dq_ready, store_first=store_first, zero_ahead=zero_ahead)  # fmt: skip
     b, h, hk, mq, mk = (cute.sym_int() for _ in range(5))
     # TMA: last stride 1, the other strides and the addresses multiples of TMA_ALIGN_BYTES
     vec, vec32 = tiling.tma_align_elems(dtype.width), tiling.tma_align_elems(32)
@@ -66,8 +68,8 @@ def _build(dtype, head_dim: int, head_dim_v: int, mask_type: int, has_window: bo
     dynamic = kernel.dynamic_tiles
     counter = cc.fake_tensor(cutlass.Int32, (1,), 1) if dynamic else None  # the tile counter, zeroed
     ready = cc.fake_tensor(cutlass.Int32, (seqs, hk), 1) if dq_ready else None  # dQ's key blocks per (sequence, key head)
-    # store_first: a flag per (batch, query head, query block), zeroed
-    first = cc.fake_tensor(cutlass.Int32, (b, h, cute.sym_int()), 1) if store_first else None
+    # store_first / zero_ahead: a flag per (batch, query head, query block), zeroed
+    first = cc.fake_tensor(cutlass.Int32, (b, h, cute.sym_int()), 1) if store_first or zero_ahead else None
     cu_q, cu_k = (cc.fake_tensor(cutlass.Int32, (cute.sym_int(),), 1) if varlen else None for _ in range(2))
     # the bias: any strides (0 for broadcast dims; read element by element); its gradient
     # dense rows (padded to 128 bits, as torch's) with any row stride
@@ -90,11 +92,11 @@ compiled = cc.CompileCache("attention_bwd_sm90", _build)
 def _config(dtype, head_dim: int, head_dim_v: int, mask_type: int, arch: str, *, window: bool = False,
             deterministic: bool = False, varlen: bool = False, bias: bool = False, grad_bias: bool = False,
             dropout: bool = False, carry_dq: bool = False, dq_ready: bool = False,
-            store_first: bool = False) -> tuple:  # fmt: skip
+            store_first: bool = False, zero_ahead: bool = False) -> tuple:  # fmt: skip
     """The ``compiled`` key (``_build``'s arguments, in order) of one configuration."""
     return (dtype, int(head_dim), int(head_dim_v), int(mask_type), bool(window), arch, bool(deterministic),
             bool(varlen), bool(bias), bool(grad_bias), bool(dropout), bool(carry_dq), bool(dq_ready),
-            bool(store_first))  # fmt: skip
+            bool(store_first), bool(zero_ahead))  # fmt: skip
 
 
 # convert_dq overlapping the kernel's last wave (_overlaps_convert): the kernel counts each key
@@ -131,6 +133,23 @@ def _stores_first(tiles, mask_type: int, window: bool, deterministic: bool, varl
     return STORE_FIRST and tiles.store_first and reached and not (window or deterministic or varlen) and rows_k > 0
 
 
+# persistent CTAs over equal tiles zero the dQ accumulator a tile ahead (_zeroes_ahead) instead
+# of the preprocess
+ZERO_AHEAD = True
+
+
+def _zeroes_ahead(schedule: str, store_first: bool, key_blocks: int, ctas: int, steps: int) -> bool:
+    """Whether the kernel zeroes the accumulator itself (``zero_ahead``): persistent CTAs over
+    equal tiles (schedule "persistent": no mask, so every query block has an owner among the key
+    blocks, and a CTA's next tile is known), where the kernel does not store first. A head's
+    tiles must lie within two rounds of the ``ctas`` CTAs (``key_blocks`` <= ``ctas``): a tile
+    waits for its head's blocks, zeroed by the CTAs that run their owners, one round ahead.
+    Only tiles of at most ``ZERO_AHEAD_MAX_STEPS`` ``steps`` (query heads x query blocks): the
+    saving is fixed, the cost per step."""
+    return (ZERO_AHEAD and schedule == "persistent" and not store_first and key_blocks <= ctas
+            and steps <= tiling.ZERO_AHEAD_MAX_STEPS)  # fmt: skip
+
+
 def _carries_dq(tiles, schedule: str, rows_q: int, group: int) -> bool:
     """Whether the kernel computes a tile's last dQ in the next tile's step 0: persistent CTAs
     over equal tiles (``schedule`` "persistent", AttentionBackwardSm90.tile_schedule) of at most
@@ -140,16 +159,19 @@ def _carries_dq(tiles, schedule: str, rows_q: int, group: int) -> bool:
 
 def _plan(dtype, head_dim: int, head_dim_v: int, mask_type: int, arch: str, *, window: bool, deterministic: bool,
           varlen: bool, bias: bool, grad_bias: bool, dropout: bool, rows_q: int, group: int,
-          rows_k: int) -> tuple:  # fmt: skip
+          rows_k: int, ctas: int) -> tuple:  # fmt: skip
     """(tiles, tile schedule, ``compiled`` key) of one call: the choices made per call from the
-    configuration and the query rows (``carry_dq``) and key rows (``dq_ready``)."""
+    configuration, the query rows (``carry_dq``), the key rows (``dq_ready``, ``zero_ahead``)
+    and the persistent grid's CTAs (``zero_ahead``)."""
     tiles = _tiles(head_dim, head_dim_v, bias, grad_bias, dropout)
     schedule = AttentionBackwardSm90.tile_schedule(tiles, mask_type, window, deterministic, varlen, bias, dropout)
     carry = _carries_dq(tiles, schedule, rows_q, group)
+    first = _stores_first(tiles, mask_type, window, deterministic, varlen, rows_q, rows_k)
     key = _config(dtype, head_dim, head_dim_v, mask_type, arch, window=window, deterministic=deterministic,
                   varlen=varlen, bias=bias, grad_bias=grad_bias, dropout=dropout, carry_dq=carry,
                   dq_ready=_overlaps_convert(schedule, mask_type, deterministic, -(-rows_k // tiles.tile_n)),
-                  store_first=_stores_first(tiles, mask_type, window, deterministic, varlen, rows_q, rows_k))  # fmt: skip
+                  store_first=first, zero_ahead=_zeroes_ahead(schedule, first, -(-rows_k // tiles.tile_n), ctas,
+                                                                    group * -(-rows_q // tiles.tile_m)))  # fmt: skip
     return tiles, schedule, key
 
 
@@ -159,6 +181,8 @@ def compile_for_benchmark_cases(cases, arch: str) -> int:
     of the path; none for an arch other than sm_90a (the path does not run there)."""
     if arch != "sm_90a":
         return 0
+    # the persistent grid of the GPU the suite runs on (without one, the H100's)
+    ctas = PERSISTENT_CTAS or (cc.num_sms(torch.cuda.current_device()) if torch.cuda.is_available() else H100_SMS)
     keys = set()
     for (_, _, s, d), dtype_name, causal, *feature in cases:
         if d not in tiling.HEAD_DIMS:
@@ -169,7 +193,7 @@ def compile_for_benchmark_cases(cases, arch: str) -> int:
         keys.add(_plan(cc.cute_dtype(getattr(torch, dtype_name)), d, d, 1 if causal else 0, arch, window=False,
                        deterministic=False, varlen=False, bias=feature in ("bias", "bias_grad"),
                        grad_bias=feature == "bias_grad", dropout=feature == "dropout", rows_q=s, group=1,
-                       rows_k=s)[2])  # fmt: skip
+                       rows_k=s, ctas=ctas)[2])  # fmt: skip
     for key in sorted(keys, key=str):
         compiled(*key)
     return len(keys)
@@ -221,6 +245,7 @@ def _heads_per_chunk(tiles, rows_q: int, rows_k: int, group: int, pairs: int, qu
 # determinism, bias or dropout): how many; None for one per multiprocessor. Tests set a small
 # count so that every CTA walks several tiles.
 PERSISTENT_CTAS: Optional[int] = None
+H100_SMS = 132  # (compile_for_benchmark_cases without a GPU)
 
 
 def _persistent_ctas(query: Tensor) -> int:
@@ -232,7 +257,7 @@ def _persistent_ctas(query: Tensor) -> int:
 
 
 def _new_dq_accum(shape, device) -> Tensor:
-    """The fp32 dQ accumulator of a ``store_first`` call, not zeroed (tests fill it with NaN)."""
+    """The fp32 dQ accumulator of a ``store_first`` or ``zero_ahead`` call, not zeroed (tests fill it with NaN)."""
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 
@@ -290,11 +315,12 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     tiles, schedule, config = _plan(cc.cute_dtype(query.dtype), d, d_v, mask_type, arch, window=window > 0,
                                     deterministic=deterministic, varlen=varlen, bias=bias is not None,
                                     grad_bias=grad_bias is not None, dropout=dropout, rows_q=rows_q,
-                                    group=h // key.shape[2], rows_k=rows_k)  # fmt: skip
+                                    group=h // key.shape[2], rows_k=rows_k, ctas=_persistent_ctas(query))  # fmt: skip
     fn = compiled(*config)
     # _config's last fields: the kernel counts dQ's key blocks for ConvertDQReady; it stores each
-    # query block's first dQ (the accumulator is not zeroed)
-    dq_ready, store_first = config[-2:]
+    # query block's first dQ, or zeroes the accumulator itself (either way the preprocess does not)
+    dq_ready, store_first, zero_ahead = config[-3:]
+    unzeroed = store_first or zero_ahead
     # whatever touches the stream goes before the preprocess: the kernel is launched right
     # behind it (programmatic dependent launch, see the kernel's module)
     semaphore = None
@@ -303,16 +329,16 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     counter = ready = first = None
     if schedule == "dynamic":
         counter = torch.zeros(1, dtype=torch.int32, device=query.device)  # the persistent CTAs' tile counter
-    # ConvertDQReady's tile counter and the kernel's counts, the store_first flags: one zeroed buffer
+    # ConvertDQReady's tile counter and the kernel's counts, the store_first / zero_ahead flags: one zeroed buffer
     hk, blocks_q = key.shape[2], -(-rows_q // tiles.tile_m)
     n_ready = 1 + seqs * hk if dq_ready else 0
-    n_first = b * h * blocks_q if store_first else 0
+    n_first = b * h * blocks_q if unzeroed else 0
     if n_ready + n_first:
         flags = torch.zeros(n_ready + n_first, dtype=torch.int32, device=query.device)
         if dq_ready:
             # a head is complete once every key block of the grid (ceil(rows_k / tile_n)) is counted
             ready = (flags[:1], flags[1:n_ready].view(seqs, hk), h // hk, -(-rows_k // tiles.tile_n))
-        if store_first:
+        if unzeroed:
             first = flags[n_ready:].view(b, h, blocks_q)
     chunk = _heads_per_chunk(tiles, rows_q, rows_k, h // key.shape[2], seqs * key.shape[2], query, mask_type, window,
                              deterministic, varlen)  # fmt: skip
@@ -324,8 +350,8 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     # Δ from out / dO (Dv wide), the zeroed dQ accumulator as query (Dqk wide), the LSE in
     # the kernel's log2 units: one launch
     delta, dq_accum, lse_log2 = _preprocess_impl(pack(out), pack(grad_out), 1.0, cu_seqlens_q, max_seqlen_q,
-                                                 not store_first, dq_head_dim=d, lse=logsumexp)  # fmt: skip
-    if store_first:  # every block's first dQ is stored there: no zeros needed
+                                                 not unzeroed, dq_head_dim=d, lse=logsumexp)  # fmt: skip
+    if unzeroed:  # every block's first dQ is stored there, or the kernel zeroes it
         dq_accum = _new_dq_accum(dq_accum_shape(b, sq, h, d), query.device)
     zero_blind_delta(delta, mask_type, window, sq, sk, cu_seqlens_q, cu_seqlens_k)  # O may be unwritten there
     fn(query, key, value, grad_out, lse_log2, delta, dq_accum.unsqueeze(0) if varlen else dq_accum,

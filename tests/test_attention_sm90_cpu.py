@@ -382,11 +382,12 @@ def test_config_key_follows_build_and_the_benchmark_precompiles_it(monkeypatch):
     monkeypatch.setattr(tiling, "CARRY_DQ_MAX_STEPS", 8)
     params = list(inspect.signature(S._build).parameters)
     key = S._config("dt", 128, 64, 2, "sm_90a", window=True, deterministic=True, varlen=True, bias=True,
-                    grad_bias=True, dropout=True, carry_dq=True, dq_ready=True, store_first=True)  # fmt: skip
+                    grad_bias=True, dropout=True, carry_dq=True, dq_ready=True, store_first=True,
+                    zero_ahead=True)  # fmt: skip
     assert len(key) == len(params) and dict(zip(params, key)) == dict(
         dtype="dt", head_dim=128, head_dim_v=64, mask_type=2, has_window=True, arch="sm_90a", deterministic=True,
         varlen=True, has_bias=True, grad_bias=True, dropout=True, carry_dq=True, dq_ready=True,
-        store_first=True)  # fmt: skip
+        store_first=True, zero_ahead=True)  # fmt: skip
     seen = []
     monkeypatch.setattr(S, "compiled", lambda *k: seen.append(k))
     cases = [((2, 16, 4096, 128), "bfloat16", True), ((2, 16, 4096, 128), "bfloat16", False, "bias_grad"),
@@ -397,8 +398,8 @@ def test_config_key_follows_build_and_the_benchmark_precompiles_it(monkeypatch):
         S._config(cutlass.BFloat16, 128, 128, 1, "sm_90a", store_first=True),
         S._config(cutlass.BFloat16, 128, 128, 0, "sm_90a", bias=True, grad_bias=True, dq_ready=True),
         S._config(cutlass.Float16, 64, 64, 0, "sm_90a", dropout=True, dq_ready=True),
-        S._config(cutlass.BFloat16, 64, 64, 0, "sm_90a", carry_dq=True),  # 8 steps a tile
-        S._config(cutlass.BFloat16, 64, 64, 0, "sm_90a"),  # 32
+        S._config(cutlass.BFloat16, 64, 64, 0, "sm_90a", carry_dq=True, zero_ahead=True),  # 8 steps a tile
+        S._config(cutlass.BFloat16, 64, 64, 0, "sm_90a"),  # 32 (over ZERO_AHEAD_MAX_STEPS)
     ], key=str)  # fmt: skip
 
 
@@ -752,7 +753,7 @@ def test_host_sizes_gradients_by_their_head_dims(monkeypatch, head_dim, head_dim
     dq, dk, dv, db = S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 1)
     # (only d128's own tiles store each block's first dQ: none of these pairs)
     assert keys == [(cutlass.BFloat16, head_dim, head_dim_v, 1, False, "sm_90a", False, False, False, False, False, False,
-                     False, False)]  # fmt: skip
+                     False, False, False)]  # fmt: skip
     assert db is None
     ((q_, k_, v_, do_, lse, delta, acc, dk_, dv_, *_),) = launches
     # the LSE in log2 units from the preprocess launch, shaped as Δ
@@ -783,7 +784,7 @@ def test_convert_overlaps_where_the_grid_has_an_idle_tail(monkeypatch, mask_type
     monkeypatch.setattr(P, "_convert_dq_impl", convert)
     q, k, v, do, o = _problem(h=4, hk=2, d=128, dv=128)
     S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, mask_type, deterministic=deterministic)
-    assert keys[-1][-2] is overlaps  # (_config's last field is store_first)
+    assert keys[-1][-3] is overlaps  # (_config's last fields are store_first, zero_ahead)
     counts = launches[-1][11]
     if not overlaps:
         assert counts is None and readies == [None]
@@ -800,7 +801,7 @@ def test_convert_overlaps_where_the_grid_has_an_idle_tail(monkeypatch, mask_type
     keys.clear()
     q, k, v, do, o = _problem(h=4, hk=2, d=64, dv=64)
     S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, mask_type, deterministic=deterministic)
-    assert keys[-1][-2] is (deterministic and overlaps)
+    assert keys[-1][-3] is (deterministic and overlaps)
 
 
 def test_dq_ready_needs_a_cta_per_tile():
@@ -863,7 +864,7 @@ def test_store_first_call_hands_over_flags_not_zeros(monkeypatch):
         acc.shape[0], sq, acc.shape[2], d, dtype=BF16))  # fmt: skip
     q, k, v, do, o = _problem(h=4, hk=2, d=128, dv=128)
     S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
-    assert keys[-1][-1] is True and zeroing == [False]
+    assert keys[-1][-2] is True and zeroing == [False]
     acc, counts, flags = launches[-1][6], launches[-1][11], launches[-1][12]
     blocks = -(-q.shape[1] // tiling.attention_sm90_tiles(128).tile_m)
     assert acc.shape[1] >= q.shape[1] and acc.dtype == torch.float32  # (TMA clips a block past its rows)
@@ -871,7 +872,7 @@ def test_store_first_call_hands_over_flags_not_zeros(monkeypatch):
     assert flags.data_ptr() == counts.data_ptr() + 4 * counts.numel()
     monkeypatch.setattr(S, "STORE_FIRST", False)
     S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
-    assert keys[-1][-1] is False and zeroing == [False, True] and launches[-1][12] is None
+    assert keys[-1][-2] is False and zeroing == [False, True] and launches[-1][12] is None
 
 
 @pytest.mark.compile
@@ -885,6 +886,71 @@ def test_compiles_store_first(config):
     d, dv, mask, ready, carry, bias = config
     assert callable(S._build(cutlass.BFloat16, d, dv, mask, False, "sm_90a", False, False, bias, bias, False,
                              carry, ready, True))  # fmt: skip
+
+
+def test_zero_ahead_where_persistent_ctas_know_their_next_tile():
+    """The kernel zeroes the accumulator itself only on persistent CTAs over equal tiles (no
+    mask: every query block has an owner, and a CTA's next tile is c + grid), never beside
+    store_first, and only while a head's key blocks fit the grid (a tile waits for blocks
+    zeroed a round ahead); the key blocks share a head's query blocks, each owned once."""
+    from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
+
+    most = tiling.ZERO_AHEAD_MAX_STEPS
+    assert S._zeroes_ahead("persistent", False, 8, 132, 8) and S._zeroes_ahead("persistent", False, 132, 132, most)
+    assert not S._zeroes_ahead("persistent", False, 133, 132, 8)  # 16896+ keys a head on an H100
+    assert not S._zeroes_ahead("persistent", False, 8, 132, most + 1)  # long tiles: the per-step cost wins
+    assert not S._zeroes_ahead("dynamic", False, 8, 132, 8) and not S._zeroes_ahead("grid", False, 8, 132, 8)
+    assert not S._zeroes_ahead("persistent", True, 8, 132, 8)
+    t64, t128 = tiling.attention_sm90_tiles(64), tiling.attention_sm90_tiles(128)
+    assert AttentionBackwardSm90(cutlass.BFloat16, t64, 0, zero_ahead=True).zero_ahead
+    for args, kw in (((t64, 1), {}), ((t128, 0), {}), ((t64, 0), dict(store_first=True)),
+                     ((t64, 0), dict(varlen=True)), ((t64, 0), dict(deterministic=True))):  # fmt: skip
+        with pytest.raises(ValueError, match="zero_ahead"):
+            AttentionBackwardSm90(cutlass.BFloat16, *args, zero_ahead=True, **kw)
+    # the shares (owned_blocks' arithmetic): contiguous, every query block once
+    for m_blocks in range(1, 20):
+        for n_blocks in range(1, 20):
+            owned = []
+            for n in range(n_blocks):
+                lo = (n * m_blocks + n_blocks - 1) // n_blocks
+                hi = ((n + 1) * m_blocks + n_blocks - 1) // n_blocks
+                owned += range(lo, hi)
+            assert owned == list(range(m_blocks))
+
+
+def test_zero_ahead_call_hands_over_flags_not_zeros(monkeypatch):
+    """A d64 call without a mask on a GPU of 132 multiprocessors: an unzeroed accumulator, no
+    zeroing asked of the preprocess, a zeroed flag per (batch, query head, query block); with
+    fewer CTAs than a head's key blocks the preprocess zeroes it as before."""
+    from ops import attention_bwd_prepost as P
+
+    keys, launches, zeroing = [], [], []
+    monkeypatch.setattr(cc, "device_arch", lambda index: "sm_90a")
+    monkeypatch.setattr(S, "PERSISTENT_CTAS", 132)
+    pre = P._preprocess_impl
+    monkeypatch.setattr(P, "_preprocess_impl", lambda *a, **kw: zeroing.append(a[5]) or pre(*a, **kw))
+    monkeypatch.setattr(P, "launch_preprocess", lambda *a: None)
+    monkeypatch.setattr(S, "compiled", lambda *key: keys.append(key) or (lambda *a: launches.append(a)))
+    monkeypatch.setattr(P, "_convert_dq_impl", lambda acc, scale, d, sq, *r, ready=None: torch.zeros(
+        acc.shape[0], sq, acc.shape[2], d, dtype=BF16))  # fmt: skip
+    q, k, v, do, o = _problem(h=4, hk=2, d=64, dv=64)
+    S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
+    assert keys[-1][-1] is True and keys[-1][-2] is False and zeroing == [False]
+    acc, flags = launches[-1][6], launches[-1][12]
+    blocks = -(-q.shape[1] // tiling.attention_sm90_tiles(64).tile_m)
+    assert acc.shape[1] >= q.shape[1] and acc.dtype == torch.float32
+    assert flags.shape == (2, 4, blocks) and flags.dtype == torch.int32 and not flags.any()
+    monkeypatch.setattr(S, "PERSISTENT_CTAS", 1)  # 2 key blocks a head (130 keys)
+    S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
+    assert keys[-1][-1] is False and zeroing == [False, True] and launches[-1][12] is None
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("carry", [False, True])
+def test_compiles_zero_ahead(carry):
+    """zero_ahead where the op takes it: d64 persistent CTAs without a mask, with and without carry_dq."""
+    assert callable(S._build(cutlass.BFloat16, 64, 64, 0, False, "sm_90a", False, False, False, False, False,
+                             carry, False, False, True))  # fmt: skip
 
 
 # ------------------------------------------------------------------------ dispatch
@@ -1199,15 +1265,17 @@ def test_suite_compile_only_covers_ours_sm90(monkeypatch):
     assert attention_bwd.compile_only("sm_90a") == len(seen["mem_eff"]) + len(seen["sm90"])
     bf16 = cutlass.BFloat16
     # (dtype, Dqk, Dv, mask type, has_window, arch, deterministic, varlen, bias, bias gradient, dropout, carry_dq,
-    # dq_ready, store_first): the one d64 case without a mask (8x16x1024x64) has 8 steps a tile: it carries dQ
+    # dq_ready, store_first, zero_ahead): the one d64 case without a mask (8x16x1024x64) has 8 steps a tile: it carries dQ
     # where 8 steps do; d128 without a mask (a CTA per tile in launch order) overlaps convert_dq; d128's
-    # tiles without a bias or dropout store each query block's first dQ (tiles.store_first; Sq == Sk)
+    # tiles without a bias or dropout store each query block's first dQ (tiles.store_first; Sq == Sk); d64's
+    # persistent CTAs without a mask zero the accumulator themselves (8 key blocks a head, 132 CTAs)
     carry, first = tiling.CARRY_DQ_MAX_STEPS >= 8, S.STORE_FIRST and tiling.attention_sm90_tiles(128).store_first
     plain = {(bf16, d, d, m, False, "sm_90a", False, False, False, False, False, carry and d == 64 and m == 0,
-              d == 128 and m == 0, first and d == 128) for d in (64, 128) for m in (0, 1)}  # fmt: skip
+              d == 128 and m == 0, first and d == 128, S.ZERO_AHEAD and d == 64 and m == 0)
+             for d in (64, 128) for m in (0, 1)}  # fmt: skip
     # 1x16x8192x128: 64 key blocks a head, more than DQ_READY_MAX_KEY_BLOCKS
-    plain.add((bf16, 128, 128, 0, False, "sm_90a", False, False, False, False, False, False, False, first))
-    features = {(bf16, 128, 128, 0, False, "sm_90a", False, False) + f + (False, True, False)
+    plain.add((bf16, 128, 128, 0, False, "sm_90a", False, False, False, False, False, False, False, first, False))
+    features = {(bf16, 128, 128, 0, False, "sm_90a", False, False) + f + (False, True, False, False)
                 for f in ((True, False, False), (True, True, False), (False, False, True))}  # fmt: skip
     assert set(seen["sm90"]) == plain | features
     seen["sm90"].clear()

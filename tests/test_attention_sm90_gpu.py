@@ -23,6 +23,8 @@
   convert's, three runs against fp64;
 * store_first (each query block's first dQ stored): the accumulator handed over full of NaN,
   three runs against fp64 and the zeroed accumulator's run;
+* zero_ahead (persistent CTAs zero the accumulator a tile ahead): the same, over grids of 1 to
+  132 CTAs, key blocks owning several query blocks or none;
 * layouts: contiguous [B, S, H, D], [B, H, S, D] transposed views, packed QKV;
 * Dqk != Dv (every supported pair, both dtypes, masks, grouped heads) against fp64 and the
   memory-efficient kernel; with a window, deterministic mode and packed sequences too.
@@ -627,11 +629,56 @@ def test_store_first_needs_no_zeroed_accumulator(case, monkeypatch):
     runs = [backward("sm90", q, k, v, do, out, lse, mask_type) for _ in range(3)]
     assert len(poisoned) == 3, "store_first was not taken"
     monkeypatch.setattr(S, "STORE_FIRST", False)
+    monkeypatch.setattr(S, "ZERO_AHEAD", False)  # (the preprocess zeroes it)
     zeroed = backward("sm90", q, k, v, do, out, lse, mask_type)
     assert len(poisoned) == 3
     for i, got in enumerate(runs + [zeroed]):
         for name, g, r, like, floor in zip(("dq", "dk", "dv"), got, ref, (q, k, v), floors):
             check(f"{name} [{_grouped_id(case[:8] + (0,))}] run {i}", g, r, like, dtype, floor)
+
+
+# (dtype, B, H, Hk, Sq, Sk, D, persistent CTAs or None): d64 without a mask (persistent CTAs over
+# equal tiles), a head's key blocks within the grid, so the op asks for zero_ahead
+ZERO_AHEAD_CASES = [
+    (BF16, 2, 4, 4, 1024, 384, 64, 3),  # 3 key blocks owning 2-3 query blocks each, 8 tiles a CTA, carry_dq
+    (F16, 1, 4, 2, 700, 900, 64, None),  # grouped heads, 8 key blocks over 6 query blocks (some own none)
+    (BF16, 1, 2, 2, 300, 3000, 64, 30),  # 24 key blocks a head on 30 CTAs: a head's tiles over two rounds
+    (BF16, 1, 2, 2, 2000, 200, 64, 2),  # 2 CTAs, tiles of 16 steps (no carry_dq)
+    (BF16, 4, 16, 16, 1024, 1024, 64, None),  # the whole device, 512 tiles
+]
+
+
+@pytest.mark.parametrize("case", ZERO_AHEAD_CASES, ids=[_grouped_id(c[:7] + (0, 0)) for c in ZERO_AHEAD_CASES])
+def test_zero_ahead_needs_no_zeroed_accumulator(case, monkeypatch):
+    """zero_ahead: persistent CTAs zero each query block's accumulator rows a tile before the
+    block's first add, so the accumulator is handed to the kernel full of NaN; dQ / dK / dV
+    against fp64 (a block zeroed late, or added before its zeros, is off by whole blocks or
+    NaN) and the preprocess-zeroed run, in three runs."""
+    from ops import attention_sm90 as S
+
+    dtype, b, h, hk, sq, sk, d, ctas = case
+    if ctas is not None:
+        monkeypatch.setattr(S, "PERSISTENT_CTAS", ctas)
+    poisoned = []
+
+    def nan_accum(shape, device):
+        poisoned.append(shape)
+        return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
+
+    monkeypatch.setattr(S, "_new_dq_accum", nan_accum)
+    q, _, _, do = make_inputs(b, h, sq, sk, d, dtype, seed=sq + 3 * h)
+    _, k, v, _ = make_inputs(b, hk, sq, sk, d, dtype, seed=sk + 3 * hk)
+    out, lse = _padded_ref_forward(q, k, v, 0, 0)
+    ref = attention_backward_ref(q, k, v, do, custom_mask_type=0)
+    floors = rounding_floors(q, k, do, out, dtype)
+    runs = [backward("sm90", q, k, v, do, out, lse, 0) for _ in range(3)]
+    assert len(poisoned) == 3, "zero_ahead was not taken"
+    monkeypatch.setattr(S, "ZERO_AHEAD", False)
+    zeroed = backward("sm90", q, k, v, do, out, lse, 0)
+    assert len(poisoned) == 3
+    for i, got in enumerate(runs + [zeroed]):
+        for name, g, r, like, floor in zip(("dq", "dk", "dv"), got, ref, (q, k, v), floors):
+            check(f"{name} [{_grouped_id(case[:7] + (0, 0))}] run {i}", g, r, like, dtype, floor)
 
 
 def test_deterministic_follows_torch_flag():

@@ -146,12 +146,23 @@ class AttentionBackwardSm90:
     published. A zeroed int32 per (batch, query head, query block) is 0 (free), 1 (claimed by
     the CTA storing it) or 2 (stored). The dQ-store warp claims a block by compare-and-swap
     before its dQ is staged; without a mask key block n walks its query blocks from
-    n * blocks / key blocks on (``work_item``), so claims rarely meet."""
+    n * blocks / key blocks on (``work_item``), so claims rarely meet.
+
+    ``zero_ahead`` (persistent CTAs over equal tiles, "persistent" schedule): the accumulator is
+    not zeroed by the preprocess either; the kernel zeroes it a tile ahead. Each query block is
+    owned by one key block of its head (a contiguous share, ``owned_blocks``); the producer
+    warpgroup's dK / dV store warps, idle while a tile runs, zero the blocks their CTA's next tile
+    owns (the first tile's at the CTA's start) and count each into its flag (a zeroed int32 per
+    (batch, query head, query block); each warp zeroes half of the rows and adds 1, release).
+    The dQ-store warp reads a tile's flags 32 blocks at a time, without waiting, and waits for
+    a block not yet seen zeroed only when its copy is due (``wait_zeroed``). A tile waits for
+    blocks owned by its head's other tiles, zeroed a round ahead, so the caller keeps a head's
+    key blocks within the grid (no tile waits for one its own CTA runs later)."""
 
     def __init__(self, dtype, tiles: AttentionSm90Tiles, mask_type: int, has_window: bool = False,
                  deterministic: bool = False, varlen: bool = False, has_bias: bool = False,
                  grad_bias: bool = False, dropout: bool = False, carry_dq: bool = False,
-                 dq_ready: bool = False, store_first: bool = False):  # fmt: skip
+                 dq_ready: bool = False, store_first: bool = False, zero_ahead: bool = False):  # fmt: skip
         if has_window and mask_type == 0:
             raise ValueError("a sliding window needs a causal mask (mask_type 1 or 2)")
         if grad_bias and not has_bias:
@@ -201,6 +212,10 @@ class AttentionBackwardSm90:
         # query blocks, so each block's first writer is nearly always alone there (a causal
         # mask staggers them already: key block n starts at its diagonal)
         self.rotates = store_first and mask_type == 0
+        if zero_ahead and (schedule != "persistent" or store_first):
+            # a CTA's next tile is known (c, c + grid, ...) and every block gets an owner
+            raise ValueError(f"zero_ahead needs persistent CTAs over equal tiles (schedule {schedule!r}), not store_first")
+        self.zero_ahead = zero_ahead
         if varlen and tiles.tile_m > VARLEN_ACCUM_PAD:
             raise ValueError(f"tile_m {tiles.tile_m} overruns the dQ accumulator's {VARLEN_ACCUM_PAD} rows of slack")
 
@@ -257,7 +272,7 @@ class AttentionBackwardSm90:
         mLSE, mDelta = [select_modes(x, (2, 1, 0)) for x in (mLSE, mDelta)]
         if const_expr(self.deterministic):
             mSemaphore = select_modes(mSemaphore, (2, 1, 0))  # (query blocks, heads, batch)
-        if const_expr(self.store_first):
+        if const_expr(self.store_first or self.zero_ahead):
             mDqFirst = select_modes(mDqFirst, (2, 1, 0))  # (query blocks, heads, batch)
 
         sQ_layout = t.smem_layout_q(self.dtype)
@@ -345,7 +360,7 @@ class AttentionBackwardSm90:
             rng = (philox_seed, philox_offset, dropout_p, dropout_scale, dropout_bh_elems)
         self.kernel(
             gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, gdQ_tma, mdK, mdV, mSemaphore, mTileCounter,
-            mDqReady, (mDqFirst, tma_dQ_store), mCuSeqlensQ, mCuSeqlensK, mBias, (tma_dB, gdB_tma), dkv_tma, tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ,
+            mDqReady, (mDqFirst, tma_dQ_store, mdQaccum), mCuSeqlensQ, mCuSeqlensK, mBias, (tma_dB, gdB_tma), dkv_tma, tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, sStat_layout,
             t.tiled_mma_sdp(self.dtype), t.tiled_mma_dkv(self.dtype), t.tiled_mma_dkv(self.dtype, dv),
             t.tiled_mma_dq(self.dtype),
@@ -542,7 +557,16 @@ class AttentionBackwardSm90:
                 store_tidx = tidx - 32 * DKV_STORE_WARPS[0]
                 done = Int32(0)  # carry_dq: the steps of the tiles before (dK's dS buffer)
                 tile, ring = self.take_tile(tiles_args, first - step, step, ring)
+                zeroing = warp_idx - DKV_STORE_WARPS[0]  # zero_ahead: this warp's half of a block
+                if const_expr(self.zero_ahead):
+                    cute.arch.griddepcontrol_wait()  # (the flags' zeroing is before the preprocess)
+                    if tile < total:
+                        self.zero_owned(store_args[4], sched, tile, group, seqlen_q, seqlen_k, zeroing)
                 while tile < total:
+                    if const_expr(self.zero_ahead):
+                        # the CTA's next tile: its blocks zeroed a tile before anyone adds there
+                        if tile + step < total:
+                            self.zero_owned(store_args[4], sched, tile + step, group, seqlen_q, seqlen_k, zeroing)
                     n_block, batch, work = self.tile_work(sched, tile, group, seqlen_q, seqlen_k, window_size)
                     head_kv = work[0]
                     b = kv_state.index
@@ -832,7 +856,7 @@ class AttentionBackwardSm90:
         am, an = t.dq_atoms
         sub = t.dq_sub_tile
         lane = cute.arch.lane_idx()
-        mDqFirst, tma_dQ_store = dq_first
+        mDqFirst, tma_dQ_store = dq_first[0], dq_first[1]
         # store_first: the flag of the block this CTA stored last, published once the next
         # block's copies are issued (its store has landed by then: no wait on the handoff's path)
         groups = 2 if const_expr(t.dq_per_wg) else 1  # bulk groups a block
@@ -841,6 +865,7 @@ class AttentionBackwardSm90:
             pending = Int32(-1)
         # the preprocess launch has zeroed the accumulator, or the store_first flags (PDL)
         cute.arch.griddepcontrol_wait()
+        seen = Int32(0)  # zero_ahead: the blocks of the current 32-block window seen zeroed
         for i in cutlass.range(group * (m_max - m_min), unroll=1):
             head, m_block = self.work_item(work, i)
             sem = None
@@ -862,6 +887,7 @@ class AttentionBackwardSm90:
                         cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY if w == 0 else BAR_DQ_EMPTY_WG1, number_of_threads=handoff)
                     if const_expr(self.store_first):
                         claim = self.claim_block(mDqFirst.iterator + flag, lane)
+                    seen = self.wait_zeroed(mDqFirst, work, batch, i, seen, lane)
                 for w in cutlass.range_constexpr(2):
                     wm, wn = (w, 0) if am == 2 else (0, w)
                     sdQ_w = cute.local_tile(sdQ[None, None, i % t.dq_stages], sub, (wm, wn))
@@ -873,6 +899,8 @@ class AttentionBackwardSm90:
                         cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY if w == 0 else BAR_DQ_EMPTY_WG1, number_of_threads=handoff)
                         if const_expr(self.store_first and w == 0):
                             claim = self.claim_block(mDqFirst.iterator + flag, lane)
+                        if const_expr(w == 0):
+                            seen = self.wait_zeroed(mDqFirst, work, batch, i, seen, lane)
                     cute.arch.barrier(barrier_id=BAR_DQ_FULL if w == 0 else BAR_DQ_FULL_WG1, number_of_threads=handoff)
                     if const_expr(self.deterministic and w == 0):
                         self.wait_turn(sem, self.dq_turn(m_block, n_block, seqlen_q, seqlen_k), lane)
@@ -889,6 +917,7 @@ class AttentionBackwardSm90:
                 cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY, number_of_threads=handoff)
                 if const_expr(self.store_first):
                     claim = self.claim_block(mDqFirst.iterator + flag, lane)
+                seen = self.wait_zeroed(mDqFirst, work, batch, i, seen, lane)
                 cute.arch.barrier(barrier_id=BAR_DQ_FULL, number_of_threads=handoff)
                 if const_expr(self.deterministic):
                     self.wait_turn(sem, self.dq_turn(m_block, n_block, seqlen_q, seqlen_k), lane)
@@ -916,6 +945,85 @@ class AttentionBackwardSm90:
             # (the next kernel, convert_dq, is stream-ordered behind it), as after a TMA store
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         return pending
+
+    @cute.jit
+    def wait_zeroed(self, mFlags, work, batch, i, seen, lane):
+        """zero_ahead, before the copies of a tile's block ``i``: returns ``seen``, a bit per block
+        of i's 32-block window whose flag read complete (both zeroing warps counted). Each window
+        is read once, at its first block, without waiting; a block not seen then is waited for
+        only when its copy is due (its owner may run a little behind: waiting for every block
+        at the tile's start held up the first one behind the latest owner). An acquire is
+        followed by a proxy fence: the reduce-adds (async proxy) after the zeros (generic
+        stores). Placed where claim_block is: after the staging buffer's handback."""
+        if const_expr(self.zero_ahead):
+            done = Int32(len(DKV_STORE_WARPS))
+            w = cyclic(i, 32)
+            if w == 0:
+                j = i + lane
+                ok = Int32(1)
+                if j < work[1] * (work[3] - work[2]):
+                    ok = Int32(cute.arch.load(self.zero_flag(mFlags, work, batch, j), Int32, sem="acquire",
+                                              scope="gpu") == done)  # fmt: skip
+                seen = cute.arch.vote_ballot_sync(ok != 0)
+                cute.arch.fence_proxy("async.global")
+            if (seen >> w) & 1 == 0:
+                if lane == 0:
+                    flag = self.zero_flag(mFlags, work, batch, i)
+                    while cute.arch.load(flag, Int32, sem="acquire", scope="gpu") != done:
+                        cute.arch.inline_ptx("nanosleep.u32 20;")
+                cute.arch.sync_warp()
+                cute.arch.fence_proxy("async.global")
+        return seen
+
+    @cute.jit
+    def zero_flag(self, mFlags, work, batch, j):
+        """zero_ahead: the flag of the tile's j-th block (``work_item``'s order, no rotation)."""
+        head_kv, group, m_min, m_max, _ = work
+        blocks = m_max - m_min
+        g = j // blocks
+        m = m_min + j - g * blocks
+        return mFlags.iterator + cute.crd2idx((m, head_kv * group + g, batch), mFlags.layout)
+
+    @cute.jit
+    def owned_blocks(self, n_block, seqlen_q, seqlen_k):
+        """zero_ahead: the query blocks key block ``n_block`` zeroes, [lo, hi) (of every query
+        head of its group): the key blocks split a head's query blocks into contiguous shares,
+        each block owned once (none where there are more key blocks than query blocks)."""
+        t = self.tiles
+        m_blocks = cute.ceil_div(seqlen_q, t.tile_m)
+        n_blocks = cute.ceil_div(seqlen_k, t.tile_n)
+        lo = (n_block * m_blocks + n_blocks - 1) // n_blocks
+        hi = ((n_block + 1) * m_blocks + n_blocks - 1) // n_blocks
+        return lo, hi
+
+    @cute.jit
+    def zero_owned(self, dq_first, sched, tile, group, seqlen_q, seqlen_k, part):
+        """zero_ahead: zero the accumulator blocks tile ``tile`` owns; this warp (``part`` of the
+        two zeroing warps) writes its half of each block's rows by 16-byte stores, then counts
+        the block into its flag (release: the warp's stores are ordered before it by the warp's
+        barrier)."""
+        t = self.tiles
+        mFlags, _, mAcc = dq_first
+        n_block, head_kv, batch = self.coords_of(sched, tile)
+        lo, hi = self.owned_blocks(n_block, seqlen_q, seqlen_k)
+        rows = t.tile_m // len(DKV_STORE_WARPS)
+        zero_copy = t.s2g_copy_dkv(Float32, t.head_dim, 32)
+        lane = cute.arch.lane_idx()
+        thr = zero_copy.get_slice(lane)
+        for g in cutlass.range(group, unroll=1):
+            head = head_kv * group + g
+            for m in cutlass.range(lo, hi, unroll=1):
+                gHalf = cute.local_tile(mAcc[None, None, head, batch], (rows, t.head_dim),
+                                        (m * len(DKV_STORE_WARPS) + part, 0))  # fmt: skip
+                tG = thr.partition_D(gHalf)
+                zeros = cute.make_fragment_like(tG[None, 0, None])
+                zeros.fill(0.0)
+                for r in cutlass.range(cute.size(tG, mode=[1]), unroll=1):
+                    cute.copy(zero_copy, zeros, tG[None, r, None])
+                cute.arch.sync_warp()
+                if lane == 0:
+                    flag = mFlags.iterator + cute.crd2idx((m, head, batch), mFlags.layout)
+                    cute.arch.atomic_add(flag, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
     def claim_block(self, flag, lane):
