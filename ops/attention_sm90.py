@@ -143,7 +143,9 @@ def _zeroes_ahead(schedule: str, store_first: bool, key_blocks: int, ctas: int, 
     equal tiles (schedule "persistent": no mask, so every query block has an owner among the key
     blocks, and a CTA's next tile is known), where the kernel does not store first. A head's
     tiles must lie within two rounds of the ``ctas`` CTAs (``key_blocks`` <= ``ctas``): a tile
-    waits for its head's blocks, zeroed by the CTAs that run their owners, one round ahead.
+    adds into its head's blocks, zeroed by the CTAs that run their owners one round ahead;
+    beyond that the dQ-store warps would find most blocks untouched and zero them late
+    themselves (correct, as when a CTA is not resident, but slow).
     Only tiles of at most ``ZERO_AHEAD_MAX_STEPS`` ``steps`` (query heads x query blocks): the
     saving is fixed, the cost per step."""
     return (ZERO_AHEAD and schedule == "persistent" and not store_first and key_blocks <= ctas

@@ -645,20 +645,28 @@ ZERO_AHEAD_CASES = [
     (BF16, 1, 2, 2, 300, 3000, 64, 30),  # 24 key blocks a head on 30 CTAs: a head's tiles over two rounds
     (BF16, 1, 2, 2, 2000, 200, 64, 2),  # 2 CTAs, tiles of 16 steps (no carry_dq)
     (BF16, 4, 16, 16, 1024, 1024, 64, None),  # the whole device, 512 tiles
+    # fewer CTAs than a head's key blocks (forced: the op would not take it): a tile's blocks whose
+    # owners the same CTA runs later are zeroed by its dQ-store warp, as for a CTA not resident
+    (BF16, 1, 2, 2, 1000, 1024, 64, 1),
+    (F16, 2, 4, 2, 512, 1500, 64, 5),
 ]
 
 
 @pytest.mark.parametrize("case", ZERO_AHEAD_CASES, ids=[_grouped_id(c[:7] + (0, 0)) for c in ZERO_AHEAD_CASES])
 def test_zero_ahead_needs_no_zeroed_accumulator(case, monkeypatch):
-    """zero_ahead: persistent CTAs zero each query block's accumulator rows a tile before the
-    block's first add, so the accumulator is handed to the kernel full of NaN; dQ / dK / dV
-    against fp64 (a block zeroed late, or added before its zeros, is off by whole blocks or
-    NaN) and the preprocess-zeroed run, in three runs."""
+    """zero_ahead: persistent CTAs zero each query block's accumulator rows a round of tiles
+    before the block's first add (or the dQ-store warp does, at the add, where the owner has not
+    got there), so the accumulator is handed to the kernel full of NaN; dQ / dK / dV against fp64
+    (a block zeroed twice or late, or added before its zeros, is off by whole blocks or NaN) and
+    the preprocess-zeroed run, in three runs."""
     from ops import attention_sm90 as S
 
     dtype, b, h, hk, sq, sk, d, ctas = case
     if ctas is not None:
         monkeypatch.setattr(S, "PERSISTENT_CTAS", ctas)
+        ahead = S._zeroes_ahead
+        monkeypatch.setattr(S, "_zeroes_ahead", lambda schedule, first, blocks, n, steps: ahead(
+            schedule, first, min(blocks, n), n, steps))  # fmt: skip
     poisoned = []
 
     def nan_accum(shape, device):

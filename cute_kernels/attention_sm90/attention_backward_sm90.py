@@ -152,12 +152,14 @@ class AttentionBackwardSm90:
     not zeroed by the preprocess either; the kernel zeroes it a tile ahead. Each query block is
     owned by one key block of its head (a contiguous share, ``owned_blocks``); the producer
     warpgroup's dK / dV store warps, idle while a tile runs, zero the blocks their CTA's next tile
-    owns (the first tile's at the CTA's start) and count each into its flag (a zeroed int32 per
-    (batch, query head, query block); each warp zeroes half of the rows and adds 1, release).
-    The dQ-store warp reads a tile's flags 32 blocks at a time, without waiting, and waits for
-    a block not yet seen zeroed only when its copy is due (``wait_zeroed``). A tile waits for
-    blocks owned by its head's other tiles, zeroed a round ahead, so the caller keeps a head's
-    key blocks within the grid (no tile waits for one its own CTA runs later)."""
+    owns (the first tile's at the CTA's start), each block claimed on its flag first (a zeroed
+    int32 per (batch, query head, query block): 0 untouched, 1 being zeroed, 2 zeroed). The
+    dQ-store warp reads a tile's flags 32 blocks at a time, without waiting, and looks at a
+    block not yet seen zeroed again only when its copy is due (``wait_zeroed``): still untouched,
+    it zeroes the block itself, so no CTA ever waits for one that has not started (persistent
+    CTAs need not all be resident); being zeroed, it waits for the running zeroing warp. Blocks
+    owned by a head's other tiles are zeroed a round ahead as long as a head's key blocks fit
+    the grid, which the caller keeps (else the store warps would zero most blocks late)."""
 
     def __init__(self, dtype, tiles: AttentionSm90Tiles, mask_type: int, has_window: bool = False,
                  deterministic: bool = False, varlen: bool = False, has_bias: bool = False,
@@ -887,7 +889,7 @@ class AttentionBackwardSm90:
                         cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY if w == 0 else BAR_DQ_EMPTY_WG1, number_of_threads=handoff)
                     if const_expr(self.store_first):
                         claim = self.claim_block(mDqFirst.iterator + flag, lane)
-                    seen = self.wait_zeroed(mDqFirst, work, batch, i, seen, lane)
+                    seen = self.wait_zeroed(dq_first, work, batch, i, seen, lane)
                 for w in cutlass.range_constexpr(2):
                     wm, wn = (w, 0) if am == 2 else (0, w)
                     sdQ_w = cute.local_tile(sdQ[None, None, i % t.dq_stages], sub, (wm, wn))
@@ -900,7 +902,7 @@ class AttentionBackwardSm90:
                         if const_expr(self.store_first and w == 0):
                             claim = self.claim_block(mDqFirst.iterator + flag, lane)
                         if const_expr(w == 0):
-                            seen = self.wait_zeroed(mDqFirst, work, batch, i, seen, lane)
+                            seen = self.wait_zeroed(dq_first, work, batch, i, seen, lane)
                     cute.arch.barrier(barrier_id=BAR_DQ_FULL if w == 0 else BAR_DQ_FULL_WG1, number_of_threads=handoff)
                     if const_expr(self.deterministic and w == 0):
                         self.wait_turn(sem, self.dq_turn(m_block, n_block, seqlen_q, seqlen_k), lane)
@@ -917,7 +919,7 @@ class AttentionBackwardSm90:
                 cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY, number_of_threads=handoff)
                 if const_expr(self.store_first):
                     claim = self.claim_block(mDqFirst.iterator + flag, lane)
-                seen = self.wait_zeroed(mDqFirst, work, batch, i, seen, lane)
+                seen = self.wait_zeroed(dq_first, work, batch, i, seen, lane)
                 cute.arch.barrier(barrier_id=BAR_DQ_FULL, number_of_threads=handoff)
                 if const_expr(self.deterministic):
                     self.wait_turn(sem, self.dq_turn(m_block, n_block, seqlen_q, seqlen_k), lane)
@@ -947,33 +949,37 @@ class AttentionBackwardSm90:
         return pending
 
     @cute.jit
-    def wait_zeroed(self, mFlags, work, batch, i, seen, lane):
+    def wait_zeroed(self, dq_first, work, batch, i, seen, lane):
         """zero_ahead, before the copies of a tile's block ``i``: returns ``seen``, a bit per block
-        of i's 32-block window whose flag read complete (both zeroing warps counted). Each window
-        is read once, at its first block, without waiting; a block not seen then is waited for
-        only when its copy is due (its owner may run a little behind: waiting for every block
-        at the tile's start held up the first one behind the latest owner). The zeros (generic
-        stores) and the reduce-adds (async proxy) are fenced on both sides: the zeroing warps
-        before their release (``zero_owned``), this warp after its acquire (measured: the same
-        speed with the writers' fence alone). Placed where claim_block is: after the staging
+        of i's 32-block window whose flag read zeroed (2). Each window is read once, at its first
+        block, without waiting; a block not seen then is looked at again only when its copy is
+        due (its owner may run a little behind: waiting for every block at the tile's start held
+        up the first one behind the latest owner). A block still untouched then (0: its owner's
+        CTA may not even be resident, e.g. beside another kernel or under MPS) is zeroed here
+        (``zero_block`` claims it first); one being zeroed (1) is waited for, its zeroing warp is
+        running. The zeros (generic stores) and the reduce-adds (async proxy) are fenced on both
+        sides: the zeroing warp before its release, this warp after its acquire (measured: the
+        same speed with the writers' fence alone). Placed where claim_block is: after the staging
         buffer's handback."""
         if const_expr(self.zero_ahead):
-            done = Int32(len(DKV_STORE_WARPS))
+            mFlags = dq_first[0]
             w = cyclic(i, 32)
             if w == 0:
                 j = i + lane
                 ok = Int32(1)
                 if j < work[1] * (work[3] - work[2]):
                     ok = Int32(cute.arch.load(self.zero_flag(mFlags, work, batch, j), Int32, sem="acquire",
-                                              scope="gpu") == done)  # fmt: skip
+                                              scope="gpu") == 2)  # fmt: skip
                 seen = cute.arch.vote_ballot_sync(ok != 0)
                 cute.arch.fence_proxy("async.global")
             if (seen >> w) & 1 == 0:
-                if lane == 0:
-                    flag = self.zero_flag(mFlags, work, batch, i)
-                    while cute.arch.load(flag, Int32, sem="acquire", scope="gpu") != done:
-                        cute.arch.inline_ptx("nanosleep.u32 20;")
-                cute.arch.sync_warp()
+                head, m_block = self.work_item(work, i)
+                if not self.zero_block(dq_first, head, batch, m_block, lane):
+                    if lane == 0:
+                        flag = self.zero_flag(mFlags, work, batch, i)
+                        while cute.arch.load(flag, Int32, sem="acquire", scope="gpu") != 2:
+                            cute.arch.inline_ptx("nanosleep.u32 20;")
+                    cute.arch.sync_warp()
                 cute.arch.fence_proxy("async.global")
         return seen
 
@@ -1000,35 +1006,44 @@ class AttentionBackwardSm90:
 
     @cute.jit
     def zero_owned(self, dq_first, sched, tile, group, seqlen_q, seqlen_k, part):
-        """zero_ahead: zero the accumulator blocks tile ``tile`` owns; this warp (``part`` of the
-        two zeroing warps) writes its half of each block's rows by 16-byte stores, fences them
-        for the async proxy, then counts the block into its flag (release: the warp's barrier
-        orders its lanes' stores before lane 0's release)."""
-        t = self.tiles
-        mFlags, _, mAcc = dq_first
+        """zero_ahead: zero the accumulator blocks tile ``tile`` owns, the two zeroing warps taking
+        every other one (``part``); a block someone else claimed is skipped."""
         n_block, head_kv, batch = self.coords_of(sched, tile)
         lo, hi = self.owned_blocks(n_block, seqlen_q, seqlen_k)
-        rows = t.tile_m // len(DKV_STORE_WARPS)
-        zero_copy = t.s2g_copy_dkv(Float32, t.head_dim, 32)
         lane = cute.arch.lane_idx()
-        thr = zero_copy.get_slice(lane)
-        for g in cutlass.range(group, unroll=1):
-            head = head_kv * group + g
-            for m in cutlass.range(lo, hi, unroll=1):
-                gHalf = cute.local_tile(mAcc[None, None, head, batch], (rows, t.head_dim),
-                                        (m * len(DKV_STORE_WARPS) + part, 0))  # fmt: skip
-                tG = thr.partition_D(gHalf)
-                zeros = cute.make_fragment_like(tG[None, 0, None])
-                zeros.fill(0.0)
-                for r in cutlass.range(cute.size(tG, mode=[1]), unroll=1):
-                    cute.copy(zero_copy, zeros, tG[None, r, None])
-                # the zeros (generic proxy) ordered before the reduce-adds (async proxy) that the
-                # flag releases, as threads fence their shared-memory writes before a TMA store
-                cute.arch.fence_proxy("async.global")
-                cute.arch.sync_warp()
-                if lane == 0:
-                    flag = mFlags.iterator + cute.crd2idx((m, head, batch), mFlags.layout)
-                    cute.arch.atomic_add(flag, Int32(1), sem="release", scope="gpu")
+        for k in cutlass.range(part, group * (hi - lo), len(DKV_STORE_WARPS), unroll=1):
+            g = k // (hi - lo)
+            self.zero_block(dq_first, head_kv * group + g, batch, lo + k - g * (hi - lo), lane)
+
+    @cute.jit
+    def zero_block(self, dq_first, head, batch, m_block, lane):
+        """zero_ahead: claim query block ``m_block`` of ``head`` (its flag 0 -> 1, compare-and-swap)
+        and, if this warp got it, zero its accumulator rows by 16-byte stores, fence them for the
+        async proxy and publish it (release 2: the warp's barrier orders its lanes' stores before
+        lane 0's release). Returns whether this warp zeroed it."""
+        t = self.tiles
+        mFlags, mAcc = dq_first[0], dq_first[2]
+        flag = mFlags.iterator + cute.crd2idx((m_block, head, batch), mFlags.layout)
+        old = Int32(0)
+        if lane == 0:
+            old = cute.arch.atomic_cas(flag, cmp=Int32(0), val=Int32(1), sem="relaxed", scope="gpu")
+        mine = cute.arch.shuffle_sync(old, 0) == 0
+        if mine:
+            zero_copy = t.s2g_copy_dkv(Float32, t.head_dim, 32)
+            tG = zero_copy.get_slice(lane).partition_D(
+                cute.local_tile(mAcc[None, None, head, batch], (t.tile_m, t.head_dim), (m_block, 0)))
+            zeros = cute.make_fragment_like(tG[None, 0, None])
+            zeros.fill(0.0)
+            for r in cutlass.range(cute.size(tG, mode=[1]), unroll=1):
+                cute.copy(zero_copy, zeros, tG[None, r, None])
+            # the zeros (generic proxy) ordered before the reduce-adds (async proxy) that the flag
+            # releases, as threads fence their shared-memory writes before a TMA store
+            cute.arch.fence_proxy("async.global")
+            cute.arch.sync_warp()
+            if lane == 0:
+                cute.arch.store(flag, Int32(2), sem="release", scope="gpu")
+            cute.arch.sync_warp()
+        return mine
 
     @cute.jit
     def claim_block(self, flag, lane):
