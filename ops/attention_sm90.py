@@ -2,7 +2,7 @@
 
 Three launches: our preprocess (Δ = rowsum(dO∘O) and a zeroed fp32 dQ accumulator, or
 with ``store_first`` an unzeroed one: the kernel stores each query block's first dQ; with
-``zero_ahead`` persistent CTAs zero it themselves, a tile ahead),
+``zero_ahead`` persistent CTAs zero it themselves, a round of tiles ahead),
 the sm90 kernel (dK, dV, dQ added into the accumulator), our ``convert_dq`` (where the
 kernel's last wave leaves multiprocessors idle, ``ConvertDQReady``: launched early, it
 converts each head once the kernel has counted all its key blocks; ``_overlaps_convert``).
@@ -47,7 +47,7 @@ def _build(dtype, head_dim: int, head_dim_v: int, mask_type: int, has_window: bo
     ``carry_dq``: short tiles of persistent CTAs (``_carries_dq``); ``dq_ready``: the kernel
     counts each key block's dQ for ConvertDQReady behind it (``DQ_READY``); ``store_first``:
     each query block's first dQ is stored, no zeroed accumulator (``_stores_first``);
-    ``zero_ahead``: persistent CTAs zero the accumulator a tile ahead (``_zeroes_ahead``)."""
+    ``zero_ahead``: persistent CTAs zero the accumulator a round of tiles ahead (``_zeroes_ahead``)."""
     tiles = _tiles(head_dim, head_dim_v, has_bias, grad_bias, dropout)
     # a head dim above 128: the 64 x 64 decomposition (P^T / dS^T through shared memory)
     cls = AttentionBackwardSm90Wide if isinstance(tiles, tiling.AttentionSm90WideTiles) else AttentionBackwardSm90
@@ -133,8 +133,8 @@ def _stores_first(tiles, mask_type: int, window: bool, deterministic: bool, varl
     return STORE_FIRST and tiles.store_first and reached and not (window or deterministic or varlen) and rows_k > 0
 
 
-# persistent CTAs over equal tiles zero the dQ accumulator a tile ahead (_zeroes_ahead) instead
-# of the preprocess
+# persistent CTAs over equal tiles zero the dQ accumulator a round of tiles ahead (_zeroes_ahead)
+# instead of the preprocess
 ZERO_AHEAD = True
 
 

@@ -149,7 +149,7 @@ class AttentionBackwardSm90:
     n * blocks / key blocks on (``work_item``), so claims rarely meet.
 
     ``zero_ahead`` (persistent CTAs over equal tiles, "persistent" schedule): the accumulator is
-    not zeroed by the preprocess either; the kernel zeroes it a tile ahead. Each query block is
+    not zeroed by the preprocess either; the kernel zeroes it a round of tiles ahead. Each query block is
     owned by one key block of its head (a contiguous share, ``owned_blocks``); the producer
     warpgroup's dK / dV store warps, idle while a tile runs, zero the blocks their CTA's next tile
     owns (the first tile's at the CTA's start), each block claimed on its flag first (a zeroed
@@ -244,13 +244,14 @@ class AttentionBackwardSm90:
         mdO: cute.Tensor,  # [B, Sq, H, Dv]
         mLSE: cute.Tensor,  # [B, H, >= Sq] fp32, in log2 units: LSE * log2(e) (varlen: [sequences, H, >= max_seqlen_q])
         mDelta: cute.Tensor,  # [B, H, >= Sq] fp32 (varlen: as LSE)
-        mdQaccum: cute.Tensor,  # [B, round_up(Sq, tile_m), H, D] fp32, zeroed unless store_first (varlen: [1, total_q + pad * sequences, H, D])
+        mdQaccum: cute.Tensor,  # [B, round_up(Sq, tile_m), H, D] fp32, zeroed unless store_first / zero_ahead (varlen: [1, total_q + pad * sequences, H, D])
         mdK: cute.Tensor,  # [B, Sk, Hk, D]
         mdV: cute.Tensor,  # [B, Sk, Hk, Dv]
         mSemaphore: Optional[cute.Tensor],  # [B, H, query blocks] int32, zeroed (deterministic), or None
         mTileCounter: Optional[cute.Tensor],  # [1] int32, zeroed (tile_schedule "dynamic"), or None
         mDqReady: Optional[cute.Tensor],  # [sequences, Hk] int32, zeroed (dq_ready): key blocks whose dQ is added
-        mDqFirst: Optional[cute.Tensor],  # [B, H, query blocks] int32, zeroed (store_first): 0 free, 1 claimed, 2 stored
+        # [B, H, query blocks] int32, zeroed: store_first 0 free, 1 claimed, 2 stored; zero_ahead 0 untouched, 1 being zeroed, 2 zeroed
+        mDqFirst: Optional[cute.Tensor],
         mCuSeqlensQ: Optional[cute.Tensor],  # [sequences + 1] int32 (varlen), or None
         mCuSeqlensK: Optional[cute.Tensor],
         mBias: Optional[cute.Tensor],  # [B, H, Sq, Sk] (has_bias), or None
@@ -559,14 +560,14 @@ class AttentionBackwardSm90:
                 store_tidx = tidx - 32 * DKV_STORE_WARPS[0]
                 done = Int32(0)  # carry_dq: the steps of the tiles before (dK's dS buffer)
                 tile, ring = self.take_tile(tiles_args, first - step, step, ring)
-                zeroing = warp_idx - DKV_STORE_WARPS[0]  # zero_ahead: this warp's half of a block
+                zeroing = warp_idx - DKV_STORE_WARPS[0]  # zero_ahead: this warp's share of the owned blocks
                 if const_expr(self.zero_ahead):
                     cute.arch.griddepcontrol_wait()  # (the flags' zeroing is before the preprocess)
                     if tile < total:
                         self.zero_owned(store_args[4], sched, tile, group, seqlen_q, seqlen_k, zeroing)
                 while tile < total:
                     if const_expr(self.zero_ahead):
-                        # the CTA's next tile: its blocks zeroed a tile before anyone adds there
+                        # the CTA's next tile's blocks: the tiles that add there run a round later
                         if tile + step < total:
                             self.zero_owned(store_args[4], sched, tile + step, group, seqlen_q, seqlen_k, zeroing)
                     n_block, batch, work = self.tile_work(sched, tile, group, seqlen_q, seqlen_k, window_size)
