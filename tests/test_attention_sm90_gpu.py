@@ -23,8 +23,9 @@
   convert's, three runs against fp64;
 * store_first (each query block's first dQ stored): the accumulator handed over full of NaN,
   three runs against fp64 and the zeroed accumulator's run;
-* zero_ahead (persistent CTAs zero the accumulator a tile ahead): the same, over grids of 1 to
-  132 CTAs, key blocks owning several query blocks or none;
+* zero_ahead (persistent CTAs zero the accumulator a round of tiles ahead): the same, over grids
+  of 1 to 132 CTAs, key blocks owning several query blocks or none, and grids smaller than a
+  head's key blocks (the dQ-store warp zeroing the blocks nobody has reached);
 * layouts: contiguous [B, S, H, D], [B, H, S, D] transposed views, packed QKV;
 * Dqk != Dv (every supported pair, both dtypes, masks, grouped heads) against fp64 and the
   memory-efficient kernel; with a window, deterministic mode and packed sequences too.
