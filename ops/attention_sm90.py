@@ -66,7 +66,8 @@ def _build(dtype, head_dim: int, head_dim_v: int, mask_type: int, has_window: bo
     dq_accum = cc.fake_tensor(cutlass.Float32, (b, cute.sym_int(), h, head_dim), vec32)
     semaphore = cc.fake_tensor(cutlass.Int32, (seqs, h, cute.sym_int()), 1) if deterministic else None
     dynamic = kernel.dynamic_tiles
-    counter = cc.fake_tensor(cutlass.Int32, (1,), 1) if dynamic else None  # the tile counter, zeroed
+    # the tile counter, zeroed (causal zero_ahead: and the zeroing jobs' counter)
+    counter = cc.fake_tensor(cutlass.Int32, (2 if zero_ahead else 1,), 1) if dynamic else None
     ready = cc.fake_tensor(cutlass.Int32, (seqs, hk), 1) if dq_ready else None  # dQ's key blocks per (sequence, key head)
     # store_first / zero_ahead: a flag per (batch, query head, query block), zeroed
     first = cc.fake_tensor(cutlass.Int32, (b, h, cute.sym_int()), 1) if store_first or zero_ahead else None
@@ -133,23 +134,30 @@ def _stores_first(tiles, mask_type: int, window: bool, deterministic: bool, varl
     return STORE_FIRST and tiles.store_first and reached and not (window or deterministic or varlen) and rows_k > 0
 
 
-# persistent CTAs over equal tiles zero the dQ accumulator a round of tiles ahead (_zeroes_ahead)
-# instead of the preprocess
+# persistent CTAs zero the dQ accumulator themselves instead of the preprocess (_zeroes_ahead):
+# over equal tiles a round of tiles ahead, causal ones (tiles from a counter) every block at the
+# kernel's start from a counter of zeroing jobs
 ZERO_AHEAD = True
+ZERO_AHEAD_CAUSAL = True
 
 
-def _zeroes_ahead(schedule: str, store_first: bool, key_blocks: int, ctas: int, steps: int) -> bool:
-    """Whether the kernel zeroes the accumulator itself (``zero_ahead``): persistent CTAs over
-    equal tiles (schedule "persistent": no mask, so every query block has an owner among the key
-    blocks, and a CTA's next tile is known), where the kernel does not store first. A head's
-    tiles must lie within two rounds of the ``ctas`` CTAs (``key_blocks`` <= ``ctas``): a tile
-    adds into its head's blocks, zeroed by the CTAs that run their owners one round ahead;
-    beyond that the dQ-store warps would find most blocks untouched and zero them late
-    themselves (correct, as when a CTA is not resident, but slow).
-    Only tiles of at most ``ZERO_AHEAD_MAX_STEPS`` ``steps`` (query heads x query blocks): the
-    saving is fixed, the cost per step."""
-    return (ZERO_AHEAD and schedule == "persistent" and not store_first and key_blocks <= ctas
-            and steps <= tiling.ZERO_AHEAD_MAX_STEPS)  # fmt: skip
+def _zeroes_ahead(schedule: str, store_first: bool, key_blocks: int, ctas: int, steps: int,
+                  reached: bool = True) -> bool:  # fmt: skip
+    """Whether the kernel zeroes the accumulator itself (``zero_ahead``), where it does not store
+    first and every query block is ``reached`` by some key block (no window; bottom-right only
+    with Sq <= Sk). Persistent CTAs over equal tiles (schedule "persistent", no mask) zero their
+    next tile's blocks a round ahead; a head's tiles must lie within two rounds of the ``ctas``
+    CTAs (``key_blocks`` <= ``ctas``), beyond that the dQ-store warps would find most blocks
+    untouched and zero them late themselves (correct, as when a CTA is not resident, but slow);
+    tiles of at most ``ZERO_AHEAD_MAX_STEPS`` ``steps`` (query heads x query blocks): the saving
+    is fixed, the cost per step. Causal tiles from the counter (schedule "dynamic"): the zeroing
+    warps of every CTA zero all blocks at the kernel's start, in the walk's head order, from a
+    counter of jobs (``ZERO_AHEAD_CAUSAL``)."""
+    if not ZERO_AHEAD or store_first or not reached:
+        return False
+    if schedule == "persistent":
+        return key_blocks <= ctas and steps <= tiling.ZERO_AHEAD_MAX_STEPS
+    return schedule == "dynamic" and ZERO_AHEAD_CAUSAL
 
 
 def _carries_dq(tiles, schedule: str, rows_q: int, group: int) -> bool:
@@ -172,8 +180,9 @@ def _plan(dtype, head_dim: int, head_dim_v: int, mask_type: int, arch: str, *, w
     key = _config(dtype, head_dim, head_dim_v, mask_type, arch, window=window, deterministic=deterministic,
                   varlen=varlen, bias=bias, grad_bias=grad_bias, dropout=dropout, carry_dq=carry,
                   dq_ready=_overlaps_convert(schedule, mask_type, deterministic, -(-rows_k // tiles.tile_n)),
-                  store_first=first, zero_ahead=_zeroes_ahead(schedule, first, -(-rows_k // tiles.tile_n), ctas,
-                                                                    group * -(-rows_q // tiles.tile_m)))  # fmt: skip
+                  store_first=first, zero_ahead=_zeroes_ahead(
+                      schedule, first, -(-rows_k // tiles.tile_n), ctas, group * -(-rows_q // tiles.tile_m),
+                      reached=not window and (mask_type != 2 or rows_q <= rows_k)))  # fmt: skip
     return tiles, schedule, key
 
 
@@ -329,19 +338,23 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     if deterministic:
         semaphore = torch.zeros((seqs, h, -(-rows_q // tiles.tile_m)), dtype=torch.int32, device=query.device)
     counter = ready = first = None
-    if schedule == "dynamic":
-        counter = torch.zeros(1, dtype=torch.int32, device=query.device)  # the persistent CTAs' tile counter
-    # ConvertDQReady's tile counter and the kernel's counts, the store_first / zero_ahead flags: one zeroed buffer
+    # one zeroed int32 buffer: the persistent CTAs' tile counter (schedule "dynamic"; with
+    # zero_ahead also the zeroing jobs' counter), ConvertDQReady's tile counter and the kernel's
+    # counts, the store_first / zero_ahead flags
     hk, blocks_q = key.shape[2], -(-rows_q // tiles.tile_m)
+    n_counter = (2 if zero_ahead else 1) if schedule == "dynamic" else 0
     n_ready = 1 + seqs * hk if dq_ready else 0
     n_first = b * h * blocks_q if unzeroed else 0
-    if n_ready + n_first:
-        flags = torch.zeros(n_ready + n_first, dtype=torch.int32, device=query.device)
+    if n_counter + n_ready + n_first:
+        flags = torch.zeros(n_counter + n_ready + n_first, dtype=torch.int32, device=query.device)
+        if n_counter:
+            counter = flags[:n_counter]
         if dq_ready:
             # a head is complete once every key block of the grid (ceil(rows_k / tile_n)) is counted
-            ready = (flags[:1], flags[1:n_ready].view(seqs, hk), h // hk, -(-rows_k // tiles.tile_n))
+            ready = (flags[n_counter : n_counter + 1], flags[n_counter + 1 : n_counter + n_ready].view(seqs, hk),
+                     h // hk, -(-rows_k // tiles.tile_n))  # fmt: skip
         if unzeroed:
-            first = flags[n_ready:].view(b, h, blocks_q)
+            first = flags[n_counter + n_ready :].view(b, h, blocks_q)
     chunk = _heads_per_chunk(tiles, rows_q, rows_k, h // key.shape[2], seqs * key.shape[2], query, mask_type, window,
                              deterministic, varlen)  # fmt: skip
     rng = (None,) * 5

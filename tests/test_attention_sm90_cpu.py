@@ -751,9 +751,10 @@ def test_host_sizes_gradients_by_their_head_dims(monkeypatch, head_dim, head_dim
     monkeypatch.setattr(P, "_convert_dq_impl", convert)
     q, k, v, do, o = _problem(h=4, hk=2, d=head_dim, dv=head_dim_v)
     dq, dk, dv, db = S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 1)
-    # (only d128's own tiles store each block's first dQ: none of these pairs)
+    # (only d128's own tiles store each block's first dQ: none of these pairs; d64's persistent
+    # causal CTAs zero the accumulator themselves)
     assert keys == [(cutlass.BFloat16, head_dim, head_dim_v, 1, False, "sm_90a", False, False, False, False, False, False,
-                     False, False, False)]  # fmt: skip
+                     False, False, head_dim == head_dim_v == 64)]  # fmt: skip
     assert db is None
     ((q_, k_, v_, do_, lse, delta, acc, dk_, dv_, *_),) = launches
     # the LSE in log2 units from the preprocess launch, shaped as Δ
@@ -889,21 +890,24 @@ def test_compiles_store_first(config):
 
 
 def test_zero_ahead_where_persistent_ctas_know_their_next_tile():
-    """The kernel zeroes the accumulator itself only on persistent CTAs over equal tiles (no
-    mask: every query block has an owner, and a CTA's next tile is c + grid), never beside
-    store_first, and only while a head's key blocks fit the grid (a tile waits for blocks
-    zeroed a round ahead); the key blocks share a head's query blocks, each owned once."""
+    """The kernel zeroes the accumulator itself only on persistent CTAs where every query block
+    is reached by some key block, never beside store_first: over equal tiles (no mask: every
+    query block has an owner, a CTA's next tile is c + grid) while a head's key blocks fit the
+    grid and tiles are short; with tiles from the counter (causal) from a counter of zeroing
+    jobs. Without a mask the key blocks share a head's query blocks, each owned once."""
     from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
 
     most = tiling.ZERO_AHEAD_MAX_STEPS
     assert S._zeroes_ahead("persistent", False, 8, 132, 8) and S._zeroes_ahead("persistent", False, 132, 132, most)
     assert not S._zeroes_ahead("persistent", False, 133, 132, 8)  # 16896+ keys a head on an H100
     assert not S._zeroes_ahead("persistent", False, 8, 132, most + 1)  # long tiles: the per-step cost wins
-    assert not S._zeroes_ahead("dynamic", False, 8, 132, 8) and not S._zeroes_ahead("grid", False, 8, 132, 8)
-    assert not S._zeroes_ahead("persistent", True, 8, 132, 8)
+    assert S._zeroes_ahead("dynamic", False, 8, 132, 8) and S._zeroes_ahead("dynamic", False, 200, 132, 200)
+    assert not S._zeroes_ahead("dynamic", False, 8, 132, 8, reached=False)  # a window, bottom-right Sq > Sk
+    assert not S._zeroes_ahead("grid", False, 8, 132, 8) and not S._zeroes_ahead("persistent", True, 8, 132, 8)
     t64, t128 = tiling.attention_sm90_tiles(64), tiling.attention_sm90_tiles(128)
     assert AttentionBackwardSm90(cutlass.BFloat16, t64, 0, zero_ahead=True).zero_ahead
-    for args, kw in (((t64, 1), {}), ((t128, 0), {}), ((t64, 0), dict(store_first=True)),
+    assert AttentionBackwardSm90(cutlass.BFloat16, t64, 1, zero_ahead=True).dynamic_tiles
+    for args, kw in (((t128, 0), {}), ((t64, 0), dict(store_first=True)), ((t64, 1), dict(has_window=True)),
                      ((t64, 0), dict(varlen=True)), ((t64, 0), dict(deterministic=True))):  # fmt: skip
         with pytest.raises(ValueError, match="zero_ahead"):
             AttentionBackwardSm90(cutlass.BFloat16, *args, zero_ahead=True, **kw)
@@ -946,10 +950,11 @@ def test_zero_ahead_call_hands_over_flags_not_zeros(monkeypatch):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("carry", [False, True])
-def test_compiles_zero_ahead(carry):
-    """zero_ahead where the op takes it: d64 persistent CTAs without a mask, with and without carry_dq."""
-    assert callable(S._build(cutlass.BFloat16, 64, 64, 0, False, "sm_90a", False, False, False, False, False,
+@pytest.mark.parametrize("mask,carry", [(0, False), (0, True), (1, False), (2, False)])
+def test_compiles_zero_ahead(mask, carry):
+    """zero_ahead where the op takes it: d64 persistent CTAs without a mask (with and without
+    carry_dq) and causal ones (tiles and zeroing jobs from counters), both corners."""
+    assert callable(S._build(cutlass.BFloat16, 64, 64, mask, False, "sm_90a", False, False, False, False, False,
                              carry, False, False, True))  # fmt: skip
 
 
@@ -1268,10 +1273,12 @@ def test_suite_compile_only_covers_ours_sm90(monkeypatch):
     # dq_ready, store_first, zero_ahead): the one d64 case without a mask (8x16x1024x64) has 8 steps a tile: it carries dQ
     # where 8 steps do; d128 without a mask (a CTA per tile in launch order) overlaps convert_dq; d128's
     # tiles without a bias or dropout store each query block's first dQ (tiles.store_first; Sq == Sk); d64's
-    # persistent CTAs without a mask zero the accumulator themselves (8 key blocks a head, 132 CTAs)
+    # persistent CTAs zero the accumulator themselves (without a mask: 8 key blocks a head, 132 CTAs;
+    # causal: from the counter of zeroing jobs)
     carry, first = tiling.CARRY_DQ_MAX_STEPS >= 8, S.STORE_FIRST and tiling.attention_sm90_tiles(128).store_first
     plain = {(bf16, d, d, m, False, "sm_90a", False, False, False, False, False, carry and d == 64 and m == 0,
-              d == 128 and m == 0, first and d == 128, S.ZERO_AHEAD and d == 64 and m == 0)
+              d == 128 and m == 0, first and d == 128,
+              S.ZERO_AHEAD and d == 64 and (m == 0 or S.ZERO_AHEAD_CAUSAL))
              for d in (64, 128) for m in (0, 1)}  # fmt: skip
     # 1x16x8192x128: 64 key blocks a head, more than DQ_READY_MAX_KEY_BLOCKS
     plain.add((bf16, 128, 128, 0, False, "sm_90a", False, False, False, False, False, False, False, first, False))

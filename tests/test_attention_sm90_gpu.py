@@ -23,9 +23,10 @@
   convert's, three runs against fp64;
 * store_first (each query block's first dQ stored): the accumulator handed over full of NaN,
   three runs against fp64 and the zeroed accumulator's run;
-* zero_ahead (persistent CTAs zero the accumulator a round of tiles ahead): the same, over grids
-  of 1 to 132 CTAs, key blocks owning several query blocks or none, and grids smaller than a
-  head's key blocks (the dQ-store warp zeroing the blocks nobody has reached);
+* zero_ahead (persistent CTAs zero the accumulator themselves: a round of tiles ahead, or with a
+  causal mask from a counter of zeroing jobs): the same, over grids of 1 to 132 CTAs, key blocks
+  owning several query blocks or none, both causal corners, and grids smaller than a head's key
+  blocks (the dQ-store warp zeroing the blocks nobody has reached);
 * layouts: contiguous [B, S, H, D], [B, H, S, D] transposed views, packed QKV;
 * Dqk != Dv (every supported pair, both dtypes, masks, grouped heads) against fp64 and the
   memory-efficient kernel; with a window, deterministic mode and packed sequences too.
@@ -638,22 +639,28 @@ def test_store_first_needs_no_zeroed_accumulator(case, monkeypatch):
             check(f"{name} [{_grouped_id(case[:8] + (0,))}] run {i}", g, r, like, dtype, floor)
 
 
-# (dtype, B, H, Hk, Sq, Sk, D, persistent CTAs or None): d64 without a mask (persistent CTAs over
-# equal tiles), a head's key blocks within the grid, so the op asks for zero_ahead
+# (dtype, B, H, Hk, Sq, Sk, D, persistent CTAs or None, mask): d64 (persistent CTAs; without a mask
+# over equal tiles, a head's key blocks within the grid, with one from a tile counter), so the op
+# asks for zero_ahead
 ZERO_AHEAD_CASES = [
-    (BF16, 2, 4, 4, 1024, 384, 64, 3),  # 3 key blocks owning 2-3 query blocks each, 8 tiles a CTA, carry_dq
-    (F16, 1, 4, 2, 700, 900, 64, None),  # grouped heads, 8 key blocks over 6 query blocks (some own none)
-    (BF16, 1, 2, 2, 300, 3000, 64, 30),  # 24 key blocks a head on 30 CTAs: a head's tiles over two rounds
-    (BF16, 1, 2, 2, 2000, 200, 64, 2),  # 2 CTAs, tiles of 16 steps (no carry_dq)
-    (BF16, 4, 16, 16, 1024, 1024, 64, None),  # the whole device, 512 tiles
+    (BF16, 2, 4, 4, 1024, 384, 64, 3, 0),  # 3 key blocks owning 2-3 query blocks each, 8 tiles a CTA, carry_dq
+    (F16, 1, 4, 2, 700, 900, 64, None, 0),  # grouped heads, 8 key blocks over 6 query blocks (some own none)
+    (BF16, 1, 2, 2, 300, 3000, 64, 30, 0),  # 24 key blocks a head on 30 CTAs: a head's tiles over two rounds
+    (BF16, 1, 2, 2, 2000, 200, 64, 2, 0),  # 2 CTAs, tiles of 16 steps (no carry_dq)
+    (BF16, 4, 16, 16, 1024, 1024, 64, None, 0),  # the whole device, 512 tiles
     # fewer CTAs than a head's key blocks (forced: the op would not take it): a tile's blocks whose
     # owners the same CTA runs later are zeroed by its dQ-store warp, as for a CTA not resident
-    (BF16, 1, 2, 2, 1000, 1024, 64, 1),
-    (F16, 2, 4, 2, 512, 1500, 64, 5),
+    (BF16, 1, 2, 2, 1000, 1024, 64, 1, 0),
+    (F16, 2, 4, 2, 512, 1500, 64, 5, 0),
+    # causal (tiles from the counter; every block zeroed at the kernel's start, taken from a counter of jobs)
+    (BF16, 2, 4, 4, 1024, 1024, 64, 3, 1),  # 3 CTAs over 32 tiles
+    (F16, 1, 4, 2, 700, 900, 64, None, 2),  # bottom-right, Sq < Sk, grouped heads
+    (BF16, 1, 2, 2, 1300, 700, 64, 5, 1),  # top-left, Sq > Sk: the last key block owns the blocks past it
+    (BF16, 2, 16, 16, 2048, 2048, 64, None, 1),  # the whole device
 ]
 
 
-@pytest.mark.parametrize("case", ZERO_AHEAD_CASES, ids=[_grouped_id(c[:7] + (0, 0)) for c in ZERO_AHEAD_CASES])
+@pytest.mark.parametrize("case", ZERO_AHEAD_CASES, ids=[_grouped_id(c[:7] + (c[8], 0)) for c in ZERO_AHEAD_CASES])
 def test_zero_ahead_needs_no_zeroed_accumulator(case, monkeypatch):
     """zero_ahead: persistent CTAs zero each query block's accumulator rows a round of tiles
     before the block's first add (or the dQ-store warp does, at the add, where the owner has not
@@ -662,12 +669,12 @@ def test_zero_ahead_needs_no_zeroed_accumulator(case, monkeypatch):
     the preprocess-zeroed run, in three runs."""
     from ops import attention_sm90 as S
 
-    dtype, b, h, hk, sq, sk, d, ctas = case
+    dtype, b, h, hk, sq, sk, d, ctas, mask_type = case
     if ctas is not None:
         monkeypatch.setattr(S, "PERSISTENT_CTAS", ctas)
         ahead = S._zeroes_ahead
-        monkeypatch.setattr(S, "_zeroes_ahead", lambda schedule, first, blocks, n, steps: ahead(
-            schedule, first, min(blocks, n), n, steps))  # fmt: skip
+        monkeypatch.setattr(S, "_zeroes_ahead", lambda schedule, first, blocks, n, steps, reached=True: ahead(
+            schedule, first, min(blocks, n), n, steps, reached))  # fmt: skip
     poisoned = []
 
     def nan_accum(shape, device):
@@ -677,17 +684,17 @@ def test_zero_ahead_needs_no_zeroed_accumulator(case, monkeypatch):
     monkeypatch.setattr(S, "_new_dq_accum", nan_accum)
     q, _, _, do = make_inputs(b, h, sq, sk, d, dtype, seed=sq + 3 * h)
     _, k, v, _ = make_inputs(b, hk, sq, sk, d, dtype, seed=sk + 3 * hk)
-    out, lse = _padded_ref_forward(q, k, v, 0, 0)
-    ref = attention_backward_ref(q, k, v, do, custom_mask_type=0)
+    out, lse = _padded_ref_forward(q, k, v, mask_type, 0)
+    ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type)
     floors = rounding_floors(q, k, do, out, dtype)
-    runs = [backward("sm90", q, k, v, do, out, lse, 0) for _ in range(3)]
+    runs = [backward("sm90", q, k, v, do, out, lse, mask_type) for _ in range(3)]
     assert len(poisoned) == 3, "zero_ahead was not taken"
     monkeypatch.setattr(S, "ZERO_AHEAD", False)
-    zeroed = backward("sm90", q, k, v, do, out, lse, 0)
+    zeroed = backward("sm90", q, k, v, do, out, lse, mask_type)
     assert len(poisoned) == 3
     for i, got in enumerate(runs + [zeroed]):
         for name, g, r, like, floor in zip(("dq", "dk", "dv"), got, ref, (q, k, v), floors):
-            check(f"{name} [{_grouped_id(case[:7] + (0, 0))}] run {i}", g, r, like, dtype, floor)
+            check(f"{name} [{_grouped_id(case[:7] + (mask_type, 0))}] run {i}", g, r, like, dtype, floor)
 
 
 def test_deterministic_follows_torch_flag():

@@ -159,7 +159,11 @@ class AttentionBackwardSm90:
     it zeroes the block itself, so no CTA ever waits for one that has not started (persistent
     CTAs need not all be resident); being zeroed, it waits for the running zeroing warp. Blocks
     owned by a head's other tiles are zeroed a round ahead as long as a head's key blocks fit
-    the grid, which the caller keeps (else the store warps would zero most blocks late)."""
+    the grid, which the caller keeps (else the store warps would zero most blocks late). With
+    tiles from the counter (causal masks) a CTA learns its next tile only near the end of the
+    current one, so the zeroing warps of every CTA instead zero all blocks at the kernel's
+    start, taking them from a second counter in the order the heavy-first walk reaches their
+    heads (``zero_jobs``); the dQ-store warps' takeover is the same."""
 
     def __init__(self, dtype, tiles: AttentionSm90Tiles, mask_type: int, has_window: bool = False,
                  deterministic: bool = False, varlen: bool = False, has_bias: bool = False,
@@ -214,9 +218,10 @@ class AttentionBackwardSm90:
         # query blocks, so each block's first writer is nearly always alone there (a causal
         # mask staggers them already: key block n starts at its diagonal)
         self.rotates = store_first and mask_type == 0
-        if zero_ahead and (schedule != "persistent" or store_first):
-            # a CTA's next tile is known (c, c + grid, ...) and every block gets an owner
-            raise ValueError(f"zero_ahead needs persistent CTAs over equal tiles (schedule {schedule!r}), not store_first")
+        if zero_ahead and (schedule == "grid" or has_window or store_first):
+            # persistent CTAs (a CTA's next tile is known, or the warps that zero take blocks from a
+            # counter), and every query block reached by some key block (the caller checks the corners)
+            raise ValueError(f"zero_ahead needs persistent CTAs (schedule {schedule!r}), no window, not store_first")
         self.zero_ahead = zero_ahead
         if varlen and tiles.tile_m > VARLEN_ACCUM_PAD:
             raise ValueError(f"tile_m {tiles.tile_m} overruns the dQ accumulator's {VARLEN_ACCUM_PAD} rows of slack")
@@ -563,10 +568,15 @@ class AttentionBackwardSm90:
                 zeroing = warp_idx - DKV_STORE_WARPS[0]  # zero_ahead: this warp's share of the owned blocks
                 if const_expr(self.zero_ahead):
                     cute.arch.griddepcontrol_wait()  # (the flags' zeroing is before the preprocess)
-                    if tile < total:
-                        self.zero_owned(store_args[4], sched, tile, group, seqlen_q, seqlen_k, zeroing)
+                    if const_expr(self.dynamic_tiles):
+                        # causal: every block at the start, from a counter of zeroing jobs (a CTA
+                        # learns its next tile only near the end of the current one)
+                        self.zero_jobs(store_args[4], tiles_args[2].iterator + 1, sched, group, seqlen_q)
+                    else:
+                        if tile < total:
+                            self.zero_owned(store_args[4], sched, tile, group, seqlen_q, seqlen_k, zeroing)
                 while tile < total:
-                    if const_expr(self.zero_ahead):
+                    if const_expr(self.zero_ahead and not self.dynamic_tiles):
                         # the CTA's next tile's blocks: the tiles that add there run a round later
                         if tile + step < total:
                             self.zero_owned(store_args[4], sched, tile + step, group, seqlen_q, seqlen_k, zeroing)
@@ -995,15 +1005,46 @@ class AttentionBackwardSm90:
 
     @cute.jit
     def owned_blocks(self, n_block, seqlen_q, seqlen_k):
-        """zero_ahead: the query blocks key block ``n_block`` zeroes, [lo, hi) (of every query
-        head of its group): the key blocks split a head's query blocks into contiguous shares,
-        each block owned once (none where there are more key blocks than query blocks)."""
+        """zero_ahead without a mask: the query blocks key block ``n_block`` zeroes, [lo, hi) (of
+        every query head of its group): the key blocks split a head's query blocks into
+        contiguous shares, each block owned once (none where there are more key blocks than
+        query blocks)."""
         t = self.tiles
         m_blocks = cute.ceil_div(seqlen_q, t.tile_m)
         n_blocks = cute.ceil_div(seqlen_k, t.tile_n)
         lo = (n_block * m_blocks + n_blocks - 1) // n_blocks
         hi = ((n_block + 1) * m_blocks + n_blocks - 1) // n_blocks
         return lo, hi
+
+    @cute.jit
+    def zero_jobs(self, dq_first, counter, sched, group, seqlen_q):
+        """Causal zero_ahead (tiles from the counter): the zeroing warps of every CTA take query
+        blocks from a second counter, in the order the heavy-first walk reaches their heads
+        ((batch, key head) pairs, their query heads, blocks ascending), and zero them at the
+        kernel's start, until none is left; the dQ-store warps zero a block nobody has reached
+        yet themselves (``wait_zeroed``)."""
+        t = self.tiles
+        _, heads_kv, batches, _ = sched
+        m_blocks = cute.ceil_div(seqlen_q, t.tile_m)
+        per_pair = group * m_blocks
+        total = batches * heads_kv * per_pair
+        lane = cute.arch.lane_idx()
+        j = self.take_job(counter, lane)
+        while j < total:
+            pair = j // per_pair
+            r = j - pair * per_pair
+            g = r // m_blocks
+            batch = pair // heads_kv
+            self.zero_block(dq_first, (pair - batch * heads_kv) * group + g, batch, r - g * m_blocks, lane)
+            j = self.take_job(counter, lane)
+
+    @cute.jit
+    def take_job(self, counter, lane):
+        """Causal zero_ahead: the next zeroing job (a query block's index) for this warp."""
+        taken = Int32(0)
+        if lane == 0:
+            taken = cute.arch.atomic_add(counter, Int32(1), sem="relaxed", scope="gpu")
+        return cute.arch.shuffle_sync(taken, 0)
 
     @cute.jit
     def zero_owned(self, dq_first, sched, tile, group, seqlen_q, seqlen_k, part):
