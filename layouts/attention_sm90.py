@@ -520,6 +520,13 @@ class AttentionSm90Tiles:
         thr = cute.make_layout(((threads or self.num_mma_threads) // per_row, per_row), stride=(per_row, 1))
         return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, vec)))
 
+    def dq_accum_zero_copy(self):
+        """zero_ahead: one warp's 16-byte stores of fp32 zeros into a query block's accumulator
+        rows (``s2g_copy_dkv``'s row pieces, head_dim fp32 wide, a warp's lanes)."""
+        from cutlass import Float32
+
+        return self.s2g_copy_dkv(Float32, self.head_dim, STORE_WARP_THREADS)
+
     def r2g_copy_dkv(self, dtype, tiled_mma_dkv):
         """dK / dV accumulators (cast) straight to global memory (once per CTA)."""
         import cutlass.cute as cute

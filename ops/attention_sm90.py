@@ -323,10 +323,11 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     window = int(window_size or 0)
     arch = cc.device_arch(query.device.index)
     dropout = float(dropout_p) > 0.0
+    ctas = _persistent_ctas(query)  # the persistent grid (also decides zero_ahead)
     tiles, schedule, config = _plan(cc.cute_dtype(query.dtype), d, d_v, mask_type, arch, window=window > 0,
                                     deterministic=deterministic, varlen=varlen, bias=bias is not None,
                                     grad_bias=grad_bias is not None, dropout=dropout, rows_q=rows_q,
-                                    group=h // key.shape[2], rows_k=rows_k, ctas=_persistent_ctas(query))  # fmt: skip
+                                    group=h // key.shape[2], rows_k=rows_k, ctas=ctas)  # fmt: skip
     fn = compiled(*config)
     # _config's last fields: the kernel counts dQ's key blocks for ConvertDQReady; it stores each
     # query block's first dQ, or zeroes the accumulator itself (either way the preprocess does not)
@@ -371,6 +372,6 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     zero_blind_delta(delta, mask_type, window, sq, sk, cu_seqlens_q, cu_seqlens_k)  # O may be unwritten there
     fn(query, key, value, grad_out, lse_log2, delta, dq_accum.unsqueeze(0) if varlen else dq_accum,
        dk, dv, semaphore, counter, ready[1] if dq_ready else None, first, cu_seqlens_q, cu_seqlens_k, bias, grad_bias,
-       float(scale), window, rows_k, chunk, _persistent_ctas(query), *rng)  # fmt: skip
+       float(scale), window, rows_k, chunk, ctas, *rng)  # fmt: skip
     dq = _convert_dq_impl(dq_accum, float(scale), d, sq, cu_seqlens_q, max_seqlen_q, 0.0, query.dtype, ready=ready)
     return (dq.unsqueeze(0) if varlen else dq), dk, dv, grad_bias

@@ -849,10 +849,9 @@ def test_store_first_where_every_query_block_is_seen():
     assert not AttentionBackwardSm90(cutlass.BFloat16, t, 1, store_first=True).rotates
 
 
-def test_store_first_call_hands_over_flags_not_zeros(monkeypatch):
-    """A store_first call: the accumulator is the op's unzeroed buffer, the preprocess is asked
-    for no zeroing, and the kernel gets a zeroed int32 flag per (batch, query head, query
-    block) beside ConvertDQReady's counts in one buffer."""
+def _record_unzeroed_calls(monkeypatch):
+    """attention_backward_sm90 on CPU tensors with the kernel launch recorded: (compile keys,
+    launch arguments, each preprocess call's zero_dq_accum) lists the calls fill."""
     from ops import attention_bwd_prepost as P
 
     keys, launches, zeroing = [], [], []
@@ -863,6 +862,14 @@ def test_store_first_call_hands_over_flags_not_zeros(monkeypatch):
     monkeypatch.setattr(S, "compiled", lambda *key: keys.append(key) or (lambda *a: launches.append(a)))
     monkeypatch.setattr(P, "_convert_dq_impl", lambda acc, scale, d, sq, *r, ready=None: torch.zeros(
         acc.shape[0], sq, acc.shape[2], d, dtype=BF16))  # fmt: skip
+    return keys, launches, zeroing
+
+
+def test_store_first_call_hands_over_flags_not_zeros(monkeypatch):
+    """A store_first call: the accumulator is the op's unzeroed buffer, the preprocess is asked
+    for no zeroing, and the kernel gets a zeroed int32 flag per (batch, query head, query
+    block) beside ConvertDQReady's counts in one buffer."""
+    keys, launches, zeroing = _record_unzeroed_calls(monkeypatch)
     q, k, v, do, o = _problem(h=4, hk=2, d=128, dv=128)
     S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
     assert keys[-1][-2] is True and zeroing == [False]
@@ -926,17 +933,8 @@ def test_zero_ahead_call_hands_over_flags_not_zeros(monkeypatch):
     """A d64 call without a mask on a GPU of 132 multiprocessors: an unzeroed accumulator, no
     zeroing asked of the preprocess, a zeroed flag per (batch, query head, query block); with
     fewer CTAs than a head's key blocks the preprocess zeroes it as before."""
-    from ops import attention_bwd_prepost as P
-
-    keys, launches, zeroing = [], [], []
-    monkeypatch.setattr(cc, "device_arch", lambda index: "sm_90a")
+    keys, launches, zeroing = _record_unzeroed_calls(monkeypatch)
     monkeypatch.setattr(S, "PERSISTENT_CTAS", 132)
-    pre = P._preprocess_impl
-    monkeypatch.setattr(P, "_preprocess_impl", lambda *a, **kw: zeroing.append(a[5]) or pre(*a, **kw))
-    monkeypatch.setattr(P, "launch_preprocess", lambda *a: None)
-    monkeypatch.setattr(S, "compiled", lambda *key: keys.append(key) or (lambda *a: launches.append(a)))
-    monkeypatch.setattr(P, "_convert_dq_impl", lambda acc, scale, d, sq, *r, ready=None: torch.zeros(
-        acc.shape[0], sq, acc.shape[2], d, dtype=BF16))  # fmt: skip
     q, k, v, do, o = _problem(h=4, hk=2, d=64, dv=64)
     S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
     assert keys[-1][-1] is True and keys[-1][-2] is False and zeroing == [False]

@@ -586,6 +586,36 @@ def test_convert_overlap_is_the_late_convert(case, monkeypatch):
     assert len(overlapped) == 4
 
 
+def _unzeroed_accumulator_runs(S, monkeypatch, dims, mask_type, seed, taken, off):
+    """Three backwards with the op's unzeroed dQ accumulator handed over full of NaN, then one
+    with the switches ``off`` (module attributes of ``S`` set False: the preprocess zeroes it),
+    all against fp64. ``dims``: (dtype, B, H, Hk, Sq, Sk, D); ``taken``: the assertion message
+    when the runs did not take the unzeroed path."""
+    dtype, b, h, hk, sq, sk, d = dims
+    poisoned = []
+
+    def nan_accum(shape, device):
+        poisoned.append(shape)
+        return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
+
+    monkeypatch.setattr(S, "_new_dq_accum", nan_accum)
+    q, _, _, do = make_inputs(b, h, sq, sk, d, dtype, seed=sq + seed * h)
+    _, k, v, _ = make_inputs(b, hk, sq, sk, d, dtype, seed=sk + seed * hk)
+    out, lse = _padded_ref_forward(q, k, v, mask_type, 0)
+    ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type)
+    floors = rounding_floors(q, k, do, out, dtype)
+    runs = [backward("sm90", q, k, v, do, out, lse, mask_type) for _ in range(3)]
+    assert len(poisoned) == 3, taken
+    for name in off:
+        monkeypatch.setattr(S, name, False)
+    zeroed = backward("sm90", q, k, v, do, out, lse, mask_type)
+    assert len(poisoned) == 3
+    case_id = _grouped_id(tuple(dims) + (mask_type, 0))
+    for i, got in enumerate(runs + [zeroed]):
+        for name, g, r, like, floor in zip(("dq", "dk", "dv"), got, ref, (q, k, v), floors):
+            check(f"{name} [{case_id}] run {i}", g, r, like, dtype, floor)
+
+
 # (dtype, B, H, Hk, Sq, Sk, D, mask, persistent CTAs or None): every query block is seen, so the
 # op asks for store_first; several key blocks reach each query block
 STORE_FIRST_CASES = [
@@ -616,27 +646,9 @@ def test_store_first_needs_no_zeroed_accumulator(case, monkeypatch):
     # every tile kind, also those that do not ask for it (tiles.store_first: chosen by speed)
     tiles = S._tiles
     monkeypatch.setattr(S, "_tiles", lambda *a: dataclasses.replace(tiles(*a), store_first=True))
-    poisoned = []
-
-    def nan_accum(shape, device):
-        poisoned.append(shape)
-        return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
-
-    monkeypatch.setattr(S, "_new_dq_accum", nan_accum)
-    q, _, _, do = make_inputs(b, h, sq, sk, d, dtype, seed=sq + 7 * h)
-    _, k, v, _ = make_inputs(b, hk, sq, sk, d, dtype, seed=sk + 7 * hk)
-    out, lse = _padded_ref_forward(q, k, v, mask_type, 0)
-    ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type)
-    floors = rounding_floors(q, k, do, out, dtype)
-    runs = [backward("sm90", q, k, v, do, out, lse, mask_type) for _ in range(3)]
-    assert len(poisoned) == 3, "store_first was not taken"
-    monkeypatch.setattr(S, "STORE_FIRST", False)
-    monkeypatch.setattr(S, "ZERO_AHEAD", False)  # (the preprocess zeroes it)
-    zeroed = backward("sm90", q, k, v, do, out, lse, mask_type)
-    assert len(poisoned) == 3
-    for i, got in enumerate(runs + [zeroed]):
-        for name, g, r, like, floor in zip(("dq", "dk", "dv"), got, ref, (q, k, v), floors):
-            check(f"{name} [{_grouped_id(case[:8] + (0,))}] run {i}", g, r, like, dtype, floor)
+    # (the zeroed run: the preprocess zeroes the accumulator, not the kernel's zero_ahead either)
+    _unzeroed_accumulator_runs(S, monkeypatch, (dtype, b, h, hk, sq, sk, d), mask_type, 7,
+                               "store_first was not taken", ("STORE_FIRST", "ZERO_AHEAD"))  # fmt: skip
 
 
 # (dtype, B, H, Hk, Sq, Sk, D, persistent CTAs or None, mask): d64 (persistent CTAs; without a mask
@@ -675,26 +687,8 @@ def test_zero_ahead_needs_no_zeroed_accumulator(case, monkeypatch):
         ahead = S._zeroes_ahead
         monkeypatch.setattr(S, "_zeroes_ahead", lambda schedule, first, blocks, n, steps, reached=True: ahead(
             schedule, first, min(blocks, n), n, steps, reached))  # fmt: skip
-    poisoned = []
-
-    def nan_accum(shape, device):
-        poisoned.append(shape)
-        return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
-
-    monkeypatch.setattr(S, "_new_dq_accum", nan_accum)
-    q, _, _, do = make_inputs(b, h, sq, sk, d, dtype, seed=sq + 3 * h)
-    _, k, v, _ = make_inputs(b, hk, sq, sk, d, dtype, seed=sk + 3 * hk)
-    out, lse = _padded_ref_forward(q, k, v, mask_type, 0)
-    ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type)
-    floors = rounding_floors(q, k, do, out, dtype)
-    runs = [backward("sm90", q, k, v, do, out, lse, mask_type) for _ in range(3)]
-    assert len(poisoned) == 3, "zero_ahead was not taken"
-    monkeypatch.setattr(S, "ZERO_AHEAD", False)
-    zeroed = backward("sm90", q, k, v, do, out, lse, mask_type)
-    assert len(poisoned) == 3
-    for i, got in enumerate(runs + [zeroed]):
-        for name, g, r, like, floor in zip(("dq", "dk", "dv"), got, ref, (q, k, v), floors):
-            check(f"{name} [{_grouped_id(case[:7] + (mask_type, 0))}] run {i}", g, r, like, dtype, floor)
+    _unzeroed_accumulator_runs(S, monkeypatch, (dtype, b, h, hk, sq, sk, d), mask_type, 3,
+                               "zero_ahead was not taken", ("ZERO_AHEAD",))  # fmt: skip
 
 
 def test_deterministic_follows_torch_flag():

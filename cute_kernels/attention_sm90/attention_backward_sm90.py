@@ -916,7 +916,7 @@ class AttentionBackwardSm90:
                             seen = self.wait_zeroed(dq_first, work, batch, i, seen, lane)
                     cute.arch.barrier(barrier_id=BAR_DQ_FULL if w == 0 else BAR_DQ_FULL_WG1, number_of_threads=handoff)
                     if const_expr(self.deterministic and w == 0):
-                        self.wait_turn(sem, self.dq_turn(m_block, n_block, seqlen_q, seqlen_k), lane)
+                        self.spin_until(sem, self.dq_turn(m_block, n_block, seqlen_q, seqlen_k), lane)
                     if const_expr(self.store_first and w == 0):
                         claim, pending = self.wait_stored(mDqFirst, flag, claim, pending, lane)
                     self.copy_dq(tma_dQ, tma_dQ_store, tdQs, tdQg[None, m_block * am + wm, wn], claim)
@@ -933,7 +933,7 @@ class AttentionBackwardSm90:
                 seen = self.wait_zeroed(dq_first, work, batch, i, seen, lane)
                 cute.arch.barrier(barrier_id=BAR_DQ_FULL, number_of_threads=handoff)
                 if const_expr(self.deterministic):
-                    self.wait_turn(sem, self.dq_turn(m_block, n_block, seqlen_q, seqlen_k), lane)
+                    self.spin_until(sem, self.dq_turn(m_block, n_block, seqlen_q, seqlen_k), lane)
                 if const_expr(self.store_first):
                     claim, pending = self.wait_stored(mDqFirst, flag, claim, pending, lane)
                 self.copy_dq(tma_dQ, tma_dQ_store, tdQs[None, i % t.dq_stages], tdQg, claim)
@@ -986,11 +986,7 @@ class AttentionBackwardSm90:
             if (seen >> w) & 1 == 0:
                 head, m_block = self.work_item(work, i)
                 if not self.zero_block(dq_first, head, batch, m_block, lane):
-                    if lane == 0:
-                        flag = self.zero_flag(mFlags, work, batch, i)
-                        while cute.arch.load(flag, Int32, sem="acquire", scope="gpu") != 2:
-                            cute.arch.inline_ptx("nanosleep.u32 20;")
-                    cute.arch.sync_warp()
+                    self.spin_until(self.zero_flag(mFlags, work, batch, i), Int32(2), lane)
                 cute.arch.fence_proxy("async.global")
         return seen
 
@@ -1071,7 +1067,7 @@ class AttentionBackwardSm90:
             old = cute.arch.atomic_cas(flag, cmp=Int32(0), val=Int32(1), sem="relaxed", scope="gpu")
         mine = cute.arch.shuffle_sync(old, 0) == 0
         if mine:
-            zero_copy = t.s2g_copy_dkv(Float32, t.head_dim, 32)
+            zero_copy = t.dq_accum_zero_copy()
             tG = zero_copy.get_slice(lane).partition_D(
                 cute.local_tile(mAcc[None, None, head, batch], (t.tile_m, t.head_dim), (m_block, 0)))
             zeros = cute.make_fragment_like(tG[None, 0, None])
@@ -1124,10 +1120,7 @@ class AttentionBackwardSm90:
         claim = cute.arch.shuffle_sync(old, 0)
         if claim == 1:
             pending = self.publish_stored(mDqFirst, pending, lane, 0)
-            if lane == 0:
-                while cute.arch.load(mDqFirst.iterator + flag, Int32, sem="acquire", scope="gpu") != 2:
-                    cute.arch.inline_ptx("nanosleep.u32 20;")
-            cute.arch.sync_warp()
+            self.spin_until(mDqFirst.iterator + flag, Int32(2), lane)
         return claim, pending
 
     @cute.jit
@@ -1153,11 +1146,12 @@ class AttentionBackwardSm90:
             cute.arch.atomic_add(mDqReady.iterator + index, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
-    def wait_turn(self, sem, turn, lane):
-        """Deterministic mode: wait until ``turn`` key blocks have added into this query block
-        (after the block's dQ is staged, so the consumers go on meanwhile)."""
+    def spin_until(self, ptr, value, lane):
+        """Lane 0 polls the int32 at ``ptr`` (acquire, gpu scope) until it reads ``value``, then
+        the warp goes on: deterministic mode's turns (``value`` key blocks have added into the
+        query block), a store_first block stored, a zero_ahead block zeroed (2)."""
         if lane == 0:
-            while cute.arch.load(sem, Int32, sem="acquire", scope="gpu") != turn:
+            while cute.arch.load(ptr, Int32, sem="acquire", scope="gpu") != value:
                 cute.arch.inline_ptx("nanosleep.u32 20;")
         cute.arch.sync_warp()
 
