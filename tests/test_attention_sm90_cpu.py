@@ -1308,6 +1308,36 @@ def test_suite_ratios():
     assert "sm90_over_peer" not in rows[1] and rows[1]["ours_over_peer"] == 0.5
 
 
+def test_suite_times_in_interleaved_rounds():
+    """Every queued implementation is timed once a round, in an order rotated from round to
+    round; fwd's time is subtracted; a failing one drops out with its error, the rest go on."""
+    from benchmarks.suites import attention_bwd as suite
+
+    calls = []
+    clock = {"a": [3.0, 1.0, 2.0], "b": [5.0, 5.0, 6.0], "fwd": [1.0, 1.0, 1.0]}
+
+    def fn(name):
+        def run():
+            if name == "bad":
+                raise RuntimeError("boom")
+        run.name = name
+        return run
+
+    def bench(f):
+        calls.append(f.name)
+        if f.name == "bad":
+            f()
+        return clock[f.name][sum(c == f.name for c in calls) - 1]
+
+    pending = [("A", fn("a"), {"op": "x"}, None, None), ("B", fn("b"), {}, {"ok": True}, fn("fwd")),
+               ("C", fn("bad"), {}, None, None)]  # fmt: skip
+    got = suite._time_in_rounds(pending, bench, rounds=3)
+    assert calls == ["a", "b", "fwd", "bad", "b", "fwd", "a", "a", "b", "fwd"]
+    assert got[0] == ("A", [3.0, 1.0, 2.0], {"op": "x"}, None, None)
+    assert got[1] == ("B", [4.0, 4.0, 5.0], {}, {"ok": True}, None)
+    assert got[2][0] == "C" and got[2][1] == [] and got[2][4] == "RuntimeError: boom"
+
+
 @pytest.mark.parametrize("feature", ["bias", "bias_grad", "dropout"])
 def test_suite_sm90_row_runs_features(monkeypatch, feature):
     """The sm90 row passes the case's feature and bias on, with its backend pinned."""

@@ -30,7 +30,12 @@ checked against sdpa_efficient (ours uses the same philox seed / offset, and is)
   (``matmul_ms`` is the measured time of the matmul itself).
 
 FLOPs counted: 2.5 x the forward's 4 B H S^2 D (five S x S x D matmuls), halved when causal.
-Rows: ms, tflops, ``check`` (max |grad - ref| / max |ref| of dQ, dK, dV against
+Timing: every implementation of a case is set up and checked first, then all are timed in
+ROUNDS rounds, each round timing each of them once (do_bench median, L2 flushed) in an order
+rotated from round to round; a row's ``ms`` is the median of its rounds and ``ms_rounds``
+lists them. The board's clocks drift with its power state (H100: the same kernel read 3-6%
+apart minutes later), which a single timing per implementation would put into the ratios.
+Rows: ms, ms_rounds, tflops, ``check`` (max |grad - ref| / max |ref| of dQ, dK, dV against
 sdpa_efficient; ours and ours_sm90 are timed only when all are below TOL),
 ``ours_over_peer`` (ours' TFLOP/s over the row's) on every other row, ``sm90_over_peer``
 (ours_sm90's TFLOP/s over the peer's) on the rows of the peers (PEERS); an
@@ -42,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
 
 import torch
 
@@ -54,6 +60,7 @@ PEERS = ("sdpa_flash", "sdpa_cudnn", "fa4")  # the rows that get sm90_over_peer
 MATMUL_MNK = (8192, 8192, 8192)
 SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 NAN = float("nan")
+ROUNDS = 5  # interleaved timing rounds per case (the module docstring)
 
 
 def _case_name(shape, dtype, causal, feature=None):
@@ -291,15 +298,11 @@ def _run_case(spec, fa4, fa4_missing, matmul):
         r.update(extra)
         rows.append(r)
 
+    pending = []  # (impl, fn, info, check, fwd): timed together in rounds, after every setup
+
     def timed(impl, fn, info, check=None, fwd=None):
-        """Time ``fn`` (minus ``fwd`` when given) into a row; a failure becomes the row's error."""
-        try:
-            ms = bench_ms(fn)
-            if fwd is not None:
-                ms -= bench_ms(fwd)
-            row(impl, ms, status="ok", check=check, **info)
-        except Exception as e:
-            row(impl, status="error", error=_err(e), check=check, **info)
+        """Queue ``fn`` (minus ``fwd`` when given) for the rounds; its row is written there."""
+        pending.append((impl, fn, info, check, fwd))
 
     # the reference: the C++ original, on these inputs
     ref = eff = None
@@ -358,6 +361,11 @@ def _run_case(spec, fa4, fa4_missing, matmul):
             except Exception as e2:
                 row(impl, status="error", error=f"{direct_error}; fallback: {_err(e2)}")
         torch.cuda.synchronize()
+    for impl, ms, info, check, error in _time_in_rounds(pending, bench_ms):
+        if error is None:
+            row(impl, statistics.median(ms), ms_rounds=ms, status="ok", check=check, **info)
+        else:
+            row(impl, status="error", error=error, check=check, **info)
     if fa4 is None:
         row("fa4", status="unavailable", error=fa4_missing)
     elif feature is not None:
@@ -371,6 +379,31 @@ def _run_case(spec, fa4, fa4_missing, matmul):
 
     _add_ratios(rows)
     return rows
+
+
+def _time_in_rounds(pending, bench, rounds=None):
+    """[(impl, [ms per round], info, check, error)] of the queued (impl, fn, info, check, fwd):
+    ``rounds`` (ROUNDS) rounds, each timing every implementation once with ``bench`` in an
+    order rotated by one from round to round (fwd's time subtracted where given). An
+    implementation that fails drops out with its error; the others go on."""
+    rounds = ROUNDS if rounds is None else rounds
+    times = {i: [] for i in range(len(pending))}
+    errors = {}
+    for r in range(rounds):
+        order = list(range(len(pending)))
+        order = order[r % max(1, len(order)):] + order[: r % max(1, len(order))]
+        for i in order:
+            if i in errors:
+                continue
+            _, fn, _, _, fwd = pending[i]
+            try:
+                ms = bench(fn)
+                if fwd is not None:
+                    ms -= bench(fwd)
+                times[i].append(ms)
+            except Exception as e:
+                errors[i] = _err(e)
+    return [(impl, times[i], info, check, errors.get(i)) for i, (impl, _, info, check, _) in enumerate(pending)]
 
 
 def _add_ratios(rows):
