@@ -387,12 +387,11 @@ def _time_in_rounds(pending, bench, rounds=None):
     order rotated by one from round to round (fwd's time subtracted where given). An
     implementation that fails drops out with its error; the others go on."""
     rounds = ROUNDS if rounds is None else rounds
-    times = {i: [] for i in range(len(pending))}
+    n = len(pending)
+    times = {i: [] for i in range(n)}
     errors = {}
     for r in range(rounds):
-        order = list(range(len(pending)))
-        order = order[r % max(1, len(order)):] + order[: r % max(1, len(order))]
-        for i in order:
+        for i in [(r + j) % n for j in range(n)]:
             if i in errors:
                 continue
             _, fn, _, _, fwd = pending[i]
