@@ -918,6 +918,10 @@ def test_zero_ahead_where_persistent_ctas_know_their_next_tile():
                      ((t64, 0), dict(varlen=True)), ((t64, 0), dict(deterministic=True))):  # fmt: skip
         with pytest.raises(ValueError, match="zero_ahead"):
             AttentionBackwardSm90(cutlass.BFloat16, *args, zero_ahead=True, **kw)
+    # whole blocks of rows zeroed: a tile_m that does not divide the accumulator's row rounding is refused
+    t80 = dataclasses.replace(t64, tile_m=80, dq_swapab=True)
+    with pytest.raises(ValueError, match="rounded to"):
+        AttentionBackwardSm90(cutlass.BFloat16, t80, 0, zero_ahead=True)
     # the shares (owned_blocks' arithmetic): contiguous, every query block once
     for m_blocks in range(1, 20):
         for n_blocks in range(1, 20):

@@ -55,7 +55,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cute_kernels.common.log2_units import LOG2_E
 from cute_kernels.common.philox import keep_flags_quads
 from cute_kernels.common.views import select_modes, transpose_view
-from layouts.attention_bwd_prepost import VARLEN_ACCUM_PAD
+from layouts.attention_bwd_prepost import SEQLEN_ROUND, VARLEN_ACCUM_PAD
 from layouts.attention_sm90 import (
     CONSUMER_REGS,
     GRAD_BIAS_BOX_KEYS,
@@ -222,6 +222,10 @@ class AttentionBackwardSm90:
             # persistent CTAs (a CTA's next tile is known, or the warps that zero take blocks from a
             # counter), and every query block reached by some key block (the caller checks the corners)
             raise ValueError(f"zero_ahead needs persistent CTAs (schedule {schedule!r}), no window, not store_first")
+        if zero_ahead and SEQLEN_ROUND % tiles.tile_m:
+            # zero_block writes whole tile_m blocks of rows: they must end within the accumulator's rounded rows
+            raise ValueError(f"zero_ahead zeroes whole blocks of {tiles.tile_m} rows: the accumulator's rows are "
+                             f"rounded to {SEQLEN_ROUND}")  # fmt: skip
         self.zero_ahead = zero_ahead
         if varlen and tiles.tile_m > VARLEN_ACCUM_PAD:
             raise ValueError(f"tile_m {tiles.tile_m} overruns the dQ accumulator's {VARLEN_ACCUM_PAD} rows of slack")
