@@ -14,6 +14,30 @@ def bench_ms(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def bench_rounds(timed, rounds: int, bench=bench_ms) -> list:
+    """[(ms per round, exception or None)] of each ``(fn, base)`` in ``timed``: ``rounds`` rounds,
+    each timing every fn once with ``bench`` (minus ``base``'s time where it is not None) in an
+    order rotated by one from round to round, so that the board's drift (clocks follow its power
+    state) falls on all of them alike. A fn that raises drops out with its exception; the
+    others go on."""
+    n = len(timed)
+    times = [[] for _ in range(n)]
+    errors = [None] * n
+    for r in range(rounds):
+        for i in [(r + j) % n for j in range(n)]:
+            if errors[i] is not None:
+                continue
+            fn, base = timed[i]
+            try:
+                ms = bench(fn)
+                if base is not None:
+                    ms -= bench(base)
+                times[i].append(ms)
+            except Exception as e:
+                errors[i] = e
+    return list(zip(times, errors))
+
+
 def _bench_events(fn, warmup_ms, rep_ms):
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for _ in range(3):

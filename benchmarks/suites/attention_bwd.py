@@ -32,9 +32,10 @@ checked against sdpa_efficient (ours uses the same philox seed / offset, and is)
 FLOPs counted: 2.5 x the forward's 4 B H S^2 D (five S x S x D matmuls), halved when causal.
 Timing: every implementation of a case is set up and checked first, then all are timed in
 ROUNDS rounds, each round timing each of them once (do_bench median, L2 flushed) in an order
-rotated from round to round; a row's ``ms`` is the median of its rounds and ``ms_rounds``
-lists them. The board's clocks drift with its power state (H100: the same kernel read 3-6%
-apart minutes later), which a single timing per implementation would put into the ratios.
+rotated from round to round (``timing.bench_rounds``); a row's ``ms`` is the median of its
+rounds and ``ms_rounds`` lists them. The board's clocks drift with its power state (H100: the
+same kernel read 3-6% apart minutes later), which a single timing per implementation would put
+into the ratios.
 Rows: ms, ms_rounds, tflops, ``check`` (max |grad - ref| / max |ref| of dQ, dK, dV against
 sdpa_efficient; ours and ours_sm90 are timed only when all are below TOL),
 ``ours_over_peer`` (ours' TFLOP/s over the row's) on every other row, ``sm90_over_peer``
@@ -281,7 +282,7 @@ def run(settings, quick: bool):
 
 def _run_case(spec, fa4, fa4_missing, matmul):
     """The rows of one case; ``matmul`` is (TFLOP/s, ms) or the error of measuring it."""
-    from ..timing import bench_ms
+    from ..timing import bench_rounds
 
     shape, dtype_name, causal, feature = _unpack(spec)
     b, h, s, d = shape
@@ -361,11 +362,12 @@ def _run_case(spec, fa4, fa4_missing, matmul):
             except Exception as e2:
                 row(impl, status="error", error=f"{direct_error}; fallback: {_err(e2)}")
         torch.cuda.synchronize()
-    for impl, ms, info, check, error in _time_in_rounds(pending, bench_ms):
+    timings = bench_rounds([(fn, fwd) for _, fn, _, _, fwd in pending], ROUNDS)
+    for (impl, _, info, check, _), (ms, error) in zip(pending, timings):
         if error is None:
             row(impl, statistics.median(ms), ms_rounds=ms, status="ok", check=check, **info)
         else:
-            row(impl, status="error", error=error, check=check, **info)
+            row(impl, status="error", error=_err(error), check=check, **info)
     if fa4 is None:
         row("fa4", status="unavailable", error=fa4_missing)
     elif feature is not None:
@@ -379,30 +381,6 @@ def _run_case(spec, fa4, fa4_missing, matmul):
 
     _add_ratios(rows)
     return rows
-
-
-def _time_in_rounds(pending, bench, rounds=None):
-    """[(impl, [ms per round], info, check, error)] of the queued (impl, fn, info, check, fwd):
-    ``rounds`` (ROUNDS) rounds, each timing every implementation once with ``bench`` in an
-    order rotated by one from round to round (fwd's time subtracted where given). An
-    implementation that fails drops out with its error; the others go on."""
-    rounds = ROUNDS if rounds is None else rounds
-    n = len(pending)
-    times = {i: [] for i in range(n)}
-    errors = {}
-    for r in range(rounds):
-        for i in [(r + j) % n for j in range(n)]:
-            if i in errors:
-                continue
-            _, fn, _, _, fwd = pending[i]
-            try:
-                ms = bench(fn)
-                if fwd is not None:
-                    ms -= bench(fwd)
-                times[i].append(ms)
-            except Exception as e:
-                errors[i] = _err(e)
-    return [(impl, times[i], info, check, errors.get(i)) for i, (impl, _, info, check, _) in enumerate(pending)]
 
 
 def _add_ratios(rows):
