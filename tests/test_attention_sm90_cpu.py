@@ -348,6 +348,7 @@ def test_query_tiles_follow_bias_and_dropout():
     assert not tiling.attention_sm90_tiles(128).dq_defer
     t = tiling.attention_sm90_tiles(128)
     assert (t.tile_m, t.dq_swapab, t.pds_split, t.stats_stage_stride) == (80, True, False, 96)
+    assert not t.dq_empty_early and tiling.attention_sm90_tiles(96).dq_empty_early  # (measured per tile)
     t = tiling.attention_sm90_tiles(128, bias_or_dropout=True)
     assert (t.tile_m, t.dq_swapab, t.pds_split, t.stats_stage_stride) == (64, False, True, 64)
     # dropout's flags fit beside every tile set it runs on, not beside tile_m 80
