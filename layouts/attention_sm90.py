@@ -62,7 +62,7 @@ per-step swizzled addresses). FA4's order within a step: LSE read into registers
 is issued and Δ after the exp (``stats_early``), dS^T stored before dV is issued
 (``ds_before_dv``), the store warp freeing both dQ buffers before waiting for either
 (``dq_empty_early``; not at d128's tile_m 80, where freeing each just before its copy
-measured 0.5-3% faster). d64 without a bias or dropout issues each block's dQ a step late,
+measured 0.5-4% faster). d64 without a bias or dropout issues each block's dQ a step late,
 beside the next block's dV (``dq_defer``): a warpgroup then waits for the other's dS half
 of a block written a step earlier, and the two stay a step apart at most instead of
 meeting at every block. d64's 64 + 64 fp32 of S^T / dP^T at tile_m 128 left
@@ -874,7 +874,8 @@ def attention_sm90_tiles(head_dim: int, *, head_dim_v: Optional[int] = None,
             # runs of interleaved rounds (ms, both first / each before its copy): 4x16x2048x128
             # 0.6600 / 0.6480 and 0.6630 / 0.6509, 2x16x4096x128 1.2307 / 1.2136 and 1.2217 /
             # 1.2152, 1x16x8192x128 2.3694 / 2.3483 and 2.3710 / 2.3542, causal 2x16x4096x128
-            # 0.7052 / 0.6827, 8x16x1024x128 0.3932 / 0.3881 (notes.md, 2026-11-26 fifth session)
+            # 0.7052 / 0.6827, 8x16x1024x128 0.3932 / 0.3881; a third run, the other way round, 1-4%
+            # (notes.md, 2026-11-26 fifth session)
             fields.update(dq_empty_early=False)
         if max(head_dim, dv) <= 64 and not bias_or_dropout:
             # 128 queries a step, as FA4: fits 240 registers with dS stored before dV is issued
