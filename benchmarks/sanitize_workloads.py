@@ -443,6 +443,9 @@ def _sm90_configs():
     add("a", "bf16-d96-2x130x257-gqa-overlap", lambda: _sm90(BF16, 2, 130, 257, 4, 2, 96, 96))
     add("a", "bf16-d128-1x200x260-causal_tl-deterministic",
         lambda: _sm90(BF16, 1, 200, 260, 2, 1, 128, 128, mask=1, deterministic=True))
+    # d128's partial last query block on narrower products (81 rows: one past a block; 300 and
+    # 200 rows above take 64 and 48)
+    add("a", "bf16-d128-2x81x300-gqa-tail16", lambda: _sm90(BF16, 2, 81, 300, 4, 2, 128, 128))
     # wide tiles, Dqk != Dv, windows, variable lengths, bias + gradient + dropout (b)
     add("b", "bf16-d192-1x100x130-nomask-overlap", lambda: _sm90(BF16, 1, 100, 130, 2, 2, 192, 192))
     add("b", "fp16-d256-1x130x257-causal_br", lambda: _sm90(F16, 1, 130, 257, 2, 2, 256, 256, mask=2))

@@ -34,7 +34,11 @@ transposed form that keeps P and dS in registers for the dK / dV products:
 | 256      | 64     | 64     | 1             | 2         | 2 x 128   | 225 KiB     |
 
 tile_m is 64 with a bias or dropout (d64: 114 KiB, d128: 194 KiB). d128 takes 80 with a
-causal mask too (FA4 keeps 64 there; 80 measured 3-5% faster at 4096 / 8192 keys).
+causal mask too (FA4 keeps 64 there; 80 measured 3-5% faster at 4096 / 8192 keys). A
+sequence whose length is not a multiple of 80 ends in a partial query block: at d128
+(``tail_block``) that block's step runs on products only as wide as its rows rounded up to 16
+(``tail_rows``: 4096 = 51 x 80 + 16, so S^T / dP^T / dQ^T are m64n16 there and dV / dK take one
+k-block of 16 instead of five), compiled beside the whole blocks' and peeled out of their loop.
 d64 holds two K / V buffers (``kv_buffers``, 32 KiB of its 227): its CTAs are persistent (one
 per multiprocessor; causal ones take their tiles from a counter) and load the next tile's K / V
 while the current tile runs;
@@ -193,6 +197,7 @@ DQ_READY_MAX_KEY_BLOCKS = 32
 # 0.2202 / 0.2165, 4x16x2048x64 (16) 0.3851 / 0.3699, 2x16x4096x64 (32) 0.7075 / 0.6980 but graph
 # 0.7010 / 0.7026, 1x16x8192x64 (64) 1.3490 / 1.3665 (notes.md)
 ZERO_AHEAD_MAX_STEPS = 16
+TAIL_ROWS_ALIGN = 16  # a partial last block's products (tail_block): N of S^T / dQ^T and dK / dV's k-blocks
 SMEM_ALIGN = 1024  # bytes: every shared buffer starts on a whole 128-byte-swizzle period (8 x 128 B)
 SWIZZLE_ROW_BITS = (1024, 512, 256)  # the wgmma / TMA swizzle atoms' rows (128, 64, 32 bytes), widest first
 LPT_L2_BYTES = 24 << 20  # of the H100's 50 MiB L2: what a chunk of the heavy-first CTA order may keep in it
@@ -277,6 +282,10 @@ class AttentionSm90Tiles:
     # otherwise uses the first buffer alone. d128 has room for one only: persistent CTAs over
     # it measured 3-7% slower than a CTA per tile (notes.md, 2026-11-25 sixth session)
     kv_buffers: int = 1
+    # a query block cut short by the sequence's end (Sq not a multiple of tile_m) runs on
+    # products only ``tail_rows`` queries wide instead of tile_m with the rest masked: the kernel
+    # compiles the narrower tiled MMAs beside the full ones (AttentionBackwardSm90's ``tail_m``)
+    tail_block: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -357,6 +366,16 @@ class AttentionSm90Tiles:
     def dq_atoms(self) -> tuple:
         """(M, N) warpgroups of the dQ product: split rows when there are 128, else columns."""
         return (2, 1) if self.tile_m == 128 else (1, 2)
+
+    def tail_rows(self, rows_q: int) -> int:
+        """With ``tail_block``: the queries a partial last block's products cover, its rows
+        rounded up to the wgmma's 16 (S^T / dP^T / dQ^T take them as N, dK / dV as K); 0 where
+        every block is whole, or the rounding would leave nothing to save."""
+        rest = rows_q % self.tile_m
+        if not self.tail_block or rest == 0:
+            return 0
+        rows = -(-rest // TAIL_ROWS_ALIGN) * TAIL_ROWS_ALIGN
+        return rows if rows < self.tile_m else 0
 
     @property
     def dkv_store_threads(self) -> int:
@@ -877,6 +896,10 @@ def attention_sm90_tiles(head_dim: int, *, head_dim_v: Optional[int] = None,
             # 0.7052 / 0.6827, 8x16x1024x128 0.3932 / 0.3881; a third run, the other way round, 1-4%
             # (notes.md, 2026-11-26 fifth session)
             fields.update(dq_empty_early=False)
+            # the partial last query block on narrower products (2x16x4096: block 51 holds 16 rows
+            # of 80; H100, Sq 4096 against 4080 (one whole block fewer) cost 1-2% more, and Sq 2048
+            # (last block 48 rows) as much as 2080 (notes.md, 2026-11-26 sixth session)
+            fields.update(tail_block=True)
         if max(head_dim, dv) <= 64 and not bias_or_dropout:
             # 128 queries a step, as FA4: fits 240 registers with dS stored before dV is issued
             # (C7512 without), the 32 + 32 statistics read at their use (8x16x1024x64 0.262 vs

@@ -41,18 +41,20 @@ def _tiles(head_dim: int, head_dim_v: int, bias: bool, grad_bias: bool, dropout:
 def _build(dtype, head_dim: int, head_dim_v: int, mask_type: int, has_window: bool, arch: str,
            deterministic: bool = False, varlen: bool = False, has_bias: bool = False, grad_bias: bool = False,
            dropout: bool = False, carry_dq: bool = False, dq_ready: bool = False,
-           store_first: bool = False, zero_ahead: bool = False):  # fmt: skip
+           store_first: bool = False, zero_ahead: bool = False, tail_m: int = 0):  # fmt: skip
     """One configuration; ``head_dim`` is Dqk (Q, K), ``head_dim_v`` Dv (V, dO). The bias
     gradient leaves by TMA from a keys-contiguous dS tile (``ds_keys_contiguous``);
     ``carry_dq``: short tiles of persistent CTAs (``_carries_dq``); ``dq_ready``: the kernel
     counts each key block's dQ for ConvertDQReady behind it (``DQ_READY``); ``store_first``:
     each query block's first dQ is stored, no zeroed accumulator (``_stores_first``);
-    ``zero_ahead``: persistent CTAs zero the accumulator a round of tiles ahead (``_zeroes_ahead``)."""
+    ``zero_ahead``: persistent CTAs zero the accumulator a round of tiles ahead (``_zeroes_ahead``);
+    ``tail_m``: the partial last query block's products that many queries wide (``_tail_m``)."""
     tiles = _tiles(head_dim, head_dim_v, has_bias, grad_bias, dropout)
     # a head dim above 128: the 64 x 64 decomposition (P^T / dS^T through shared memory)
     cls = AttentionBackwardSm90Wide if isinstance(tiles, tiling.AttentionSm90WideTiles) else AttentionBackwardSm90
     kernel = cls(dtype, tiles, mask_type, has_window, deterministic, varlen, has_bias, grad_bias, dropout,
-                 carry_dq=carry_dq, dq_ready=dq_ready, store_first=store_first, zero_ahead=zero_ahead)  # fmt: skip
+                 carry_dq=carry_dq, dq_ready=dq_ready, store_first=store_first, zero_ahead=zero_ahead,
+                 tail_m=tail_m)  # fmt: skip
     b, h, hk, mq, mk = (cute.sym_int() for _ in range(5))
     # TMA: last stride 1, the other strides and the addresses multiples of TMA_ALIGN_BYTES
     vec, vec32 = tiling.tma_align_elems(dtype.width), tiling.tma_align_elems(32)
@@ -93,11 +95,11 @@ compiled = cc.CompileCache("attention_bwd_sm90", _build)
 def _config(dtype, head_dim: int, head_dim_v: int, mask_type: int, arch: str, *, window: bool = False,
             deterministic: bool = False, varlen: bool = False, bias: bool = False, grad_bias: bool = False,
             dropout: bool = False, carry_dq: bool = False, dq_ready: bool = False,
-            store_first: bool = False, zero_ahead: bool = False) -> tuple:  # fmt: skip
+            store_first: bool = False, zero_ahead: bool = False, tail_m: int = 0) -> tuple:  # fmt: skip
     """The ``compiled`` key (``_build``'s arguments, in order) of one configuration."""
     return (dtype, int(head_dim), int(head_dim_v), int(mask_type), bool(window), arch, bool(deterministic),
             bool(varlen), bool(bias), bool(grad_bias), bool(dropout), bool(carry_dq), bool(dq_ready),
-            bool(store_first), bool(zero_ahead))  # fmt: skip
+            bool(store_first), bool(zero_ahead), int(tail_m))  # fmt: skip
 
 
 # convert_dq overlapping the kernel's last wave (_overlaps_convert): the kernel counts each key
@@ -160,6 +162,21 @@ def _zeroes_ahead(schedule: str, store_first: bool, key_blocks: int, ctas: int, 
     return schedule == "dynamic" and ZERO_AHEAD_CAUSAL
 
 
+# the partial last query block on narrower products (_tail_m)
+TAIL_BLOCK = True
+
+
+def _tail_m(tiles, schedule: str, rows_q: int, varlen: bool, bias: bool, dropout: bool) -> int:
+    """The queries a partial last block's products cover (the kernel's ``tail_m``; 0: whole
+    blocks everywhere): tiles that ask for it (``tiles.tail_block``), a CTA per tile, one
+    sequence length (not varlen's per-sequence ends), no bias or dropout (their tiles are
+    tile_m wide). Every remainder of rows_q by tile_m is its own compiled kernel (at most
+    tile_m / 16 of them per configuration)."""
+    if not TAIL_BLOCK or schedule != "grid" or varlen or bias or dropout or tiles.dq_defer or tiles.overlap != "none":
+        return 0
+    return tiles.tail_rows(rows_q)
+
+
 def _carries_dq(tiles, schedule: str, rows_q: int, group: int) -> bool:
     """Whether the kernel computes a tile's last dQ in the next tile's step 0: persistent CTAs
     over equal tiles (``schedule`` "persistent", AttentionBackwardSm90.tile_schedule) of at most
@@ -182,7 +199,8 @@ def _plan(dtype, head_dim: int, head_dim_v: int, mask_type: int, arch: str, *, w
                   dq_ready=_overlaps_convert(schedule, mask_type, deterministic, -(-rows_k // tiles.tile_n)),
                   store_first=first, zero_ahead=_zeroes_ahead(
                       schedule, first, -(-rows_k // tiles.tile_n), ctas, group * -(-rows_q // tiles.tile_m),
-                      reached=not window and (mask_type != 2 or rows_q <= rows_k)))  # fmt: skip
+                      reached=not window and (mask_type != 2 or rows_q <= rows_k)),
+                  tail_m=_tail_m(tiles, schedule, rows_q, varlen, bias, dropout))  # fmt: skip
     return tiles, schedule, key
 
 
@@ -329,9 +347,9 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
                                     grad_bias=grad_bias is not None, dropout=dropout, rows_q=rows_q,
                                     group=h // key.shape[2], rows_k=rows_k, ctas=ctas)  # fmt: skip
     fn = compiled(*config)
-    # _config's last fields: the kernel counts dQ's key blocks for ConvertDQReady; it stores each
-    # query block's first dQ, or zeroes the accumulator itself (either way the preprocess does not)
-    dq_ready, store_first, zero_ahead = config[-3:]
+    # _config's last fields but tail_m: the kernel counts dQ's key blocks for ConvertDQReady; it stores
+    # each query block's first dQ, or zeroes the accumulator itself (either way the preprocess does not)
+    dq_ready, store_first, zero_ahead = config[-4:-1]
     unzeroed = store_first or zero_ahead
     # whatever touches the stream goes before the preprocess: the kernel is launched right
     # behind it (programmatic dependent launch, see the kernel's module)

@@ -6,6 +6,7 @@ or fake tensors), and the ``backend=`` dispatch of ``efficient_attention_backwar
 (both backends' implementations are replaced by recorders)."""
 
 import dataclasses
+import inspect
 import logging
 import math
 import re
@@ -26,6 +27,8 @@ from .helpers import trace_custom_ops
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 CONFIGS = [(dt, d, mask) for dt in (cutlass.BFloat16, cutlass.Float16) for d in tiling.HEAD_DIMS for mask in (0, 1, 2)]
+# a compiled kernel's key: its fields by _build's parameter names
+KEY = {name: i for i, name in enumerate(inspect.signature(S._build).parameters)}
 # a sliding window comes with a causal mask only
 WINDOW_CONFIGS = [(dt, d, mask) for dt in (cutlass.BFloat16, cutlass.Float16) for d in tiling.HEAD_DIMS for mask in (1, 2)]
 
@@ -79,6 +82,55 @@ def test_compiles(dtype, head_dim, mask_type):
 @pytest.mark.parametrize("dtype,head_dim,mask_type", WINDOW_CONFIGS, ids=[f"{dt.__name__}-d{d}-mask{m}" for dt, d, m in WINDOW_CONFIGS])
 def test_compiles_with_window(dtype, head_dim, mask_type):
     assert callable(S._build(dtype, head_dim, head_dim, mask_type, True, "sm_90a"))
+
+
+# (mask, window, deterministic, tail_m): d128's partial last query block on narrower products
+TAIL_CONFIGS = [(0, False, False, 16), (0, False, False, 32), (1, False, False, 48), (2, False, False, 64),
+                (1, True, False, 16), (1, False, True, 32)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("mask_type,window,deterministic,tail_m", TAIL_CONFIGS)
+def test_compiles_partial_last_block(mask_type, window, deterministic, tail_m):
+    first = not deterministic and not window
+    assert callable(S._build(cutlass.BFloat16, 128, 128, mask_type, window, "sm_90a", deterministic, False, False,
+                             False, False, False, mask_type == 0 and not deterministic, first, False, tail_m))
+
+
+@pytest.mark.parametrize("rows_q,tail", [(4096, 16), (2048, 48), (8192, 32), (81, 16), (129, 64), (1, 16),
+                                         (4080, 0), (230, 0), (79, 0), (65, 0), (64, 64)])  # fmt: skip
+def test_tail_rows(rows_q, tail):
+    """The partial block's rows rounded up to 16, none where they would round to the whole 80."""
+    t = tiling.attention_sm90_tiles(128)
+    assert t.tile_m == 80 and t.tail_block and t.tail_rows(rows_q) == tail
+    assert not tiling.attention_sm90_tiles(64).tail_block and tiling.attention_sm90_tiles(64).tail_rows(100) == 0
+    assert not tiling.attention_sm90_tiles(128, bias_or_dropout=True).tail_block
+
+
+def test_tail_m_only_where_the_kernel_takes_it(monkeypatch):
+    """_plan asks for tail_m at d128 without varlen, bias or dropout; the kernel refuses it elsewhere."""
+    from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
+
+    def key(**kw):
+        args = dict(window=False, deterministic=False, varlen=False, bias=False, grad_bias=False, dropout=False,
+                    rows_q=4096, group=1, rows_k=4096, ctas=132)  # fmt: skip
+        args.update(kw)
+        return S._plan(cutlass.BFloat16, 128, 128, args.pop("mask_type", 0), "sm_90a", **args)[2]
+
+    tail = KEY["tail_m"]
+    assert key()[tail] == 16 and key(mask_type=1, window=True)[tail] == 16 and key(deterministic=True)[tail] == 16
+    assert key(varlen=True)[tail] == 0 and key(bias=True)[tail] == 0 and key(dropout=True)[tail] == 0
+    assert key(rows_q=4080)[tail] == 0
+    monkeypatch.setattr(S, "TAIL_BLOCK", False)
+    assert key()[tail] == 0
+    t = tiling.attention_sm90_tiles(128)
+    with pytest.raises(ValueError, match="tail_m 24"):
+        AttentionBackwardSm90(cutlass.BFloat16, t, 0, tail_m=24)
+    with pytest.raises(ValueError, match="tail_m 16"):
+        AttentionBackwardSm90(cutlass.BFloat16, tiling.attention_sm90_tiles(64), 0, tail_m=16)
+    with pytest.raises(ValueError, match="without varlen"):
+        AttentionBackwardSm90(cutlass.BFloat16, t, 0, varlen=True, tail_m=16)
+    assert AttentionBackwardSm90(cutlass.BFloat16, t, 1, tail_m=64).tail_m == 64
 
 
 DETERMINISTIC_CONFIGS = [(64, 0, False), (96, 0, False), (128, 1, False), (64, 2, True), (128, 1, True),
@@ -378,17 +430,15 @@ def test_grad_bias_needs_a_keys_contiguous_ds_tile():
 def test_config_key_follows_build_and_the_benchmark_precompiles_it(monkeypatch):
     """``_config`` lists _build's arguments in its order; the suite's precompile asks for the
     keys the op's calls will (causal top-left, features as flags, carry_dq by the steps a tile)."""
-    import inspect
-
     monkeypatch.setattr(tiling, "CARRY_DQ_MAX_STEPS", 8)
     params = list(inspect.signature(S._build).parameters)
     key = S._config("dt", 128, 64, 2, "sm_90a", window=True, deterministic=True, varlen=True, bias=True,
                     grad_bias=True, dropout=True, carry_dq=True, dq_ready=True, store_first=True,
-                    zero_ahead=True)  # fmt: skip
+                    zero_ahead=True, tail_m=32)  # fmt: skip
     assert len(key) == len(params) and dict(zip(params, key)) == dict(
         dtype="dt", head_dim=128, head_dim_v=64, mask_type=2, has_window=True, arch="sm_90a", deterministic=True,
         varlen=True, has_bias=True, grad_bias=True, dropout=True, carry_dq=True, dq_ready=True,
-        store_first=True, zero_ahead=True)  # fmt: skip
+        store_first=True, zero_ahead=True, tail_m=32)  # fmt: skip
     seen = []
     monkeypatch.setattr(S, "compiled", lambda *k: seen.append(k))
     cases = [((2, 16, 4096, 128), "bfloat16", True), ((2, 16, 4096, 128), "bfloat16", False, "bias_grad"),
@@ -396,7 +446,7 @@ def test_config_key_follows_build_and_the_benchmark_precompiles_it(monkeypatch):
              ((8, 16, 1024, 64), "bfloat16", False), ((2, 16, 4096, 64), "bfloat16", False)]
     assert S.compile_for_benchmark_cases(cases, "sm_90a") == 5 and S.compile_for_benchmark_cases(cases, "sm_80") == 0
     assert sorted(seen, key=str) == sorted([
-        S._config(cutlass.BFloat16, 128, 128, 1, "sm_90a", store_first=True),
+        S._config(cutlass.BFloat16, 128, 128, 1, "sm_90a", store_first=True, tail_m=16),  # 4096 = 51 x 80 + 16
         S._config(cutlass.BFloat16, 128, 128, 0, "sm_90a", bias=True, grad_bias=True, dq_ready=True),
         S._config(cutlass.Float16, 64, 64, 0, "sm_90a", dropout=True, dq_ready=True),
         S._config(cutlass.BFloat16, 64, 64, 0, "sm_90a", carry_dq=True, zero_ahead=True),  # 8 steps a tile
@@ -755,7 +805,7 @@ def test_host_sizes_gradients_by_their_head_dims(monkeypatch, head_dim, head_dim
     # (only d128's own tiles store each block's first dQ: none of these pairs; d64's persistent
     # causal CTAs zero the accumulator themselves)
     assert keys == [(cutlass.BFloat16, head_dim, head_dim_v, 1, False, "sm_90a", False, False, False, False, False, False,
-                     False, False, head_dim == head_dim_v == 64)]  # fmt: skip
+                     False, False, head_dim == head_dim_v == 64, 0)]  # fmt: skip
     assert db is None
     ((q_, k_, v_, do_, lse, delta, acc, dk_, dv_, *_),) = launches
     # the LSE in log2 units from the preprocess launch, shaped as Δ
@@ -786,7 +836,7 @@ def test_convert_overlaps_where_the_grid_has_an_idle_tail(monkeypatch, mask_type
     monkeypatch.setattr(P, "_convert_dq_impl", convert)
     q, k, v, do, o = _problem(h=4, hk=2, d=128, dv=128)
     S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, mask_type, deterministic=deterministic)
-    assert keys[-1][-3] is overlaps  # (_config's last fields are store_first, zero_ahead)
+    assert keys[-1][KEY["dq_ready"]] is overlaps
     counts = launches[-1][11]
     if not overlaps:
         assert counts is None and readies == [None]
@@ -803,7 +853,7 @@ def test_convert_overlaps_where_the_grid_has_an_idle_tail(monkeypatch, mask_type
     keys.clear()
     q, k, v, do, o = _problem(h=4, hk=2, d=64, dv=64)
     S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, mask_type, deterministic=deterministic)
-    assert keys[-1][-3] is (deterministic and overlaps)
+    assert keys[-1][KEY["dq_ready"]] is (deterministic and overlaps)
 
 
 def test_dq_ready_needs_a_cta_per_tile():
@@ -873,7 +923,7 @@ def test_store_first_call_hands_over_flags_not_zeros(monkeypatch):
     keys, launches, zeroing = _record_unzeroed_calls(monkeypatch)
     q, k, v, do, o = _problem(h=4, hk=2, d=128, dv=128)
     S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
-    assert keys[-1][-2] is True and zeroing == [False]
+    assert keys[-1][KEY["store_first"]] is True and zeroing == [False]
     acc, counts, flags = launches[-1][6], launches[-1][11], launches[-1][12]
     blocks = -(-q.shape[1] // tiling.attention_sm90_tiles(128).tile_m)
     assert acc.shape[1] >= q.shape[1] and acc.dtype == torch.float32  # (TMA clips a block past its rows)
@@ -881,7 +931,7 @@ def test_store_first_call_hands_over_flags_not_zeros(monkeypatch):
     assert flags.data_ptr() == counts.data_ptr() + 4 * counts.numel()
     monkeypatch.setattr(S, "STORE_FIRST", False)
     S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
-    assert keys[-1][-2] is False and zeroing == [False, True] and launches[-1][12] is None
+    assert keys[-1][KEY["store_first"]] is False and zeroing == [False, True] and launches[-1][12] is None
 
 
 @pytest.mark.compile
@@ -942,14 +992,14 @@ def test_zero_ahead_call_hands_over_flags_not_zeros(monkeypatch):
     monkeypatch.setattr(S, "PERSISTENT_CTAS", 132)
     q, k, v, do, o = _problem(h=4, hk=2, d=64, dv=64)
     S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
-    assert keys[-1][-1] is True and keys[-1][-2] is False and zeroing == [False]
+    assert keys[-1][KEY["zero_ahead"]] is True and keys[-1][KEY["store_first"]] is False and zeroing == [False]
     acc, flags = launches[-1][6], launches[-1][12]
     blocks = -(-q.shape[1] // tiling.attention_sm90_tiles(64).tile_m)
     assert acc.shape[1] >= q.shape[1] and acc.dtype == torch.float32
     assert flags.shape == (2, 4, blocks) and flags.dtype == torch.int32 and not flags.any()
     monkeypatch.setattr(S, "PERSISTENT_CTAS", 1)  # 2 key blocks a head (130 keys)
     S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
-    assert keys[-1][-1] is False and zeroing == [False, True] and launches[-1][12] is None
+    assert keys[-1][KEY["zero_ahead"]] is False and zeroing == [False, True] and launches[-1][12] is None
 
 
 @pytest.mark.compile
@@ -1273,19 +1323,19 @@ def test_suite_compile_only_covers_ours_sm90(monkeypatch):
     assert attention_bwd.compile_only("sm_90a") == len(seen["mem_eff"]) + len(seen["sm90"])
     bf16 = cutlass.BFloat16
     # (dtype, Dqk, Dv, mask type, has_window, arch, deterministic, varlen, bias, bias gradient, dropout, carry_dq,
-    # dq_ready, store_first, zero_ahead): the one d64 case without a mask (8x16x1024x64) has 8 steps a tile: it carries dQ
-    # where 8 steps do; d128 without a mask (a CTA per tile in launch order) overlaps convert_dq; d128's
-    # tiles without a bias or dropout store each query block's first dQ (tiles.store_first; Sq == Sk); d64's
-    # persistent CTAs zero the accumulator themselves (without a mask: 8 key blocks a head, 132 CTAs;
-    # causal: from the counter of zeroing jobs)
+    # dq_ready, store_first, zero_ahead, tail_m): the one d64 case without a mask (8x16x1024x64) has 8 steps a tile: it
+    # carries dQ where 8 steps do; d64's persistent CTAs zero the accumulator themselves (without a mask: 8 key blocks
+    # a head, 132 CTAs; causal: from the counter of zeroing jobs); d128 without a mask (a CTA per tile in launch order)
+    # overlaps convert_dq up to 32 key blocks a head (not 1x16x8192x128's 64); d128's tiles without a bias or dropout
+    # store each query block's first dQ (tiles.store_first; Sq == Sk) and run the partial last query block on
+    # narrower products, per Sq (2048 = 25 x 80 + 48, 4096 = 51 x 80 + 16, 8192 = 102 x 80 + 32)
     carry, first = tiling.CARRY_DQ_MAX_STEPS >= 8, S.STORE_FIRST and tiling.attention_sm90_tiles(128).store_first
-    plain = {(bf16, d, d, m, False, "sm_90a", False, False, False, False, False, carry and d == 64 and m == 0,
-              d == 128 and m == 0, first and d == 128,
-              S.ZERO_AHEAD and d == 64 and (m == 0 or S.ZERO_AHEAD_CAUSAL))
-             for d in (64, 128) for m in (0, 1)}  # fmt: skip
-    # 1x16x8192x128: 64 key blocks a head, more than DQ_READY_MAX_KEY_BLOCKS
-    plain.add((bf16, 128, 128, 0, False, "sm_90a", False, False, False, False, False, False, False, first, False))
-    features = {(bf16, 128, 128, 0, False, "sm_90a", False, False) + f + (False, True, False, False)
+    tail = tiling.attention_sm90_tiles(128).tail_rows if S.TAIL_BLOCK else (lambda rows: 0)
+    plain = {(bf16, 64, 64, m, False, "sm_90a", False, False, False, False, False, carry and m == 0, False, False,
+              S.ZERO_AHEAD and (m == 0 or S.ZERO_AHEAD_CAUSAL), 0) for m in (0, 1)}  # fmt: skip
+    plain |= {(bf16, 128, 128, m, False, "sm_90a", False, False, False, False, False, False, m == 0 and s <= 4096, first,
+               False, tail(s)) for m, s in ((0, 2048), (0, 4096), (0, 8192), (1, 4096))}  # fmt: skip
+    features = {(bf16, 128, 128, 0, False, "sm_90a", False, False) + f + (False, True, False, False, 0)
                 for f in ((True, False, False), (True, True, False), (False, False, True))}  # fmt: skip
     assert set(seen["sm90"]) == plain | features
     seen["sm90"].clear()

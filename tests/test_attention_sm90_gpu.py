@@ -542,6 +542,52 @@ def test_deterministic_is_bitwise_repeatable(case):
         check(f"{name} [{_grouped_id(case)}] deterministic", g, r, like, dtype, floor)
 
 
+# (dtype, B, H, Hk, Sq, Sk, mask, window, deterministic, tail_m) at d128 (tile_m 80): a partial last
+# query block runs on products tail_m queries wide (Sq % 80 rounded up to 16), or whole (0)
+TAIL_CASES = [
+    (BF16, 2, 2, 2, 81, 200, 0, 0, False, 16),  # one row past a whole block
+    (F16, 1, 4, 2, 260, 300, 1, 0, False, 32),  # grouped heads: the partial block once per query head
+    (BF16, 1, 2, 2, 208, 160, 2, 0, False, 48),  # bottom-right, Sq > Sk
+    (BF16, 1, 2, 2, 300, 300, 1, 0, True, 64),  # deterministic
+    (F16, 1, 2, 1, 250, 400, 1, 100, False, 16),  # a window
+    (BF16, 2, 8, 8, 2048, 2048, 0, 0, False, 48),  # store_first, ConvertDQReady, many key blocks a block
+    (BF16, 1, 2, 2, 230, 230, 0, 0, False, 0),  # 70 rows: rounded up they would be the whole block
+]
+
+
+def _tail_id(c):
+    return f"{str(c[0])[6:]}-B{c[1]}H{c[2]}Hk{c[3]}q{c[4]}k{c[5]}m{c[6]}w{c[7]}" + ("-det" if c[8] else "")
+
+
+@pytest.mark.parametrize("case", TAIL_CASES, ids=[_tail_id(c) for c in TAIL_CASES])
+def test_partial_last_block_on_narrow_products(case, monkeypatch):
+    """The op compiles d128's partial last query block on tail_m-wide products (the kernel's
+    tail_m, chosen per Sq); dQ / dK / dV against fp64, and against the whole-block kernel
+    (``TAIL_BLOCK`` off) within twice the rounding floor."""
+    from ops import attention_sm90 as S
+
+    dtype, b, h, hk, sq, sk, mask_type, window, det, tail_m = case
+    d = 128
+    plan = S._plan(cc.cute_dtype(dtype), d, d, mask_type, "sm_90a", window=window > 0, deterministic=det,
+                   varlen=False, bias=False, grad_bias=False, dropout=False, rows_q=sq, group=h // hk, rows_k=sk,
+                   ctas=132)  # fmt: skip
+    assert plan[2][-1] == tail_m
+    q, _, _, do = make_inputs(b, h, sq, sk, d, dtype, seed=sq + 11 * h)
+    _, k, v, _ = make_inputs(b, hk, sq, sk, d, dtype, seed=sk + 11 * hk)
+    out, lse = _padded_ref_forward(q, k, v, mask_type, window)
+    kw = dict(deterministic=det, **(dict(window_size=window) if window else {}))
+    ours = backward("sm90", q, k, v, do, out, lse, mask_type, **kw)
+    ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type, window_size=window)
+    floors = rounding_floors(q, k, do, out, dtype)
+    for name, g, r, like, floor in zip(("dq", "dk", "dv"), ours, ref, (q, k, v), floors):
+        check(f"{name} [{_tail_id(case)}]", g, r, like, dtype, floor)
+    monkeypatch.setattr(S, "TAIL_BLOCK", False)
+    whole = backward("sm90", q, k, v, do, out, lse, mask_type, **kw)
+    floors = [None if f is None else 2 * f for f in floors]
+    for name, g, r, like, floor in zip(("dq", "dk", "dv"), ours, whole, (q, k, v), floors):
+        check(f"{name} [{_tail_id(case)}] vs whole blocks", g, r, like, dtype, floor)
+
+
 # (dtype, B, H, Hk, Sq, Sk, D, mask): several waves of CTAs, so heads complete while the grid runs
 OVERLAP_CASES = [
     (BF16, 2, 8, 8, 2048, 2048, 96, 0),

@@ -30,6 +30,10 @@ both warpgroups are done with K / V, then their dK / dV are written and, with
 dkv_vector_store, read back). Options and their
 measurements: layouts/attention_sm90.py, notes.md next to this file.
 
+With ``tail_m`` (d128's tiles, the host's choice per sequence length) the partial last query
+block's step runs on tiled MMAs tail_m queries wide (``tail_operands``, ``steps_with_tail``):
+its S^T / dP^T / dQ^T need 16-64 columns of 80 and dV / dK one to four k-blocks of five.
+
 Launched with programmatic dependent launch behind the preprocess launch, which triggers
 it once its loads are done: K / V loads and the CTA's set-up overlap the preprocess's
 tail; the producer and the dQ-store warp wait for the preprocess grid (griddepcontrol)
@@ -43,6 +47,7 @@ behind as a programmatic dependent, converts a head's dQ as soon as all its key 
 counted, on the multiprocessors this grid's last wave leaves idle.
 """
 
+import dataclasses
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -54,7 +59,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cute_kernels.common.log2_units import LOG2_E
 from cute_kernels.common.philox import keep_flags_quads
-from cute_kernels.common.views import select_modes, transpose_view
+from cute_kernels.common.views import rows_view, select_modes, transpose_view
 from layouts.attention_bwd_prepost import SEQLEN_ROUND, VARLEN_ACCUM_PAD
 from layouts.attention_sm90 import (
     CONSUMER_REGS,
@@ -67,6 +72,7 @@ from layouts.attention_sm90 import (
     SMEM_ALIGN,
     SMEM_LIMIT,
     STATS_ALIGN,
+    TAIL_ROWS_ALIGN,
     AttentionSm90Tiles,
 )
 
@@ -168,7 +174,8 @@ class AttentionBackwardSm90:
     def __init__(self, dtype, tiles: AttentionSm90Tiles, mask_type: int, has_window: bool = False,
                  deterministic: bool = False, varlen: bool = False, has_bias: bool = False,
                  grad_bias: bool = False, dropout: bool = False, carry_dq: bool = False,
-                 dq_ready: bool = False, store_first: bool = False, zero_ahead: bool = False):  # fmt: skip
+                 dq_ready: bool = False, store_first: bool = False, zero_ahead: bool = False,
+                 tail_m: int = 0):  # fmt: skip
         if has_window and mask_type == 0:
             raise ValueError("a sliding window needs a causal mask (mask_type 1 or 2)")
         if grad_bias and not has_bias:
@@ -229,6 +236,16 @@ class AttentionBackwardSm90:
         self.zero_ahead = zero_ahead
         if varlen and tiles.tile_m > VARLEN_ACCUM_PAD:
             raise ValueError(f"tile_m {tiles.tile_m} overruns the dQ accumulator's {VARLEN_ACCUM_PAD} rows of slack")
+        if tail_m and not (tiles.tail_block and tail_m % TAIL_ROWS_ALIGN == 0 and 0 < tail_m < tiles.tile_m):
+            raise ValueError(f"tail_m {tail_m}: tiles.tail_block and a multiple of {TAIL_ROWS_ALIGN} below tile_m "
+                             f"{tiles.tile_m} (tiles.tail_rows)")  # fmt: skip
+        if tail_m and (varlen or self.persistent or has_bias or dropout or tiles.overlap != "none" or tiles.dq_defer):
+            # one partial block a sequence end, known to the host (not per packed sequence); a
+            # step's wgmmas all inside the step (the partial block's step sits between loops of
+            # whole blocks); the bias and keep-flag tiles are tile_m wide
+            raise ValueError("tail_m is built for a CTA per tile without varlen, bias, dropout, overlap or dq_defer")
+        # the partial last query block's products are tail_m queries wide (tail_operands)
+        self.tail_m = tail_m
 
     @staticmethod
     def tile_schedule(tiles: AttentionSm90Tiles, mask_type: int, has_window: bool = False, deterministic: bool = False,
@@ -1240,105 +1257,27 @@ class AttentionBackwardSm90:
                 if const_expr(t.overlap == "sdp"):
                     self.issue_dp(pipe_do, state_next, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
                 state_next.advance()
+        full_ops = (tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tPrV, tPrdO, shape_sdp, cS_mn, tVrdO, tKrQ,
+                    tiled_mma_dq, tQrdS, tQrK, tQrK_both, shape_dq, r2s_ds, thr_r2s_ds, tdSs, r2s_dq, thr_r2s_dq, tdQs)
+        env = (pipe_q, pipe_do, state_next, sLSE, sDelta, sdS, feat, tiled_mma_dkv, tiled_mma_dv, acc_dV, acc_dK,
+               wg, tidx, n_block, key0, offset, seqlen_q, seqlen_k, window_size, scale_log2, steps, carry,
+               kv_state if const_expr(self.persistent) else None, done)
         # the loop stays outside that if (it runs 0 steps without work): nested in it, ptxas
         # spilled 384 bytes in d64 and the kernel ran ~10% slower (notes.md)
         head, m_block = self.work_item(work, 0)
         # carry_dq counts the CTA's steps (dS buffers and barriers alternate with it)
         first_step = done if const_expr(carry is not None) else 0
-        for i in cutlass.range(first_step, first_step + steps, unroll=1):
-            stage = state.index
-            ds_stage = i % t.ds_stages
-            q0 = m_block * t.tile_m
-            if const_expr(not prefetch):
-                self.issue_s(pipe_q, state, tiled_mma_sdp, acc_S, tSrK, tSrQ)
-            lse = self.read_stats(sLSE, stage, cS_mn) if const_expr(t.stats_early) else None
-            # S^T (and with overlap "sdp" dP^T) of this block are in flight already
-            if const_expr(t.overlap != "sdp"):
-                self.issue_dp(pipe_do, state, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
-            # bias values and dropout flags while the tensor cores work (None without)
-            rBias, keep = self.block_features(feat, head, i, q0, key0, seqlen_q, seqlen_k, cS_mn, shape_sdp, wg, tidx)
-
-            warpgroup.wait_group(1)
-            self.probs(acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2, rBias,
-                       lse)  # fmt: skip
-            delta = self.read_stats(sDelta, stage, cS_mn) if const_expr(t.stats_early) else None
-            warpgroup.wait_group(0)
-            self.grad_scores(acc_dP, acc_S, cS_mn, sDelta, stage, keep, feat, delta)
-            # (converted before the dP^T wait instead, ptxas sinks it below the wait: same SASS)
-            rP = self.p_operand(acc_S, cS_mn, keep, feat)
-
-            # dV += P^T dO (P^T from registers); dS^T -> sdS; once both warpgroups' halves are
-            # there (and visible to the async proxy): dQ = dS K, then dK += dS^T Q, so dQ can
-            # leave while dK runs. With dq_defer the dQ is the previous block's (deferred_step)
-            rdS = cute.make_rmem_tensor(shape_sdp, self.dtype)
-            if const_expr(t.dq_defer):
-                rdS.store(acc_dP.load().to(self.dtype))
-            else:
-                if const_expr(t.ds_before_dv):
-                    rdS.store(acc_dP.load().to(self.dtype))
-                    cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_stage])
-                wgmma(tiled_mma_dv, acc_dV, cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout)),
-                      tVrdO[None, None, None, stage], zero_init=False)  # fmt: skip
-                if const_expr(not t.ds_before_dv):
-                    rdS.store(acc_dP.load().to(self.dtype))
-                    cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_stage])
-                cute.arch.fence_view_async_shared()
-            dbias = (feat, sdS, head, m_block, n_block)  # the bias gradient's stores (grad_bias)
-            if const_expr(t.dq_defer):
-                carry_in = None
-                tQrK_step = tQrK
-                if const_expr(carry is not None):
-                    # step 0's product is the previous tile's last block, on that tile's K
-                    kb = kv_state.index
-                    tQrK_step = tQrK_both[None, None, None, cutlass.select_(i > done, kb, 1 - kb)]
-                    carry_in = (i, done)
-                self.deferred_step(i, wg, stage, tiled_mma_dq, tiled_mma_dv, tiled_mma_dkv, acc_dV, acc_dK, rP, rdS,
-                                   tVrdO, tKrQ, tQrdS, tQrK_step, shape_dq, r2s_ds, thr_r2s_ds, tdSs, r2s_dq,
-                                   thr_r2s_dq, tdQs, carry_in)  # fmt: skip
-                pipe_do.consumer_release(state)
-                pipe_q.consumer_release(state)
-            elif const_expr(t.pds_split):
-                acc_dQ = self.dq_dk_split(wg, stage, ds_stage, tiled_mma_dq, tiled_mma_dkv, acc_dK, rdS, tKrQ,
-                                          tQrdS, tQrK, shape_dq, tidx, dbias)  # fmt: skip
-                pipe_do.consumer_release(state)
-                pipe_q.consumer_release(state)
-                if const_expr(prefetch):
-                    if i + 1 < steps:
-                        self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
-                        state_next.advance()
-                self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, i % t.dq_stages, wg)
-            else:
-                self.grad_bias_wait(tidx == 0)
-                cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
-                if const_expr(self.grad_bias):
-                    if tidx == 0:  # both halves are written
-                        self.store_grad_bias(feat, sdS, ds_stage, list(range(t.tile_n // GRAD_BIAS_BOX_KEYS)), head,
-                                             m_block, n_block)  # fmt: skip
-                acc_dQ = self.issue_dq(tiled_mma_dq, shape_dq, tQrdS, tQrK, ds_stage)
-                wgmma(tiled_mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
-                      tKrQ[None, None, None, stage], zero_init=False)  # fmt: skip
-                warpgroup.wait_group(1)  # dV and dQ done
-                pipe_do.consumer_release(state)
-
-                # dQ -> sdQ for the store warp's reduce-add, while dK runs
-                self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, i % t.dq_stages, wg)
-                # the next block's S^T (and dP^T) go to the tensor cores behind dK
-                if const_expr(prefetch):
-                    if i + 1 < steps:
-                        self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
-                        if const_expr(t.overlap == "sdp"):
-                            self.issue_dp(pipe_do, state_next, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
-                            warpgroup.wait_group(2)  # dK done
-                        else:
-                            warpgroup.wait_group(1)
-                        state_next.advance()
-                    else:
-                        warpgroup.wait_group(0)
-                else:
-                    warpgroup.wait_group(0)
-                pipe_q.consumer_release(state)
-            state.advance()
-            head, m_block = self.next_work_item(work, head, m_block)
+        if const_expr(self.tail_m > 0):
+            # the partial last query block on products tail_m queries wide, its step peeled out of
+            # the loops of whole blocks (one loop taking either kind of step made ptxas rebuild the
+            # whole blocks' wgmma descriptors every step: ~40 instructions a step more)
+            self.steps_with_tail(full_ops, env, work, state, head, m_block, seqlen_q,
+                                 (tidx, wg, sQ, sdO, sK, sV, sdS, sdQ, tiled_mma_dkv, tiled_mma_dv))  # fmt: skip
+        else:
+            for i in cutlass.range(first_step, first_step + steps, unroll=1):
+                self.block_step(full_ops, env, i, state, head, m_block)
+                state.advance()
+                head, m_block = self.next_work_item(work, head, m_block)
 
         if const_expr(t.dq_defer and carry is None):
             # the last block's dQ (computed without a block, and not staged, when there is none)
@@ -1364,6 +1303,146 @@ class AttentionBackwardSm90:
             return state, kv_state, done
         self.epilogue(acc_dK, acc_dV, dkv_out, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch,
                       rows, seqlen_k, softmax_scale)  # fmt: skip
+
+    @cute.jit
+    def steps_with_tail(self, full_ops, env, work, state, head, m_block, seqlen_q, tail_args):
+        """``mma``'s steps with ``tail_m``: each query head's walk (``work_item``'s order: from
+        its rotation round) as the whole blocks before the partial one, the partial block on
+        ``tail_operands``, the whole blocks after it. A key block whose query blocks stop
+        short of the partial one (a window) walks whole blocks only."""
+        t = self.tiles
+        _, group, m_min, m_max, rot = work
+        blocks = m_max - m_min
+        m_tail = seqlen_q // t.tile_m  # the partial block (the caller's tail_m says there is one)
+        before = blocks
+        after = Int32(0)
+        if m_min <= m_tail and m_tail < m_max:
+            before = m_tail - m_min
+            if const_expr(self.rotates):
+                before = before - rot
+                if before < 0:
+                    before = before + blocks
+            after = blocks - before - 1
+        i = Int32(0)
+        # (one loop of whole blocks run twice a head, before and after the partial block: with a
+        # second copy of it ptxas built that copy's wgmma descriptors less well, +17 instructions a step)
+        for _g in cutlass.range(group, unroll=1):
+            for part in cutlass.range(2, unroll=1):
+                run = cutlass.select_(part == 0, before, after)
+                for _b in cutlass.range(run, unroll=1):
+                    self.block_step(full_ops, env, i, state, head, m_block)
+                    state.advance()
+                    head, m_block = self.next_work_item(work, head, m_block)
+                    i = i + 1
+                if part == 0 and before < blocks:
+                    self.block_step(self.tail_operands(*tail_args), env, i, state, head, m_block)
+                    state.advance()
+                    head, m_block = self.next_work_item(work, head, m_block)
+                    i = i + 1
+
+    @cute.jit
+    def block_step(self, ops, env, i, state, head, m_block):
+        """The consumers' step ``i``: query block ``m_block`` of query head ``head`` (Q / dO in
+        pipeline ``state``). ``ops``: the products' tiled MMAs, operand fragments, accumulators
+        and register-to-shared copies (the whole block's, or ``tail_operands``' for a partial
+        last block); ``env``: what every step shares (``mma``)."""
+        t = self.tiles
+        (tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tPrV, tPrdO, shape_sdp, cS_mn, tVrdO, tKrQ, tiled_mma_dq, tQrdS,
+         tQrK, tQrK_both, shape_dq, r2s_ds, thr_r2s_ds, tdSs, r2s_dq, thr_r2s_dq, tdQs) = ops
+        (pipe_q, pipe_do, state_next, sLSE, sDelta, sdS, feat, tiled_mma_dkv, tiled_mma_dv, acc_dV, acc_dK, wg, tidx,
+         n_block, key0, offset, seqlen_q, seqlen_k, window_size, scale_log2, steps, carry, kv_state, done) = env
+        prefetch = const_expr(t.overlap != "none")
+        stage = state.index
+        ds_stage = i % t.ds_stages
+        q0 = m_block * t.tile_m
+        if const_expr(not prefetch):
+            self.issue_s(pipe_q, state, tiled_mma_sdp, acc_S, tSrK, tSrQ)
+        lse = self.read_stats(sLSE, stage, cS_mn) if const_expr(t.stats_early) else None
+        # S^T (and with overlap "sdp" dP^T) of this block are in flight already
+        if const_expr(t.overlap != "sdp"):
+            self.issue_dp(pipe_do, state, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
+        # bias values and dropout flags while the tensor cores work (None without)
+        rBias, keep = self.block_features(feat, head, i, q0, key0, seqlen_q, seqlen_k, cS_mn, shape_sdp, wg, tidx)
+
+        warpgroup.wait_group(1)
+        self.probs(acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2, rBias,
+                   lse)  # fmt: skip
+        delta = self.read_stats(sDelta, stage, cS_mn) if const_expr(t.stats_early) else None
+        warpgroup.wait_group(0)
+        self.grad_scores(acc_dP, acc_S, cS_mn, sDelta, stage, keep, feat, delta)
+        # (converted before the dP^T wait instead, ptxas sinks it below the wait: same SASS)
+        rP = self.p_operand(acc_S, cS_mn, keep, feat)
+
+        # dV += P^T dO (P^T from registers); dS^T -> sdS; once both warpgroups' halves are
+        # there (and visible to the async proxy): dQ = dS K, then dK += dS^T Q, so dQ can
+        # leave while dK runs. With dq_defer the dQ is the previous block's (deferred_step)
+        rdS = cute.make_rmem_tensor(shape_sdp, self.dtype)
+        if const_expr(t.dq_defer):
+            rdS.store(acc_dP.load().to(self.dtype))
+        else:
+            if const_expr(t.ds_before_dv):
+                rdS.store(acc_dP.load().to(self.dtype))
+                cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_stage])
+            wgmma(tiled_mma_dv, acc_dV, cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout)),
+                  tVrdO[None, None, None, stage], zero_init=False)  # fmt: skip
+            if const_expr(not t.ds_before_dv):
+                rdS.store(acc_dP.load().to(self.dtype))
+                cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_stage])
+            cute.arch.fence_view_async_shared()
+        dbias = (feat, sdS, head, m_block, n_block)  # the bias gradient's stores (grad_bias)
+        if const_expr(t.dq_defer):
+            carry_in = None
+            tQrK_step = tQrK
+            if const_expr(carry is not None):
+                # step 0's product is the previous tile's last block, on that tile's K
+                kb = kv_state.index
+                tQrK_step = tQrK_both[None, None, None, cutlass.select_(i > done, kb, 1 - kb)]
+                carry_in = (i, done)
+            self.deferred_step(i, wg, stage, tiled_mma_dq, tiled_mma_dv, tiled_mma_dkv, acc_dV, acc_dK, rP, rdS,
+                               tVrdO, tKrQ, tQrdS, tQrK_step, shape_dq, r2s_ds, thr_r2s_ds, tdSs, r2s_dq,
+                               thr_r2s_dq, tdQs, carry_in)  # fmt: skip
+            pipe_do.consumer_release(state)
+            pipe_q.consumer_release(state)
+        elif const_expr(t.pds_split):
+            acc_dQ = self.dq_dk_split(wg, stage, ds_stage, tiled_mma_dq, tiled_mma_dkv, acc_dK, rdS, tKrQ,
+                                      tQrdS, tQrK, shape_dq, tidx, dbias)  # fmt: skip
+            pipe_do.consumer_release(state)
+            pipe_q.consumer_release(state)
+            if const_expr(prefetch):
+                if i + 1 < steps:
+                    self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
+                    state_next.advance()
+            self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, i % t.dq_stages, wg)
+        else:
+            self.grad_bias_wait(tidx == 0)
+            cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
+            if const_expr(self.grad_bias):
+                if tidx == 0:  # both halves are written
+                    self.store_grad_bias(feat, sdS, ds_stage, list(range(t.tile_n // GRAD_BIAS_BOX_KEYS)), head,
+                                         m_block, n_block)  # fmt: skip
+            acc_dQ = self.issue_dq(tiled_mma_dq, shape_dq, tQrdS, tQrK, ds_stage)
+            wgmma(tiled_mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
+                  tKrQ[None, None, None, stage], zero_init=False)  # fmt: skip
+            warpgroup.wait_group(1)  # dV and dQ done
+            pipe_do.consumer_release(state)
+
+            # dQ -> sdQ for the store warp's reduce-add, while dK runs
+            self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, i % t.dq_stages, wg)
+            # the next block's S^T (and dP^T) go to the tensor cores behind dK
+            if const_expr(prefetch):
+                if i + 1 < steps:
+                    self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
+                    if const_expr(t.overlap == "sdp"):
+                        self.issue_dp(pipe_do, state_next, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
+                        warpgroup.wait_group(2)  # dK done
+                    else:
+                        warpgroup.wait_group(1)
+                    state_next.advance()
+                else:
+                    warpgroup.wait_group(0)
+            else:
+                warpgroup.wait_group(0)
+            pipe_q.consumer_release(state)
 
     @cute.jit
     def epilogue(self, acc_dK, acc_dV, dkv_out, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch,
@@ -1691,19 +1770,20 @@ class AttentionBackwardSm90:
         return rP
 
     @cute.jit
-    def sdp_operands(self, tiled_mma_sdp, tidx, wg, sK, sQ, sV, sdO):
+    def sdp_operands(self, tiled_mma_sdp, tidx, wg, sK, sQ, sV, sdO, tile_m: cutlass.Constexpr = None):
         """S^T = K Q^T, dP^T = V dO^T: the warpgroup's operand fragments, the thread's
         accumulator shape and the (key, query) coordinate of each accumulator value as
-        rows x columns."""
+        rows x columns (``tile_m``: a partial block's queries, else the tiles')."""
         t = self.tiles
+        tile_m = t.tile_m if const_expr(tile_m is None) else tile_m
         wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
         tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
         tPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
         tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
-        shape_sdp = thr_sdp.partition_shape_C((t.tile_n, t.tile_m))
-        cS = thr_sdp.partition_C(cute.make_identity_tensor((t.tile_n, t.tile_m)))
+        shape_sdp = thr_sdp.partition_shape_C((t.tile_n, tile_m))
+        cS = thr_sdp.partition_C(cute.make_identity_tensor((t.tile_n, tile_m)))
         return tSrK, tSrQ, tPrV, tPrdO, shape_sdp, cute.make_tensor(cS.iterator, acc_mn_layout(cS.layout))
 
     @cute.jit
@@ -1712,15 +1792,47 @@ class AttentionBackwardSm90:
         zeroed dV, dK accumulators (the A operand, P^T / dS^T, differs per kernel).
         ``tiled_mma_dkv`` is dK's product (N = Dqk), ``tiled_mma_dv`` dV's (N = Dv)."""
         t = self.tiles
-        wg_dk = tiled_mma_dkv.get_slice(wg * 128)
-        wg_dv = tiled_mma_dv.get_slice(wg * 128)
-        tVrdO = wg_dv.make_fragment_B(wg_dv.partition_B(transpose_view(sdO)))
-        tKrQ = wg_dk.make_fragment_B(wg_dk.partition_B(transpose_view(sQ)))
+        tVrdO, tKrQ = self.dkv_b_operands(tiled_mma_dkv, tiled_mma_dv, wg, sQ, sdO)
         acc_dV = cute.make_rmem_tensor(tiled_mma_dv.get_slice(tidx).partition_shape_C((t.tile_n, t.head_dim_v)), Float32)
         acc_dK = cute.make_rmem_tensor(tiled_mma_dkv.get_slice(tidx).partition_shape_C((t.tile_n, t.head_dim)), Float32)
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
         return tVrdO, tKrQ, acc_dV, acc_dK
+
+    @cute.jit
+    def dkv_b_operands(self, tiled_mma_dkv, tiled_mma_dv, wg, sQ, sdO):
+        """dV += P^T dO, dK += dS^T Q: the warpgroup's B fragments, the transposed views of dO / Q."""
+        wg_dk = tiled_mma_dkv.get_slice(wg * 128)
+        wg_dv = tiled_mma_dv.get_slice(wg * 128)
+        tVrdO = wg_dv.make_fragment_B(wg_dv.partition_B(transpose_view(sdO)))
+        tKrQ = wg_dk.make_fragment_B(wg_dk.partition_B(transpose_view(sQ)))
+        return tVrdO, tKrQ
+
+    @cute.jit
+    def tail_operands(self, tidx, wg, sQ, sdO, sK, sV, sdS, sdQ, tiled_mma_dkv, tiled_mma_dv):
+        """``block_step``'s operands for a partial last query block (``tail_m``): S^T, dP^T and
+        dQ^T tail_m queries wide (their own tiled MMAs, accumulators and register-to-shared
+        copies), dV / dK over tail_m queries (the first k-blocks of Q / dO's transposed views);
+        the shared tiles' first tail_m rows (the TMA loads fill whole blocks, zeros past the
+        end; the store warp adds the whole staging buffer, whose rows past tail_m land beyond
+        the sequence, in the accumulator's padding or past its end)."""
+        t = self.tiles
+        tm = self.tail_m
+        tail_tiles = dataclasses.replace(t, tile_m=tm)
+        tiled_mma_sdp = tail_tiles.tiled_mma_sdp(self.dtype)
+        tiled_mma_dq = tail_tiles.tiled_mma_dq(self.dtype)
+        sQ_t, sdO_t, sdS_t, sdQ_t = (rows_view(x, tm) for x in (sQ, sdO, sdS, sdQ))
+        tSrK, tSrQ, tPrV, tPrdO, shape_sdp, cS_mn = self.sdp_operands(tiled_mma_sdp, tidx, wg, sK, sQ_t, sV, sdO_t, tm)
+        tVrdO, tKrQ = self.dkv_b_operands(tiled_mma_dkv, tiled_mma_dv, wg, sQ_t, sdO_t)
+        tQrdS, tQrK, shape_dq = self.dq_operands(tiled_mma_dq, tidx, wg, sK, sdS_t, tm)
+        r2s_ds = tail_tiles.r2s_copy_ds(self.dtype, tiled_mma_sdp)
+        thr_r2s_ds = r2s_ds.get_slice(tidx)
+        tdSs = thr_r2s_ds.partition_D(transpose_view(sdS_t))
+        r2s_dq, thr_r2s_dq, tdQs = self.dq_staging(tiled_mma_dq, tidx, sdQ_t)
+        acc_S = cute.make_rmem_tensor(shape_sdp, Float32)
+        acc_dP = cute.make_rmem_tensor(shape_sdp, Float32)
+        return (tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tPrV, tPrdO, shape_sdp, cS_mn, tVrdO, tKrQ, tiled_mma_dq,
+                tQrdS, tQrK, None, shape_dq, r2s_ds, thr_r2s_ds, tdSs, r2s_dq, thr_r2s_dq, tdQs)  # fmt: skip
 
     @cute.jit
     def stage_dq(self, acc_dQ, r2s_dq, thr_r2s_dq, tdQs, buf, wg):
@@ -1819,21 +1931,22 @@ class AttentionBackwardSm90:
         warpgroup.wait_group(0)
 
     @cute.jit
-    def dq_operands(self, tiled_mma_dq, tidx, wg, sK, sdS):
+    def dq_operands(self, tiled_mma_dq, tidx, wg, sK, sdS, tile_m: cutlass.Constexpr = None):
         """dQ = dS K: the warpgroup's operand fragments (dS's and K's, with their stage / buffer
         modes) and the thread's accumulator shape. With ``dq_swapab`` dQ^T = K^T dS^T: A = K's
-        (d, keys) view, B = dS (queries, keys)."""
+        (d, keys) view, B = dS (queries, keys). ``tile_m``: a partial block's queries."""
         t = self.tiles
+        tile_m = t.tile_m if const_expr(tile_m is None) else tile_m
         wg_dq = tiled_mma_dq.get_slice(wg * 128)
         thr_dq = tiled_mma_dq.get_slice(tidx)
         if const_expr(t.dq_swapab):
             tQrK = wg_dq.make_fragment_A(wg_dq.partition_A(transpose_view(sK)))
             tQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))
-            shape_dq = thr_dq.partition_shape_C((t.head_dim, t.tile_m))
+            shape_dq = thr_dq.partition_shape_C((t.head_dim, tile_m))
         else:
             tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
             tQrK = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_view(sK)))
-            shape_dq = thr_dq.partition_shape_C((t.tile_m, t.head_dim))
+            shape_dq = thr_dq.partition_shape_C((tile_m, t.head_dim))
         return tQrdS, tQrK, shape_dq
 
     @cute.jit
