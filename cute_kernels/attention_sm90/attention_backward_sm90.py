@@ -48,7 +48,7 @@ counted, on the multiprocessors this grid's last wave leaves idle.
 """
 
 import dataclasses
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -106,6 +106,64 @@ def named_barrier(barrier_id: int, threads: int, arrive: bool):
         cute.arch.barrier_arrive(barrier_id=barrier_id, number_of_threads=threads)
     else:
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+
+
+class StepOperands(NamedTuple):
+    """One kind of consumer step's products (``block_step``): tiled MMAs, operand fragments,
+    accumulators and register-to-shared copies of a whole query block, or of a partial one
+    (``tail_operands``)."""
+
+    tiled_mma_sdp: Any
+    acc_S: Any
+    acc_dP: Any
+    tSrK: Any
+    tSrQ: Any
+    tPrV: Any
+    tPrdO: Any
+    shape_sdp: Any
+    cS_mn: Any
+    tVrdO: Any
+    tKrQ: Any
+    tiled_mma_dq: Any
+    tQrdS: Any
+    tQrK: Any
+    tQrK_both: Any
+    shape_dq: Any
+    r2s_ds: Any
+    thr_r2s_ds: Any
+    tdSs: Any
+    r2s_dq: Any
+    thr_r2s_dq: Any
+    tdQs: Any
+
+
+class StepEnv(NamedTuple):
+    """What every consumer step of a tile shares (``mma``, ``block_step``)."""
+
+    pipe_q: Any
+    pipe_do: Any
+    state_next: Any
+    sLSE: Any
+    sDelta: Any
+    sdS: Any
+    feat: Any
+    tiled_mma_dkv: Any
+    tiled_mma_dv: Any
+    acc_dV: Any
+    acc_dK: Any
+    wg: Any
+    tidx: Any
+    n_block: Any
+    key0: Any
+    offset: Any
+    seqlen_q: Any
+    seqlen_k: Any
+    window_size: Any
+    scale_log2: Any
+    steps: Any
+    carry: Any
+    kv_state: Any
+    done: Any
 
 
 class AttentionBackwardSm90:
@@ -1257,11 +1315,19 @@ class AttentionBackwardSm90:
                 if const_expr(t.overlap == "sdp"):
                     self.issue_dp(pipe_do, state_next, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
                 state_next.advance()
-        full_ops = (tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tPrV, tPrdO, shape_sdp, cS_mn, tVrdO, tKrQ,
-                    tiled_mma_dq, tQrdS, tQrK, tQrK_both, shape_dq, r2s_ds, thr_r2s_ds, tdSs, r2s_dq, thr_r2s_dq, tdQs)
-        env = (pipe_q, pipe_do, state_next, sLSE, sDelta, sdS, feat, tiled_mma_dkv, tiled_mma_dv, acc_dV, acc_dK,
-               wg, tidx, n_block, key0, offset, seqlen_q, seqlen_k, window_size, scale_log2, steps, carry,
-               kv_state if const_expr(self.persistent) else None, done)
+        full_ops = StepOperands(
+            tiled_mma_sdp=tiled_mma_sdp, acc_S=acc_S, acc_dP=acc_dP, tSrK=tSrK, tSrQ=tSrQ, tPrV=tPrV, tPrdO=tPrdO,
+            shape_sdp=shape_sdp, cS_mn=cS_mn, tVrdO=tVrdO, tKrQ=tKrQ, tiled_mma_dq=tiled_mma_dq, tQrdS=tQrdS,
+            tQrK=tQrK, tQrK_both=tQrK_both, shape_dq=shape_dq, r2s_ds=r2s_ds, thr_r2s_ds=thr_r2s_ds, tdSs=tdSs,
+            r2s_dq=r2s_dq, thr_r2s_dq=thr_r2s_dq, tdQs=tdQs,
+        )  # fmt: skip
+        env = StepEnv(
+            pipe_q=pipe_q, pipe_do=pipe_do, state_next=state_next, sLSE=sLSE, sDelta=sDelta, sdS=sdS, feat=feat,
+            tiled_mma_dkv=tiled_mma_dkv, tiled_mma_dv=tiled_mma_dv, acc_dV=acc_dV, acc_dK=acc_dK, wg=wg, tidx=tidx,
+            n_block=n_block, key0=key0, offset=offset, seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_size=window_size,
+            scale_log2=scale_log2, steps=steps, carry=carry, kv_state=kv_state if const_expr(self.persistent) else None,
+            done=done,
+        )  # fmt: skip
         # the loop stays outside that if (it runs 0 steps without work): nested in it, ptxas
         # spilled 384 bytes in d64 and the kernel ran ~10% slower (notes.md)
         head, m_block = self.work_item(work, 0)
@@ -1343,9 +1409,9 @@ class AttentionBackwardSm90:
     @cute.jit
     def block_step(self, ops, env, i, state, head, m_block):
         """The consumers' step ``i``: query block ``m_block`` of query head ``head`` (Q / dO in
-        pipeline ``state``). ``ops``: the products' tiled MMAs, operand fragments, accumulators
-        and register-to-shared copies (the whole block's, or ``tail_operands``' for a partial
-        last block); ``env``: what every step shares (``mma``)."""
+        pipeline ``state``). ``ops``: ``StepOperands`` of a whole block, or ``tail_operands``'
+        for a partial last block; ``env``: ``StepEnv``, what every step shares (both unpacked in
+        their fields' order)."""
         t = self.tiles
         (tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tPrV, tPrdO, shape_sdp, cS_mn, tVrdO, tKrQ, tiled_mma_dq, tQrdS,
          tQrK, tQrK_both, shape_dq, r2s_ds, thr_r2s_ds, tdSs, r2s_dq, thr_r2s_dq, tdQs) = ops
@@ -1831,8 +1897,12 @@ class AttentionBackwardSm90:
         r2s_dq, thr_r2s_dq, tdQs = self.dq_staging(tiled_mma_dq, tidx, sdQ_t)
         acc_S = cute.make_rmem_tensor(shape_sdp, Float32)
         acc_dP = cute.make_rmem_tensor(shape_sdp, Float32)
-        return (tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tPrV, tPrdO, shape_sdp, cS_mn, tVrdO, tKrQ, tiled_mma_dq,
-                tQrdS, tQrK, None, shape_dq, r2s_ds, thr_r2s_ds, tdSs, r2s_dq, thr_r2s_dq, tdQs)  # fmt: skip
+        return StepOperands(
+            tiled_mma_sdp=tiled_mma_sdp, acc_S=acc_S, acc_dP=acc_dP, tSrK=tSrK, tSrQ=tSrQ, tPrV=tPrV, tPrdO=tPrdO,
+            shape_sdp=shape_sdp, cS_mn=cS_mn, tVrdO=tVrdO, tKrQ=tKrQ, tiled_mma_dq=tiled_mma_dq, tQrdS=tQrdS,
+            tQrK=tQrK, tQrK_both=None, shape_dq=shape_dq, r2s_ds=r2s_ds, thr_r2s_ds=thr_r2s_ds, tdSs=tdSs,
+            r2s_dq=r2s_dq, thr_r2s_dq=thr_r2s_dq, tdQs=tdQs,
+        )  # fmt: skip
 
     @cute.jit
     def stage_dq(self, acc_dQ, r2s_dq, thr_r2s_dq, tdQs, buf, wg):
