@@ -31,11 +31,12 @@ checked against sdpa_efficient (ours uses the same philox seed / offset, and is)
 
 FLOPs counted: 2.5 x the forward's 4 B H S^2 D (five S x S x D matmuls), halved when causal.
 Timing: every implementation of a case is set up and checked first, then all are timed in
-ROUNDS rounds, each round timing each of them once (do_bench median, L2 flushed) in an order
-rotated from round to round (``timing.bench_rounds``); a row's ``ms`` is the median of its
-rounds and ``ms_rounds`` lists them. The board's clocks drift with its power state (H100: the
-same kernel read 3-6% apart minutes later), which a single timing per implementation would put
-into the ratios.
+ROUNDS rounds, each round timing each of them once (do_bench median, L2 flushed, after
+WARMUP_MS of the implementation's own calls) in an order rotated from round to round
+(``timing.bench_rounds``); a row's ``ms`` is the median of its rounds and ``ms_rounds`` lists
+them. The board's clocks drift with its power state (H100: the same kernel read 3-6% apart
+minutes later, and a timing right after another implementation's calls ran at the clocks that
+one left), which a single timing per implementation or a short warm-up would put into the ratios.
 Rows: ms, ms_rounds, tflops, ``check`` (max |grad - ref| / max |ref| of dQ, dK, dV against
 sdpa_efficient; ours and ours_sm90 are timed only when all are below TOL),
 ``ours_over_peer`` (ours' TFLOP/s over the row's) on every other row, ``sm90_over_peer``
@@ -62,6 +63,11 @@ MATMUL_MNK = (8192, 8192, 8192)
 SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 NAN = float("nan")
 ROUNDS = 5  # interleaved timing rounds per case (the module docstring)
+# each timing's warm-up: that long of the implementation's own calls first, so the board's power
+# state is its own. H100 (700 W), d128, medians of 7 rounds: with do_bench's 25 ms the sm90 / FA4
+# ratio at 1x16x8192x128 read 1.001x alone and 1.075x among the other implementations (0.966x and
+# 0.970x in two suite runs); with 300 ms 1.013x and 1.012x (attention_sm90/notes.md)
+WARMUP_MS = 300
 
 
 def _case_name(shape, dtype, causal, feature=None):
@@ -282,7 +288,7 @@ def run(settings, quick: bool):
 
 def _run_case(spec, fa4, fa4_missing, matmul):
     """The rows of one case; ``matmul`` is (TFLOP/s, ms) or the error of measuring it."""
-    from ..timing import bench_rounds
+    from ..timing import bench_ms, bench_rounds
 
     shape, dtype_name, causal, feature = _unpack(spec)
     b, h, s, d = shape
@@ -362,7 +368,8 @@ def _run_case(spec, fa4, fa4_missing, matmul):
             except Exception as e2:
                 row(impl, status="error", error=f"{direct_error}; fallback: {_err(e2)}")
         torch.cuda.synchronize()
-    timings = bench_rounds([(fn, fwd) for _, fn, _, _, fwd in pending], ROUNDS)
+    timings = bench_rounds([(fn, fwd) for _, fn, _, _, fwd in pending], ROUNDS,
+                           bench=functools.partial(bench_ms, warmup_ms=WARMUP_MS))
     for (impl, _, info, check, _), (ms, error) in zip(pending, timings):
         if error is None:
             row(impl, statistics.median(ms), ms_rounds=ms, status="ok", check=check, **info)
