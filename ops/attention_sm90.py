@@ -15,6 +15,7 @@ reproducible from run to run) unless ``deterministic``: then in a fixed key-bloc
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import cutlass
@@ -90,6 +91,9 @@ def _build(dtype, head_dim: int, head_dim_v: int, mask_type: int, has_window: bo
 
 
 compiled = cc.CompileCache("attention_bwd_sm90", _build)
+# where _config puts _build's flags the call reads back from its key
+_DQ_READY, _STORE_FIRST, _ZERO_AHEAD = (list(inspect.signature(_build).parameters).index(name)
+                                        for name in ("dq_ready", "store_first", "zero_ahead"))  # fmt: skip
 
 
 def _config(dtype, head_dim: int, head_dim_v: int, mask_type: int, arch: str, *, window: bool = False,
@@ -168,11 +172,10 @@ TAIL_BLOCK = True
 
 def _tail_m(tiles, schedule: str, rows_q: int, varlen: bool, bias: bool, dropout: bool) -> int:
     """The queries a partial last block's products cover (the kernel's ``tail_m``; 0: whole
-    blocks everywhere): tiles that ask for it (``tiles.tail_block``), a CTA per tile, one
-    sequence length (not varlen's per-sequence ends), no bias or dropout (their tiles are
-    tile_m wide). Every remainder of rows_q by tile_m is its own compiled kernel (at most
-    tile_m / 16 of them per configuration)."""
-    if not TAIL_BLOCK or schedule != "grid" or varlen or bias or dropout or tiles.dq_defer or tiles.overlap != "none":
+    blocks everywhere), where the kernel takes it (``AttentionBackwardSm90.takes_tail``). Every
+    remainder of rows_q by tile_m is its own compiled kernel (at most tile_m / 16 of them per
+    configuration)."""
+    if not TAIL_BLOCK or not AttentionBackwardSm90.takes_tail(tiles, schedule, varlen, bias, dropout):
         return 0
     return tiles.tail_rows(rows_q)
 
@@ -347,9 +350,9 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
                                     grad_bias=grad_bias is not None, dropout=dropout, rows_q=rows_q,
                                     group=h // key.shape[2], rows_k=rows_k, ctas=ctas)  # fmt: skip
     fn = compiled(*config)
-    # _config's last fields but tail_m: the kernel counts dQ's key blocks for ConvertDQReady; it stores
-    # each query block's first dQ, or zeroes the accumulator itself (either way the preprocess does not)
-    dq_ready, store_first, zero_ahead = config[-4:-1]
+    # the kernel counts dQ's key blocks for ConvertDQReady; it stores each query block's first dQ,
+    # or zeroes the accumulator itself (either way the preprocess does not)
+    dq_ready, store_first, zero_ahead = config[_DQ_READY], config[_STORE_FIRST], config[_ZERO_AHEAD]
     unzeroed = store_first or zero_ahead
     # whatever touches the stream goes before the preprocess: the kernel is launched right
     # behind it (programmatic dependent launch, see the kernel's module)

@@ -297,13 +297,21 @@ class AttentionBackwardSm90:
         if tail_m and not (tiles.tail_block and tail_m % TAIL_ROWS_ALIGN == 0 and 0 < tail_m < tiles.tile_m):
             raise ValueError(f"tail_m {tail_m}: tiles.tail_block and a multiple of {TAIL_ROWS_ALIGN} below tile_m "
                              f"{tiles.tile_m} (tiles.tail_rows)")  # fmt: skip
-        if tail_m and (varlen or self.persistent or has_bias or dropout or tiles.overlap != "none" or tiles.dq_defer):
-            # one partial block a sequence end, known to the host (not per packed sequence); a
-            # step's wgmmas all inside the step (the partial block's step sits between loops of
-            # whole blocks); the bias and keep-flag tiles are tile_m wide
+        if tail_m and not self.takes_tail(tiles, schedule, varlen, has_bias, dropout):
             raise ValueError("tail_m is built for a CTA per tile without varlen, bias, dropout, overlap or dq_defer")
         # the partial last query block's products are tail_m queries wide (tail_operands)
         self.tail_m = tail_m
+
+    @staticmethod
+    def takes_tail(tiles: AttentionSm90Tiles, schedule: str, varlen: bool = False, has_bias: bool = False,
+                   dropout: bool = False) -> bool:  # fmt: skip
+        """Whether a partial last query block can run on narrower products (``tail_m``): tiles
+        that ask for it (``tiles.tail_block``), a CTA per tile ("grid"), one partial block a
+        sequence end known to the host (not varlen's per packed sequence), every wgmma of a step
+        inside the step (no overlap or dq_defer: the partial block's step sits between loops of
+        whole blocks), no bias or dropout (their tiles are tile_m wide)."""
+        return (tiles.tail_block and schedule == "grid" and not (varlen or has_bias or dropout)
+                and tiles.overlap == "none" and not tiles.dq_defer)  # fmt: skip
 
     @staticmethod
     def tile_schedule(tiles: AttentionSm90Tiles, mask_type: int, has_window: bool = False, deterministic: bool = False,
@@ -1270,30 +1278,20 @@ class AttentionBackwardSm90:
         wg = cute.arch.make_warp_uniform(tidx // 128)
         scale_log2 = softmax_scale * LOG2_E
 
-        # S^T = K Q^T, dP^T = V dO^T (this warpgroup's 64 keys)
-        tSrK, tSrQ, tPrV, tPrdO, shape_sdp, cS_mn = self.sdp_operands(tiled_mma_sdp, tidx, wg, sK, sQ, sV, sdO)
-
-        # dV += P^T dO, dK += dS^T Q: B operands are the transposed views of dO / Q
-        tVrdO, tKrQ, acc_dV, acc_dK = self.dkv_operands(tiled_mma_dkv, tiled_mma_dv, tidx, wg, sQ, sdO)
-
-        # dQ = dS K
-        tQrdS, tQrK, shape_dq = self.dq_operands(tiled_mma_dq, tidx, wg, sK, sdS)
+        # S^T = K Q^T, dP^T = V dO^T (this warpgroup's 64 keys); dV += P^T dO, dK += dS^T Q (B operands
+        # the transposed views of dO / Q); dQ = dS K; registers -> shared: dS^T into sdS, dQ into sdQ
         done = Int32(0)
-        tQrK_both = None
+        sK_both = None
         if const_expr(carry is not None):
             done, sK_both, sdK_both = carry
-            tQrK_both = self.dq_operands(tiled_mma_dq, tidx, wg, sK_both, sdS)[1]
-
-        # registers -> shared: dS^T into sdS (its (key, query) view), dQ into sdQ
-        r2s_ds = t.r2s_copy_ds(self.dtype, tiled_mma_sdp)
-        thr_r2s_ds = r2s_ds.get_slice(tidx)
-        tdSs = thr_r2s_ds.partition_D(transpose_view(sdS))
-        r2s_dq, thr_r2s_dq, tdQs = self.dq_staging(tiled_mma_dq, tidx, sdQ)
+        full_ops = self.step_operands(tiled_mma_sdp, tiled_mma_dq, tiled_mma_dkv, tiled_mma_dv, tidx, wg, sQ, sdO, sK,
+                                      sV, sdS, sdQ, sK_both=sK_both)  # fmt: skip
+        acc_dV, acc_dK = self.dkv_accumulators(tiled_mma_dkv, tiled_mma_dv, tidx)
+        tSrK, tSrQ, tPrV, tPrdO, acc_S, acc_dP = (full_ops.tSrK, full_ops.tSrQ, full_ops.tPrV, full_ops.tPrdO,
+                                                  full_ops.acc_S, full_ops.acc_dP)  # fmt: skip
 
         offset = self.causal_offset(seqlen_q, seqlen_k)
         key0 = n_block * t.tile_n
-        acc_S = cute.make_rmem_tensor(shape_sdp, Float32)
-        acc_dP = cute.make_rmem_tensor(shape_sdp, Float32)
         if const_expr(self.persistent):
             pipe_kv, kv_state, state = kv
             state_next = state  # (no overlap with dq_defer)
@@ -1315,12 +1313,6 @@ class AttentionBackwardSm90:
                 if const_expr(t.overlap == "sdp"):
                     self.issue_dp(pipe_do, state_next, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
                 state_next.advance()
-        full_ops = StepOperands(
-            tiled_mma_sdp=tiled_mma_sdp, acc_S=acc_S, acc_dP=acc_dP, tSrK=tSrK, tSrQ=tSrQ, tPrV=tPrV, tPrdO=tPrdO,
-            shape_sdp=shape_sdp, cS_mn=cS_mn, tVrdO=tVrdO, tKrQ=tKrQ, tiled_mma_dq=tiled_mma_dq, tQrdS=tQrdS,
-            tQrK=tQrK, tQrK_both=tQrK_both, shape_dq=shape_dq, r2s_ds=r2s_ds, thr_r2s_ds=thr_r2s_ds, tdSs=tdSs,
-            r2s_dq=r2s_dq, thr_r2s_dq=thr_r2s_dq, tdQs=tdQs,
-        )  # fmt: skip
         env = StepEnv(
             pipe_q=pipe_q, pipe_do=pipe_do, state_next=state_next, sLSE=sLSE, sDelta=sDelta, sdS=sdS, feat=feat,
             tiled_mma_dkv=tiled_mma_dkv, tiled_mma_dv=tiled_mma_dv, acc_dV=acc_dV, acc_dK=acc_dK, wg=wg, tidx=tidx,
@@ -1350,10 +1342,11 @@ class AttentionBackwardSm90:
             last = steps - 1
             if steps > 0:
                 self.ds_half_barrier(1 - wg, last, False)
-            acc_dQ = self.issue_dq(tiled_mma_dq, shape_dq, tQrdS, tQrK, (last + t.ds_stages) % t.ds_stages)
+            acc_dQ = self.issue_dq(tiled_mma_dq, full_ops.shape_dq, full_ops.tQrdS, full_ops.tQrK,
+                                   (last + t.ds_stages) % t.ds_stages)  # fmt: skip
             warpgroup.wait_group(0)
             if steps > 0:
-                self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, last % t.dq_stages, wg)
+                self.stage_dq(acc_dQ, full_ops.r2s_dq, full_ops.thr_r2s_dq, full_ops.tdQs, last % t.dq_stages, wg)
         if const_expr(self.persistent):
             # dK / dV staged in this tile's K / V buffer for the store warps, which free it
             acc_dK.store(acc_dK.load() * softmax_scale)
@@ -1857,13 +1850,19 @@ class AttentionBackwardSm90:
         """dV += P^T dO, dK += dS^T Q: the B fragments (transposed views of dO / Q) and the
         zeroed dV, dK accumulators (the A operand, P^T / dS^T, differs per kernel).
         ``tiled_mma_dkv`` is dK's product (N = Dqk), ``tiled_mma_dv`` dV's (N = Dv)."""
-        t = self.tiles
         tVrdO, tKrQ = self.dkv_b_operands(tiled_mma_dkv, tiled_mma_dv, wg, sQ, sdO)
+        acc_dV, acc_dK = self.dkv_accumulators(tiled_mma_dkv, tiled_mma_dv, tidx)
+        return tVrdO, tKrQ, acc_dV, acc_dK
+
+    @cute.jit
+    def dkv_accumulators(self, tiled_mma_dkv, tiled_mma_dv, tidx):
+        """The thread's zeroed dV and dK accumulators."""
+        t = self.tiles
         acc_dV = cute.make_rmem_tensor(tiled_mma_dv.get_slice(tidx).partition_shape_C((t.tile_n, t.head_dim_v)), Float32)
         acc_dK = cute.make_rmem_tensor(tiled_mma_dkv.get_slice(tidx).partition_shape_C((t.tile_n, t.head_dim)), Float32)
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
-        return tVrdO, tKrQ, acc_dV, acc_dK
+        return acc_dV, acc_dK
 
     @cute.jit
     def dkv_b_operands(self, tiled_mma_dkv, tiled_mma_dv, wg, sQ, sdO):
@@ -1875,34 +1874,44 @@ class AttentionBackwardSm90:
         return tVrdO, tKrQ
 
     @cute.jit
-    def tail_operands(self, tidx, wg, sQ, sdO, sK, sV, sdS, sdQ, tiled_mma_dkv, tiled_mma_dv):
-        """``block_step``'s operands for a partial last query block (``tail_m``): S^T, dP^T and
-        dQ^T tail_m queries wide (their own tiled MMAs, accumulators and register-to-shared
-        copies), dV / dK over tail_m queries (the first k-blocks of Q / dO's transposed views);
-        the shared tiles' first tail_m rows (the TMA loads fill whole blocks, zeros past the
-        end; the store warp adds the whole staging buffer, whose rows past tail_m land beyond
-        the sequence, in the accumulator's padding or past its end)."""
-        t = self.tiles
-        tm = self.tail_m
-        tail_tiles = dataclasses.replace(t, tile_m=tm)
-        tiled_mma_sdp = tail_tiles.tiled_mma_sdp(self.dtype)
-        tiled_mma_dq = tail_tiles.tiled_mma_dq(self.dtype)
-        sQ_t, sdO_t, sdS_t, sdQ_t = (rows_view(x, tm) for x in (sQ, sdO, sdS, sdQ))
-        tSrK, tSrQ, tPrV, tPrdO, shape_sdp, cS_mn = self.sdp_operands(tiled_mma_sdp, tidx, wg, sK, sQ_t, sV, sdO_t, tm)
-        tVrdO, tKrQ = self.dkv_b_operands(tiled_mma_dkv, tiled_mma_dv, wg, sQ_t, sdO_t)
-        tQrdS, tQrK, shape_dq = self.dq_operands(tiled_mma_dq, tidx, wg, sK, sdS_t, tm)
-        r2s_ds = tail_tiles.r2s_copy_ds(self.dtype, tiled_mma_sdp)
+    def step_operands(self, tiled_mma_sdp, tiled_mma_dq, tiled_mma_dkv, tiled_mma_dv, tidx, wg, sQ, sdO, sK, sV, sdS,
+                      sdQ, tile_m: cutlass.Constexpr = None, sK_both=None):  # fmt: skip
+        """``block_step``'s ``StepOperands`` over blocks of ``tile_m`` queries (the tiles' by
+        default; a partial block's with its own S^T / dP^T / dQ^T tiled MMAs and the shared
+        tiles' first rows, ``tail_operands``). ``sK_both``: carry_dq's two K buffers (dQ's K
+        fragments over both)."""
+        tSrK, tSrQ, tPrV, tPrdO, shape_sdp, cS_mn = self.sdp_operands(tiled_mma_sdp, tidx, wg, sK, sQ, sV, sdO, tile_m)
+        tVrdO, tKrQ = self.dkv_b_operands(tiled_mma_dkv, tiled_mma_dv, wg, sQ, sdO)
+        tQrdS, tQrK, shape_dq = self.dq_operands(tiled_mma_dq, tidx, wg, sK, sdS, tile_m)
+        tQrK_both = None
+        if const_expr(sK_both is not None):
+            tQrK_both = self.dq_operands(tiled_mma_dq, tidx, wg, sK_both, sdS)[1]
+        r2s_ds = self.tiles.r2s_copy_ds(self.dtype, tiled_mma_sdp)
         thr_r2s_ds = r2s_ds.get_slice(tidx)
-        tdSs = thr_r2s_ds.partition_D(transpose_view(sdS_t))
-        r2s_dq, thr_r2s_dq, tdQs = self.dq_staging(tiled_mma_dq, tidx, sdQ_t)
+        tdSs = thr_r2s_ds.partition_D(transpose_view(sdS))
+        r2s_dq, thr_r2s_dq, tdQs = self.dq_staging(tiled_mma_dq, tidx, sdQ)
         acc_S = cute.make_rmem_tensor(shape_sdp, Float32)
         acc_dP = cute.make_rmem_tensor(shape_sdp, Float32)
         return StepOperands(
             tiled_mma_sdp=tiled_mma_sdp, acc_S=acc_S, acc_dP=acc_dP, tSrK=tSrK, tSrQ=tSrQ, tPrV=tPrV, tPrdO=tPrdO,
             shape_sdp=shape_sdp, cS_mn=cS_mn, tVrdO=tVrdO, tKrQ=tKrQ, tiled_mma_dq=tiled_mma_dq, tQrdS=tQrdS,
-            tQrK=tQrK, tQrK_both=None, shape_dq=shape_dq, r2s_ds=r2s_ds, thr_r2s_ds=thr_r2s_ds, tdSs=tdSs,
+            tQrK=tQrK, tQrK_both=tQrK_both, shape_dq=shape_dq, r2s_ds=r2s_ds, thr_r2s_ds=thr_r2s_ds, tdSs=tdSs,
             r2s_dq=r2s_dq, thr_r2s_dq=thr_r2s_dq, tdQs=tdQs,
         )  # fmt: skip
+
+    @cute.jit
+    def tail_operands(self, tidx, wg, sQ, sdO, sK, sV, sdS, sdQ, tiled_mma_dkv, tiled_mma_dv):
+        """``step_operands`` for a partial last query block (``tail_m``): S^T, dP^T and dQ^T
+        tail_m queries wide (their own tiled MMAs), dV / dK over tail_m queries (the first
+        k-blocks of Q / dO's transposed views), the shared tiles' first tail_m rows (the TMA
+        loads fill whole blocks, zeros past the end; the store warp adds the whole staging
+        buffer, whose rows past tail_m land beyond the sequence, in the accumulator's padding
+        or past its end)."""
+        tail_tiles = dataclasses.replace(self.tiles, tile_m=self.tail_m)
+        sQ_t, sdO_t, sdS_t, sdQ_t = (rows_view(x, self.tail_m) for x in (sQ, sdO, sdS, sdQ))
+        return self.step_operands(tail_tiles.tiled_mma_sdp(self.dtype), tail_tiles.tiled_mma_dq(self.dtype),
+                                  tiled_mma_dkv, tiled_mma_dv, tidx, wg, sQ_t, sdO_t, sK, sV, sdS_t, sdQ_t,
+                                  self.tail_m)  # fmt: skip
 
     @cute.jit
     def stage_dq(self, acc_dQ, r2s_dq, thr_r2s_dq, tdQs, buf, wg):
