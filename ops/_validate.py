@@ -9,6 +9,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from ._memo import Memo
+
 
 def check_tensor(name: str, t) -> None:
     if not isinstance(t, Tensor):
@@ -57,7 +59,7 @@ def check_int(name: str, x, low: int = 0) -> None:
         raise ValueError(f"{name} must be >= {low}, got {x}")
 
 
-_validated: set = set()
+_validated = Memo()  # metadata keys whose checks passed
 
 
 def validate_once(parts, check) -> None:
@@ -71,7 +73,7 @@ def validate_once(parts, check) -> None:
     if torch.compiler.is_compiling():
         check()
         return
-    key = tuple((type(p), p.shape, p.stride(), p.dtype, p.device) if isinstance(p, Tensor) else (type(p), p) for p in parts)
+    key = tuple([(type(p), p.shape, p.stride(), p.dtype, p.device) if isinstance(p, Tensor) else (type(p), p) for p in parts])
     try:
         known = key in _validated
     except TypeError:  # an unhashable argument: let the full check name it
@@ -79,7 +81,7 @@ def validate_once(parts, check) -> None:
         return
     if not known:
         check()
-        _validated.add(key)
+        _validated.put(key, True)
 
 
 def rows_view(name: str, t: Tensor) -> Tensor:

@@ -27,6 +27,7 @@ from torch import Tensor
 from layouts import attention_bwd_prepost as tiling
 
 from . import _compile as cc
+from ._memo import Memo
 from ._validate import (
     check_cuda,
     check_dtype,
@@ -301,14 +302,14 @@ def _meta(t):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
 
 
-_plans: dict = {}
+_plans = Memo()
 
 
 def _cached_plan(key, make):
     """Launch plans (compiled function, grid) by metadata: a repeated call is a dict lookup."""
     plan = _plans.get(key)
     if plan is None:
-        plan = _plans[key] = make()
+        plan = _plans.put(key, make())
     return plan
 
 

@@ -17,6 +17,7 @@ from cute_kernels.common.activation import ACTIVATIONS
 from layouts import dropout_bias as tiling
 
 from . import _compile as cc
+from ._memo import Memo
 from ._validate import (
     check_cuda,
     check_dtype,
@@ -136,7 +137,7 @@ class _Plan:
         ) and (x is None or x.view(self.rows, n).stride() == rows_view("x", x).stride())
 
 
-_plans: dict = {}
+_plans = Memo()
 
 
 def _plan(grad_out, mask, x, bias, activation, grad_in, grad_bias) -> _Plan:
@@ -150,7 +151,7 @@ def _plan(grad_out, mask, x, bias, activation, grad_in, grad_bias) -> _Plan:
     )  # fmt: skip
     plan = _plans.get(key)
     if plan is None:
-        plan = _plans[key] = _Plan(grad_out, mask, x, bias, activation, grad_in, grad_bias)
+        plan = _plans.put(key, _Plan(grad_out, mask, x, bias, activation, grad_in, grad_bias))
     return plan
 
 

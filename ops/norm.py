@@ -19,6 +19,7 @@ from torch import Tensor
 from layouts import layer_norm as tiling
 
 from . import _compile as cc
+from ._memo import Memo
 from ._validate import check_cuda, check_dtype, check_float, check_same_device, check_tensor, rows_view, validate_once
 
 _MAX_VECTOR_BITS = tiling.MAX_VECTOR_BITS
@@ -148,7 +149,7 @@ class _Plan:
             self.finalize = compiled_finalize(w_dt, b_dt, tiling.finalize_tiles(n), has_gamma, has_dbeta, arch)
 
 
-_plans: dict = {}
+_plans = Memo()
 
 
 def _plan(grad_out, x, weight, bias, is_rms, dx) -> _Plan:
@@ -160,7 +161,7 @@ def _plan(grad_out, x, weight, bias, is_rms, dx) -> _Plan:
     )  # fmt: skip
     plan = _plans.get(key)
     if plan is None:
-        plan = _plans[key] = _Plan(grad_out, x, weight, bias, is_rms, dx)
+        plan = _plans.put(key, _Plan(grad_out, x, weight, bias, is_rms, dx))
     return plan
 
 
