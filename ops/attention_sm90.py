@@ -16,7 +16,7 @@ reproducible from run to run) unless ``deterministic``: then in a fixed key-bloc
 from __future__ import annotations
 
 import inspect
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -28,6 +28,8 @@ from cute_kernels.attention_sm90.attention_backward_sm90_wide import AttentionBa
 from layouts import attention_sm90 as tiling
 
 from . import _compile as cc
+from . import attention_bwd_prepost as P
+from ._memo import Memo
 
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -231,12 +233,31 @@ def compile_for_benchmark_cases(cases, arch: str) -> int:
     return len(keys)
 
 
+_verdicts = Memo()  # unsupported's answers for plain CUDA tensors at TMA-aligned addresses, by metadata
+
+
 def unsupported(query, key, value, grad_out, out, *, mask_type=0, window_size=None, bias=None, dropout_p=0.0,
                 arch=None) -> Optional[str]:  # fmt: skip
     """Why the sm90 path cannot take this problem (None: it can).
 
     ``arch``: the DSL target to judge for; by default the device's, known only for real
-    CUDA tensors (no CUDA call for CPU, meta or fake ones: they get a reason)."""
+    CUDA tensors (no CUDA call for CPU, meta or fake ones: they get a reason). Each call
+    checks the addresses; for plain CUDA tensors at aligned ones the rest of the answer is
+    remembered by metadata (the whole check costs ~15-30 us of host time)."""
+    tensors = (query, key, value, grad_out, out)
+    sig = None
+    if cc.eager(query) and all(type(t) is Tensor and t.is_cuda for t in tensors):
+        addresses = query.data_ptr() | key.data_ptr() | value.data_ptr() | grad_out.data_ptr() | out.data_ptr()
+        if addresses % tiling.TMA_ALIGN_BYTES == 0:  # else the whole check names the tensor
+            sig = (arch, mask_type, *((t.shape, t.stride(), t.dtype, t.device) for t in tensors))
+            if sig in _verdicts:
+                return _verdicts[sig]
+    reason = _unsupported(query, key, value, grad_out, out, mask_type, arch)
+    return reason if sig is None else _verdicts.put(sig, reason)
+
+
+def _unsupported(query, key, value, grad_out, out, mask_type, arch) -> Optional[str]:
+    """unsupported's checks, all of them."""
     arch = arch or cc.tensor_arch(query)
     if arch != "sm_90a":
         return f"needs sm_90a, the device is {arch or f'{query.device} (no CUDA arch known)'}"
@@ -288,9 +309,10 @@ def _persistent_ctas(query: Tensor) -> int:
     return cc.num_sms(query.device.index) if query.device.type == "cuda" else 1
 
 
-def _new_dq_accum(shape, device) -> Tensor:
-    """The fp32 dQ accumulator of a ``store_first`` or ``zero_ahead`` call, not zeroed (tests fill it with NaN)."""
-    return torch.empty(shape, dtype=torch.float32, device=device)
+def _unzeroed_dq_accum(dq_accum: Tensor) -> Tensor:
+    """The fp32 dQ accumulator a ``store_first`` or ``zero_ahead`` kernel gets: as allocated,
+    not zeroed (tests fill it with NaN)."""
+    return dq_accum
 
 
 def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: float, mask_type: int = 0,
@@ -317,82 +339,190 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     ``bias_requires_grad`` grad_bias is [B, H, Sq, Sk] (rows padded to 128 bits, as torch's),
     else None. Dropout: the keep mask of torch's memory-efficient forward for
     ``philox_seed / philox_offset`` (int64 scalar tensors), p = ``dropout_p``."""
-    from .attention_bwd_prepost import _convert_dq_impl, _preprocess_impl, dq_accum_shape, zero_blind_delta
-    from .mem_eff_attention import _dropout_args, grad_bias_buffer
-
     varlen = cu_seqlens_q is not None
+    window, dropout = int(window_size or 0), float(dropout_p) > 0.0
+    if bias is not None and varlen:
+        raise NotImplementedError("attention bias with cu_seqlens is not supported (torch's forward refuses it too)")
+    sig = (query.shape, key.shape, value.shape, query.dtype, query.device, int(mask_type), window, bool(deterministic),
+           (cu_seqlens_q.shape, int(max_seqlen_q), int(max_seqlen_k)) if varlen else None, bias is not None,
+           bias is not None and bool(bias_requires_grad), dropout, _knobs())  # fmt: skip
+    plan = _call_plans.get(sig)
+    if plan is None:
+        plan = _call_plans.put(sig, _call_plan(query, key, value, int(mask_type), window, bool(deterministic),
+                                               cu_seqlens_q, max_seqlen_q, max_seqlen_k, bias is not None,
+                                               bias is not None and bool(bias_requires_grad), dropout))  # fmt: skip
     b, sq, h, d = query.shape
-    sk, d_v = key.shape[1], value.shape[-1]
-    seqs = cu_seqlens_q.numel() - 1 if varlen else b
-    rows_q = int(max_seqlen_q) if varlen else sq
-    rows_k = int(max_seqlen_k) if varlen else sk
+    sk = key.shape[1]
     # fresh [B, S, H, D] tensors whatever the inputs' strides, as aten's backward (and the
     # fake implementation of the op that calls this) allocates them
     dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
     dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
     grad_bias = None
     if bias is not None:
-        if varlen:
-            raise NotImplementedError("attention bias with cu_seqlens is not supported (torch's forward refuses it too)")
+        from .mem_eff_attention import grad_bias_buffer
+
         bias = bias.expand(b, h, sq, sk)  # a view: broadcast dims get stride 0
         if bias_requires_grad:  # blocks no key block visits (masks, windows) stay zero
             grad_bias = grad_bias_buffer(query, sk, mask_type)
-    if min(seqs, h, sq, sk, rows_q, rows_k) == 0:
+    if plan.empty:
         if grad_bias is not None:
             grad_bias.zero_()
         return torch.zeros_like(query), dk.zero_(), dv.zero_(), grad_bias
-    window = int(window_size or 0)
-    arch = cc.device_arch(query.device.index)
-    dropout = float(dropout_p) > 0.0
+    fn = compiled(*plan.config)
+    # one fp32 allocation for what the launches share (``_ScratchPlan``: each allocation costs
+    # 4-8 us of host time on the lent machines' CPUs); whatever touches the stream goes before
+    # the preprocess: the kernel is launched right behind it (programmatic dependent launch)
+    sp = plan.scratch
+    scratch = torch.empty(sp.elems, dtype=torch.float32, device=query.device)
+    delta = scratch.as_strided(sp.delta_shape, sp.delta_strides, 0)
+    lse_log2 = scratch.as_strided(sp.delta_shape, sp.delta_strides, sp.lse_offset)
+    dq_accum = scratch.as_strided(sp.dq_accum_shape, sp.dq_accum_strides, sp.dq_accum_offset)
+    semaphore = counter = ready = first = None
+    if sp.zeroed:
+        # zeroed int32s: the persistent CTAs' tile counter (schedule "dynamic"; with zero_ahead
+        # also the zeroing jobs' counter), ConvertDQReady's tile counter and the kernel's counts,
+        # the store_first / zero_ahead flags, deterministic mode's semaphores
+        flags = scratch[sp.flags_offset : sp.flags_offset + sp.zeroed].view(torch.int32).zero_()
+        n_counter, n_ready, n_first = plan.flags
+        if n_counter:
+            counter = flags[:n_counter]
+        if n_ready:
+            # a head is complete once every key block of the grid (ceil(rows_k / tile_n)) is counted
+            ready = (flags[n_counter : n_counter + 1], flags[n_counter + 1 : n_counter + n_ready].view(plan.ready_shape),
+                     *plan.ready_counts)  # fmt: skip
+        if n_first:
+            first = flags[n_counter + n_ready : n_counter + n_ready + n_first].view(plan.first_shape)
+        if deterministic:
+            semaphore = flags[sp.semaphore_offset :].view(plan.semaphore_shape)
+    rng = (None,) * 5
+    if dropout:  # reads the seed / offset tensors (a copy to the host)
+        from .mem_eff_attention import _dropout_args
+
+        rng = _dropout_args(dropout_p, philox_seed, philox_offset, plan.rows_q, plan.rows_k)
+    if plan.unzeroed:  # every block's first dQ is stored there, or the kernel zeroes it
+        dq_accum = _unzeroed_dq_accum(dq_accum)
+    elif not sp.fused_zeroing:  # the preprocess clears out's width (Dv): Dqk's apart
+        dq_accum.zero_()
+    # Δ from out / dO (Dv wide; the pre / postprocess take packed sequences as [total, H, D]),
+    # the accumulator zeroed where it must be, the LSE in the kernel's log2 units: one launch
+    P.launch_preprocess(out[0] if varlen else out, grad_out[0] if varlen else grad_out, delta,
+                        dq_accum if sp.fused_zeroing else None, 1.0, cu_seqlens_q, max_seqlen_q, logsumexp, lse_log2)  # fmt: skip
+    P.zero_blind_delta(delta, mask_type, window, sq, sk, cu_seqlens_q, cu_seqlens_k)  # O may be unwritten there
+    fn(query, key, value, grad_out, lse_log2, delta, dq_accum.unsqueeze(0) if varlen else dq_accum,
+       dk, dv, semaphore, counter, ready[1] if ready else None, first, cu_seqlens_q, cu_seqlens_k, bias, grad_bias,
+       float(scale), window, plan.rows_k, plan.chunk, plan.ctas, *rng)  # fmt: skip
+    dq = P._convert_dq_impl(dq_accum, float(scale), d, sq, cu_seqlens_q, max_seqlen_q, 0.0, query.dtype, ready=ready)
+    return (dq.unsqueeze(0) if varlen else dq), dk, dv, grad_bias
+
+
+class _CallPlan(NamedTuple):
+    """What a call decides from its signature alone (``_call_plan``)."""
+
+    config: tuple  # the ``compiled`` key
+    empty: bool  # a problem of zero size: zero gradients, no launch
+    rows_q: int  # query rows (varlen: max_seqlen_q)
+    rows_k: int
+    flags: tuple  # the zeroed int32 buffer's parts: tile counters, ConvertDQReady's counts, store_first's flags
+    ready_shape: tuple  # ConvertDQReady's counts [sequences, Hk]
+    ready_counts: tuple  # (query heads per key head, key blocks of a complete head)
+    first_shape: tuple  # store_first / zero_ahead flags [B, H, query blocks]
+    semaphore_shape: tuple  # deterministic mode's [sequences, H, query blocks]
+    unzeroed: bool  # the kernel stores each block's first dQ or zeroes the accumulator itself
+    chunk: int  # the heavy-first order's heads per chunk
+    ctas: int  # the persistent grid
+    scratch: "_ScratchPlan"
+
+
+class _ScratchPlan(NamedTuple):
+    """Where a call's fp32 scratch allocation holds its parts (offsets in 4-byte elements,
+    multiples of 32: 128-byte aligned for TMA): Δ and the LSE in log2 units [sequences, H,
+    rows rounded], the zeroed int32s (``_CallPlan.flags``, then deterministic mode's
+    semaphores), the dQ accumulator (``attention_bwd_prepost.dq_accum_shape``)."""
+
+    elems: int
+    delta_shape: tuple
+    delta_strides: tuple
+    lse_offset: int
+    flags_offset: int
+    zeroed: int  # int32s to zero
+    semaphore_offset: int  # within the zeroed int32s
+    dq_accum_shape: tuple
+    dq_accum_strides: tuple
+    dq_accum_offset: int
+    fused_zeroing: bool  # the preprocess zeroes the accumulator (not unzeroed, Dqk and Dv rounded alike)
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def _scratch_plan(seqs: int, h: int, rows_q: int, dq_accum_shape: tuple, flags: tuple, semaphores: int,
+                  fused_zeroing: bool) -> _ScratchPlan:  # fmt: skip
+    align = 32  # elements: 128 bytes
+    up = lambda n: -(-n // align) * align  # noqa: E731
+    delta_shape = (seqs, h, P.seqlen_rounded(rows_q))
+    n_delta = up(seqs * h * delta_shape[2])
+    zeroed = sum(flags) + semaphores
+    flags_offset = 2 * n_delta
+    dq_offset = flags_offset + up(zeroed)
+    n_accum = 1
+    for n in dq_accum_shape:
+        n_accum *= n
+    return _ScratchPlan(
+        elems=dq_offset + n_accum, delta_shape=delta_shape, delta_strides=_contiguous_strides(delta_shape),
+        lse_offset=n_delta, flags_offset=flags_offset, zeroed=zeroed, semaphore_offset=sum(flags),
+        dq_accum_shape=dq_accum_shape, dq_accum_strides=_contiguous_strides(dq_accum_shape), dq_accum_offset=dq_offset,
+        fused_zeroing=fused_zeroing,
+    )  # fmt: skip
+
+
+_call_plans = Memo()  # by call signature (attention_backward_sm90)
+
+
+def _knobs() -> tuple:
+    """The module-level settings a call plan depends on (tests and experiments change them;
+    a changed one makes new plans)."""
+    return (PERSISTENT_CTAS, DQ_READY, STORE_FIRST, ZERO_AHEAD, ZERO_AHEAD_CAUSAL, TAIL_BLOCK, _tiles, _zeroes_ahead,
+            tiling.attention_sm90_tiles, tiling.CARRY_DQ_MAX_STEPS, tiling.DQ_READY_MAX_KEY_BLOCKS,
+            tiling.ZERO_AHEAD_MAX_STEPS)  # fmt: skip
+
+
+def _call_plan(query, key, value, mask_type: int, window: int, deterministic: bool, cu_seqlens_q, max_seqlen_q,
+               max_seqlen_k, bias: bool, grad_bias: bool, dropout: bool) -> _CallPlan:  # fmt: skip
+    varlen = cu_seqlens_q is not None
+    b, sq, h, d = query.shape
+    sk, hk, d_v = key.shape[1], key.shape[2], value.shape[-1]
+    seqs = cu_seqlens_q.numel() - 1 if varlen else b
+    rows_q = int(max_seqlen_q) if varlen else sq
+    rows_k = int(max_seqlen_k) if varlen else sk
+    if min(seqs, h, sq, sk, rows_q, rows_k) == 0:  # nothing to launch
+        return _CallPlan(None, True, rows_q, rows_k, (0, 0, 0), (), (), (), (), False, 0, 0, None)
     ctas = _persistent_ctas(query)  # the persistent grid (also decides zero_ahead)
-    tiles, schedule, config = _plan(cc.cute_dtype(query.dtype), d, d_v, mask_type, arch, window=window > 0,
-                                    deterministic=deterministic, varlen=varlen, bias=bias is not None,
-                                    grad_bias=grad_bias is not None, dropout=dropout, rows_q=rows_q,
-                                    group=h // key.shape[2], rows_k=rows_k, ctas=ctas)  # fmt: skip
-    fn = compiled(*config)
+    tiles, schedule, config = _plan(cc.cute_dtype(query.dtype), d, d_v, mask_type, cc.device_arch(query.device.index),
+                                    window=window > 0, deterministic=deterministic, varlen=varlen, bias=bias,
+                                    grad_bias=grad_bias, dropout=dropout, rows_q=rows_q, group=h // hk, rows_k=rows_k,
+                                    ctas=ctas)  # fmt: skip
     # the kernel counts dQ's key blocks for ConvertDQReady; it stores each query block's first dQ,
     # or zeroes the accumulator itself (either way the preprocess does not)
     dq_ready, store_first, zero_ahead = config[_DQ_READY], config[_STORE_FIRST], config[_ZERO_AHEAD]
     unzeroed = store_first or zero_ahead
-    # whatever touches the stream goes before the preprocess: the kernel is launched right
-    # behind it (programmatic dependent launch, see the kernel's module)
-    semaphore = None
-    if deterministic:
-        semaphore = torch.zeros((seqs, h, -(-rows_q // tiles.tile_m)), dtype=torch.int32, device=query.device)
-    counter = ready = first = None
-    # one zeroed int32 buffer: the persistent CTAs' tile counter (schedule "dynamic"; with
-    # zero_ahead also the zeroing jobs' counter), ConvertDQReady's tile counter and the kernel's
-    # counts, the store_first / zero_ahead flags
-    hk, blocks_q = key.shape[2], -(-rows_q // tiles.tile_m)
-    n_counter = (2 if zero_ahead else 1) if schedule == "dynamic" else 0
-    n_ready = 1 + seqs * hk if dq_ready else 0
-    n_first = b * h * blocks_q if unzeroed else 0
-    if n_counter + n_ready + n_first:
-        flags = torch.zeros(n_counter + n_ready + n_first, dtype=torch.int32, device=query.device)
-        if n_counter:
-            counter = flags[:n_counter]
-        if dq_ready:
-            # a head is complete once every key block of the grid (ceil(rows_k / tile_n)) is counted
-            ready = (flags[n_counter : n_counter + 1], flags[n_counter + 1 : n_counter + n_ready].view(seqs, hk),
-                     h // hk, -(-rows_k // tiles.tile_n))  # fmt: skip
-        if unzeroed:
-            first = flags[n_counter + n_ready :].view(b, h, blocks_q)
-    chunk = _heads_per_chunk(tiles, rows_q, rows_k, h // key.shape[2], seqs * key.shape[2], query, mask_type, window,
-                             deterministic, varlen)  # fmt: skip
-    rng = (None,) * 5
-    if dropout:  # reads the seed / offset tensors (a copy to the host)
-        rng = _dropout_args(dropout_p, philox_seed, philox_offset, rows_q, rows_k)
-    # the pre / postprocess take packed sequences as [total, H, D]
-    pack = (lambda x: x[0]) if varlen else (lambda x: x)
-    # Δ from out / dO (Dv wide), the zeroed dQ accumulator as query (Dqk wide), the LSE in
-    # the kernel's log2 units: one launch
-    delta, dq_accum, lse_log2 = _preprocess_impl(pack(out), pack(grad_out), 1.0, cu_seqlens_q, max_seqlen_q,
-                                                 not unzeroed, dq_head_dim=d, lse=logsumexp)  # fmt: skip
-    if unzeroed:  # every block's first dQ is stored there, or the kernel zeroes it
-        dq_accum = _new_dq_accum(dq_accum_shape(b, sq, h, d), query.device)
-    zero_blind_delta(delta, mask_type, window, sq, sk, cu_seqlens_q, cu_seqlens_k)  # O may be unwritten there
-    fn(query, key, value, grad_out, lse_log2, delta, dq_accum.unsqueeze(0) if varlen else dq_accum,
-       dk, dv, semaphore, counter, ready[1] if dq_ready else None, first, cu_seqlens_q, cu_seqlens_k, bias, grad_bias,
-       float(scale), window, rows_k, chunk, ctas, *rng)  # fmt: skip
-    dq = _convert_dq_impl(dq_accum, float(scale), d, sq, cu_seqlens_q, max_seqlen_q, 0.0, query.dtype, ready=ready)
-    return (dq.unsqueeze(0) if varlen else dq), dk, dv, grad_bias
+    blocks_q = -(-rows_q // tiles.tile_m)
+    flags = ((2 if zero_ahead else 1) if schedule == "dynamic" else 0, 1 + seqs * hk if dq_ready else 0,
+             b * h * blocks_q if unzeroed else 0)  # fmt: skip
+    # the accumulator as the preprocess would size it (packed sequences: their total rows)
+    dq_accum_shape = P.dq_accum_shape(seqs, sq, h, d, varlen=varlen)
+    fused_zeroing = not unzeroed and P.head_dim_rounded(d) == P.head_dim_rounded(d_v)
+    scratch = _scratch_plan(seqs, h, rows_q, dq_accum_shape, flags, seqs * h * blocks_q if deterministic else 0,
+                            fused_zeroing)  # fmt: skip
+    return _CallPlan(
+        config=config, empty=False, rows_q=rows_q, rows_k=rows_k, flags=flags,
+        ready_shape=(seqs, hk), ready_counts=(h // hk, -(-rows_k // tiles.tile_n)), first_shape=(b, h, blocks_q),
+        semaphore_shape=(seqs, h, blocks_q), unzeroed=unzeroed,
+        chunk=_heads_per_chunk(tiles, rows_q, rows_k, h // hk, seqs * hk, query, mask_type, window, deterministic,
+                               varlen),
+        ctas=ctas, scratch=scratch,
+    )  # fmt: skip

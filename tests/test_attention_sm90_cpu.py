@@ -716,9 +716,15 @@ def test_supported_problems_with_unequal_head_dims(head_dim, head_dim_v):
     assert S.unsupported(*_problem(h=6, hk=2, d=head_dim, dv=head_dim_v), mask_type=2, arch="sm_90a") is None
 
 
-def test_unsupported_checks_addresses_on_every_call():
+@pytest.mark.parametrize("remembered", [False, True])
+def test_unsupported_checks_addresses_on_every_call(monkeypatch, remembered):
     """Addresses are checked on every call (the same metadata at another address gets its own
-    verdict), and the first tensor in argument order with a bad address or bad strides is named."""
+    verdict), and the first tensor in argument order with a bad address or bad strides is named.
+    ``remembered``: as for CUDA tensors, whose verdicts at aligned addresses are remembered by
+    metadata (here CPU tensors that say they are on CUDA)."""
+    if remembered:
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+        monkeypatch.setattr(S, "_verdicts", S.Memo())
     q, k, v, do, o = _problem(sq=64, sk=64)
     assert S.unsupported(q, k, v, do, o, arch="sm_90a") is None
     shifted = torch.zeros(k.numel() + 8, dtype=BF16)[8:].view(k.shape)  # 16 bytes in: aligned
@@ -729,6 +735,21 @@ def test_unsupported_checks_addresses_on_every_call():
     strided = torch.zeros(*o.shape[:-1], 68, dtype=BF16)[..., :64]  # out: head stride not 16 bytes
     assert "out is not TMA-aligned" in S.unsupported(q, k, v, do, strided, arch="sm_90a")
     assert "key is not TMA-aligned" in S.unsupported(q, shifted, v, do, strided, arch="sm_90a")
+    # only aligned calls were remembered: one verdict per metadata (and arch) seen
+    assert len(S._verdicts) == (2 if remembered else 0)
+
+
+def test_unsupported_remembers_the_verdict_not_the_addresses(monkeypatch):
+    """A remembered verdict is keyed by what it depends on: metadata, the mask type and the arch."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(S, "_verdicts", S.Memo())
+    problem = _problem(h=4, hk=3)
+    for _ in range(2):
+        assert "not a multiple" in S.unsupported(*problem, arch="sm_90a")
+        assert S.unsupported(*problem, arch="sm_80") == "needs sm_90a, the device is sm_80"
+        assert S.unsupported(*_problem(d=64), arch="sm_90a") is None
+        assert "mask type 3" in S.unsupported(*_problem(d=64), mask_type=3, arch="sm_90a")
+    assert len(S._verdicts) == 4
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_100a"])
@@ -856,6 +877,83 @@ def test_convert_overlaps_where_the_grid_has_an_idle_tail(monkeypatch, mask_type
     assert keys[-1][KEY["dq_ready"]] is (deterministic and overlaps)
 
 
+def test_call_plans_follow_the_signature_and_the_settings(monkeypatch):
+    """attention_backward_sm90 makes its choices (tiles, flags, grids, the compile key) once
+    per call signature (``_call_plan``): a repeated call reuses them; another module setting,
+    mask or shape makes a new plan, and the compile key follows the setting."""
+    from ops import attention_bwd_prepost as P
+
+    keys, plans = [], []
+    monkeypatch.setattr(cc, "device_arch", lambda index: "sm_90a")
+    monkeypatch.setattr(P, "launch_preprocess", lambda *a: None)
+    monkeypatch.setattr(S, "compiled", lambda *key: keys.append(key) or (lambda *a: None))
+    monkeypatch.setattr(P, "_convert_dq_impl", lambda acc, scale, d, sq, *rest, ready=None: torch.zeros(
+        acc.shape[0], sq, acc.shape[2], d, dtype=BF16))  # fmt: skip
+    monkeypatch.setattr(S, "_call_plans", S.Memo())
+    plan = S._plan
+    monkeypatch.setattr(S, "_plan", lambda *a, **kw: plans.append(1) or plan(*a, **kw))
+    lse = torch.zeros(2, 4, 128)
+
+    def call(mask_type=0, sq=100):
+        q, k, v, do, o = _problem(sq=sq, h=4, hk=2, d=128, dv=128)
+        dq, dk, dv, _ = S.attention_backward_sm90(do, q, k, v, o, lse, 0.1, mask_type)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+    call()
+    call()
+    assert len(plans) == 1 and len(keys) == 2 and keys[0] == keys[1] and keys[0][KEY["store_first"]]
+    monkeypatch.setattr(S, "STORE_FIRST", False)
+    call()
+    assert len(plans) == 2 and not keys[-1][KEY["store_first"]]
+    call(mask_type=1)
+    assert len(plans) == 3 and keys[-1][KEY["mask_type"]] == 1
+    call(sq=60)
+    call(sq=60)
+    assert len(plans) == 4 and len(S._call_plans) == 4
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("head_dim,head_dim_v", [(128, 128), (64, 64), (64, 128)])
+def test_one_scratch_allocation_holds_the_launches_buffers(monkeypatch, deterministic, head_dim, head_dim_v):
+    """Δ, the LSE in log2 units, the zeroed int32s (counters, counts, flags, semaphores) and the
+    dQ accumulator are parts of one fp32 allocation (host time): disjoint, 128-byte aligned,
+    the int32s zeroed; the accumulator is zeroed by the preprocess where Dqk and Dv round alike,
+    apart where they do not, and not at all where the kernel stores first or zeroes it."""
+    from ops import attention_bwd_prepost as P
+
+    keys, launches, pre = [], [], []
+    monkeypatch.setattr(cc, "device_arch", lambda index: "sm_90a")
+    monkeypatch.setattr(P, "launch_preprocess", lambda out, do, delta, acc, scale, cu, mq, lse, lse2: pre.append(
+        (delta, acc, lse2)))  # fmt: skip
+    monkeypatch.setattr(S, "compiled", lambda *key: keys.append(key) or (lambda *a: launches.append(a)))
+    monkeypatch.setattr(P, "_convert_dq_impl", lambda acc, scale, d, sq, *r, ready=None: torch.zeros(
+        acc.shape[0], sq, acc.shape[2], d, dtype=BF16))  # fmt: skip
+    empty = torch.empty  # the scratch (the one 1-D fp32 allocation) filled with 7s
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: (lambda t: t.fill_(7.0) if t.dtype == F32 and t.dim() == 1
+                                                          else t)(empty(*a, **kw)))  # fmt: skip
+    q, k, v, do, o = _problem(h=4, hk=2, d=head_dim, dv=head_dim_v)
+    S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0, deterministic=deterministic)
+    (key,), (launch,), ((delta, fused, lse2),) = keys, launches, pre
+    _, _, _, _, lse, delta_, acc, _, _, semaphore, counter, counts, first = launch[:13]
+    assert lse is lse2 and delta_ is delta and delta.shape == lse.shape == (2, 4, 128)
+    parts = [t for t in (delta, lse, acc, semaphore, counter, counts, first) if t is not None]
+    base = delta.untyped_storage().data_ptr()
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in parts)
+    assert all(t.untyped_storage().data_ptr() == base for t in parts)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # disjoint
+    assert all((t.data_ptr() - base) % 128 == 0 for t in (delta, lse, acc))
+    for t in parts[3:]:
+        assert t.dtype == torch.int32 and not t.any()
+    assert (semaphore is not None) is deterministic
+    if deterministic:
+        assert semaphore.shape == (2, 4, -(-100 // S._tiles(head_dim, head_dim_v, False, False, False).tile_m))
+    unzeroed = key[KEY["store_first"]] or key[KEY["zero_ahead"]]
+    same_width = P.head_dim_rounded(head_dim) == P.head_dim_rounded(head_dim_v)
+    assert (fused is acc) is (not unzeroed and same_width) and (fused is None) is (unzeroed or not same_width)
+    # zeroed apart (host-side here: the allocation was filled with 7s) or left as allocated
+    assert (acc == 0).all() if not unzeroed and not same_width else (acc == 7).all()
+
+
 def test_dq_ready_needs_a_cta_per_tile():
     """The kernel counts a CTA's key block at its end: persistent CTAs refuse dq_ready."""
     from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
@@ -902,14 +1000,12 @@ def test_store_first_where_every_query_block_is_seen():
 
 def _record_unzeroed_calls(monkeypatch):
     """attention_backward_sm90 on CPU tensors with the kernel launch recorded: (compile keys,
-    launch arguments, each preprocess call's zero_dq_accum) lists the calls fill."""
+    launch arguments, whether each preprocess launch zeroes an accumulator) lists the calls fill."""
     from ops import attention_bwd_prepost as P
 
     keys, launches, zeroing = [], [], []
     monkeypatch.setattr(cc, "device_arch", lambda index: "sm_90a")
-    pre = P._preprocess_impl
-    monkeypatch.setattr(P, "_preprocess_impl", lambda *a, **kw: zeroing.append(a[5]) or pre(*a, **kw))
-    monkeypatch.setattr(P, "launch_preprocess", lambda *a: None)
+    monkeypatch.setattr(P, "launch_preprocess", lambda out, do, delta, acc, *a: zeroing.append(acc is not None))
     monkeypatch.setattr(S, "compiled", lambda *key: keys.append(key) or (lambda *a: launches.append(a)))
     monkeypatch.setattr(P, "_convert_dq_impl", lambda acc, scale, d, sq, *r, ready=None: torch.zeros(
         acc.shape[0], sq, acc.shape[2], d, dtype=BF16))  # fmt: skip

@@ -640,11 +640,11 @@ def _unzeroed_accumulator_runs(S, monkeypatch, dims, mask_type, seed, taken, off
     dtype, b, h, hk, sq, sk, d = dims
     poisoned = []
 
-    def nan_accum(shape, device):
-        poisoned.append(shape)
-        return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
+    def nan_accum(dq_accum):
+        poisoned.append(dq_accum.shape)
+        return dq_accum.fill_(float("nan"))
 
-    monkeypatch.setattr(S, "_new_dq_accum", nan_accum)
+    monkeypatch.setattr(S, "_unzeroed_dq_accum", nan_accum)
     q, _, _, do = make_inputs(b, h, sq, sk, d, dtype, seed=sq + seed * h)
     _, k, v, _ = make_inputs(b, hk, sq, sk, d, dtype, seed=sk + seed * hk)
     out, lse = _padded_ref_forward(q, k, v, mask_type, 0)
