@@ -16,6 +16,7 @@ reproducible from run to run) unless ``deterministic``: then in a fixed key-bloc
 from __future__ import annotations
 
 import inspect
+import math
 from typing import NamedTuple, Optional
 
 import cutlass
@@ -382,18 +383,13 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
         # zeroed int32s: the persistent CTAs' tile counter (schedule "dynamic"; with zero_ahead
         # also the zeroing jobs' counter), ConvertDQReady's tile counter and the kernel's counts,
         # the store_first / zero_ahead flags, deterministic mode's semaphores
-        flags = scratch[sp.flags_offset : sp.flags_offset + sp.zeroed].view(torch.int32).zero_()
-        n_counter, n_ready, n_first = plan.flags
-        if n_counter:
-            counter = flags[:n_counter]
-        if n_ready:
+        ints = scratch.view(torch.int32)
+        ints.as_strided((sp.zeroed,), (1,), sp.flags_offset).zero_()
+        counter, tiles, counts, first, semaphore = (None if part is None else ints.as_strided(*part)
+                                                    for part in sp.int_parts)  # fmt: skip
+        if counts is not None:
             # a head is complete once every key block of the grid (ceil(rows_k / tile_n)) is counted
-            ready = (flags[n_counter : n_counter + 1], flags[n_counter + 1 : n_counter + n_ready].view(plan.ready_shape),
-                     *plan.ready_counts)  # fmt: skip
-        if n_first:
-            first = flags[n_counter + n_ready : n_counter + n_ready + n_first].view(plan.first_shape)
-        if deterministic:
-            semaphore = flags[sp.semaphore_offset :].view(plan.semaphore_shape)
+            ready = (tiles, counts, *plan.ready_counts)
     rng = (None,) * 5
     if dropout:  # reads the seed / offset tensors (a copy to the host)
         from .mem_eff_attention import _dropout_args
@@ -422,11 +418,7 @@ class _CallPlan(NamedTuple):
     empty: bool  # a problem of zero size: zero gradients, no launch
     rows_q: int  # query rows (varlen: max_seqlen_q)
     rows_k: int
-    flags: tuple  # the zeroed int32 buffer's parts: tile counters, ConvertDQReady's counts, store_first's flags
-    ready_shape: tuple  # ConvertDQReady's counts [sequences, Hk]
-    ready_counts: tuple  # (query heads per key head, key blocks of a complete head)
-    first_shape: tuple  # store_first / zero_ahead flags [B, H, query blocks]
-    semaphore_shape: tuple  # deterministic mode's [sequences, H, query blocks]
+    ready_counts: tuple  # ConvertDQReady's (query heads per key head, key blocks of a complete head)
     unzeroed: bool  # the kernel stores each block's first dQ or zeroes the accumulator itself
     chunk: int  # the heavy-first order's heads per chunk
     ctas: int  # the persistent grid
@@ -445,7 +437,10 @@ class _ScratchPlan(NamedTuple):
     lse_offset: int
     flags_offset: int
     zeroed: int  # int32s to zero
-    semaphore_offset: int  # within the zeroed int32s
+    # (shape, strides, offset) of the int32 parts, None where absent: the tile counter(s),
+    # ConvertDQReady's tile counter, its counts [sequences, Hk], the store_first / zero_ahead
+    # flags [B, H, query blocks], deterministic mode's semaphores [sequences, H, query blocks]
+    int_parts: tuple
     dq_accum_shape: tuple
     dq_accum_strides: tuple
     dq_accum_offset: int
@@ -460,23 +455,25 @@ def _contiguous_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
-def _scratch_plan(seqs: int, h: int, rows_q: int, dq_accum_shape: tuple, flags: tuple, semaphores: int,
+def _scratch_plan(seqs: int, h: int, rows_q: int, dq_accum_shape: tuple, int_shapes: tuple,
                   fused_zeroing: bool) -> _ScratchPlan:  # fmt: skip
+    """``int_shapes``: the zeroed int32 parts' shapes in ``_ScratchPlan.int_parts``' order, None where absent."""
     align = 32  # elements: 128 bytes
     up = lambda n: -(-n // align) * align  # noqa: E731
     delta_shape = (seqs, h, P.seqlen_rounded(rows_q))
-    n_delta = up(seqs * h * delta_shape[2])
-    zeroed = sum(flags) + semaphores
-    flags_offset = 2 * n_delta
+    n_delta = up(math.prod(delta_shape))
+    flags_offset = offset = 2 * n_delta
+    int_parts = []
+    for shape in int_shapes:
+        int_parts.append(None if shape is None else (shape, _contiguous_strides(shape), offset))
+        offset += 0 if shape is None else math.prod(shape)
+    zeroed = offset - flags_offset
     dq_offset = flags_offset + up(zeroed)
-    n_accum = 1
-    for n in dq_accum_shape:
-        n_accum *= n
     return _ScratchPlan(
-        elems=dq_offset + n_accum, delta_shape=delta_shape, delta_strides=_contiguous_strides(delta_shape),
-        lse_offset=n_delta, flags_offset=flags_offset, zeroed=zeroed, semaphore_offset=sum(flags),
-        dq_accum_shape=dq_accum_shape, dq_accum_strides=_contiguous_strides(dq_accum_shape), dq_accum_offset=dq_offset,
-        fused_zeroing=fused_zeroing,
+        elems=dq_offset + math.prod(dq_accum_shape), delta_shape=delta_shape,
+        delta_strides=_contiguous_strides(delta_shape), lse_offset=n_delta, flags_offset=flags_offset, zeroed=zeroed,
+        int_parts=tuple(int_parts), dq_accum_shape=dq_accum_shape, dq_accum_strides=_contiguous_strides(dq_accum_shape),
+        dq_accum_offset=dq_offset, fused_zeroing=fused_zeroing,
     )  # fmt: skip
 
 
@@ -500,7 +497,7 @@ def _call_plan(query, key, value, mask_type: int, window: int, deterministic: bo
     rows_q = int(max_seqlen_q) if varlen else sq
     rows_k = int(max_seqlen_k) if varlen else sk
     if min(seqs, h, sq, sk, rows_q, rows_k) == 0:  # nothing to launch
-        return _CallPlan(None, True, rows_q, rows_k, (0, 0, 0), (), (), (), (), False, 0, 0, None)
+        return _CallPlan(None, True, rows_q, rows_k, (), False, 0, 0, None)
     ctas = _persistent_ctas(query)  # the persistent grid (also decides zero_ahead)
     tiles, schedule, config = _plan(cc.cute_dtype(query.dtype), d, d_v, mask_type, cc.device_arch(query.device.index),
                                     window=window > 0, deterministic=deterministic, varlen=varlen, bias=bias,
@@ -511,17 +508,16 @@ def _call_plan(query, key, value, mask_type: int, window: int, deterministic: bo
     dq_ready, store_first, zero_ahead = config[_DQ_READY], config[_STORE_FIRST], config[_ZERO_AHEAD]
     unzeroed = store_first or zero_ahead
     blocks_q = -(-rows_q // tiles.tile_m)
-    flags = ((2 if zero_ahead else 1) if schedule == "dynamic" else 0, 1 + seqs * hk if dq_ready else 0,
-             b * h * blocks_q if unzeroed else 0)  # fmt: skip
+    int_shapes = (((2 if zero_ahead else 1),) if schedule == "dynamic" else None, (1,) if dq_ready else None,
+                  (seqs, hk) if dq_ready else None, (b, h, blocks_q) if unzeroed else None,
+                  (seqs, h, blocks_q) if deterministic else None)  # fmt: skip
     # the accumulator as the preprocess would size it (packed sequences: their total rows)
     dq_accum_shape = P.dq_accum_shape(seqs, sq, h, d, varlen=varlen)
     fused_zeroing = not unzeroed and P.head_dim_rounded(d) == P.head_dim_rounded(d_v)
-    scratch = _scratch_plan(seqs, h, rows_q, dq_accum_shape, flags, seqs * h * blocks_q if deterministic else 0,
-                            fused_zeroing)  # fmt: skip
+    scratch = _scratch_plan(seqs, h, rows_q, dq_accum_shape, int_shapes, fused_zeroing)
     return _CallPlan(
-        config=config, empty=False, rows_q=rows_q, rows_k=rows_k, flags=flags,
-        ready_shape=(seqs, hk), ready_counts=(h // hk, -(-rows_k // tiles.tile_n)), first_shape=(b, h, blocks_q),
-        semaphore_shape=(seqs, h, blocks_q), unzeroed=unzeroed,
+        config=config, empty=False, rows_q=rows_q, rows_k=rows_k, ready_counts=(h // hk, -(-rows_k // tiles.tile_n)),
+        unzeroed=unzeroed,
         chunk=_heads_per_chunk(tiles, rows_q, rows_k, h // hk, seqs * hk, query, mask_type, window, deterministic,
                                varlen),
         ctas=ctas, scratch=scratch,
