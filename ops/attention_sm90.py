@@ -428,8 +428,8 @@ class _CallPlan(NamedTuple):
 class _ScratchPlan(NamedTuple):
     """Where a call's fp32 scratch allocation holds its parts (offsets in 4-byte elements,
     multiples of 32: 128-byte aligned for TMA): Δ and the LSE in log2 units [sequences, H,
-    rows rounded], the zeroed int32s (``_CallPlan.flags``, then deterministic mode's
-    semaphores), the dQ accumulator (``attention_bwd_prepost.dq_accum_shape``)."""
+    rows rounded], the zeroed int32s (``int_parts``), the dQ accumulator
+    (``attention_bwd_prepost.dq_accum_shape``)."""
 
     elems: int
     delta_shape: tuple
