@@ -202,6 +202,9 @@ SMEM_ALIGN = 1024  # bytes: every shared buffer starts on a whole 128-byte-swizz
 SWIZZLE_ROW_BITS = (1024, 512, 256)  # the wgmma / TMA swizzle atoms' rows (128, 64, 32 bytes), widest first
 LPT_L2_BYTES = 24 << 20  # of the H100's 50 MiB L2: what a chunk of the heavy-first CTA order may keep in it
 TMA_ALIGN_BYTES = 16  # TMA: global strides (but the last) and addresses, in bytes
+# the host's one scratch allocation per call (Δ, the LSE, the zeroed int32s, the dQ accumulator):
+# each part starts on a whole L2 line, as a fresh allocation would (a multiple of TMA_ALIGN_BYTES)
+SCRATCH_ALIGN_BYTES = 128
 STATS_ALIGN = 128  # bytes: the LSE / Δ stages (TMA destinations)
 # registers -> memory vector widths (bits): a thread's accumulator holds column pairs
 DS_STORE_BITS = 32  # dS^T pair of 16-bit values, adjacent in the query-contiguous sdS

@@ -351,6 +351,17 @@ def _plan_preprocess(out, grad_out, delta, dq_accum, cu_seqlens_q, max_seqlen_q,
     return fn, num_m_blocks
 
 
+def delta_shape(batch: int, heads: int, max_seqlen_q: int) -> tuple:
+    """Shape of Δ (and of the LSE in log2 units): [batch or sequences, heads, seqlen_rounded]."""
+    return (batch, heads, seqlen_rounded(max_seqlen_q))
+
+
+def clears_dq_accum(head_dim: int, dq_head_dim: int) -> bool:
+    """Whether the preprocess launch can zero a dQ accumulator ``dq_head_dim`` wide beside Δ
+    of out's ``head_dim``: the fused clear walks out's width, rounded (else zero it apart)."""
+    return head_dim_rounded(dq_head_dim) == head_dim_rounded(head_dim)
+
+
 def _preprocess_impl(out, grad_out, scale, cu_seqlens_q, max_seqlen_q, zero_dq_accum, dq_head_dim=None, lse=None):
     """``dq_head_dim``: the query's head dim where it differs from out's (Dqk != Dv); the
     accumulator then has its width and is zeroed apart (the fused clear walks out's width).
@@ -358,15 +369,15 @@ def _preprocess_impl(out, grad_out, scale, cu_seqlens_q, max_seqlen_q, zero_dq_a
     (0 past each sequence's end), from the same launch."""
     b = _batch(out, cu_seqlens_q)
     h, d = out.shape[-2], out.shape[-1]
-    s_r = seqlen_rounded(_max_seqlen(out, cu_seqlens_q, max_seqlen_q))
-    delta = torch.empty((b, h, s_r), dtype=torch.float32, device=out.device)
-    lse_log2 = None if lse is None else torch.empty((b, h, s_r), dtype=torch.float32, device=out.device)
+    shape_delta = delta_shape(b, h, _max_seqlen(out, cu_seqlens_q, max_seqlen_q))
+    delta = torch.empty(shape_delta, dtype=torch.float32, device=out.device)
+    lse_log2 = None if lse is None else torch.empty(shape_delta, dtype=torch.float32, device=out.device)
     dq_accum = None
     if zero_dq_accum:
         varlen = cu_seqlens_q is not None
         dq_d = d if dq_head_dim is None else dq_head_dim
         shape = dq_accum_shape(b, out.shape[0] if varlen else out.shape[1], h, dq_d, varlen=varlen)
-        if head_dim_rounded(dq_d) != head_dim_rounded(d):
+        if not clears_dq_accum(d, dq_d):
             dq_accum = torch.zeros(shape, dtype=torch.float32, device=out.device)
             launch_preprocess(out, grad_out, delta, None, scale, cu_seqlens_q, max_seqlen_q, lse, lse_log2)
             return (delta, dq_accum) if lse is None else (delta, dq_accum, lse_log2)
@@ -389,8 +400,7 @@ def _preprocess_op(
 def _(out, grad_out, scale, cu_seqlens_q, max_seqlen_q, zero_dq_accum):
     b = _batch(out, cu_seqlens_q)
     h, d = out.shape[-2], out.shape[-1]
-    s_r = seqlen_rounded(_max_seqlen(out, cu_seqlens_q, max_seqlen_q))
-    delta = out.new_empty((b, h, s_r), dtype=torch.float32)
+    delta = out.new_empty(delta_shape(b, h, _max_seqlen(out, cu_seqlens_q, max_seqlen_q)), dtype=torch.float32)
     if not zero_dq_accum:
         return delta, out.new_empty((0,), dtype=torch.float32)
     varlen = cu_seqlens_q is not None

@@ -27,6 +27,7 @@ from torch import Tensor
 from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
 from cute_kernels.attention_sm90.attention_backward_sm90_wide import AttentionBackwardSm90Wide
 from layouts import attention_sm90 as tiling
+from layouts.attention_bwd_prepost import round_up
 
 from . import _compile as cc
 from . import attention_bwd_prepost as P
@@ -427,7 +428,7 @@ class _CallPlan(NamedTuple):
 
 class _ScratchPlan(NamedTuple):
     """Where a call's fp32 scratch allocation holds its parts (offsets in 4-byte elements,
-    multiples of 32: 128-byte aligned for TMA): Δ and the LSE in log2 units [sequences, H,
+    each part starting on ``SCRATCH_ALIGN_BYTES``): Δ and the LSE in log2 units [sequences, H,
     rows rounded], the zeroed int32s (``int_parts``), the dQ accumulator
     (``attention_bwd_prepost.dq_accum_shape``)."""
 
@@ -458,9 +459,9 @@ def _contiguous_strides(shape) -> tuple:
 def _scratch_plan(seqs: int, h: int, rows_q: int, dq_accum_shape: tuple, int_shapes: tuple,
                   fused_zeroing: bool) -> _ScratchPlan:  # fmt: skip
     """``int_shapes``: the zeroed int32 parts' shapes in ``_ScratchPlan.int_parts``' order, None where absent."""
-    align = 32  # elements: 128 bytes
-    up = lambda n: -(-n // align) * align  # noqa: E731
-    delta_shape = (seqs, h, P.seqlen_rounded(rows_q))
+    align = tiling.SCRATCH_ALIGN_BYTES // 4  # fp32 / int32 elements
+    up = lambda n: round_up(n, align)  # noqa: E731
+    delta_shape = P.delta_shape(seqs, h, rows_q)
     n_delta = up(math.prod(delta_shape))
     flags_offset = offset = 2 * n_delta
     int_parts = []
@@ -513,7 +514,7 @@ def _call_plan(query, key, value, mask_type: int, window: int, deterministic: bo
                   (seqs, h, blocks_q) if deterministic else None)  # fmt: skip
     # the accumulator as the preprocess would size it (packed sequences: their total rows)
     dq_accum_shape = P.dq_accum_shape(seqs, sq, h, d, varlen=varlen)
-    fused_zeroing = not unzeroed and P.head_dim_rounded(d) == P.head_dim_rounded(d_v)
+    fused_zeroing = not unzeroed and P.clears_dq_accum(d_v, d)
     scratch = _scratch_plan(seqs, h, rows_q, dq_accum_shape, int_shapes, fused_zeroing)
     return _CallPlan(
         config=config, empty=False, rows_q=rows_q, rows_k=rows_k, ready_counts=(h // hk, -(-rows_k // tiles.tile_n)),
