@@ -22,12 +22,17 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 def _table(rows):
     ours = {r["case"]: r for r in rows if r["impl"] == "ours"}
-    lines = [f"{'suite':18} {'case':34} {'impl':14} {'ms':>9} {'GB/s|TF/s':>10} {'ours x':>7}"]
+    board = any("power_w" in r for r in rows)  # the board's power / clock (benchmarks.board)
+    head = f"{'suite':18} {'case':34} {'impl':14} {'ms':>9} {'GB/s|TF/s':>10} {'ours x':>7}"
+    lines = [head + (f" {'W':>5} {'MHz':>5}" if board else "")]
     for r in rows:
         rate = r.get("gbps", r.get("tflops"))
         o = ours.get(r["case"])
         speedup = f"{r['ms'] / o['ms']:.2f}" if o and r["impl"] != "ours" else ""
-        lines.append(f"{r['suite']:18} {r['case']:34} {r['impl']:14} {r['ms']:9.4f} {rate:10.1f} {speedup:>7}")
+        line = f"{r['suite']:18} {r['case']:34} {r['impl']:14} {r['ms']:9.4f} {rate:10.1f} {speedup:>7}"
+        if board:
+            line += f" {r['power_w']:5.0f} {r['sm_clock_mhz']:5.0f}" if "power_w" in r else f" {'':5} {'':5}"
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -37,6 +37,9 @@ WARMUP_MS of the implementation's own calls) in an order rotated from round to r
 them. The board's clocks drift with its power state (H100: the same kernel read 3-6% apart
 minutes later, and a timing right after another implementation's calls ran at the clocks that
 one left), which a single timing per implementation or a short warm-up would put into the ratios.
+Each timed row also gets the board's median power (``power_w``) and SM clock
+(``sm_clock_mhz``) over its timings and ``energy_mj`` (power x ms), where nvidia-smi runs
+(``benchmarks.board``): at a power cap the ratios follow energy per call, not cycles.
 Rows: ms, ms_rounds, tflops, ``check`` (max |grad - ref| / max |ref| of dQ, dK, dV against
 sdpa_efficient; ours and ours_sm90 are timed only when all are below TOL),
 ``ours_over_peer`` (ours' TFLOP/s over the row's) on every other row, ``sm90_over_peer``
@@ -52,6 +55,8 @@ import math
 import statistics
 
 import torch
+
+from ..board import BoardSampler, summarize
 
 NAME = "attention_bwd"
 
@@ -279,15 +284,21 @@ def run(settings, quick: bool):
     except Exception as e:
         matmul = _err(e)
 
+    board = BoardSampler.start(torch.cuda.current_device())  # None without nvidia-smi
     rows_out = []
-    for spec in settings.ATTENTION_BWD["quick" if quick else "full"]:
-        rows_out += _run_case(spec, fa4, fa4_missing, matmul)
-        torch.cuda.empty_cache()
+    try:
+        for spec in settings.ATTENTION_BWD["quick" if quick else "full"]:
+            rows_out += _run_case(spec, fa4, fa4_missing, matmul, board)
+            torch.cuda.empty_cache()
+    finally:
+        if board is not None:
+            board.stop()
     return rows_out
 
 
-def _run_case(spec, fa4, fa4_missing, matmul):
-    """The rows of one case; ``matmul`` is (TFLOP/s, ms) or the error of measuring it."""
+def _run_case(spec, fa4, fa4_missing, matmul, board=None):
+    """The rows of one case; ``matmul`` is (TFLOP/s, ms) or the error of measuring it;
+    ``board``: a ``BoardSampler`` (the rows then get the board's power and clock), or None."""
     from ..timing import bench_ms, bench_rounds
 
     shape, dtype_name, causal, feature = _unpack(spec)
@@ -368,11 +379,23 @@ def _run_case(spec, fa4, fa4_missing, matmul):
             except Exception as e2:
                 row(impl, status="error", error=f"{direct_error}; fallback: {_err(e2)}")
         torch.cuda.synchronize()
+    bench = functools.partial(bench_ms, warmup_ms=WARMUP_MS)
+    samples = {}  # id(fn) -> the board's samples over its timings (warm-ups included: the same calls)
+
+    def bench_sampled(fn):
+        with board.window() as w:
+            ms = bench(fn)
+        samples.setdefault(id(fn), []).extend(w.samples)
+        return ms
+
     timings = bench_rounds([(fn, fwd) for _, fn, _, _, fwd in pending], ROUNDS,
-                           bench=functools.partial(bench_ms, warmup_ms=WARMUP_MS))
-    for (impl, _, info, check, _), (ms, error) in zip(pending, timings):
+                           bench=bench if board is None else bench_sampled)  # fmt: skip
+    for (impl, fn, info, check, fwd), (ms, error) in zip(pending, timings):
         if error is None:
-            row(impl, statistics.median(ms), ms_rounds=ms, status="ok", check=check, **info)
+            median = statistics.median(ms)
+            # a fwd+bwd minus fwd row: the board over the fwd+bwd timings, energy per (fwd+bwd - fwd) call
+            board_fields = summarize(samples.get(id(fn), []), median)
+            row(impl, median, ms_rounds=ms, status="ok", check=check, **board_fields, **info)
         else:
             row(impl, status="error", error=_err(error), check=check, **info)
     if fa4 is None:
