@@ -48,6 +48,18 @@ def summarize(samples: List[Tuple[float, float]], ms: Optional[float] = None) ->
     return out
 
 
+def smi_id(device_index: int) -> str:
+    """nvidia-smi's ``--id`` for torch's CUDA device ``device_index``: its UUID, since CUDA's
+    device order (fastest first, CUDA_VISIBLE_DEVICES) need not be nvidia-smi's."""
+    import torch
+
+    uuid = getattr(torch.cuda.get_device_properties(device_index), "uuid", None)
+    if uuid is None:  # pragma: no cover - torch without the field
+        return str(device_index)
+    uuid = str(uuid)
+    return uuid if uuid.startswith("GPU-") else "GPU-" + uuid
+
+
 class BoardSampler:
     """A background sampler of one GPU; ``window()`` collects the samples taken while its
     ``with`` block runs."""
@@ -60,12 +72,14 @@ class BoardSampler:
         self._thread.start()
 
     @classmethod
-    def start(cls, device_index: int = 0) -> Optional["BoardSampler"]:
-        """A running sampler of GPU ``device_index``, or None where nvidia-smi is missing."""
+    def start(cls, gpu: str = "0") -> Optional["BoardSampler"]:
+        """A running sampler of GPU ``gpu`` (nvidia-smi's ``--id``: an index in nvidia-smi's
+        order, a PCI bus id or a UUID; ``smi_id`` names a torch device), or None where
+        nvidia-smi is missing."""
         exe = shutil.which("nvidia-smi")
         if exe is None:
             return None
-        cmd = [exe, f"--id={device_index}", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", str(PERIOD_MS)]
+        cmd = [exe, f"--id={gpu}", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", str(PERIOD_MS)]
         try:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         except OSError:

@@ -47,7 +47,7 @@ def _fake_smi(tmp_path, monkeypatch, line="700.5, 1515"):
 
 def test_sampler_collects_inside_windows_only(tmp_path, monkeypatch):
     _fake_smi(tmp_path, monkeypatch)
-    sampler = B.BoardSampler.start(0)
+    sampler = B.BoardSampler.start("0")
     assert sampler is not None
     try:
         time.sleep(0.2)  # lines before any window are dropped
@@ -69,7 +69,7 @@ def test_sampler_collects_inside_windows_only(tmp_path, monkeypatch):
 
 def test_no_sampler_without_nvidia_smi(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory
-    assert B.BoardSampler.start(0) is None
+    assert B.BoardSampler.start("0") is None
 
 
 def test_results_table_shows_the_board_where_recorded():

@@ -56,7 +56,7 @@ import statistics
 
 import torch
 
-from ..board import BoardSampler, summarize
+from ..board import BoardSampler, smi_id, summarize
 
 NAME = "attention_bwd"
 
@@ -284,7 +284,7 @@ def run(settings, quick: bool):
     except Exception as e:
         matmul = _err(e)
 
-    board = BoardSampler.start(torch.cuda.current_device())  # None without nvidia-smi
+    board = BoardSampler.start(smi_id(torch.cuda.current_device()))  # None without nvidia-smi
     rows_out = []
     try:
         for spec in settings.ATTENTION_BWD["quick" if quick else "full"]:
