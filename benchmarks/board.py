@@ -13,11 +13,14 @@ board fields.
 
 from __future__ import annotations
 
+import math
 import shutil
 import statistics
 import subprocess
 import threading
 from typing import List, Optional, Tuple
+
+import torch
 
 PERIOD_MS = 20  # nvidia-smi's sampling period (its power reading is itself a short average)
 QUERY = "power.draw,clocks.sm"
@@ -43,7 +46,7 @@ def summarize(samples: List[Tuple[float, float]], ms: Optional[float] = None) ->
         return {}
     watts = statistics.median(s[0] for s in samples)
     out = {"power_w": watts, "sm_clock_mhz": statistics.median(s[1] for s in samples), "board_samples": len(samples)}
-    if ms is not None and ms == ms:  # not NaN
+    if ms is not None and not math.isnan(ms):
         out["energy_mj"] = watts * ms
     return out
 
@@ -51,8 +54,6 @@ def summarize(samples: List[Tuple[float, float]], ms: Optional[float] = None) ->
 def smi_id(device_index: int) -> str:
     """nvidia-smi's ``--id`` for torch's CUDA device ``device_index``: its UUID, since CUDA's
     device order (fastest first, CUDA_VISIBLE_DEVICES) need not be nvidia-smi's."""
-    import torch
-
     uuid = getattr(torch.cuda.get_device_properties(device_index), "uuid", None)
     if uuid is None:  # pragma: no cover - torch without the field
         return str(device_index)
