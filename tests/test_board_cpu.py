@@ -10,6 +10,8 @@ import stat
 import sys
 import time
 
+import pytest
+
 from benchmarks import board as B
 
 
@@ -24,18 +26,29 @@ def test_parse_sample():
 def test_summarize():
     samples = [(690.0, 1500.0), (700.0, 1600.0), (698.0, 1700.0)]
     got = B.summarize(samples, 2.0)
-    assert got == {"power_w": 698.0, "sm_clock_mhz": 1600.0, "board_samples": 3, "energy_mj": 1396.0}
+    assert got == {"power_w": 696.0, "sm_clock_mhz": 1600.0, "board_samples": 3, "energy_mj": 1392.0}  # means
     assert "energy_mj" not in B.summarize(samples, math.nan)
     assert "energy_mj" not in B.summarize(samples)
     assert B.summarize([], 1.0) == {}
 
 
-def _fake_smi(tmp_path, monkeypatch, line="700.5, 1515"):
-    """An nvidia-smi on PATH that prints ``line`` every 5 ms (and a header-like line first)."""
+def _fake_smi(tmp_path, monkeypatch, line="700.5, 1515", instant="701.25"):
+    """An nvidia-smi on PATH. With ``-lms`` it prints a header-like line, then ``line`` every
+    5 ms; without, it answers the one-shot power-field probe: ``instant`` for
+    power.draw.instant, or (``instant`` None) an unknown field's message and exit status 2,
+    as a driver without the field does. Each call's arguments are appended to ``calls``."""
     script = tmp_path / "nvidia-smi"
+    calls = tmp_path / "calls"
     script.write_text(
         f"#!{sys.executable}\n"
         "import sys, time\n"
+        f"open({str(calls)!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n')\n"
+        "if '-lms' not in sys.argv:\n"
+        f"    if {instant!r} is None:\n"
+        "        print('Field \"power.draw.instant\" is not a valid field to query.')\n"
+        "        sys.exit(2)\n"
+        f"    print({instant!r})\n"
+        "    sys.exit(0)\n"
         "print('[N/A], [N/A]', flush=True)\n"
         "while True:\n"
         f"    print({line!r}, flush=True)\n"
@@ -43,6 +56,28 @@ def _fake_smi(tmp_path, monkeypatch, line="700.5, 1515"):
     )
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", str(tmp_path) + os.pathsep + os.environ.get("PATH", ""))
+    return calls
+
+
+@pytest.mark.parametrize("instant,field", [("701.25", "power.draw.instant"), ("[N/A]", "power.draw"),
+                                           (None, "power.draw")])  # fmt: skip
+def test_sampler_prefers_the_instantaneous_power(tmp_path, monkeypatch, instant, field):
+    """power.draw is a one-second average on Ampere and newer: the stream asks for
+    power.draw.instant where the probe gets a number for it, else for power.draw."""
+    calls = _fake_smi(tmp_path, monkeypatch, instant=instant)
+    sampler = B.BoardSampler.start("GPU-x")
+    assert sampler is not None
+    try:
+        assert sampler.power_field == field
+        deadline = time.time() + 10
+        while calls.read_text().count("\n") < 2 and time.time() < deadline:
+            time.sleep(0.01)
+    finally:
+        sampler.stop()
+    probe, stream = calls.read_text().splitlines()
+    assert "--query-gpu=power.draw.instant" in probe.split() and "-lms" not in probe.split()
+    assert f"--query-gpu={field},clocks.sm" in stream.split() and "--id=GPU-x" in stream.split()
+    assert B.summarize([(1.0, 2.0)], 1.0, sampler.power_field)["power_field"] == field
 
 
 def test_sampler_collects_inside_windows_only(tmp_path, monkeypatch):

@@ -37,8 +37,9 @@ WARMUP_MS of the implementation's own calls) in an order rotated from round to r
 them. The board's clocks drift with its power state (H100: the same kernel read 3-6% apart
 minutes later, and a timing right after another implementation's calls ran at the clocks that
 one left), which a single timing per implementation or a short warm-up would put into the ratios.
-Each timed row also gets the board's median power (``power_w``) and SM clock
-(``sm_clock_mhz``) over its timings and ``energy_mj`` (power x ms), where nvidia-smi runs
+Each timed row also gets the board's mean power (``power_w``) and SM clock
+(``sm_clock_mhz``) over its timings, ``energy_mj`` (power x ms) and ``power_field`` (the
+nvidia-smi field: the instantaneous draw where the driver has it), where nvidia-smi runs
 (``benchmarks.board``): at a power cap the ratios follow energy per call, not cycles.
 Rows: ms, ms_rounds, tflops, ``check`` (max |grad - ref| / max |ref| of dQ, dK, dV against
 sdpa_efficient; ours and ours_sm90 are timed only when all are below TOL),
@@ -394,7 +395,7 @@ def _run_case(spec, fa4, fa4_missing, matmul, board=None):
         if error is None:
             median = statistics.median(ms)
             # a fwd+bwd minus fwd row: the board over the fwd+bwd timings, energy per (fwd+bwd - fwd) call
-            board_fields = summarize(samples.get(id(fn), []), median)
+            board_fields = summarize(samples.get(id(fn), []), median, board.power_field if board else None)
             row(impl, median, ms_rounds=ms, status="ok", check=check, **board_fields, **info)
         else:
             row(impl, status="error", error=_err(error), check=check, **info)
