@@ -11,34 +11,30 @@ from benchmarks import board as B
 pytestmark = pytest.mark.gpu
 
 
+def _load(sampler, a, seconds, min_samples=0):
+    """Matmuls for ``seconds`` (longer, up to 10 s, until ``min_samples`` arrived); the
+    samples of a window over them."""
+    with sampler.window() as w:
+        t0 = time.time()
+        while time.time() - t0 < seconds or (len(w.samples) < min_samples and time.time() - t0 < 10):
+            for _ in range(10):
+                a @ a
+            torch.cuda.synchronize()
+    return w.samples
+
+
 def test_sampler_reads_the_board_under_load():
     sampler = B.BoardSampler.start(B.smi_id(torch.cuda.current_device()))
     assert sampler is not None, "nvidia-smi not found beside the GPU"
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     try:
-        with sampler.window() as w:
-            t0 = time.time()
-            while time.time() - t0 < 0.5 or (len(w.samples) < 3 and time.time() - t0 < 10):
-                for _ in range(20):
-                    a @ a
-                torch.cuda.synchronize()
+        samples = _load(sampler, a, 0.5, min_samples=3)
     finally:
         sampler.stop()
-    assert len(w.samples) >= 3
-    fields = B.summarize(w.samples, 1.0)
+    assert len(samples) >= 3
+    fields = B.summarize(samples, 1.0)
     assert 20 < fields["power_w"] < 2000 and 100 < fields["sm_clock_mhz"] < 4000
     assert fields["energy_mj"] == fields["power_w"]
-
-
-def _load(sampler, a, seconds):
-    """Matmuls for ``seconds``; the samples of a window over them."""
-    with sampler.window() as w:
-        t0 = time.time()
-        while time.time() - t0 < seconds:
-            for _ in range(10):
-                a @ a
-            torch.cuda.synchronize()
-    return w.samples
 
 
 def test_power_follows_the_load_from_its_start():

@@ -391,7 +391,7 @@ def _run_case(spec, fa4, fa4_missing, matmul, board=None):
 
     timings = bench_rounds([(fn, fwd) for _, fn, _, _, fwd in pending], ROUNDS,
                            bench=bench if board is None else bench_sampled)  # fmt: skip
-    for (impl, fn, info, check, fwd), (ms, error) in zip(pending, timings):
+    for (impl, fn, info, check, _), (ms, error) in zip(pending, timings):
         if error is None:
             median = statistics.median(ms)
             # a fwd+bwd minus fwd row: the board over the fwd+bwd timings, energy per (fwd+bwd - fwd) call
