@@ -2,9 +2,9 @@
 
 Kernels are traced against fake tensors whose sizes and strides are symbolic, so a
 configuration (dtypes, flags, vector width, arch) compiles once and serves every
-shape. Compiled functions live in an in-process cache. The DSL's disk cache does not
-serve ``cute.compile`` (4.8 compiles with ``compile_only``, which turns caching off), so a
-new process compiles each configuration it uses once (seconds; tens for attention).
+shape. Compiled functions live in an in-process cache and on disk (``ops._disk_cache``:
+the DSL's own disk cache does not serve ``cute.compile``), so a configuration compiles
+once per machine (seconds; tens for attention) and later processes load it.
 """
 
 from __future__ import annotations
@@ -19,12 +19,15 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
+from . import _disk_cache
+
 TORCH_TO_CUTE = {
     torch.float32: cutlass.Float32,
     torch.float16: cutlass.Float16,
     torch.bfloat16: cutlass.BFloat16,
     torch.uint8: cutlass.Uint8,
     torch.int32: cutlass.Int32,
+    torch.int64: cutlass.Int64,
 }
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -88,6 +91,16 @@ def fake_stream():
     return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
+def fake_rng_args(on_device: bool) -> tuple:
+    """The dropout arguments of a compile: Philox seed and offset (Int64 values, or Int64 [1]
+    device tensors with ``on_device``), p and 1 / (1 - p) (Float32), stream words per (batch, head)."""
+    if on_device:
+        seed, offset = (fake_tensor(cutlass.Int64, (1,), 1) for _ in range(2))
+    else:
+        seed, offset = cutlass.Int64(0), cutlass.Int64(0)
+    return seed, offset, cutlass.Float32(0.5), cutlass.Float32(2.0), cutlass.Int64(1)
+
+
 def eager(t: torch.Tensor) -> bool:
     """True when a call may skip the torch.library dispatch (about 40 us of host time).
 
@@ -102,12 +115,18 @@ def eager(t: torch.Tensor) -> bool:
     )
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False on a CPU-only build)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def compile_kernel(fn: Callable, *args, arch: str):
     return cute.compile(fn, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
 
 
 class CompileCache:
-    """Per-process cache of compiled functions, keyed by configuration."""
+    """Compiled functions by configuration: in the process, and on disk across processes
+    (``ops._disk_cache``)."""
 
     def __init__(self, name: str, build: Callable[..., Callable]):
         self.name = name
@@ -121,7 +140,7 @@ class CompileCache:
             with self._lock:
                 fn = self._fns.get(key)
                 if fn is None:
-                    fn = self._build(*key)
+                    fn = _disk_cache.load_or_build(self.name, key, lambda: self._build(*key))
                     self._fns[key] = fn
         return fn
 

@@ -4,6 +4,9 @@ import pytest
 import torch
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+# hermetic tests: a kernel compiled under a test's monkeypatched tiling must not reach
+# another process through the disk cache (its own tests turn it on in a temporary folder)
+os.environ.setdefault("CUTE_KERNELS_CACHE", "0")
 
 HAS_GPU = torch.cuda.is_available()
 
