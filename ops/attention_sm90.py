@@ -46,14 +46,16 @@ def _tiles(head_dim: int, head_dim_v: int, bias: bool, grad_bias: bool, dropout:
 def _build(dtype, head_dim: int, head_dim_v: int, mask_type: int, has_window: bool, arch: str,
            deterministic: bool = False, varlen: bool = False, has_bias: bool = False, grad_bias: bool = False,
            dropout: bool = False, carry_dq: bool = False, dq_ready: bool = False,
-           store_first: bool = False, zero_ahead: bool = False, tail_m: int = 0):  # fmt: skip
+           store_first: bool = False, zero_ahead: bool = False, tail_m: int = 0,
+           rng_on_device: bool = False):  # fmt: skip
     """One configuration; ``head_dim`` is Dqk (Q, K), ``head_dim_v`` Dv (V, dO). The bias
     gradient leaves by TMA from a keys-contiguous dS tile (``ds_keys_contiguous``);
     ``carry_dq``: short tiles of persistent CTAs (``_carries_dq``); ``dq_ready``: the kernel
     counts each key block's dQ for ConvertDQReady behind it (``DQ_READY``); ``store_first``:
     each query block's first dQ is stored, no zeroed accumulator (``_stores_first``);
     ``zero_ahead``: persistent CTAs zero the accumulator a round of tiles ahead (``_zeroes_ahead``);
-    ``tail_m``: the partial last query block's products that many queries wide (``_tail_m``)."""
+    ``tail_m``: the partial last query block's products that many queries wide (``_tail_m``);
+    ``rng_on_device``: dropout's seed and offset read from device tensors (``mem_eff_attention.rng_on_device``)."""
     tiles = _tiles(head_dim, head_dim_v, has_bias, grad_bias, dropout)
     # a head dim above 128: the 64 x 64 decomposition (P^T / dS^T through shared memory)
     cls = AttentionBackwardSm90Wide if isinstance(tiles, tiling.AttentionSm90WideTiles) else AttentionBackwardSm90
@@ -84,9 +86,7 @@ def _build(dtype, head_dim: int, head_dim_v: int, mask_type: int, has_window: bo
     bias = cc.fake_tensor(dtype, (b, h, mq, mk), 1, leading_dim=None) if has_bias else None
     # TMA-stored: row stride and address multiples of 16 bytes (torch's padded rows)
     grad_bias_t = cc.fake_tensor(dtype, (b, h, mq, mk), vec) if grad_bias else None
-    rng = (None,) * 5
-    if dropout:  # seed, offset, p, 1 / (1 - p), stream words per (batch, head)
-        rng = (cutlass.Int64(0), cutlass.Int64(0), cutlass.Float32(0.5), cutlass.Float32(2.0), cutlass.Int64(1))
+    rng = cc.fake_rng_args(rng_on_device) if dropout else (None,) * 5
     return cc.compile_kernel(
         kernel, q, k, v, do, lse, delta, dq_accum, dk, dv, semaphore, counter, ready, first, cu_q, cu_k, bias, grad_bias_t,
         cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(1), *rng,
@@ -103,11 +103,12 @@ _DQ_READY, _STORE_FIRST, _ZERO_AHEAD = (list(inspect.signature(_build).parameter
 def _config(dtype, head_dim: int, head_dim_v: int, mask_type: int, arch: str, *, window: bool = False,
             deterministic: bool = False, varlen: bool = False, bias: bool = False, grad_bias: bool = False,
             dropout: bool = False, carry_dq: bool = False, dq_ready: bool = False,
-            store_first: bool = False, zero_ahead: bool = False, tail_m: int = 0) -> tuple:  # fmt: skip
+            store_first: bool = False, zero_ahead: bool = False, tail_m: int = 0,
+            rng_on_device: bool = False) -> tuple:  # fmt: skip
     """The ``compiled`` key (``_build``'s arguments, in order) of one configuration."""
     return (dtype, int(head_dim), int(head_dim_v), int(mask_type), bool(window), arch, bool(deterministic),
             bool(varlen), bool(bias), bool(grad_bias), bool(dropout), bool(carry_dq), bool(dq_ready),
-            bool(store_first), bool(zero_ahead), int(tail_m))  # fmt: skip
+            bool(store_first), bool(zero_ahead), int(tail_m), bool(dropout and rng_on_device))  # fmt: skip
 
 
 # convert_dq overlapping the kernel's last wave (_overlaps_convert): the kernel counts each key
@@ -193,7 +194,7 @@ def _carries_dq(tiles, schedule: str, rows_q: int, group: int) -> bool:
 
 def _plan(dtype, head_dim: int, head_dim_v: int, mask_type: int, arch: str, *, window: bool, deterministic: bool,
           varlen: bool, bias: bool, grad_bias: bool, dropout: bool, rows_q: int, group: int,
-          rows_k: int, ctas: int) -> tuple:  # fmt: skip
+          rows_k: int, ctas: int, rng_on_device: bool = False) -> tuple:  # fmt: skip
     """(tiles, tile schedule, ``compiled`` key) of one call: the choices made per call from the
     configuration, the query rows (``carry_dq``), the key rows (``dq_ready``, ``zero_ahead``)
     and the persistent grid's CTAs (``zero_ahead``)."""
@@ -207,7 +208,7 @@ def _plan(dtype, head_dim: int, head_dim_v: int, mask_type: int, arch: str, *, w
                   store_first=first, zero_ahead=_zeroes_ahead(
                       schedule, first, -(-rows_k // tiles.tile_n), ctas, group * -(-rows_q // tiles.tile_m),
                       reached=not window and (mask_type != 2 or rows_q <= rows_k)),
-                  tail_m=_tail_m(tiles, schedule, rows_q, varlen, bias, dropout))  # fmt: skip
+                  tail_m=_tail_m(tiles, schedule, rows_q, varlen, bias, dropout), rng_on_device=rng_on_device)  # fmt: skip
     return tiles, schedule, key
 
 
@@ -341,18 +342,22 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     ``bias_requires_grad`` grad_bias is [B, H, Sq, Sk] (rows padded to 128 bits, as torch's),
     else None. Dropout: the keep mask of torch's memory-efficient forward for
     ``philox_seed / philox_offset`` (int64 scalar tensors), p = ``dropout_p``."""
+    from .mem_eff_attention import rng_on_device
+
     varlen = cu_seqlens_q is not None
     window, dropout = int(window_size or 0), float(dropout_p) > 0.0
+    rng_dev = dropout and rng_on_device(philox_seed, philox_offset)
     if bias is not None and varlen:
         raise NotImplementedError("attention bias with cu_seqlens is not supported (torch's forward refuses it too)")
     sig = (query.shape, key.shape, value.shape, query.dtype, query.device, int(mask_type), window, bool(deterministic),
            (cu_seqlens_q.shape, int(max_seqlen_q), int(max_seqlen_k)) if varlen else None, bias is not None,
-           bias is not None and bool(bias_requires_grad), dropout, _knobs())  # fmt: skip
+           bias is not None and bool(bias_requires_grad), dropout, rng_dev, _knobs())  # fmt: skip
     plan = _call_plans.get(sig)
     if plan is None:
         plan = _call_plans.put(sig, _call_plan(query, key, value, int(mask_type), window, bool(deterministic),
                                                cu_seqlens_q, max_seqlen_q, max_seqlen_k, bias is not None,
-                                               bias is not None and bool(bias_requires_grad), dropout))  # fmt: skip
+                                               bias is not None and bool(bias_requires_grad), dropout,
+                                               rng_dev))  # fmt: skip
     b, sq, h, d = query.shape
     sk = key.shape[1]
     # fresh [B, S, H, D] tensors whatever the inputs' strides, as aten's backward (and the
@@ -490,7 +495,7 @@ def _knobs() -> tuple:
 
 
 def _call_plan(query, key, value, mask_type: int, window: int, deterministic: bool, cu_seqlens_q, max_seqlen_q,
-               max_seqlen_k, bias: bool, grad_bias: bool, dropout: bool) -> _CallPlan:  # fmt: skip
+               max_seqlen_k, bias: bool, grad_bias: bool, dropout: bool, rng_dev: bool = False) -> _CallPlan:  # fmt: skip
     varlen = cu_seqlens_q is not None
     b, sq, h, d = query.shape
     sk, hk, d_v = key.shape[1], key.shape[2], value.shape[-1]
@@ -503,7 +508,7 @@ def _call_plan(query, key, value, mask_type: int, window: int, deterministic: bo
     tiles, schedule, config = _plan(cc.cute_dtype(query.dtype), d, d_v, mask_type, cc.device_arch(query.device.index),
                                     window=window > 0, deterministic=deterministic, varlen=varlen, bias=bias,
                                     grad_bias=grad_bias, dropout=dropout, rows_q=rows_q, group=h // hk, rows_k=rows_k,
-                                    ctas=ctas)  # fmt: skip
+                                    ctas=ctas, rng_on_device=rng_dev)  # fmt: skip
     # the kernel counts dQ's key blocks for ConvertDQReady; it stores each query block's first dQ,
     # or zeroes the accumulator itself (either way the preprocess does not)
     dq_ready, store_first, zero_ahead = config[_DQ_READY], config[_STORE_FIRST], config[_ZERO_AHEAD]

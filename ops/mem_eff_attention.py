@@ -67,8 +67,10 @@ log = logging.getLogger("cute_kernels.attention")
 # ----------------------------------------------------------------------------- compile
 
 
-def _build(dtype, cfg: tiling.AttentionBackwardConfig, varlen: bool, computes_delta: bool, arch: str):
-    """Compile one configuration; bias, its gradient and dropout are the config's flags."""
+def _build(dtype, cfg: tiling.AttentionBackwardConfig, varlen: bool, computes_delta: bool, arch: str,
+           rng_on_device: bool = False):  # fmt: skip
+    """Compile one configuration; bias, its gradient and dropout are the config's flags.
+    ``rng_on_device``: the dropout seed and offset are read from device tensors (``rng_args``)."""
     vec = cfg.vec
     kernel = AttentionBackwardKernel(dtype, cfg, varlen, computes_delta)
     b, h, mq, mk, dqk, dv = (cute.sym_int() for _ in range(6))
@@ -102,9 +104,7 @@ def _build(dtype, cfg: tiling.AttentionBackwardConfig, varlen: bool, computes_de
         bias = cc.fake_tensor(dtype, (b, h, mq, mk), bias_vec, leading_dim=-1 if cfg.bias_aligned else None)
     if cfg.grad_bias:
         grad_bias = cc.fake_tensor(dtype, (b, h, mq, mk), 128 // cfg.elem_bits)
-    rng = (None,) * 5
-    if cfg.apply_dropout:
-        rng = (cutlass.Int64(0), cutlass.Int64(0), cutlass.Float32(0.5), cutlass.Float32(2.0), cutlass.Int64(1))
+    rng = cc.fake_rng_args(rng_on_device) if cfg.apply_dropout else (None,) * 5
     return cc.compile_kernel(
         kernel, q, k, v, o, do, lse, delta, gq, gk, gv, ws, ws_kv, cu_q, cu_k, bias, grad_bias,
         cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), *rng, cc.fake_stream(),
@@ -156,7 +156,7 @@ def compile_configurations(arch: str, dtypes=(cutlass.Float16, cutlass.BFloat16)
                 continue
             for varlen in (False, True):
                 for computes_delta in (False, True):
-                    compiled(dt, cfg, varlen, computes_delta, arch)
+                    compiled(dt, cfg, varlen, computes_delta, arch, False)
                     n += 1
     return n
 
@@ -174,7 +174,7 @@ def compile_for_benchmark_cases(cases, arch: str) -> int:
         dt = cc.cute_dtype(getattr(torch, dtype_name))
         cfg = tiling.attention_backward_config(dt.width, d, d, True, arch, **features)
         for computes_delta in (False, True):
-            key = (dt, cfg, False, computes_delta, arch)
+            key = (dt, cfg, False, computes_delta, arch, False)
             if key not in seen:
                 compiled(*key)
                 seen.add(key)
@@ -314,10 +314,20 @@ def grad_bias_buffer(query: Tensor, mk: int, mask_type: int) -> Tensor:
 
 def _dropout_args(dropout_p, philox_seed, philox_offset, rows_q, rows_k):
     """(seed, offset, p, 1 / (1 - p), Mq * Mk) as the kernel takes them: p as the float
-    torch's kernels compare with, the scale computed in double from it, as theirs."""
+    torch's kernels compare with, the scale computed in double from it, as theirs. A seed
+    and offset on the device (torch's forward under CUDA-graph capture) stay there, as
+    [1] views the kernel reads (``rng_on_device``); host ones are passed as values."""
     p32 = float(np.float32(dropout_p))
     scale = float(np.float32(1.0 / (1.0 - p32)))
+    if rng_on_device(philox_seed, philox_offset):
+        return philox_seed.reshape(1), philox_offset.reshape(1), p32, scale, rows_q * rows_k
     return int(philox_seed.item()), int(philox_offset.item()), p32, scale, rows_q * rows_k
+
+
+def rng_on_device(philox_seed, philox_offset) -> bool:
+    """Whether the kernel reads the dropout seed and offset from device memory: where either
+    lives on the GPU (a host read would synchronise, and end a CUDA-graph capture)."""
+    return philox_seed is not None and (philox_seed.is_cuda or philox_offset.is_cuda)
 
 
 def _check_call(grad_out, query, key, value, bias, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -508,7 +518,8 @@ def _mem_eff_impl(
     rng = (None,) * 5
     if dropout:
         rng = _dropout_args(dropout_p, philox_seed, philox_offset, rows_q, rows_k)
-    fn = compiled(cc.cute_dtype(query.dtype), cfg, varlen, computes_delta, arch)
+    on_device = dropout and rng_on_device(philox_seed, philox_offset)
+    fn = compiled(cc.cute_dtype(query.dtype), cfg, varlen, computes_delta, arch, on_device)
     fn(
         query, key, value, out, grad_out, logsumexp, delta, grad_q, grad_k, grad_v, workspace, workspace_kv,
         cu_seqlens_q, cu_seqlens_k, bias, grad_bias,

@@ -58,7 +58,7 @@ from cutlass import Float32, Int32, Int64, Uint8, Uint16, Uint32, Uint64, const_
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cute_kernels.common.log2_units import LOG2_E
-from cute_kernels.common.philox import keep_flags_quads
+from cute_kernels.common.philox import keep_flags_quads, philox_scalar
 from cute_kernels.common.views import rows_view, select_modes, transpose_view
 from layouts.attention_bwd_prepost import SEQLEN_ROUND, VARLEN_ACCUM_PAD
 from layouts.attention_sm90 import (
@@ -353,8 +353,8 @@ class AttentionBackwardSm90:
         max_seqlen_k: Int32,  # varlen: sizes the grid
         heads_per_chunk: Int32,  # the heavy-first order's L2 chunk (``lpt``; see cta_coords)
         num_ctas: Int32,  # persistent CTAs: how many (the multiprocessors' count)
-        philox_seed,  # dropout (None without): Int64 seed and offset, p and 1 / (1 - p) (Float32),
-        philox_offset,  # and the stream words of one (batch, head): Mq * Mk (Int64)
+        philox_seed,  # dropout (None without): Int64 seed and offset (or Int64 [1] device tensors),
+        philox_offset,  # p and 1 / (1 - p) (Float32), the stream words of one (batch, head): Mq * Mk (Int64)
         dropout_p,
         dropout_scale,
         dropout_bh_elems,
@@ -1690,9 +1690,9 @@ class AttentionBackwardSm90:
         philox = None
         if const_expr(self.dropout):
             seed, offset, p, scale, bh_elems = rng
-            seed = Int64(seed)
+            seed = philox_scalar(seed)
             # curand_init(seed, 0, offset + (batch * H + head) * Mq * Mk), as the forward
-            base = Int64(offset) + Int64(batch) * Int64(heads) * Int64(bh_elems)
+            base = philox_scalar(offset) + Int64(batch) * Int64(heads) * Int64(bh_elems)
             philox = (Uint32(seed), Uint32(seed >> Int64(32)), base, Float32(p), Float32(scale), Int64(bh_elems))
         return bias, grad_bias, sKeep, philox
 

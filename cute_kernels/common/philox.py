@@ -14,7 +14,7 @@ and keeps it when its uniform is > p. The CPU twin is ``ops.reference.philox4x32
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Uint32, Uint64
+from cutlass import Float32, Int64, Uint32, Uint64
 
 PHILOX_W32_0 = 0x9E3779B9  # key schedule (golden ratio, sqrt(3) - 1)
 PHILOX_W32_1 = 0xBB67AE85
@@ -23,6 +23,15 @@ PHILOX_M4X32_1 = 0xCD9E8D57
 PHILOX_ROUNDS = 10
 TWO_POW32_INV = 2.3283064e-10  # CURAND_2POW32_INV (float 2^-32)
 TWO_POW32_INV_HALF = TWO_POW32_INV / 2.0
+
+
+def philox_scalar(x):
+    """A Philox seed or offset as Int64: the scalar argument itself, or element 0 of a
+    device tensor (under CUDA-graph capture torch's forward writes them to device memory,
+    and reading them on the host would end the capture)."""
+    if isinstance(x, cute.Tensor):
+        return Int64(x[0])
+    return Int64(x)
 
 
 def _mulhilo(a: int, b) -> tuple:

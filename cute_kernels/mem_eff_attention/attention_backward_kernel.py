@@ -46,7 +46,7 @@ from cutlass import Float32, Int32, Int64, Uint32, Uint64, const_expr
 
 from cute_kernels.attention_bwd_prepost.compute_delta import compute_delta
 from cute_kernels.common.log2_units import LOG2_E
-from cute_kernels.common.philox import keep_flags_quads
+from cute_kernels.common.philox import keep_flags_quads, philox_scalar
 from cute_kernels.common.views import transpose_view
 from layouts.attention_bwd_prepost import ComputeDeltaTiles
 from layouts.mem_eff_attention import GMEM_TILE_ACCESS, GRAD_Q_HEADER_WORDS, AttentionBackwardConfig
@@ -132,8 +132,8 @@ class AttentionBackwardKernel:
         custom_mask_type: Int32,
         window_size: Int32,
         num_splits_key: Int32,
-        # dropout (None without): philox seed / offset (Int64), p and 1 / (1 - p)
-        # (Float32), Mq * Mk of the forward's batch-head offsets (Int64)
+        # dropout (None without): philox seed / offset (Int64, or Int64 [1] device tensors),
+        # p and 1 / (1 - p) (Float32), Mq * Mk of the forward's batch-head offsets (Int64)
         philox_seed,
         philox_offset,
         dropout_p,
@@ -277,10 +277,10 @@ class AttentionBackwardKernel:
             )
             # curand_init(seed, 0, offset + batch_head_offset): the key and this
             # (batch, head)'s first word; each block skips ahead from there.
-            seed = Int64(philox_seed)
+            seed = philox_scalar(philox_seed)
             rng = SimpleNamespace(
                 k0=Uint32(seed), k1=Uint32(seed >> Int64(32)),
-                base=Int64(philox_offset) + (Int64(batch) * Int64(mQuery.shape[2]) + Int64(head)) * Int64(dropout_bh_elems),
+                base=philox_scalar(philox_offset) + (Int64(batch) * Int64(mQuery.shape[2]) + Int64(head)) * Int64(dropout_bh_elems),
                 p=Float32(dropout_p), scale=Float32(dropout_scale),
             )
 
