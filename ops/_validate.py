@@ -84,6 +84,28 @@ def validate_once(parts, check) -> None:
         _validated.put(key, True)
 
 
+def kernel_ready(t: Tensor, vec: int = 1) -> Tensor:
+    """``t`` as it is where a kernel can read it, else a dense copy.
+
+    For the gradients autograd hands to a backward, whose layout the caller does not
+    choose: ``.sum()`` gives an expanded tensor (every stride 0), a transposed or sliced
+    view any strides. Readable as it is: last dim contiguous, no broadcast (stride-0)
+    dim, every other stride and the address multiples of ``vec`` elements (the kernels'
+    vector and TMA accesses).
+    """
+    if t.numel() == 0:
+        return t
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        return t.contiguous()
+    outer = [st for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1]
+    if any(st == 0 or st % vec for st in outer):
+        return t.contiguous()
+    # a traced (fake) tensor has no address: the launch checks it on the real one
+    if type(t) is Tensor and t.data_ptr() % (vec * t.element_size()):
+        return t.contiguous()
+    return t
+
+
 def rows_view(name: str, t: Tensor) -> Tensor:
     """``t`` as [rows, N] without a copy, its last dim contiguous.
 

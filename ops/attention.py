@@ -49,7 +49,7 @@ from torch import Tensor
 from layouts.attention_bwd_prepost import round_up
 
 from . import _compile as cc
-from ._validate import check_cuda, check_float, check_int, check_same_device, check_tensor, validate_once
+from ._validate import check_cuda, check_float, check_int, check_same_device, check_tensor, kernel_ready, validate_once
 
 logger = logging.getLogger("cute_kernels")
 
@@ -180,7 +180,7 @@ def _validate(query, key, value, causal, window_size, scale, cu_seqlens_q, cu_se
         raise ValueError(f"max_seqlen_q ({max_seqlen_q}) is longer than query's packed length {query.shape[1]}")
     if max_seqlen_k is not None and max_seqlen_k > key.shape[1]:
         raise ValueError(f"max_seqlen_k ({max_seqlen_k}) is longer than key's packed length {key.shape[1]}")
-    if cc.eager(cu_seqlens_q):  # values may be read here (eager, plain tensor)
+    if cc.eager(cu_seqlens_q) and not cc.capturing():  # values may be read here
         longest_q, lq = _check_cu_values("cu_seqlens_q", cu_seqlens_q, query.shape[1], max_seqlen_q, "max_seqlen_q")
         longest_k, lk = _check_cu_values("cu_seqlens_k", cu_seqlens_k, key.shape[1], max_seqlen_k, "max_seqlen_k")
         if mask_type == 2 and any(a > b for a, b in zip(lq, lk)):
@@ -189,8 +189,8 @@ def _validate(query, key, value, causal, window_size, scale, cu_seqlens_q, cu_se
         max_seqlen_k = max(1, longest_k) if max_seqlen_k is None else int(max_seqlen_k)
     elif max_seqlen_q is None or max_seqlen_k is None:
         raise ValueError(
-            "max_seqlen_q and max_seqlen_k are required with cu_seqlens under torch.compile or tracing "
-            "(reading them from cu_seqlens needs the values)"
+            "max_seqlen_q and max_seqlen_k are required with cu_seqlens under torch.compile, tracing or "
+            "CUDA-graph capture (reading them from cu_seqlens needs the values on the host)"
         )
     return mask_type, window_size, int(max_seqlen_q), int(max_seqlen_k), scale
 
@@ -234,8 +234,20 @@ def _mea_forward(
         max_seqlen_q if varlen else None, max_seqlen_k if varlen else None,
         dropout_p, custom_mask_type, True, scale=scale, window_size=window_size if window_size > 0 else None,
     )  # fmt: skip
-    # without dropout torch returns empty seed / offset scalars nobody reads
-    return out, lse, seed, offset
+    return out, lse, *_rng_on_device(seed, offset, dropout_p, query.device)
+
+
+def _rng_on_device(seed: Tensor, offset: Tensor, dropout_p: float, device) -> Tuple[Tensor, Tensor]:
+    """The philox seed / offset on the query's device, where the backward kernel reads them:
+    torch's forward returns them there under CUDA-graph capture, on the host otherwise, so
+    one place for them keeps graphs (torch.compile's included) the same either way. The
+    host values go up through pinned memory, so the copies do not wait for the stream."""
+    if dropout_p == 0.0:  # torch returns empty scalars nobody reads
+        return tuple(torch.empty((), dtype=torch.int64, device=device) for _ in range(2))
+    if seed.device == device:
+        return seed, offset
+    # two allocations: an op's outputs may not alias one another
+    return tuple(t.pin_memory().to(device, non_blocking=True) for t in (seed, offset))
 
 
 @_mea_forward.register_fake
@@ -245,7 +257,7 @@ def _(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     out = query.new_empty((b, mq, h, value.shape[3]))
     rows = cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else b
     lse = query.new_empty((rows, h, _lse_len(max_seqlen_q)), dtype=torch.float32)
-    seed, offset = (torch.empty((), dtype=torch.int64, device="cpu") for _ in range(2))
+    seed, offset = (query.new_empty((), dtype=torch.int64) for _ in range(2))
     return out, lse, seed, offset
 
 
@@ -259,6 +271,9 @@ def _mea_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(lse, seed, offset)
 
 
+_VEC_BYTES = 16  # the kernels' widest access (and TMA's stride unit): gradients are made dense otherwise
+
+
 def _mea_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
     del grad_lse, grad_seed, grad_offset
     from ops.mem_eff_attention import efficient_attention_backward
@@ -267,6 +282,7 @@ def _mea_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
     none = (None,) * 7
     if grad_out is None:
         return (None,) * 14
+    grad_out = kernel_ready(grad_out, _VEC_BYTES // grad_out.element_size())
     bias_grad = attn_bias is not None and ctx.needs_input_grad[10]
     dq, dk, dv, db = efficient_attention_backward(
         grad_out, query, key, value, attn_bias, out, cu_q, cu_k, ctx.max_seqlens[0], ctx.max_seqlens[1], lse,
@@ -453,6 +469,7 @@ def _sdpa_backward_override(grad_out, query, key, value, attn_bias, out, logsume
 
         t = lambda x: x.transpose(1, 2)  # noqa: E731
         q_t, k_t = t(query), t(key)
+        grad_out = kernel_ready(grad_out, _VEC_BYTES // grad_out.element_size())
         try:
             bias_grad = attn_bias is not None and bool(grad_input_mask[3])
             dq, dk, dv, db = efficient_attention_backward(
