@@ -27,7 +27,7 @@ threads are lanes of one warp and the row sum is a shuffle-xor butterfly.
 The preprocess tile keeps 32 elements of each of O and dO per thread in registers
 (every load issued before the first product); loads skip L1 (no_allocate). The grid
 walks heads fastest (``HEADS_FASTEST``). All of it measured on the H100:
-benchmarks/notes/attn_bwd_prepost.md.
+docs/attention_bwd_prepost.md.
 
 Memory conventions (the original's): Δ is [batch, heads, seqlen_q_rounded] fp32 with
 seqlen_q_rounded = round_up(max seqlen_q, 128); the dQ accumulator is
@@ -200,7 +200,7 @@ def preprocess_tiles(elem_bits: int, head_dim: int, vec: int, arch: str = "sm_90
     kBlockM * kHeadDim = 4096: 32 elements of each of O and dO per thread, all loads
     issued before the first product, many small CTAs per SM. On the H100 this beat
     64- and 128-row tiles, 256 threads, and 2 or 4 software-pipelined tiles per CTA by
-    1-7% (benchmarks/notes/attn_bwd_prepost.md). sm_80 shares the tiles. The grid is walked
+    1-7% (docs/attention_bwd_prepost.md). sm_80 shares the tiles. The grid is walked
     backwards (``last_first``): batch 0's O / dO / Δ / zeroed accumulator rows go last, so L2
     still holds them when the attention backward's first CTAs (batch 0's) read them.
     """
@@ -217,7 +217,7 @@ def postprocess_tiles(elem_bits: int, head_dim: int, vec: int, arch: str = "sm_9
     """convert_dq / convert_dkv / clear_dkv_accum. The grid is walked backwards
     (``last_first``): the attention backward before convert_dq adds into the last batches'
     accumulator rows last, and those are the ones L2 may still hold (H100, full sm90 backward
-    with both walked backwards: 0.6-1.7% faster on the six suite cases, notes)."""
+    with both walked backwards: 0.6-1.7% faster on the six suite cases, docs/attention_sm90.md)."""
     del arch
     _check_vec(elem_bits, vec)
     hd = head_dim_rounded(head_dim)

@@ -78,7 +78,7 @@ both warpgroups' last wgmmas have read them) (``dkv_tma_store``): 32-bit stores 
 registers cost 5% at 8x16x1024x64, where a CTA runs only 8 steps. From there every consumer
 thread stores 16-byte row pieces (``dkv_vector_store``, d64 / d128 rows) rather than one
 thread's TMA store, which queues behind the last dQ reduce-adds while the CTA waits for it.
-Measurements: cute_kernels/attention_sm90/notes.md.
+Measurements: docs/attention_sm90.md.
 
 CTA order: with a causal mask key block 0 sees the most query blocks, so the grid is 1-D
 and walked heavy-first over chunks of (batch, key head) pairs whose Q / dO / dQ rows fit
@@ -123,7 +123,7 @@ equal configuration. Atoms: Q's and K's follow Dqk's slices, dO's Dv's (dV's N);
 K-major only and takes the widest atom its Dv columns allow (with equal head dims it keeps
 K's layout, as before). Dqk 96 with a Dv above 128 is refused: the wide tiles' dQ quarters
 would be 24 columns, which no swizzle atom divides. ptxas: no spill in the consumer
-warpgroups for any pair, mask, window, deterministic or varlen configuration; notes.md has
+warpgroups for any pair, mask, window, deterministic or varlen configuration; docs/attention_sm90.md has
 the producer's few 4-byte spills.
 
 | Dqk / Dv  | tiles | tile_m | tile_n | Q / dO stages | dK + dV fp32 a thread | smem (bf16) |
@@ -182,7 +182,7 @@ TILE_RING_SLOTS = 4  # persistent CTAs: tile indices in flight from the producer
 # steps a tile; FA4 same process): 16x16x512x64 (4) 0.1541 / 0.1430 (FA4 0.1502), 8x16x1024x64
 # (8) 0.2202 / 0.2174 (0.2199), 4x16x2048x64 (16) 0.375 / 0.383. The slow outliers once blamed on
 # it are the host's: event-timed rounds (the suite's do_bench) scatter for both kernels alike
-# when the lent machine's CPU is slow, graph replays do not (notes.md)
+# when the lent machine's CPU is slow, graph replays do not (docs/attention_sm90.md)
 CARRY_DQ_MAX_STEPS = 8
 # convert_dq overlapping a CTA-per-tile grid's last wave (ops.attention_sm90._overlaps_convert):
 # only where a head has at most this many key blocks. Each CTA's count waits until its last dQ
@@ -195,7 +195,7 @@ DQ_READY_MAX_KEY_BLOCKS = 32
 # this many steps. H100, full backward, same process (ms, preprocess zeroes / kernel zeroes, two
 # runs; do_bench and CUDA-graph medians): 16x16x512x64 (4 steps) 0.1482 / 0.1420, 8x16x1024x64 (8)
 # 0.2202 / 0.2165, 4x16x2048x64 (16) 0.3851 / 0.3699, 2x16x4096x64 (32) 0.7075 / 0.6980 but graph
-# 0.7010 / 0.7026, 1x16x8192x64 (64) 1.3490 / 1.3665 (notes.md)
+# 0.7010 / 0.7026, 1x16x8192x64 (64) 1.3490 / 1.3665 (docs/attention_sm90.md)
 ZERO_AHEAD_MAX_STEPS = 16
 TAIL_ROWS_ALIGN = 16  # a partial last block's products (tail_block): N of S^T / dQ^T and dK / dV's k-blocks
 SMEM_ALIGN = 1024  # bytes: every shared buffer starts on a whole 128-byte-swizzle period (8 x 128 B)
@@ -283,7 +283,7 @@ class AttentionSm90Tiles:
     # (measured ~2 us of a 24 us CTA at 8x16x1024x64); the kernel takes that path without a
     # window, varlen, determinism, bias or dropout (AttentionBackwardSm90.tile_schedule) and
     # otherwise uses the first buffer alone. d128 has room for one only: persistent CTAs over
-    # it measured 3-7% slower than a CTA per tile (notes.md, 2026-11-25 sixth session)
+    # it measured 3-7% slower than a CTA per tile (docs/attention_sm90.md)
     kv_buffers: int = 1
     # a query block cut short by the sequence's end (Sq not a multiple of tile_m) runs on
     # products only ``tail_rows`` queries wide instead of tile_m with the rest masked: the kernel
@@ -884,24 +884,24 @@ def attention_sm90_tiles(head_dim: int, *, head_dim_v: Optional[int] = None,
             # H100, same runs: 2x16x4096x128 1.311 vs 1.338 ms at tile_m 64, 4x16x2048x128 0.741
             # vs 0.758, 1x16x8192x128 2.480 vs 2.552; the joint barrier then 1.213 vs 1.286.
             # Causal too (FA4 keeps 64 there): 2x16x4096x128 0.766 vs 0.790, 1x16x8192x128 1.374
-            # vs 1.443, 4x16x2048x128 0.464 vs 0.467 (notes.md). Dropout's flags would not fit
+            # vs 1.443, 4x16x2048x128 0.464 vs 0.467 (docs/attention_sm90.md). Dropout's flags would not fit
             # beside it in shared memory.
             fields.update(tile_m=80, dq_swapab=True, stats_early=False, pds_split=False)
             # store_first: H100, same run (zeroed accumulator / stored first, ms): 2x16x4096x128
             # 1.2653 / 1.2356, 4x16x2048x128 0.6720 / 0.6676, 1x16x8192x128 2.3986 / 2.3785,
             # causal 0.7203 / 0.7165 (2x16x4096x128 gained 0.4-3.3% in five runs); at d64 it
-            # cost 2.6-9% (8x16x1024x64 0.2203 / 0.2307, 16x16x512x64 0.1473 / 0.1611: notes.md)
+            # cost 2.6-9% (8x16x1024x64 0.2203 / 0.2307, 16x16x512x64 0.1473 / 0.1611: docs/attention_sm90.md)
             fields.update(store_first=True)
             # each warpgroup's dQ buffer freed just before its own copy, not both first: H100, two
             # runs of interleaved rounds (ms, both first / each before its copy): 4x16x2048x128
             # 0.6600 / 0.6480 and 0.6630 / 0.6509, 2x16x4096x128 1.2307 / 1.2136 and 1.2217 /
             # 1.2152, 1x16x8192x128 2.3694 / 2.3483 and 2.3710 / 2.3542, causal 2x16x4096x128
             # 0.7052 / 0.6827, 8x16x1024x128 0.3932 / 0.3881; a third run, the other way round, 1-4%
-            # (notes.md, 2026-11-26 fifth session)
+            # (docs/attention_sm90.md)
             fields.update(dq_empty_early=False)
             # the partial last query block on narrower products (2x16x4096: block 51 holds 16 rows
             # of 80; H100, Sq 4096 against 4080 (one whole block fewer) cost 1-2% more, and Sq 2048
-            # (last block 48 rows) as much as 2080 (notes.md, 2026-11-26 sixth session)
+            # (last block 48 rows) as much as 2080 (docs/attention_sm90.md)
             fields.update(tail_block=True)
         if max(head_dim, dv) <= 64 and not bias_or_dropout:
             # 128 queries a step, as FA4: fits 240 registers with dS stored before dV is issued

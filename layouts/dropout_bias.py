@@ -12,7 +12,7 @@ partials the last-arriving CTA sums in a fixed order (``common/column_partials``
 | fp16  | 8              | 16 x 32               | 16 x 256               | 8                       |
 | bf16  | 8              | 16 x 32               | 16 x 256               | 8                       |
 
-Chosen on the H100 (benchmarks/notes/dropout_bias_bwd.md): 16 x 32 threads with 8
+Chosen on the H100 (docs/dropout_bias.md): 16 x 32 threads with 8
 rows in flight and one CTA per SM beat 8 x 32 / 4 rows and more CTAs per SM by 1-5%
 at 16384 x 4096; L1/L2 cache hints (no-allocate, streaming, evict-first) cost 1-3%.
 

@@ -116,7 +116,7 @@ def _config(dtype, head_dim: int, head_dim_v: int, mask_type: int, arch: str, *,
 # each head once its count is complete (where a head has at most tiling.DQ_READY_MAX_KEY_BLOCKS
 # key blocks). H100, device time from the kernel's start to convert_dq's end (torch profiler,
 # medians of 7 x 7 calls): 4x16x2048x128 592.8 -> 579.1 us, 2x16x4096x128 1099.7 -> 1082.4,
-# 4x16x2048x96 535.0 -> 527.6, 8x16x1024x128 340.8 -> 339.5 (notes.md)
+# 4x16x2048x96 535.0 -> 527.6, 8x16x1024x128 340.8 -> 339.5 (docs/attention_sm90.md)
 DQ_READY = True
 
 

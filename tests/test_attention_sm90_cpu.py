@@ -376,7 +376,7 @@ def test_makespan_is_list_scheduling():
 def test_lpt_chunk_by_the_model(b, h, s, d, fit, chosen):
     """The suite's causal d128 shapes on 132 SMs: the chunk that fits the L2 budget leaves the
     modelled makespan 13-15% over the ideal; the model's chunk (measured faster on the H100,
-    notes.md) comes within 3%; never more heads than fit."""
+    docs/attention_sm90.md) comes within 3%; never more heads than fit."""
     from benchmarks.sm90_schedule import model_ratio
 
     t = tiling.attention_sm90_tiles(d)

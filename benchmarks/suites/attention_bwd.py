@@ -72,7 +72,7 @@ ROUNDS = 5  # interleaved timing rounds per case (the module docstring)
 # each timing's warm-up: that long of the implementation's own calls first, so the board's power
 # state is its own. H100 (700 W), d128, medians of 7 rounds: with do_bench's 25 ms the sm90 / FA4
 # ratio at 1x16x8192x128 read 1.001x alone and 1.075x among the other implementations (0.966x and
-# 0.970x in two suite runs); with 300 ms 1.013x and 1.012x (attention_sm90/notes.md)
+# 0.970x in two suite runs); with 300 ms 1.013x and 1.012x (docs/benchmarks.md)
 WARMUP_MS = 300
 
 

@@ -28,7 +28,7 @@ consumers and the dQ-store warp; with dq_per_wg a pair per warpgroup), KEEP_FLAG
 a warpgroup's flags of the block are drawn; one per warpgroup), EPILOGUE (dkv_tma_store:
 both warpgroups are done with K / V, then their dK / dV are written and, with
 dkv_vector_store, read back). Options and their
-measurements: layouts/attention_sm90.py, notes.md next to this file.
+measurements: layouts/attention_sm90.py, docs/attention_sm90.md.
 
 With ``tail_m`` (d128's tiles, the host's choice per sequence length) the partial last query
 block's step runs on tiled MMAs tail_m queries wide (``tail_operands``, ``steps_with_tail``):
@@ -608,7 +608,7 @@ class AttentionBackwardSm90:
         buffers, so the producer loads the next tile's while this one runs. The consumers stage a
         tile's dK / dV in its buffer and go on with the next tile; warps 2 and 3 store them to
         global memory and free the buffer (measured: ~2 us of a 24 us CTA at 8x16x1024x64 waited
-        for K / V, ~1 us stored dK / dV; notes.md)."""
+        for K / V, ~1 us stored dK / dV; docs/attention_sm90.md)."""
         t = self.tiles
         n_blocks, heads_kv, batches, _ = sched
         total = n_blocks * heads_kv * batches
@@ -1302,7 +1302,7 @@ class AttentionBackwardSm90:
         # step's S^T (and dP^T) behind this step's dK; ptxas does not follow wgmma groups
         # across the loop's back edge and serialises every wgmma of the kernel (warnings
         # C7514 / C7515; also when the issue is made unconditional with a repeated last Q
-        # block). Measured: d128 gains 16% without it, d64 loses 4% (notes.md).
+        # block). Measured: d128 gains 16% without it, d64 loses 4% (docs/attention_sm90.md).
         prefetch = const_expr(t.overlap != "none")
         if const_expr(self.persistent):
             pipe_kv.consumer_wait(kv_state)  # also for a tile without steps (dK / dV zeros)
@@ -1321,7 +1321,7 @@ class AttentionBackwardSm90:
             done=done,
         )  # fmt: skip
         # the loop stays outside that if (it runs 0 steps without work): nested in it, ptxas
-        # spilled 384 bytes in d64 and the kernel ran ~10% slower (notes.md)
+        # spilled 384 bytes in d64 and the kernel ran ~10% slower (docs/attention_sm90.md)
         head, m_block = self.work_item(work, 0)
         # carry_dq counts the CTA's steps (dS buffers and barriers alternate with it)
         first_step = done if const_expr(carry is not None) else 0
@@ -1557,7 +1557,7 @@ class AttentionBackwardSm90:
                         batch, offset_k):  # fmt: skip
         """dK / dV (cast) into K's / V's shared memory, then one thread's TMA stores: the rows
         leave as whole 128-byte lines and the warps are done at once (H100, 8x16x1024x64: 0.246
-        ms against 0.260 with 32-bit stores straight from registers, notes.md)."""
+        ms against 0.260 with 32-bit stores straight from registers, docs/attention_sm90.md)."""
         t = self.tiles
         tma_dK, gdK_tma, tma_dV, gdV_tma = dkv_tma
         self.stage_dkv(acc_dK, acc_dV, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx)
@@ -1751,7 +1751,7 @@ class AttentionBackwardSm90:
         words q * Sk + k of the (batch, head) stream, 4 per Philox call), as bits (bit k % 16
         of half-word k / 16 of row q). Called while the tensor cores compute the block's S^T and
         dP^T (drawing a step ahead, behind the gradient products, measured no faster: the Philox
-        rounds cost issue slots, not latency; notes.md)."""
+        rounds cost issue slots, not latency; docs/attention_sm90.md)."""
         t = self.tiles
         k0, k1, base, p, _, bh_elems = feat[3]
         keys, _ = t.sdp_wg_tile

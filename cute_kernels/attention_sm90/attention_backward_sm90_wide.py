@@ -15,7 +15,7 @@ product, per query block:
 
 so a thread holds 2 x d / 4 fp32 of dK / dV (96 / 128 registers; (Dqk + Dv) / 4 when they
 differ: dK's columns are Dqk's, dV's Dv's, dQ's Dqk's) and d / 8 of dQ at a
-time (a whole half beside dK / dV ran ptxas out of registers: notes.md). Producer, dQ
+time (a whole half beside dK / dV ran ptxas out of registers: docs/attention_sm90.md). Producer, dQ
 store warp (its joint handoff: the store warp adds the whole tile), masks, grouped heads,
 deterministic mode, variable lengths, the shared storage and the epilogue are the base's:
 P^T lives in the sdS allocation (buffers [0, ds_stages), dS^T in [ds_stages, 2 ds_stages)).
@@ -90,7 +90,7 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
             cute.arch.mbarrier_wait(mbar_kv, 0)
         # every wgmma group is issued and waited for within its step (none crosses the
         # loop's back edge, which would make ptxas serialise them all); the loop stays
-        # outside the if (0 steps without work), as the base's (notes.md)
+        # outside the if (0 steps without work), as the base's (docs/attention_sm90.md)
         head, m_block = self.work_item(work, 0)
         for i in cutlass.range(steps, unroll=1):
             stage = state.index
