@@ -154,13 +154,7 @@ def _validate(query, key, value, causal, window_size, scale, cu_seqlens_q, cu_se
         ("mea", query, key, value, cu_seqlens_q, cu_seqlens_k),
         lambda: _check_meta(query, key, value, cu_seqlens_q, cu_seqlens_k),
     )
-    mask_type = _mask_type(causal)
-    if window_size is None:
-        window_size = 0
-    check_int("window_size", window_size, low=0)
-    window_size = int(window_size)
-    if window_size > 0 and mask_type == 0:
-        raise ValueError("window_size needs causal=True / 'top_left' / 'bottom_right' (local attention is causal only)")
+    mask_type, window_size = _window(_mask_type(causal), window_size)
     if scale is not None:
         check_float("scale", scale)
         scale = float(scale)
@@ -193,6 +187,38 @@ def _validate(query, key, value, causal, window_size, scale, cu_seqlens_q, cu_se
             "CUDA-graph capture (reading them from cu_seqlens needs the values on the host)"
         )
     return mask_type, window_size, int(max_seqlen_q), int(max_seqlen_k), scale
+
+
+def _window(mask_type: int, window_size) -> Tuple[int, int]:
+    """(mask type, w) from ``window_size``: None / 0 (no window), an int w (query n sees the
+    w keys up to its diagonal: n + shift - w < m <= n + shift; causal masks only), or
+    FlashAttention's (left, right), -1 meaning unbounded: (-1, -1) no window, (left, 0) is
+    w = left + 1 (with causal=False FlashAttention aligns it bottom-right, and so do we)."""
+    if isinstance(window_size, (tuple, list)):
+        if len(window_size) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in window_size):
+            raise TypeError(f"window_size as (left, right) must be two ints, got {window_size!r}")
+        left, right = window_size
+        if left < -1 or right < -1:
+            raise ValueError(f"window_size (left, right) takes ints >= 0, or -1 for unbounded, got {window_size!r}")
+        if right == -1 and mask_type:  # FlashAttention ignores right under causal
+            right = 0
+        if left == -1 and right in (-1, 0):
+            return (mask_type or (2 if right == 0 else 0)), 0
+        if right != 0:
+            raise NotImplementedError(
+                f"window_size {window_size!r} reaches {'past' if right > 0 else 'any key after'} the diagonal: "
+                "only causal windows (right = 0) are implemented"
+            )
+        return mask_type or 2, left + 1
+    if window_size is None:
+        return mask_type, 0
+    check_int("window_size", window_size, low=0)
+    if int(window_size) > 0 and mask_type == 0:
+        raise ValueError(
+            "window_size needs causal=True / 'top_left' / 'bottom_right' when it is an int w (query n sees the w "
+            "keys up to its diagonal); FlashAttention's (left, right) form is taken too: (w - 1, 0)"
+        )
+    return mask_type, int(window_size)
 
 
 _BOTTOM_RIGHT_MSG = (
@@ -302,7 +328,7 @@ def memory_efficient_attention(
     value: Tensor,
     *,
     causal: Union[bool, str] = False,
-    window_size: Optional[int] = None,
+    window_size: Union[None, int, Tuple[int, int]] = None,
     scale: Optional[float] = None,
     cu_seqlens_q: Optional[Tensor] = None,
     cu_seqlens_k: Optional[Tensor] = None,
@@ -321,7 +347,11 @@ def memory_efficient_attention(
             grouped-query / multi-query heads); query's dtype and device.
         causal: False, True / "top_left" (query n sees keys m <= n) or "bottom_right"
             (m <= n + Mk - Mq, per sequence; needs Mq <= Mk, see the module notes).
-        window_size: sliding window w (causal only): query n also drops keys m <= n + shift - w.
+        window_size: sliding window: an int w (causal masks only) keeps, for query n, the w keys
+            n + shift - w < m <= n + shift (shift = 0 top-left, Mk - Mq bottom-right); or
+            FlashAttention's (left, right) with -1 for unbounded: (left, 0) is w = left + 1,
+            aligned bottom-right when ``causal`` is False, as FlashAttention aligns it;
+            windows reaching past the diagonal (right > 0) raise NotImplementedError.
         scale: the softmax scale, default 1 / sqrt(K).
         cu_seqlens_q, cu_seqlens_k: int32 [num_seqs + 1] for variable lengths (B == 1,
             sequences packed along M; each attends only within itself).
@@ -356,11 +386,31 @@ def memory_efficient_attention(
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if attn_bias is not None:
         attn_bias = _prepare_bias(attn_bias, query, key, cu_seqlens_q)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, attn_bias) if t is not None):
+        _check_backward_runs(query, key, value, mask_type, window_size, attn_bias, dropout_p, backend)
     out, _, _, _ = _mea_forward(
         query, key, value, cu_seqlens_q, cu_seqlens_k, max_q, max_k, mask_type, window_size, scale, attn_bias, dropout_p,
         backend, deterministic,
     )
     return out
+
+
+def _check_backward_runs(query, key, value, mask_type, window_size, attn_bias, dropout_p, backend) -> None:
+    """Raise before the forward what the backward would raise: a training step should fail
+    before it spends a forward. Checked on real tensors (a trace's fail at run time)."""
+    from ops.mem_eff_attention import choose_backend, max_head_dim
+
+    limit = max_head_dim(query.dtype)
+    if max(query.shape[-1], value.shape[-1]) > limit:
+        raise NotImplementedError(
+            f"the backward takes head dims up to {limit} for {query.dtype}, got query's {query.shape[-1]} and "
+            f"value's {value.shape[-1]} (no gradients through this call; run it under torch.no_grad())"
+        )
+    if backend != "sm90" or not query.is_cuda or not cc.eager(query):
+        return
+    out = torch.empty((*query.shape[:3], value.shape[3]), dtype=query.dtype, device="meta")  # its shape is all that counts
+    choose_backend("sm90", out, query, key, value, out, custom_mask_type=mask_type, window_size=window_size,
+                   bias=attn_bias, dropout_p=dropout_p, arch=cc.tensor_arch(query))  # fmt: skip
 
 
 BIAS_ALIGN = 16  # elements: torch's forward wants the bias rows 128-bit aligned (SDPA pads them alike)

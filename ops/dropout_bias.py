@@ -25,6 +25,7 @@ from ._validate import (
     check_probability,
     check_same_device,
     check_shape,
+    check_tensor,
     rows_view,
     validate_once,
 )
@@ -226,7 +227,8 @@ def dropout_bias_backward(
     """Gradients of y = dropout(act(x + bias)) with a saved keep-mask.
 
     Args:
-        grad_out: dY, [..., N], fp32/fp16/bf16, CUDA.
+        grad_out: dY, [..., N], fp32/fp16/bf16, CUDA: any number of leading dims, read as
+            rows of N (a 1-D dY is one row), as torch's ops flatten them.
         mask: keep-mask of dY's shape, bool or uint8 (nonzero = kept).
         p: the drop probability used in the forward, 0 <= p < 1.
         x: the pre-activation input (activation only), dY's shape and dtype.
@@ -311,8 +313,11 @@ def bias_dropout(
     activation: Optional[str] = None,
     training: bool = True,
 ) -> Tensor:
-    """y = dropout(act(x + bias), p); in training the backward runs our fused kernel."""
-    check_cuda("x", x)
+    """y = dropout(act(x + bias), p) over x's last dim N (any leading dims, a 1-D x one row).
+
+    In training on CUDA tensors the backward runs our fused kernel; on other devices this
+    is torch's own math (``torch.nn.functional.dropout``), so the module moves like any other."""
+    check_tensor("x", x)
     check_dtype("x", x, cc.FLOAT_DTYPES)
     if x.dim() < 1:
         raise ValueError("x must have at least one dimension [..., N]")
@@ -326,12 +331,15 @@ def bias_dropout(
         raise TypeError(f"bias must have x's dtype {x.dtype}, got {bias.dtype}")
     if not training:
         return _act_forward(x + bias, activation)
+    if x.device.type != "cuda":
+        return torch.nn.functional.dropout(_act_forward(x + bias, activation), float(p))
     y, _ = _bias_dropout_forward(x, bias, float(p), activation)
     return y
 
 
 class BiasDropout(torch.nn.Module):
-    """``dropout(act(x + bias))`` with a learnt bias of size ``features``."""
+    """``dropout(act(x + bias))`` with a learnt bias of size ``features``: our backward on
+    CUDA tensors, torch's math elsewhere (as ``ops.LayerNorm`` / ``ops.RMSNorm``)."""
 
     def __init__(self, features: int, p: float = 0.1, activation: Optional[str] = None, device=None, dtype=None):
         super().__init__()

@@ -352,12 +352,17 @@ def _check_call(grad_out, query, key, value, bias, out, cu_seqlens_q, cu_seqlens
     if bias is not None:
         check_cuda("bias", bias)
         _check_bias(bias, query, key, cu_seqlens_q)
-    max_head_dim = tiling.MAX_K_FP32 if query.dtype == torch.float32 else tiling.MAX_K
-    if max(query.shape[-1], value.shape[-1]) > max_head_dim:
+    limit = max_head_dim(query.dtype)
+    if max(query.shape[-1], value.shape[-1]) > limit:
         raise NotImplementedError(
-            f"head dims above {max_head_dim} are not implemented for {query.dtype} yet "
+            f"head dims above {limit} are not implemented for {query.dtype} yet "
             f"(query's {query.shape[-1]}, value's {value.shape[-1]})"
         )
+
+
+def max_head_dim(dtype: torch.dtype) -> int:
+    """The largest head dim the memory-efficient backward takes (the widest of all backends)."""
+    return tiling.MAX_K_FP32 if dtype == torch.float32 else tiling.MAX_K
 
 
 def _check_backend(backend) -> None:

@@ -214,7 +214,7 @@ DROPOUT_BIAS_BACKWARD = [
 ]
 
 BIAS_DROPOUT = [
-    C("bias_dropout", "x-on-cpu", lambda: bd(x=cpu(4, 8), bias=cpu(8)), ValueError, "x", "CUDA"),
+    C("bias_dropout", "x-on-cpu", lambda: bd(x=cpu(4, 8)), ValueError, "bias", "cpu"),
     C("bias_dropout", "x-int", lambda: bd(x=fc(4, 8, dtype=I64)), TypeError, "x", "dtype"),
     C("bias_dropout", "x-0d", lambda: bd(x=fc()), ValueError, "x", "at least one dimension"),
     C("bias_dropout", "x-not-a-tensor", lambda: bd(x=1.0), TypeError, "x", "torch.Tensor"),
@@ -233,7 +233,7 @@ BIAS_DROPOUT_MODULE = [
     C("BiasDropout", "activation-unknown", lambda: lambda: ops.BiasDropout(8, activation="tanh"), ValueError, "activation", "one of"),
     C("BiasDropout", "features-negative", lambda: lambda: ops.BiasDropout(-1), ValueError, "features", ">= 0"),
     C("BiasDropout", "features-float", lambda: lambda: ops.BiasDropout(8.0), TypeError, "features", "int"),
-    C("BiasDropout", "x-on-cpu", lambda: bias_dropout_module(x=cpu(4, 8)), ValueError, "x", "CUDA"),
+    C("BiasDropout", "x-on-cpu", lambda: bias_dropout_module(x=cpu(4, 8)), ValueError, "bias", "cpu"),
     C("BiasDropout", "x-last-dim", lambda: bias_dropout_module(x=fc(4, 9)), ValueError, "x", "last dim"),
     C("BiasDropout", "x-dtype", lambda: bias_dropout_module(x=fc(4, 8, dtype=F16)), TypeError, "x", "dtype"),
     C("BiasDropout", "p-changed-to-1", bias_dropout_p_changed, ValueError, "p", "[0, 1)"),
@@ -483,6 +483,11 @@ MEMORY_EFFICIENT_ATTENTION = [
     C("memory_efficient_attention", "causal-int", lambda: mea(causal=1), ValueError, "causal", "'top_left'"),
     C("memory_efficient_attention", "window_size-without-causal", lambda: mea(window_size=8), ValueError, "window_size", "causal"),
     C("memory_efficient_attention", "window_size-negative", lambda: mea(causal=True, window_size=-1), ValueError, "window_size", ">= 0"),
+    C("memory_efficient_attention", "window_size-pair-negative", lambda: mea(window_size=(-5, -5)), ValueError, "window_size", "-1 for unbounded"),
+    C("memory_efficient_attention", "window_size-pair-right", lambda: mea(window_size=(4, 2)), NotImplementedError, "window_size", "past the diagonal"),
+    C("memory_efficient_attention", "window_size-triple", lambda: mea(window_size=(4, 0, 1)), TypeError, "window_size", "two ints"),
+    C("memory_efficient_attention", "head-dim-past-the-backward", lambda: mea(query=fc(1, 40, 2, 1024).requires_grad_(), key=fc(1, 48, 2, 1024), value=fc(1, 48, 2, 32)), NotImplementedError, "head", "up to 512", gpu=True),
+    C("memory_efficient_attention", "backend-sm90-fp32", lambda: mea(query=f32(1, 40, 2, 64).requires_grad_(), key=f32(1, 48, 2, 64), value=f32(1, 48, 2, 64), backend="sm90"), NotImplementedError, "backend", "fp16 / bf16 only", gpu=True),
     C("memory_efficient_attention", "scale-str", lambda: mea(scale="0.1"), TypeError, "scale", "finite float"),
     C("memory_efficient_attention", "cu_seqlens_k-alone", lambda: mea_var(cu_seqlens_q=None), ValueError, "cu_seqlens_q", "required"),
     C("memory_efficient_attention", "cu_seqlens_q-int64", lambda: mea_var(cu_seqlens_q=cu(15, 25, dtype=I64)), TypeError, "cu_seqlens_q", "int32"),

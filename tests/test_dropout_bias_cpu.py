@@ -144,3 +144,20 @@ def test_module_is_a_module():
     assert [k for k, _ in m.named_parameters()] == ["bias"]
     with pytest.raises(ValueError):
         ops.BiasDropout(16, p=1.5)
+
+
+def test_module_on_cpu_is_torchs_math():
+    """On CPU tensors the module (and bias_dropout) run torch's dropout, as ops.LayerNorm falls back."""
+    torch.manual_seed(0)
+    m = ops.BiasDropout(16, p=0.5, activation="relu")
+    with torch.no_grad():
+        m.bias.uniform_(1.0, 2.0)
+    x = torch.rand(3, 5, 16)
+    y = m(x)
+    z = torch.relu(x + m.bias)
+    assert y.shape == x.shape and ((y == 0) | torch.isclose(y, 2 * z)).all() and (y == 0).any()
+    y.sum().backward()
+    assert m.bias.grad.shape == (16,)
+    m.eval()
+    torch.testing.assert_close(m(x), z)
+    assert torch.equal(ops.bias_dropout(x[0, 0], m.bias, 0.0), torch.nn.functional.dropout(x[0, 0] + m.bias, 0.0))

@@ -823,3 +823,23 @@ def test_autograd_wiring_bias_dropout(cpu_attention, case):
     if bias is not None and not bias_grad:
         assert bias.grad is None
 
+
+
+@pytest.mark.parametrize("mask_type,window,want", [
+    (0, None, (0, 0)), (1, 0, (1, 0)), (1, 7, (1, 7)), (2, 3, (2, 3)),
+    (0, (-1, -1), (0, 0)), (1, (-1, -1), (1, 0)), (0, (-1, 0), (2, 0)),  # FlashAttention's (left, right)
+    (0, (5, 0), (2, 6)), (1, (5, 0), (1, 6)), (2, (0, 0), (2, 1)), (1, (5, -1), (1, 6)),
+])  # fmt: skip
+def test_window_forms(mask_type, window, want):
+    """An int w keeps the w keys up to the diagonal; (left, 0) is w = left + 1, bottom-right
+    without causal (FlashAttention aligns its windows there); -1 is unbounded."""
+    assert A._window(mask_type, window) == want
+
+
+@pytest.mark.parametrize("window,exc,fragment", [
+    ((-5, -5), ValueError, "-1 for unbounded"), ((3, 2), NotImplementedError, "past the diagonal"),
+    ((3, -1), NotImplementedError, "any key after"), ((1.5, 0), TypeError, "two ints"), (-2, ValueError, ">= 0"),
+])  # fmt: skip
+def test_window_forms_refused(window, exc, fragment):
+    with pytest.raises(exc, match=re.escape(fragment)):
+        A._window(0, window)
