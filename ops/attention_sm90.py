@@ -377,7 +377,7 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
         return torch.zeros_like(query), dk.zero_(), dv.zero_(), grad_bias
     fn = compiled(*plan.config)
     # one fp32 allocation for what the launches share (``_ScratchPlan``: each allocation costs
-    # 4-8 us of host time on the lent machines' CPUs); whatever touches the stream goes before
+    # 4-8 us of host time on an H100 host's CPU); whatever touches the stream goes before
     # the preprocess: the kernel is launched right behind it (programmatic dependent launch)
     sp = plan.scratch
     scratch = torch.empty(sp.elems, dtype=torch.float32, device=query.device)

@@ -209,7 +209,7 @@ def test_compiles_tmp_own_buffer_variant():
 @pytest.mark.compile
 @pytest.mark.parametrize("varlen", [False, True])
 def test_delta_for_head_dims_above_256_compiles(varlen):
-    """With split keys Δ comes from compute_delta (issue 4's kernel), which serves the
+    """With split keys Δ comes from compute_delta (the preprocess kernel), which serves the
     backward's head dims up to 512 (its public op keeps the flash limit of 256)."""
     from layouts import attention_bwd_prepost as prepost_tiling
     from ops.attention_bwd_prepost import compiled_compute_delta

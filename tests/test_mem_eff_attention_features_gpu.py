@@ -1,4 +1,4 @@
-"""GPU: attention bias (+ its gradient) and dropout in the memory-efficient backward (issue 6).
+"""GPU: attention bias (+ its gradient) and dropout in the memory-efficient backward.
 
 * the keep mask, bit for bit: our Philox (``DropoutMaskKernel``, the backward's device
   function) against torch's ``_fill_mem_eff_dropout_mask_`` uniforms and the CPU twin, and

@@ -486,7 +486,7 @@ def test_use_for_sdpa_training(dtype, causal, counted_backward):
 
 
 def test_use_for_sdpa_takes_bias_and_dropout(counted_backward):
-    """Since issue 6 the override takes an attention bias of the inputs' dtype and dropout
+    """The override takes an attention bias of the inputs' dtype and dropout
     (the forward's philox seed / offset give torch's mask): gradients as torch's kernel's."""
     torch.manual_seed(1)
     model = Block(128, 2).to(DEV).half()
