@@ -341,6 +341,7 @@ def attention_backward_ref(
     dropout_mask: Optional[Tensor] = None,
     dropout_p: float = 0.0,
     return_grad_bias: bool = False,
+    out: Optional[Tensor] = None,
 ):
     """(dq, dk, dv) in fp64, the shapes of query, key, value, from the closed form
 
@@ -351,6 +352,11 @@ def attention_backward_ref(
     ``return_grad_bias`` a fourth entry: dBias = dS, [B, H, Mq, Mk] (before any
     reduction over broadcast dims). Grouped-query heads (key / value with Hk heads, Hk
     dividing H): dK / dV summed over the query heads of each group.
+
+    ``out``: the forward output Δ = rowsum(dO ∘ O) is taken from, as a backward kernel takes
+    it; by default the exact output rounded to query's dtype, as a forward hands it over.
+    The reference and a kernel then agree on Δ, and their difference is the kernel's own
+    arithmetic (Δ's rounding would otherwise dominate rows whose dS nearly cancels).
     """
     group = _query_heads_per_key_head(query, key)
     if group > 1:
@@ -358,7 +364,7 @@ def attention_backward_ref(
             query, key.repeat_interleave(group, dim=2), value.repeat_interleave(group, dim=2), grad_out,
             custom_mask_type=custom_mask_type, window_size=window_size, scale=scale, cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k=cu_seqlens_k, bias=bias, dropout_mask=dropout_mask, dropout_p=dropout_p,
-            return_grad_bias=return_grad_bias,
+            return_grad_bias=return_grad_bias, out=out,
         )  # fmt: skip
         dk, dv = (g.unflatten(2, (key.shape[2], group)).sum(3) for g in grads[1:3])
         return (grads[0], dk, dv) + tuple(grads[3:])
@@ -372,7 +378,10 @@ def attention_backward_ref(
         keep = attention_mask_ref(qs.shape[0], ks.shape[0], custom_mask_type, window_size, device=q.device)
         p, _ = _attention_probs(qs, ks, sc, keep, None if bias64 is None else bias64[b])  # [H, Mq, Mk]
         zb = 1.0 if z is None else z[b]
-        o = torch.einsum("hnm,mhd->nhd", p * zb, vs)
+        if out is None:
+            o = torch.einsum("hnm,mhd->nhd", p * zb, vs).to(query.dtype).double()
+        else:
+            o = out[b, rq].double().nan_to_num(0.0)
         dv[b, rk] = torch.einsum("hnm,nhd->mhd", p * zb, dos)
         dp = torch.einsum("nhd,mhd->hnm", dos, vs) * zb
         delta = (dos * o).sum(-1).t().unsqueeze(-1)  # [H, Mq, 1]

@@ -61,5 +61,39 @@ def delta_rounding_floors(q, k, do, out, dtype, scale=None):
     # rows that see no key (O NaN there: tests poison what a forward leaves unwritten) carry none
     row = (do.double() * out.double().nan_to_num(0.0)).norm(dim=-1, keepdim=True)
     dq_floor = 4 * eps * sm_scale * row * k.double().abs().max().item()
-    dk_floor = 4 * eps * sm_scale * q.double().abs().max().item() * row.square().sum(1, keepdim=True).sqrt()
+    # dK sums over the queries and, with grouped-query heads, over each key head's query heads
+    b, _, h, _ = row.shape
+    per_key_head = row.square().sum(1, keepdim=True).view(b, 1, k.shape[2], h // k.shape[2], 1).sum(3)
+    dk_floor = 4 * eps * sm_scale * q.double().abs().max().item() * per_key_head.sqrt()
     return dq_floor, dk_floor
+
+
+TILE_ROWS = 64  # the smallest block a kernel computes at once (a query / key block)
+
+
+def _tile_norms(x: torch.Tensor, row_dim: int) -> torch.Tensor:
+    """Norms of TILE_ROWS-row tiles along ``row_dim``, every other dim but the last a separate
+    tile sequence: [sequences, tiles]."""
+    x = x.movedim(row_dim, -2)
+    m, d = x.shape[-2], x.shape[-1]
+    x = torch.nn.functional.pad(x.reshape(-1, m, d), (0, 0, 0, (-m) % TILE_ROWS))
+    return x.reshape(x.shape[0], -1, TILE_ROWS * d).norm(dim=-1)
+
+
+def tile_error(got: torch.Tensor, ref: torch.Tensor, row_dim: int = 1, floor=None) -> float:
+    """The largest error of a tile of rows relative to that tile's reference norm.
+
+    ``floor`` (broadcastable) is an allowance per element, as ``check_grad``'s: rounding
+    that does not shrink with the gradient is not counted. Tiles whose reference is under
+    half the root-mean-square tile are judged against half of it. A block of the kernel that
+    is off by a few percent, missing, or computed for the wrong rows shows here even when
+    the tensor's largest element hides it."""
+    diff = (got.double() - ref.double()).abs()
+    if floor is not None:
+        diff = (diff - floor).clamp_min(0.0)
+    err = _tile_norms(diff.nan_to_num(float("inf")), row_dim)
+    norms = _tile_norms(ref.double(), row_dim)
+    typical = norms.square().mean().sqrt().item()
+    if err.max().item() == 0.0 or typical == 0.0:  # a gradient 0 by construction: the element check's
+        return 0.0
+    return (err / norms.clamp_min(0.5 * typical)).max().item()

@@ -434,11 +434,13 @@ def test_config_key_follows_build_and_the_benchmark_precompiles_it(monkeypatch):
     params = list(inspect.signature(S._build).parameters)
     key = S._config("dt", 128, 64, 2, "sm_90a", window=True, deterministic=True, varlen=True, bias=True,
                     grad_bias=True, dropout=True, carry_dq=True, dq_ready=True, store_first=True,
-                    zero_ahead=True, tail_m=32)  # fmt: skip
+                    zero_ahead=True, tail_m=32, rng_on_device=True)  # fmt: skip
     assert len(key) == len(params) and dict(zip(params, key)) == dict(
         dtype="dt", head_dim=128, head_dim_v=64, mask_type=2, has_window=True, arch="sm_90a", deterministic=True,
         varlen=True, has_bias=True, grad_bias=True, dropout=True, carry_dq=True, dq_ready=True,
-        store_first=True, zero_ahead=True, tail_m=32)  # fmt: skip
+        store_first=True, zero_ahead=True, tail_m=32, rng_on_device=True)  # fmt: skip
+    # the seed on the device only means something with dropout
+    assert S._config("dt", 128, 64, 2, "sm_90a", rng_on_device=True)[-1] is False
     seen = []
     monkeypatch.setattr(S, "compiled", lambda *k: seen.append(k))
     cases = [((2, 16, 4096, 128), "bfloat16", True), ((2, 16, 4096, 128), "bfloat16", False, "bias_grad"),
@@ -1428,10 +1430,10 @@ def test_suite_compile_only_covers_ours_sm90(monkeypatch):
     carry, first = tiling.CARRY_DQ_MAX_STEPS >= 8, S.STORE_FIRST and tiling.attention_sm90_tiles(128).store_first
     tail = tiling.attention_sm90_tiles(128).tail_rows if S.TAIL_BLOCK else (lambda rows: 0)
     plain = {(bf16, 64, 64, m, False, "sm_90a", False, False, False, False, False, carry and m == 0, False, False,
-              S.ZERO_AHEAD and (m == 0 or S.ZERO_AHEAD_CAUSAL), 0) for m in (0, 1)}  # fmt: skip
+              S.ZERO_AHEAD and (m == 0 or S.ZERO_AHEAD_CAUSAL), 0, False) for m in (0, 1)}  # fmt: skip
     plain |= {(bf16, 128, 128, m, False, "sm_90a", False, False, False, False, False, False, m == 0 and s <= 4096, first,
-               False, tail(s)) for m, s in ((0, 2048), (0, 4096), (0, 8192), (1, 4096))}  # fmt: skip
-    features = {(bf16, 128, 128, 0, False, "sm_90a", False, False) + f + (False, True, False, False, 0)
+               False, tail(s), False) for m, s in ((0, 2048), (0, 4096), (0, 8192), (1, 4096))}  # fmt: skip
+    features = {(bf16, 128, 128, 0, False, "sm_90a", False, False) + f + (False, True, False, False, 0, False)
                 for f in ((True, False, False), (True, True, False), (False, False, True))}  # fmt: skip
     assert set(seen["sm90"]) == plain | features
     seen["sm90"].clear()

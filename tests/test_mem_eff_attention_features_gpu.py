@@ -22,8 +22,20 @@ import ops
 from ops import mem_eff_attention as M
 from ops.reference import attention_backward_ref, attention_forward_ref, attention_mask_ref, mem_eff_dropout_keep_mask
 
-from .helpers import delta_rounding_floors
-from .test_mem_eff_attention_gpu import BF16, DEV, F16, F32, LSE_ALIGN, REF_TOL, check_grad, key_coverage, seq_args
+from .helpers import delta_rounding_floors, tile_error
+from .test_mem_eff_attention_gpu import (
+    BF16,
+    DEV,
+    F16,
+    F32,
+    LSE_ALIGN,
+    REF_TOL,
+    TILE_ERRORS,
+    TILE_TOL,
+    check_grad,
+    key_coverage,
+    seq_args,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -88,14 +100,17 @@ def check_mask_through_dv(dtype, mask_type, backend, splits=None, d=64):
 
 def run_feature_case(dtype, b, mq, mk, h, kd, kv, *, bias_shape=None, bias_layout="dense", bias_grad=False,
                      dropout_p=0.0, mask_type=0, window=0, scale=None, lengths=None, splits=None, seed=0,
-                     compare_torch=False, backend="mem_eff"):  # fmt: skip
+                     compare_torch=False, backend="mem_eff", kv_heads=None, deterministic=False):  # fmt: skip
     """One backward with bias / dropout: ours (``backend``) vs the fp64 reference (torch's
-    mask) and, with ``compare_torch``, vs torch's backward on the same inputs."""
+    mask) and, with ``compare_torch``, vs torch's backward on the same inputs. ``kv_heads``:
+    key / value heads (grouped-query heads; default ``h``)."""
+    hk = h if kv_heads is None else kv_heads
+    assert not (compare_torch and hk != h), "torch's backward takes one key head per query head"
     gen = torch.Generator(DEV).manual_seed(seed)
     if lengths is not None:
         b, mq, mk = 1, sum(lengths[0]), sum(lengths[1])
     r = lambda *s: torch.randn(*s, device=DEV, dtype=dtype, generator=gen)  # noqa: E731
-    q, k, v, do = r(b, mq, h, kd), r(b, mk, h, kd), r(b, mk, h, kv), r(b, mq, h, kv)
+    q, k, v, do = r(b, mq, h, kd), r(b, mk, hk, kd), r(b, mk, hk, kv), r(b, mq, h, kv)
     cq, ck, max_q, max_k = seq_args(mq, mk, lengths)
     bias = None
     if bias_shape is not None:
@@ -116,7 +131,8 @@ def run_feature_case(dtype, b, mq, mk, h, kd, kv, *, bias_shape=None, bias_layou
         out, lse = attention_forward_ref(q, k, v, custom_mask_type=mask_type, window_size=window, scale=scale,
                                          bias=bias, dropout_mask=mask, dropout_p=dropout_p)  # fmt: skip
         ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type, window_size=window, scale=scale, bias=bias,
-                                     dropout_mask=mask, dropout_p=dropout_p, return_grad_bias=True)  # fmt: skip
+                                     dropout_mask=mask, dropout_p=dropout_p, return_grad_bias=True,
+                                     out=out.to(dtype))  # fmt: skip
     else:  # varlen: per sequence, each with its own batch-head offsets (max seqlens)
         ref, out, lse = _varlen_dropout_ref(q, k, v, do, lengths, max_q, max_k, dropout_p, seed_t, offset_t, mask_type, window, scale)
     rows = lse.shape[0]
@@ -125,7 +141,7 @@ def run_feature_case(dtype, b, mq, mk, h, kd, kv, *, bias_shape=None, bias_layou
     out = out.to(dtype)
     args = (do, q, k, v, bias, out, cq, ck, max_q, max_k, lse_t, dropout_p, seed_t, offset_t, mask_type, bias_grad)
     kw = dict(scale=scale, num_splits_key=splits, window_size=window or None)
-    dq, dk, dv, db = M.efficient_attention_backward(*args, **kw, backend=backend)
+    dq, dk, dv, db = M.efficient_attention_backward(*args, **kw, backend=backend, deterministic=deterministic)
     theirs = [None] * 4
     if compare_torch:
         bias_t = None if bias is None else bias.expand(b, h, mq, mk)
@@ -134,7 +150,7 @@ def run_feature_case(dtype, b, mq, mk, h, kd, kv, *, bias_shape=None, bias_layou
         if bias_grad and bias_t.shape != bias.shape:
             theirs[3] = theirs[3].sum_to_size(bias.shape)
     rows_q, rows_k = key_coverage(b, mq, mk, mask_type, window, lengths)
-    label = f"{backend} {str(dtype)[6:]} B{b} Mq{mq} Mk{mk} H{h} K{kd}/{kv} bias{bias_shape}:{bias_layout} grad{bias_grad} p{dropout_p} mask{mask_type} w{window} splits{splits}"
+    label = f"{backend} {str(dtype)[6:]} B{b} Mq{mq} Mk{mk} H{h}/{hk} K{kd}/{kv} bias{bias_shape}:{bias_layout} grad{bias_grad} p{dropout_p} mask{mask_type} w{window} splits{splits}"
     # gradients ~0 by construction (one visible key) are judged against Δ's rounding
     dq_floor, dk_floor = delta_rounding_floors(q, k, do, out, dtype, scale)
     check_grad(f"dq [{label}]", dq, ref[0], dtype, theirs[0], rows_q, floor=dq_floor)
@@ -149,6 +165,9 @@ def run_feature_case(dtype, b, mq, mk, h, kd, kv, *, bias_shape=None, bias_layou
         assert db.shape == want.shape and db.dtype == bias.dtype and torch.isfinite(db).all(), label
         err = (db.double() - want).abs().max().item()
         assert err <= REF_TOL[dtype] * mag, f"dbias [{label}]: max |ours - ref| {err:.3g} > {REF_TOL[dtype]} * {mag:.3g}"
+        tiles = tile_error(db, want, row_dim=-2)
+        TILE_ERRORS.append((f"dbias [{label}]", dtype, tiles, None))
+        assert tiles <= TILE_TOL[dtype], f"dbias [{label}]: a tile of 64 rows errs by {tiles:.3g} of its norm"
         if theirs[3] is not None:
             err_t = (db.double() - theirs[3].double()).abs().max().item()
             assert err_t <= REF_TOL[dtype] * mag, f"dbias vs torch [{label}]: {err_t:.3g} > {REF_TOL[dtype]} * {mag:.3g}"
@@ -178,7 +197,8 @@ def _varlen_dropout_ref(q, k, v, do, lengths, max_q, max_k, p, seed_t, offset_t,
         o, l_ = attention_forward_ref(one(q, sq), one(k, sk), one(v, sk), custom_mask_type=mask_type, window_size=window,
                                       scale=scale, dropout_mask=mask, dropout_p=p)  # fmt: skip
         g = attention_backward_ref(one(q, sq), one(k, sk), one(v, sk), one(do, sq), custom_mask_type=mask_type,
-                                   window_size=window, scale=scale, dropout_mask=mask, dropout_p=p)  # fmt: skip
+                                   window_size=window, scale=scale, dropout_mask=mask, dropout_p=p,
+                                   out=o.to(q.dtype))  # fmt: skip
         out[:, sq], lse[i, :, :nq] = o, l_[0]
         dq[:, sq], dk[:, sk], dv[:, sk] = g
     return (dq, dk, dv), out, lse

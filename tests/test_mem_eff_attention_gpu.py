@@ -31,7 +31,7 @@ import ops
 from ops import attention as A
 from ops.reference import attention_backward_ref, attention_forward_ref, attention_mask_ref
 
-from .helpers import rel_err
+from .helpers import rel_err, tile_error
 
 pytestmark = pytest.mark.gpu
 
@@ -41,6 +41,11 @@ F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 REF_TOL = {F16: 5e-3, BF16: 2e-2, F32: 5e-3}
 # main criterion: max |err| <= 2 * torch's max |err| + FLOOR * max |ref|
 FLOOR = {F16: 1e-3, BF16: 4e-3, F32: 2e-3}
+# and per tile of 64 rows: |err| <= TILE_TOL * |ref| (helpers.tile_error), the reference taking
+# Δ from the O the kernel is given (attention_backward_ref(out=)); calibrated on the correct
+# kernels of both backends (CUTE_KERNELS_TILE_REPORT, tests/conftest.py)
+TILE_TOL = {F16: 4e-3, BF16: 2.5e-2, F32: 4e-3}
+TILE_ERRORS: list = []  # (name, dtype, ours, torch's) of every check: for calibration runs
 LSE_ALIGN = 32
 
 
@@ -134,6 +139,9 @@ def check_grad(name, got, ref, dtype, theirs=None, rows=None, floor=None):
         diff = (diff - floor).clamp_min(0.0)
     err = diff.max().item()
     assert err <= REF_TOL[dtype] * mag, f"{name}: max |ours - ref| (beyond the floor) {err:.3g} > {REF_TOL[dtype]} * {mag:.3g}"
+    tiles = tile_error(got, ref)
+    TILE_ERRORS.append((name, dtype, tiles, None if theirs is None else tile_error(theirs, ref)))
+    assert tiles <= TILE_TOL[dtype], f"{name}: a tile of 64 rows errs by {tiles:.3g} of its norm (> {TILE_TOL[dtype]})"
     if theirs is not None:
         sel = (lambda t: t[rows]) if rows is not None else (lambda t: t)  # noqa: E731
         ours_err = (sel(got).double() - sel(ref)).abs().max().item() if sel(ref).numel() else 0.0
@@ -164,7 +172,7 @@ def run_case(dtype, b, mq, mk, h, kd, kv, *, mask_type=0, window=0, scale=None, 
     kw = dict(scale=scale, num_splits_key=splits, window_size=win)
     dq, dk, dv, _ = _backward()(*args, **kw)
     ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type, window_size=window, scale=scale,
-                                 cu_seqlens_q=cq, cu_seqlens_k=ck)  # fmt: skip
+                                 cu_seqlens_q=cq, cu_seqlens_k=ck, out=out)  # fmt: skip
     theirs = [None] * 3
     if compare_torch and torch_backward_ok(mask_type, window, segs):
         theirs = torch.ops.aten._efficient_attention_backward(*args, **kw)[:3]
