@@ -1,8 +1,10 @@
 """python -m benchmarks [--quick] [--suite NAME]: every kernel against its peers on this GPU.
 
-Writes benchmarks/results/<arch>/<suite>.json (rows: suite, case, impl, ms, gbps or
-tflops, device, date) and a PNG plot beside it, and prints a table. Without a GPU it
-says so and compiles every kernel configuration with fake tensors instead.
+Writes benchmarks/results/<arch>-<gpu>/<suite>.json (rows: suite, case, impl, ms, gbps or
+tflops, device = the full GPU name, date) and a PNG plot beside it, and prints a table.
+<arch>-<gpu> is e.g. sm90-h100, sm90-h200, sm90-h100-pcie: one folder per GPU model, since
+boards of one architecture differ in bandwidth and power cap (benchmarks/gpus.py). Without
+a GPU it says so and compiles every kernel configuration with fake tensors instead.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import sys
 import time
 
+from .gpus import results_dir
 from .suites import SUITES
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -88,7 +91,7 @@ def main(argv=None):
     settings = arch_settings(arch)
     device = torch.cuda.get_device_name()
     date = datetime.date.today().isoformat()
-    out_dir = os.path.join(args.out, settings.NAME)
+    out_dir = results_dir(args.out, arch, device)
     os.makedirs(out_dir, exist_ok=True)
     print(f"{device} ({arch}), torch {torch.__version__}")
     for name in suites:
