@@ -4,7 +4,8 @@ Writes benchmarks/results/<arch>-<gpu>/<suite>.json (rows: suite, case, impl, ms
 tflops, device = the full GPU name, date) and a PNG plot beside it, and prints a table.
 <arch>-<gpu> is e.g. sm90-h100, sm90-h200, sm90-h100-pcie: one folder per GPU model, since
 boards of one architecture differ in bandwidth and power cap (benchmarks/gpus.py). Without
-a GPU it says so and compiles every kernel configuration with fake tensors instead.
+a GPU it says so and compiles the kernel configurations with fake tensors for sm_80 and
+sm_90a instead (with --quick only those the quick cases run), a progress line per suite.
 """
 
 from __future__ import annotations
@@ -63,25 +64,34 @@ def _plot(rows, path):
     plt.close(fig)
 
 
-def main(argv=None):
+def _parser():
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a few cases per suite")
+    ap.add_argument("--quick", action="store_true", help="a few cases per suite (without a GPU: their configurations)")
     ap.add_argument("--suite", action="append", choices=SUITES, help="run only this suite (repeatable)")
     ap.add_argument("--out", default=RESULTS, help="results root (default: benchmarks/results)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _compile_without_gpu(suites, quick):
+    from .compile_check import ARCHES, compile_suites
+
+    which = "the configurations of the --quick cases" if quick else "every kernel configuration"
+    print(f"No CUDA GPU here: nothing can be timed. Compiling {which} with fake tensors")
+    print(f"for {' and '.join(ARCHES)} instead (nothing is written).")
+    t0 = time.time()
+    n = compile_suites(suites, quick)
+    print(f"{n} configurations compiled in {time.time() - t0:.1f} s")
+    return 0
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
     suites = args.suite or list(SUITES)
 
     import torch
 
     if not torch.cuda.is_available():
-        print("No CUDA GPU here: nothing can be timed. Compiling every kernel configuration")
-        print("with fake tensors for sm_90a instead (the check CI runs).")
-        for name in suites:
-            mod = importlib.import_module(f"benchmarks.suites.{name}")
-            t0 = time.time()
-            n = mod.compile_only("sm_90a")
-            print(f"  {name}: {n} configurations compiled in {time.time() - t0:.1f} s")
-        return 0
+        return _compile_without_gpu(suites, args.quick)
 
     from ops._compile import device_arch
 
