@@ -1,11 +1,19 @@
 """python -m benchmarks [--quick] [--suite NAME]: every kernel against its peers on this GPU.
 
-Writes benchmarks/results/<arch>-<gpu>/<suite>.json (rows: suite, case, impl, ms, gbps or
-tflops, device = the full GPU name, date) and a PNG plot beside it, and prints a table.
-<arch>-<gpu> is e.g. sm90-h100, sm90-h200, sm90-h100-pcie: one folder per GPU model, since
-boards of one architecture differ in bandwidth and power cap (benchmarks/gpus.py). Without
-a GPU it says so and compiles the kernel configurations with fake tensors for sm_80 and
-sm_90a instead (with --quick only those the quick cases run), a progress line per suite.
+On a GPU: times each suite's cases, prints a table and writes
+benchmarks/results/<arch>-<gpu>/<suite>.json (rows: suite, case, impl, ms, gbps or tflops,
+device = the full GPU name, date; attention_bwd adds the board's power_w, sm_clock_mhz,
+energy_mj) with a PNG plot beside it. <arch>-<gpu> is e.g. sm90-h100, sm90-h200,
+sm90-h100-pcie, sm80-a100: one folder per GPU model, whose bandwidth and power cap differ.
+--quick runs a few cases per suite and writes <suite>.quick.json / .png instead (not
+committed: .gitignore), so a quick run never overwrites a full one.
+
+Without a GPU nothing can be timed: it compiles the kernel configurations with fake tensors
+for sm_80 and sm_90a instead (every configuration; with --quick only those the quick cases
+run), one progress line per suite, and writes nothing.
+
+python -m benchmarks.sanitize runs the kernels under compute-sanitizer and writes
+sanitize.json into the same folder. More: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -65,8 +73,11 @@ def _plot(rows, path):
 
 
 def _parser():
-    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a few cases per suite (without a GPU: their configurations)")
+    head, _, rest = __doc__.partition("\n\n")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=head, epilog=rest,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--quick", action="store_true",
+                    help="a few cases per suite, written as <suite>.quick.json; without a GPU, compile only their configurations")  # fmt: skip
     ap.add_argument("--suite", action="append", choices=SUITES, help="run only this suite (repeatable)")
     ap.add_argument("--out", default=RESULTS, help="results root (default: benchmarks/results)")
     return ap

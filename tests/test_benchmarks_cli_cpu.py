@@ -215,3 +215,11 @@ def test_cpu_run_honours_quick(monkeypatch, capsys):
     assert calls == [(["layer_norm_bwd"], True)]
     out = capsys.readouterr().out
     assert "--quick cases" in out and "sm_80 and sm_90a" in out and "7 configurations compiled" in out
+
+
+def test_help_documents_the_results(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    text = capsys.readouterr().out
+    for part in ("<arch>-<gpu>", "sm90-h100", ".quick.json", "--quick", "sm_80 and sm_90a", "benchmarks/README.md"):
+        assert part in text, part
