@@ -388,12 +388,12 @@ def run_job(job: Job, env: Dict[str, str], timeout: float, log_dir: Optional[str
     except subprocess.TimeoutExpired:
         job.timed_out = True
         try:
-            os.killpg(proc.pid, 9)  # the sanitizer and the worker it started (one session)
+            os.killpg(proc.pid, 9)  # the sanitizer and the worker it started (one process group)
         except ProcessLookupError:
             pass
         try:
             out, _ = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:  # a descendant outside the session holds the pipe
+        except subprocess.TimeoutExpired:  # a descendant outside the process group holds the pipe
             proc.kill()
             out = "(output lost: the process did not end after it was killed)\n"
     job.returncode = proc.returncode

@@ -75,7 +75,7 @@ ATTENTION_BWD = {
         ((1, 16, 8192, 128), "bfloat16", False),
         ((2, 16, 4096, 128), "bfloat16", True),
         ((2, 16, 4096, 64), "bfloat16", True),
-        # issue 6: an optional fourth entry names a feature ("bias", "bias_grad", "dropout")
+        # an optional fourth entry names a feature ("bias", "bias_grad", "dropout")
         ((2, 16, 4096, 128), "bfloat16", False, "bias"),
         ((2, 16, 4096, 128), "bfloat16", False, "bias_grad"),
         ((2, 16, 4096, 128), "bfloat16", False, "dropout"),

@@ -1,7 +1,7 @@
 """Suite attention_bwd: our attention backwards (dQ, dK, dV), timed alone against peers.
 
 Cases ``BxHxSxD:bf16[:causal][:feature]``: Q, K, V, dO [B, S, H, D] contiguous, seqlen_q =
-seqlen_k; feature (issue 6) none, ``bias`` (a [B, H, S, S] attention bias), ``bias_grad``
+seqlen_k; feature none, ``bias`` (a [B, H, S, S] attention bias), ``bias_grad``
 (the same, its gradient computed too) or ``dropout`` (p = DROPOUT_P). Each implementation's
 backward is timed alone, on the outputs of its own forward (computed once, outside the
 timing); with a feature, only the peers that support it run (flash: dropout; cuDNN: bias
