@@ -1,8 +1,19 @@
 """python -m benchmarks [--quick] [--suite NAME]: every kernel against its peers on this GPU.
 
-Writes benchmarks/results/<arch>/<suite>.json (rows: suite, case, impl, ms, gbps or
-tflops, device, date) and a PNG plot beside it, and prints a table. Without a GPU it
-says so and compiles every kernel configuration with fake tensors instead.
+On a GPU: times each suite's cases, prints a table and writes
+benchmarks/results/<arch>-<gpu>/<suite>.json (rows: suite, case, impl, ms, gbps or tflops,
+device = the full GPU name, date; attention_bwd adds the board's power_w, sm_clock_mhz,
+energy_mj) with a PNG plot beside it. <arch>-<gpu> is e.g. sm90-h100, sm90-h200,
+sm90-h100-pcie, sm80-a100: one folder per GPU model, whose bandwidth and power cap differ.
+--quick runs a few cases per suite and writes <suite>.quick.json / .png instead (not
+committed: .gitignore), so a quick run never overwrites a full one.
+
+Without a GPU nothing can be timed: it compiles the kernel configurations with fake tensors
+for sm_80 and sm_90a instead (every configuration; with --quick only those the quick cases
+run), one progress line per suite, and writes nothing.
+
+python -m benchmarks.sanitize runs the kernels under compute-sanitizer and writes
+sanitize.json into the same folder. More: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ import os
 import sys
 import time
 
+from .gpus import results_dir
 from .suites import SUITES
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -60,25 +72,37 @@ def _plot(rows, path):
     plt.close(fig)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a few cases per suite")
+def _parser():
+    head, _, rest = __doc__.partition("\n\n")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=head, epilog=rest,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--quick", action="store_true",
+                    help="a few cases per suite, written as <suite>.quick.json; without a GPU, compile only their configurations")  # fmt: skip
     ap.add_argument("--suite", action="append", choices=SUITES, help="run only this suite (repeatable)")
     ap.add_argument("--out", default=RESULTS, help="results root (default: benchmarks/results)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _compile_without_gpu(suites, quick):
+    from .compile_check import ARCHES, compile_suites
+
+    which = "the configurations of the --quick cases" if quick else "every kernel configuration"
+    print(f"No CUDA GPU here: nothing can be timed. Compiling {which} with fake tensors")
+    print(f"for {' and '.join(ARCHES)} instead (nothing is written).")
+    t0 = time.time()
+    n = compile_suites(suites, quick)
+    print(f"{n} configurations compiled in {time.time() - t0:.1f} s")
+    return 0
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
     suites = args.suite or list(SUITES)
 
     import torch
 
     if not torch.cuda.is_available():
-        print("No CUDA GPU here: nothing can be timed. Compiling every kernel configuration")
-        print("with fake tensors for sm_90a instead (the check CI runs).")
-        for name in suites:
-            mod = importlib.import_module(f"benchmarks.suites.{name}")
-            t0 = time.time()
-            n = mod.compile_only("sm_90a")
-            print(f"  {name}: {n} configurations compiled in {time.time() - t0:.1f} s")
-        return 0
+        return _compile_without_gpu(suites, args.quick)
 
     from ops._compile import device_arch
 
@@ -88,7 +112,7 @@ def main(argv=None):
     settings = arch_settings(arch)
     device = torch.cuda.get_device_name()
     date = datetime.date.today().isoformat()
-    out_dir = os.path.join(args.out, settings.NAME)
+    out_dir = results_dir(args.out, arch, device)
     os.makedirs(out_dir, exist_ok=True)
     print(f"{device} ({arch}), torch {torch.__version__}")
     for name in suites:

@@ -388,12 +388,12 @@ def run_job(job: Job, env: Dict[str, str], timeout: float, log_dir: Optional[str
     except subprocess.TimeoutExpired:
         job.timed_out = True
         try:
-            os.killpg(proc.pid, 9)  # the sanitizer and the worker it started (one session)
+            os.killpg(proc.pid, 9)  # the sanitizer and the worker it started (one process group)
         except ProcessLookupError:
             pass
         try:
             out, _ = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:  # a descendant outside the session holds the pipe
+        except subprocess.TimeoutExpired:  # a descendant outside the process group holds the pipe
             proc.kill()
             out = "(output lost: the process did not end after it was killed)\n"
     job.returncode = proc.returncode
@@ -509,7 +509,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=480.0, help="seconds for one sanitizer process (default 480)")
     ap.add_argument("--budget", type=float, default=0.0,
                     help="seconds for the whole run: jobs not started by then are reported as not run (0: none)")
-    ap.add_argument("--json", help="report path (default benchmarks/results/<arch>/sanitize.json)")
+    ap.add_argument("--json", help="report path (default benchmarks/results/<arch>-<gpu>/sanitize.json)")
     ap.add_argument("--log-dir", help="keep each process's full output here (default: a temporary directory)")
     ap.add_argument("--warm", action="store_true", help="first run every group once without a sanitizer")
     ap.add_argument("--no-canary", action="store_true", help="skip the positive controls (planted bugs)")
@@ -562,7 +562,7 @@ def main(argv=None) -> int:
 
     from ops._compile import device_arch
 
-    from .arch import settings as arch_settings
+    from .gpus import results_dir
 
     arch = device_arch(torch.cuda.current_device())
     configs = select_configs(configs, None, arch=arch)  # e.g. the sm90 kernel's only on sm_90a
@@ -574,7 +574,7 @@ def main(argv=None) -> int:
     jobs_n = args.jobs or max(1, min(6, (os.cpu_count() or 2) // 2))
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="cute_kernels_sanitize_")
     os.makedirs(log_dir, exist_ok=True)
-    json_path = args.json or os.path.join(RESULTS, arch_settings(arch).NAME, "sanitize.json")
+    json_path = args.json or os.path.join(results_dir(RESULTS, arch, device), "sanitize.json")
     print(f"{device} ({arch}), torch {torch.__version__}, compute-sanitizer {version} ({sanitizer})")
 
     run_tools = ([PLAIN] if args.warm else []) + tools

@@ -212,12 +212,13 @@ def _plan(dtype, head_dim: int, head_dim_v: int, mask_type: int, arch: str, *, w
     return tiles, schedule, key
 
 
-def compile_for_benchmark_cases(cases, arch: str) -> int:
-    """The configurations the ``attention_bwd`` suite's ours_sm90 rows run: ((B, H, S, D),
-    dtype, causal[, feature]) with feature None, "bias", "bias_grad" or "dropout", head dims
-    of the path; none for an arch other than sm_90a (the path does not run there)."""
+def benchmark_configurations(cases, arch: str) -> list:
+    """The compile keys of ``compiled`` the ``attention_bwd`` suite's ours_sm90 rows run, each
+    once: ((B, H, S, D), dtype, causal[, feature]) with feature None, "bias", "bias_grad" or
+    "dropout", head dims of the path; none for an arch other than sm_90a (the path does not run
+    there)."""
     if arch != "sm_90a":
-        return 0
+        return []
     # the persistent grid of the GPU the suite runs on (without one, the H100's)
     ctas = PERSISTENT_CTAS or (cc.num_sms(torch.cuda.current_device()) if torch.cuda.is_available() else H100_SMS)
     keys = set()
@@ -231,7 +232,13 @@ def compile_for_benchmark_cases(cases, arch: str) -> int:
                        deterministic=False, varlen=False, bias=feature in ("bias", "bias_grad"),
                        grad_bias=feature == "bias_grad", dropout=feature == "dropout", rows_q=s, group=1,
                        rows_k=s, ctas=ctas)[2])  # fmt: skip
-    for key in sorted(keys, key=str):
+    return sorted(keys, key=str)
+
+
+def compile_for_benchmark_cases(cases, arch: str) -> int:
+    """Compile ``benchmark_configurations(cases, arch)``; the count compiled."""
+    keys = benchmark_configurations(cases, arch)
+    for key in keys:
         compiled(*key)
     return len(keys)
 

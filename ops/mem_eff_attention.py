@@ -161,10 +161,11 @@ def compile_configurations(arch: str, dtypes=(cutlass.Float16, cutlass.BFloat16)
     return n
 
 
-def compile_for_benchmark_cases(cases, arch: str) -> int:
-    """The configurations the ``attention_bwd`` suite runs: ((B, H, S, D), dtype, causal[, feature])
-    with feature None, "bias", "bias_grad" or "dropout" (the suite's dense [B, H, S, S] bias)."""
-    seen = set()
+def benchmark_configurations(cases, arch: str) -> list:
+    """The compile keys of ``compiled`` the ``attention_bwd`` suite runs, each once: ((B, H, S, D),
+    dtype, causal[, feature]) with feature None, "bias", "bias_grad" or "dropout" (the suite's
+    dense [B, H, S, S] bias)."""
+    keys = {}
     for (_, _, _, d), dtype_name, _, *feature in cases:
         feature = feature[0] if feature else None
         features = {
@@ -174,11 +175,17 @@ def compile_for_benchmark_cases(cases, arch: str) -> int:
         dt = cc.cute_dtype(getattr(torch, dtype_name))
         cfg = tiling.attention_backward_config(dt.width, d, d, True, arch, **features)
         for computes_delta in (False, True):
-            key = (dt, cfg, False, computes_delta, arch, False)
-            if key not in seen:
-                compiled(*key)
-                seen.add(key)
-    return len(seen)
+            # the philox seed / offset as host values (the suite's forward runs outside capture)
+            keys[(dt, cfg, False, computes_delta, arch, False)] = None
+    return list(keys)
+
+
+def compile_for_benchmark_cases(cases, arch: str) -> int:
+    """Compile ``benchmark_configurations(cases, arch)``; the count compiled."""
+    keys = benchmark_configurations(cases, arch)
+    for key in keys:
+        compiled(*key)
+    return len(keys)
 
 
 # -------------------------------------------------------------------------- validation

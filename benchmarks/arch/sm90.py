@@ -65,9 +65,9 @@ ATTN_BWD_POSTPROCESS = {
 
 ATTENTION_BWD = {
     # (batch, heads, seqlen, head_dim), dtype name, causal; Q, K, V, O, dO [B, S, H, D]
-    # contiguous, seqlen_q = seqlen_k, no dropout, no bias. These tuples are what
-    # compile_for_benchmark_cases(cases, arch) of ops.mem_eff_attention and of
-    # ops.attention_sm90 (the cases without a feature) receive on CPU.
+    # contiguous, seqlen_q = seqlen_k; no dropout or bias unless a feature is named. These are what
+    # benchmark_configurations(cases, arch) of ops.mem_eff_attention and of
+    # ops.attention_sm90 receive on CPU.
     "full": [
         ((8, 16, 1024, 64), "bfloat16", False),
         ((4, 16, 2048, 128), "bfloat16", False),
@@ -75,7 +75,7 @@ ATTENTION_BWD = {
         ((1, 16, 8192, 128), "bfloat16", False),
         ((2, 16, 4096, 128), "bfloat16", True),
         ((2, 16, 4096, 64), "bfloat16", True),
-        # issue 6: an optional fourth entry names a feature ("bias", "bias_grad", "dropout")
+        # an optional fourth entry names a feature ("bias", "bias_grad", "dropout")
         ((2, 16, 4096, 128), "bfloat16", False, "bias"),
         ((2, 16, 4096, 128), "bfloat16", False, "bias_grad"),
         ((2, 16, 4096, 128), "bfloat16", False, "dropout"),

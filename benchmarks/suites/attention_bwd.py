@@ -1,7 +1,7 @@
 """Suite attention_bwd: our attention backwards (dQ, dK, dV), timed alone against peers.
 
 Cases ``BxHxSxD:bf16[:causal][:feature]``: Q, K, V, dO [B, S, H, D] contiguous, seqlen_q =
-seqlen_k; feature (issue 6) none, ``bias`` (a [B, H, S, S] attention bias), ``bias_grad``
+seqlen_k; feature none, ``bias`` (a [B, H, S, S] attention bias), ``bias_grad``
 (the same, its gradient computed too) or ``dropout`` (p = DROPOUT_P). Each implementation's
 backward is timed alone, on the outputs of its own forward (computed once, outside the
 timing); with a feature, only the peers that support it run (flash: dropout; cuDNN: bias
@@ -426,28 +426,23 @@ def _add_ratios(rows):
             r["sm90_over_peer"] = sm90["tflops"] / r["tflops"]
 
 
-def compile_only(arch: str):
-    """Compile the kernel configurations of the suite's cases for ``arch`` (fake tensors),
-    through ``compile_for_benchmark_cases(cases, arch)`` of ``ops.mem_eff_attention`` (ours)
-    and ``ops.attention_sm90`` (ours_sm90) where those hooks exist; the count compiled."""
-    import importlib
+def compile_configs(arch: str, quick: bool):
+    """The kernel configurations of the suite's cases (the quick ones with ``quick``) for
+    ``arch``: ``benchmark_configurations(cases, arch)`` of ``ops.mem_eff_attention`` (ours)
+    and of ``ops.attention_sm90`` (ours_sm90: sm_90a only)."""
+    from ops import attention_sm90, mem_eff_attention
 
     from ..arch import settings
+    from ..compile_check import Config
 
     tables = settings(arch).ATTENTION_BWD
-    cases = list(dict.fromkeys(tables["full"] + tables["quick"]))
-    total = 0
-    for name in ("ops.mem_eff_attention", "ops.attention_sm90"):
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
-            mod = None
-        hook = getattr(mod, "compile_for_benchmark_cases", None)
-        if hook is None:
-            print(f"  {NAME}: no compile hook yet ({name}.compile_for_benchmark_cases)")
-            continue
-        n = hook(cases, arch)
-        total += n if isinstance(n, int) else len(cases)
-    return total
+    cases = tables["quick"] if quick else list(dict.fromkeys(tables["full"] + tables["quick"]))
+    mods = (mem_eff_attention, attention_sm90)
+    return [Config(f"{mod.__name__}:compiled", key) for mod in mods for key in mod.benchmark_configurations(cases, arch)]
+
+
+def compile_only(arch: str, quick: bool = False):
+    """Compile ``compile_configs(arch, quick)`` with fake tensors; the count compiled."""
+    from ..compile_check import compile_all
+
+    return compile_all(compile_configs(arch, quick))

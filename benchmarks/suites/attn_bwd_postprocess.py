@@ -112,23 +112,35 @@ def run(settings, quick: bool):
     return rows_out
 
 
-def compile_only(arch: str):
-    """Compile every configuration of ``configurations()`` (and the accumulator clears) for ``arch``."""
+def compile_configs(arch: str, quick: bool):
+    """The configurations for ``arch``: with ``quick``, convert_dq and convert_dkv as the quick
+    cases run them (contiguous, no varlen; the split count is a runtime argument); else both
+    for every one of ``configurations()`` and the accumulator clears."""
     import cutlass
 
-    from ops.attention_bwd_prepost import (
-        compiled_clear_dkv_accum,
-        compiled_convert_dkv,
-        compiled_convert_dq,
-    )
+    from layouts import attention_bwd_prepost as tiling
+    from ops._compile import cute_dtype
 
-    n = 0
-    for dtype_name, head_dim, vec, varlen in configurations():
-        dtype = getattr(cutlass, dtype_name)
-        compiled_convert_dq(dtype, head_dim, vec, varlen, arch)
-        compiled_convert_dkv(dtype, head_dim, vec, varlen, arch)
-        n += 2
-    for head_dim in clear_configurations():
-        compiled_clear_dkv_accum(head_dim, arch)
-        n += 1
-    return n
+    from ..arch import settings
+    from ..compile_check import Config, widest_vec
+
+    if quick:
+        rows = []
+        for (_, _, _, d), dtype_name, _ in settings(arch).ATTN_BWD_POSTPROCESS["quick"]:
+            dtype = cute_dtype(getattr(torch, dtype_name))
+            vec = widest_vec(d, dtype.width, tiling.MAX_VECTOR_BITS)
+            rows.append((dtype, tiling.head_dim_rounded(d), vec, False))
+        clears = ()
+    else:
+        rows = [(getattr(cutlass, name), hd, vec, varlen) for name, hd, vec, varlen in configurations()]
+        clears = clear_configurations()
+    keys = [(cache, row + (arch,)) for row in rows for cache in ("compiled_convert_dq", "compiled_convert_dkv")]
+    keys += [("compiled_clear_dkv_accum", (hd, arch)) for hd in clears]
+    return [Config(f"ops.attention_bwd_prepost:{cache}", key) for cache, key in dict.fromkeys(keys)]
+
+
+def compile_only(arch: str, quick: bool = False):
+    """Compile ``compile_configs(arch, quick)`` with fake tensors; the count compiled."""
+    from ..compile_check import compile_all
+
+    return compile_all(compile_configs(arch, quick))

@@ -95,18 +95,38 @@ def run(settings, quick: bool):
     return rows_out
 
 
-def compile_only(arch: str):
-    """Compile every configuration of ``configurations()`` for ``arch`` with fake tensors."""
+def _keys(dtype, head_dim: int, vec: int, varlen: bool, arch: str):
+    """compute_dot_do_o with and without the dQ-accumulator clear, and compute_delta, as
+    compile keys ((cache, arguments)); ``head_dim`` padded."""
+    return [("compiled_preprocess", (dtype, head_dim, vec, varlen, False, arch)),
+            ("compiled_preprocess", (dtype, head_dim, vec, varlen, True, arch)),
+            ("compiled_compute_delta", (dtype, head_dim, vec, varlen, arch))]  # fmt: skip
+
+
+def compile_configs(arch: str, quick: bool):
+    """The configurations for ``arch``: with ``quick``, those the quick cases run (contiguous
+    [B, S, H, D], no varlen); else every one of ``configurations()``."""
     import cutlass
 
-    from ops.attention_bwd_prepost import compiled_compute_delta, compiled_preprocess
+    from layouts import attention_bwd_prepost as tiling
+    from ops._compile import cute_dtype
 
-    n = 0
-    for dtype_name, head_dim, vec, varlen in configurations():
-        dtype = getattr(cutlass, dtype_name)
-        for clear_dq_accum in (False, True):
-            compiled_preprocess(dtype, head_dim, vec, varlen, clear_dq_accum, arch)
-            n += 1
-        compiled_compute_delta(dtype, head_dim, vec, varlen, arch)
-        n += 1
-    return n
+    from ..arch import settings
+    from ..compile_check import Config, widest_vec
+
+    if quick:
+        keys = []
+        for (_, _, _, d), dtype_name in settings(arch).ATTN_BWD_PREPROCESS["quick"]:
+            dtype = cute_dtype(getattr(torch, dtype_name))
+            vec = widest_vec(d, dtype.width, tiling.MAX_VECTOR_BITS)
+            keys += _keys(dtype, tiling.head_dim_rounded(d), vec, False, arch)
+    else:
+        keys = [k for name, *c in configurations() for k in _keys(getattr(cutlass, name), *c, arch)]
+    return [Config(f"ops.attention_bwd_prepost:{cache}", key) for cache, key in dict.fromkeys(keys)]
+
+
+def compile_only(arch: str, quick: bool = False):
+    """Compile ``compile_configs(arch, quick)`` with fake tensors; the count compiled."""
+    from ..compile_check import compile_all
+
+    return compile_all(compile_configs(arch, quick))

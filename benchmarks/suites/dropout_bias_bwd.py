@@ -55,19 +55,32 @@ def run(settings, quick: bool):
     return rows_out
 
 
-def compile_only(arch: str):
-    """Compile every configuration of the kernel for ``arch`` with fake tensors."""
+def compile_configs(arch: str, quick: bool):
+    """The kernel's configurations for ``arch``: with ``quick``, those the quick cases run;
+    else every one (dtype x activation x vector width), the tests' included."""
     import cutlass
 
     from cute_kernels.common.activation import ACTIVATIONS
-    from ops.dropout_bias import compiled
+    from layouts.dropout_bias import MAX_VECTOR_BITS
+    from ops._compile import cute_dtype
 
-    n = 0
-    for dtype in (cutlass.Float32, cutlass.Float16, cutlass.BFloat16):
-        for act in (None,) + ACTIVATIONS:
-            vec = 128 // dtype.width
-            while vec >= 1:
-                compiled(dtype, dtype, act, vec, arch)
-                n += 1
-                vec //= 2
-    return n
+    from ..arch import settings
+    from ..compile_check import Config, widest_vec
+
+    if quick:
+        keys = []
+        for (_, n), dtype_name, act in settings(arch).DROPOUT_BIAS_BWD["quick"]:
+            dtype = cute_dtype(getattr(torch, dtype_name))  # dY's, and dBias's (the bias has dY's dtype)
+            keys.append((dtype, dtype, act, widest_vec(n, dtype.width, MAX_VECTOR_BITS), arch))
+    else:
+        dtypes = (cutlass.Float32, cutlass.Float16, cutlass.BFloat16)
+        vecs = {d: [v for v in (16, 8, 4, 2, 1) if v * d.width <= MAX_VECTOR_BITS] for d in dtypes}
+        keys = [(d, d, act, v, arch) for d in dtypes for act in (None,) + ACTIVATIONS for v in vecs[d]]
+    return [Config("ops.dropout_bias:compiled", k) for k in dict.fromkeys(keys)]
+
+
+def compile_only(arch: str, quick: bool = False):
+    """Compile ``compile_configs(arch, quick)`` with fake tensors; the count compiled."""
+    from ..compile_check import compile_all
+
+    return compile_all(compile_configs(arch, quick))

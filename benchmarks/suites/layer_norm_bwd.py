@@ -65,23 +65,55 @@ def run(settings, quick: bool):
     return rows_out
 
 
-def compile_only(arch: str):
-    """Compile the configurations of the suite's and the tests' row lengths for ``arch``."""
+ROW_LENGTHS = (1, 7, 64, 1000, 1024, 4096, 8192, 16384, 65536)  # the suite's and the tests' rows
+
+
+def _configs(n: int, dtype, arch: str, rms: bool):
+    """The backward of rows of ``n`` (x, dz: ``dtype``; weight and bias fp32) as the op
+    compiles it: the LayerNorm kernel (the RMSNorm one too with ``rms``) and the finalize.
+    None where the row needs clusters and ``arch`` has none."""
     import cutlass
 
     from layouts import layer_norm as tiling
-    from ops.norm import compiled, compiled_finalize
 
-    count = 0
+    from ..compile_check import Config
+
     f32 = cutlass.Float32
-    for dtype in (cutlass.Float32, cutlass.BFloat16):
-        for n in (1, 7, 64, 1000, 1024, 4096, 8192, 16384, 65536):
-            try:
-                t = tiling.ln_bwd_tiles(n, dtype.width, dtype.width, 32, tiling.widest_vec(n, dtype.width), arch)
-            except NotImplementedError:
-                continue  # rows needing clusters on an arch without them
-            compiled(dtype, dtype, f32, t, False, True, True, arch)
-            compiled(dtype, dtype, f32, t, True, True, False, arch)
-            compiled_finalize(f32, f32, tiling.finalize_tiles(n), True, True, arch)
-            count += 3
-    return count
+
+    def tiles(partials):  # column sums kept: dgamma and dbeta (LayerNorm), dgamma (RMSNorm)
+        vec = tiling.widest_vec(n, dtype.width)
+        return tiling.ln_bwd_tiles(n, dtype.width, dtype.width, f32.width, vec, arch, num_partials=partials)
+
+    try:
+        configs = [Config("ops.norm:compiled", (dtype, dtype, f32, tiles(2), False, True, True, arch))]
+    except NotImplementedError:
+        return None
+    if rms:
+        configs.append(Config("ops.norm:compiled", (dtype, dtype, f32, tiles(1), True, True, False, arch)))
+    configs.append(Config("ops.norm:compiled_finalize", (f32, f32, tiling.finalize_tiles(n), True, True, arch)))
+    return configs
+
+
+def compile_configs(arch: str, quick: bool):
+    """The configurations for ``arch``: with ``quick``, those the quick cases run; else the
+    LayerNorm and RMSNorm backwards of ROW_LENGTHS in fp32 and bf16 (each once: the
+    finalize's configuration does not depend on the dtype)."""
+    import cutlass
+
+    from ops._compile import cute_dtype
+
+    from ..arch import settings
+
+    if quick:
+        rows = [(n, cute_dtype(getattr(torch, name))) for (_, n), name in settings(arch).LAYER_NORM_BWD["quick"]]
+    else:
+        rows = [(n, dtype) for dtype in (cutlass.Float32, cutlass.BFloat16) for n in ROW_LENGTHS]
+    configs = [c for n, dtype in rows for c in _configs(n, dtype, arch, rms=not quick) or ()]
+    return list(dict.fromkeys(configs))
+
+
+def compile_only(arch: str, quick: bool = False):
+    """Compile ``compile_configs(arch, quick)`` with fake tensors; the count compiled."""
+    from ..compile_check import compile_all
+
+    return compile_all(compile_configs(arch, quick))
