@@ -83,17 +83,20 @@ def _tile_norms(x: torch.Tensor, row_dim: int) -> torch.Tensor:
 def tile_error(got: torch.Tensor, ref: torch.Tensor, row_dim: int = 1, floor=None) -> float:
     """The largest error of a tile of rows relative to that tile's reference norm.
 
-    ``floor`` (broadcastable) is an allowance per element, as ``check_grad``'s: rounding
-    that does not shrink with the gradient is not counted. Tiles whose reference is under
-    half the root-mean-square tile are judged against half of it. A block of the kernel that
-    is off by a few percent, missing, or computed for the wrong rows shows here even when
-    the tensor's largest element hides it."""
-    diff = (got.double() - ref.double()).abs()
-    if floor is not None:
-        diff = (diff - floor).clamp_min(0.0)
-    err = _tile_norms(diff.nan_to_num(float("inf")), row_dim)
-    norms = _tile_norms(ref.double(), row_dim)
+    Tiles whose reference is under half the root-mean-square tile are judged against half of
+    it. A block of the kernel that is off by a few percent, missing, or computed for the
+    wrong rows shows here even when the tensor's largest element hides it. A gradient that
+    is 0 by construction (its typical tile no larger than the rounding ``floor``'s, as
+    ``check_grad`` takes it, or exactly 0) has no scale to be relative to: 0 is returned,
+    and the element-wise check judges it."""
+    ref = ref.double()
+    norms = _tile_norms(ref, row_dim)
     typical = norms.square().mean().sqrt().item()
-    if err.max().item() == 0.0 or typical == 0.0:  # a gradient 0 by construction: the element check's
+    if floor is not None:
+        floor_tiles = _tile_norms(torch.as_tensor(floor, dtype=torch.float64).expand_as(ref), row_dim)
+        if typical <= floor_tiles.square().mean().sqrt().item():
+            return 0.0
+    if typical == 0.0:
         return 0.0
+    err = _tile_norms((got.double() - ref).nan_to_num(float("inf")), row_dim)
     return (err / norms.clamp_min(0.5 * typical)).max().item()

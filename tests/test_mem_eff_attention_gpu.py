@@ -44,7 +44,8 @@ FLOOR = {F16: 1e-3, BF16: 4e-3, F32: 2e-3}
 # and per tile of 64 rows: |err| <= TILE_TOL * |ref| (helpers.tile_error), the reference taking
 # Δ from the O the kernel is given (attention_backward_ref(out=)); calibrated on the correct
 # kernels of both backends (CUTE_KERNELS_TILE_REPORT, tests/conftest.py)
-TILE_TOL = {F16: 4e-3, BF16: 2.5e-2, F32: 4e-3}
+# (largest seen, both backends and torch's own: bf16 3.9e-3, fp16 1.4e-3, fp32 1.2e-6)
+TILE_TOL = {F16: 4e-3, BF16: 1.2e-2, F32: 5e-5}
 TILE_ERRORS: list = []  # (name, dtype, ours, torch's) of every check: for calibration runs
 LSE_ALIGN = 32
 
@@ -139,7 +140,7 @@ def check_grad(name, got, ref, dtype, theirs=None, rows=None, floor=None):
         diff = (diff - floor).clamp_min(0.0)
     err = diff.max().item()
     assert err <= REF_TOL[dtype] * mag, f"{name}: max |ours - ref| (beyond the floor) {err:.3g} > {REF_TOL[dtype]} * {mag:.3g}"
-    tiles = tile_error(got, ref)
+    tiles = tile_error(got, ref, floor=floor)
     TILE_ERRORS.append((name, dtype, tiles, None if theirs is None else tile_error(theirs, ref)))
     assert tiles <= TILE_TOL[dtype], f"{name}: a tile of 64 rows errs by {tiles:.3g} of its norm (> {TILE_TOL[dtype]})"
     if theirs is not None:
