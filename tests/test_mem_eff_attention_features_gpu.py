@@ -157,23 +157,29 @@ def run_feature_case(dtype, b, mq, mk, h, kd, kv, *, bias_shape=None, bias_layou
     check_grad(f"dk [{label}]", dk, ref[1], dtype, theirs[1], rows_k, floor=dk_floor)
     check_grad(f"dv [{label}]", dv, ref[2], dtype, theirs[2], rows_k)
     if bias_grad:
-        # dB = dS = P (dP - Δ) is a difference of terms as large as Δ's; its rounding scales with
-        # them, not with dS (which is ~0 where a row sees one key, or summed over the keys)
-        delta_mag = (do.double().abs() * out.double().abs()).sum(-1).max().item()
-        want = ref[3].sum_to_size(bias.shape) if tuple(bias.shape) != tuple(ref[3].shape) else ref[3]
-        mag = max(ref[3].abs().sum_to_size(bias.shape).max().item(), delta_mag, 1e-6)
-        assert db.shape == want.shape and db.dtype == bias.dtype and torch.isfinite(db).all(), label
-        err = (db.double() - want).abs().max().item()
-        assert err <= REF_TOL[dtype] * mag, f"dbias [{label}]: max |ours - ref| {err:.3g} > {REF_TOL[dtype]} * {mag:.3g}"
-        if bias.shape[-1] > 1 or mk == 1:  # summed over the keys, dS is 0 by construction (Σ_j P_ij dP_ij = Δ_i)
-            tiles = tile_error(db, want, row_dim=-2)
-            TILE_ERRORS.append((f"dbias [{label}]", dtype, tiles, None))
-            assert tiles <= TILE_TOL[dtype], f"dbias [{label}]: a tile of 64 rows errs by {tiles:.3g} of its norm"
-        if theirs[3] is not None:
-            err_t = (db.double() - theirs[3].double()).abs().max().item()
-            assert err_t <= REF_TOL[dtype] * mag, f"dbias vs torch [{label}]: {err_t:.3g} > {REF_TOL[dtype]} * {mag:.3g}"
+        check_dbias(f"dbias [{label}]", db, ref[3], bias, do, out, dtype, theirs[3])
     else:
         assert db is None
+
+
+def check_dbias(name, db, ref_ds, bias, do, out, dtype, theirs=None):
+    """The bias gradient against the reference dS [B, H, Mq, Mk] summed to the bias's shape:
+    the largest element, and every 64-row tile (helpers.tile_error)."""
+    # dB = dS = P (dP - Δ) is a difference of terms as large as Δ's; its rounding scales with
+    # them, not with dS (which is ~0 where a row sees one key, or summed over the keys)
+    delta_mag = (do.double().abs() * out.double().abs()).sum(-1).max().item()
+    want = ref_ds.sum_to_size(bias.shape) if tuple(bias.shape) != tuple(ref_ds.shape) else ref_ds
+    mag = max(ref_ds.abs().sum_to_size(bias.shape).max().item(), delta_mag, 1e-6)
+    assert db.shape == want.shape and db.dtype == bias.dtype and torch.isfinite(db).all(), name
+    err = (db.double() - want).abs().max().item()
+    assert err <= REF_TOL[dtype] * mag, f"{name}: max |ours - ref| {err:.3g} > {REF_TOL[dtype]} * {mag:.3g}"
+    if bias.shape[-1] > 1 or ref_ds.shape[-1] == 1:  # summed over the keys, dS is 0 by construction (Σ_j P_ij dP_ij = Δ_i)
+        tiles = tile_error(db, want, row_dim=-2)
+        TILE_ERRORS.append((name, dtype, tiles, None))
+        assert tiles <= TILE_TOL[dtype], f"{name}: a tile of 64 rows errs by {tiles:.3g} of its norm"
+    if theirs is not None:
+        err_t = (db.double() - theirs.double()).abs().max().item()
+        assert err_t <= REF_TOL[dtype] * mag, f"{name} vs torch: {err_t:.3g} > {REF_TOL[dtype]} * {mag:.3g}"
 
 
 def _varlen_dropout_ref(q, k, v, do, lengths, max_q, max_k, p, seed_t, offset_t, mask_type, window, scale):

@@ -2,8 +2,8 @@
 
 Each test takes the correct kernels' gradients on a case (they pass ``check_grad``), plants one error of the size a subtle kernel bug makes, and asserts
 that the same check now fails: one key block of dK (a query block of dQ) scaled by 1.05, one
-key block missing from dK and dV, one dropout bit flipped in the mask the reference uses.
-Both backends, bf16 (the loosest bounds).
+key block missing from dK and dV, one dropout bit flipped in the mask the reference uses, one
+query block of dBias scaled by 1.05. Both backends, bf16 (the loosest bounds).
 """
 
 import pytest
@@ -12,7 +12,7 @@ import torch
 from ops import mem_eff_attention as M
 from ops.reference import attention_backward_ref, attention_forward_ref
 
-from .test_mem_eff_attention_features_gpu import philox_state, torch_keep_mask
+from .test_mem_eff_attention_features_gpu import check_dbias, philox_state, torch_keep_mask
 from .helpers import delta_rounding_floors
 from .test_mem_eff_attention_gpu import LSE_ALIGN, check_grad
 
@@ -87,3 +87,14 @@ def test_a_flipped_dropout_bit(backend):
     flipped = mask.clone()
     flipped[b, h, n, m] = False
     _fails(check_grad, "dv", dv, _ref(inputs, flipped, 0.3)[2], BF16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_bias_gradient_block_off_by_five_percent(backend):
+    inputs, (_, _, _, db), _, _ = _case(backend, bias=True, seed=3)
+    q, k, v, do, attn_bias, out = inputs
+    ref_ds = _ref(inputs)[3]
+    check_dbias("dbias", db, ref_ds, attn_bias, do, out, BF16)
+    planted = db.clone()
+    planted[1, 2, 64:128] *= 1.05  # one query block of one head
+    _fails(check_dbias, "dbias", planted, ref_ds, attn_bias, do, out, BF16)
