@@ -1513,6 +1513,7 @@ def test_catalogue_forms_match_the_kernel_layouts(d, dv):
     import cutlass.cute as cute
 
     from layouts.algebra import Swizzle, parse_layout
+    from layouts.attention_sm90_smem import smem_layouts_algebra
 
     t = tiling.attention_sm90_tiles(d, head_dim_v=dv)
     printed = {}
@@ -1533,7 +1534,7 @@ def test_catalogue_forms_match_the_kernel_layouts(d, dv):
             printed[name] = (str(lay.inner), str(lay.outer))
 
     cute.compile(trace)
-    forms = tiling.smem_layouts_algebra(t)
+    forms = smem_layouts_algebra(t)
     assert sorted(forms) == sorted(printed)
     for name, (layout, dtype, _) in forms.items():
         inner, outer = printed[name]
