@@ -137,3 +137,10 @@ def test_names_and_swizzles_read_one_way():
     for out in (listing, shown):
         assert "Swizzle(" not in out and "Swizzle<" not in out
     assert "S<3,3,3>" in listing and "S<3,3,3> o 0 o" in shown
+
+
+def test_readme_figure_is_drawn_by_the_current_code():
+    """docs/dropout_bias_gmem_dy.png (README): the size ``show --png`` gives it now, and small."""
+    path = ROOT / "docs" / "dropout_bias_gmem_dy.png"
+    assert path.stat().st_size < 200 * 1024
+    assert png_size(path)[:2] == draw.figure_pixels(layouts.get("dropout_bias_bwd.sm90.bf16.gmem_dy"))
