@@ -144,3 +144,11 @@ def test_readme_figure_is_drawn_by_the_current_code():
     path = ROOT / "docs" / "dropout_bias_gmem_dy.png"
     assert path.stat().st_size < 200 * 1024
     assert png_size(path)[:2] == draw.figure_pixels(layouts.get("dropout_bias_bwd.sm90.bf16.gmem_dy"))
+
+
+def test_readme_lists_every_module_and_command():
+    readme = (ROOT / "layouts" / "README.md").read_text()
+    listed = set(re.findall(r"^\| `([\w.]+\.py)` \|", readme, re.M))
+    assert listed == {p.name for p in (ROOT / "layouts").glob("*.py")}
+    for command in ("list", "show", "conflicts", "gallery"):
+        assert f"python -m layouts {command}" in readme
