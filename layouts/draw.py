@@ -162,7 +162,7 @@ def _bank_rgb(banks: np.ndarray) -> np.ndarray:
 
 def _bank_panels(entry, banks: np.ndarray, outline) -> List[Panel]:
     """The whole tile's banks (colour only when big) and one swizzle atom labelled."""
-    from .access import swizzle_span
+    from .access import contiguous_axis, swizzle_span
 
     rows, cols = banks.shape
     title = f"bank of each element  {entry.layout}"
@@ -171,7 +171,8 @@ def _bank_panels(entry, banks: np.ndarray, outline) -> List[Panel]:
     over = _window(rows, cols, OVERVIEW_MAX)
     overview = Panel(_cut(title, (rows, cols), over), _bank_rgb(banks[:over[2], :over[3]]), outline=outline)
     span = swizzle_span(entry.view)
-    atom = _window(rows, cols, (8, min(CROP_MAX[1], span or CROP_MAX[1])))
+    wide = min(CROP_MAX[1], span or CROP_MAX[1])  # along the contiguous dimension, 8 lines across it
+    atom = _window(rows, cols, (8, wide) if contiguous_axis(entry.view) == 1 else (min(CROP_MAX[0], wide), 8))
     sub = banks[:atom[2], :atom[3]]
     what = "banks of the first swizzle atom" if span else "banks, top left"
     crop = Panel(_cut(what, (rows, cols), atom), _bank_rgb(sub),

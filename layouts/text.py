@@ -44,6 +44,12 @@ def tv_grid(tv: TVLayout) -> str:
     return "\n".join(out)
 
 
+def _access_name(access) -> str:
+    if isinstance(access, str):  # a copy / ldmatrix entry of the catalogue
+        return access
+    return access.label + (f" ({access.detail})" if access.detail else "")
+
+
 def describe(entry) -> str:
     lines: List[str] = [f"{entry.name} [{entry.kind}]", f"  {entry.description}"]
     if isinstance(entry, catalogue.LayoutEntry):
@@ -57,7 +63,7 @@ def describe(entry) -> str:
                   "bank (4-byte word mod 32) per (row, col):",
                   grid(*entry.tile, lambda m, n: str((view((m, n)) * eb // 8 // 4) % 32)),
                   "accesses (python -m layouts conflicts NAME counts them):"]
-        lines += [f"  {a if isinstance(a, str) else a.label + ' (' + a.detail + ')'}" for a in entry.accesses]
+        lines += [f"  {_access_name(a)}" for a in entry.accesses]
     elif isinstance(entry, catalogue.CopyEntry):
         s = entry.spec
         lines += [f"spec {s}", f"{s.copy_bits}-bit accesses, {entry.memory}, tile {s.tiler[0]}x{s.tiler[1]}",
