@@ -22,6 +22,7 @@ from .access import copy, fragment, matrix_x4, tma, wgmma
 from .algebra import ComposedLayout, Layout, Swizzle
 from .attention_sm90 import (
     DKV_VECTOR_BITS,
+    GRAD_BIAS_BOX_KEYS,
     NUM_CONSUMER_WG,
     AttentionSm90Tiles,
     AttentionSm90WideTiles,
@@ -48,19 +49,23 @@ def smem_layouts_algebra(t: AttentionSm90Tiles) -> dict:
         return ComposedLayout(swizzle(w, bits), Layout(((8, r // 8), (w, d // w)), ((w, 8 * w), (1, r * w))))
 
     wds = atom_cols(tm, 16)  # MN-major dS: queries contiguous
-    ds = Layout(((wds, tm // wds), (8, tn // 8)), ((1, tn * wds), (wds, 8 * wds)))
+    ds = ComposedLayout(swizzle(wds, 16), Layout(((wds, tm // wds), (8, tn // 8)), ((1, tn * wds), (wds, 8 * wds))))
+    if t.ds_keys_contiguous:  # the bias gradient's: rows of GRAD_BIAS_BOX_KEYS keys, atoms rows first
+        ds = rows(tm, GRAD_BIAS_BOX_KEYS, 16, d=tn)
     if t.head_dim_v == t.head_dim:
         q_what, k_what = "Q / dO stage: S^T / dP^T B (K-major), dK / dV B (MN-major view)", \
             "K / V: S^T / dP^T A (K-major), dQ B (MN-major view)"
     else:
         q_what, k_what = "Q stage: S^T B (K-major), dK B (MN-major view)", "K: S^T A (K-major), dQ B (MN-major view)"
     ds_what = "dS stage, queries contiguous: dQ A (MN-major)"
+    if t.ds_keys_contiguous:
+        ds_what = "dS stage, keys contiguous: dQ A (K-major), the bias gradient's TMA boxes"
     if isinstance(t, AttentionSm90WideTiles):
         ds_what = "P^T / dS^T stage, queries contiguous: dV / dK A (K-major), dQ A (MN-major)"
     forms = {
         "smem_q": (rows(tm, atom_cols(t.q_slice_cols, 16), 16), "bf16", q_what),
         "smem_k": (rows(tn, atom_cols(t.k_slice_cols, 16), 16), "bf16", k_what),
-        "smem_ds": (ComposedLayout(swizzle(wds, 16), ds), "bf16", ds_what),
+        "smem_ds": (ds, "bf16", ds_what),
         "smem_dq": (rows(tm, atom_cols(t.dq_slice_cols, 32), 32, cols_first=t.dq_order == (1, 0)), "fp32",
                     "dQ staging (fp32) for the TMA reduce-add"),
     }  # fmt: skip
@@ -107,6 +112,11 @@ def _k_accesses(t: AttentionSm90Tiles) -> tuple:
 
 def _ds_accesses(t: AttentionSm90Tiles) -> tuple:
     what = "P^T and dS^T" if _wide(t) else "dS^T"
+    if t.ds_keys_contiguous:  # stored transposed; dQ reads it K-major; the bias gradient leaves by TMA
+        rows = t.dq_sub_tile[0]
+        return (matrix_x4(f"stmatrix write of {what}", "x4.trans"),
+                wgmma("wgmma A read of dS by dQ", "K-major", rows, 16),
+                tma("TMA store of dB (bias gradient)", t.tile_m, GRAD_BIAS_BOX_KEYS))
     out = [matrix_x4(f"stmatrix write of {what}", "x4")]
     if _wide(t):
         out.append(wgmma("wgmma A read of P^T / dS^T by dV / dK", "K-major", 16, 64))

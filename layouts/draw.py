@@ -39,11 +39,12 @@ from .algebra import TVLayout  # noqa: E402
 DPI = 100
 MAX_WIDTH = 16.0  # inches of a row of panels before the next row starts
 MARGIN = 0.3  # inches around the figure and between panels
-LABEL_CELL = 0.38  # inches: a cell with a two-line label ("T12" over "V3")
+LABEL_CELL = 0.24  # inches, at least: a cell with a two-line label ("T12" over "V3"), wider for longer ones
 SHORT_CELL = 0.22  # a cell with a one-line label of at most 3 characters (a bank)
 OVERVIEW_INCHES = 5.0  # the longer side of an unlabelled overview
 OVERVIEW_MAX = (128, 256)  # cells an overview shows at most (rows, cols); more are cut
 CROP_MAX = (16, 32)  # cells a labelled crop shows at most
+ACCESS_CROP_MAX = (16, 64)  # an access's crop: a 128-bit phase of 16-bit elements is 64 wide
 CELL_FONT = 6.0  # points
 TITLE_FONT = 7.5
 HEADER_FONT = 8.0
@@ -79,7 +80,9 @@ class Panel:
             return min(0.12, max(OVERVIEW_INCHES / long, min(2 * OVERVIEW_INCHES / long, 1.0 / short)))
         longest = max(len(part) for row in self.labels for s in row for part in s.split("\n"))
         two_lines = any("\n" in s for row in self.labels for s in row)
-        return LABEL_CELL if two_lines or longest > 3 else SHORT_CELL
+        if not two_lines and longest <= 3:
+            return SHORT_CELL
+        return max(LABEL_CELL, 0.07 + longest * CELL_FONT * CHAR)  # the longest line and a margin
 
     @property
     def grid(self) -> Tuple[float, float]:
@@ -188,12 +191,12 @@ def _access_window(rep: analysis.BankConflicts) -> Tuple[int, int, int, int]:
     cells = [c for lane in lanes for c in instr.lanes[lane]]
     r0, c0 = min(c[0] for c in cells), min(c[1] for c in cells)
     r1, c1 = max(c[0] for c in cells), max(c[1] for c in cells)
-    return (r0, c0, min(CROP_MAX[0], r1 - r0 + 1), min(CROP_MAX[1], c1 - c0 + 1))
+    return (r0, c0, min(ACCESS_CROP_MAX[0], r1 - r0 + 1), min(ACCESS_CROP_MAX[1], c1 - c0 + 1))
 
 
 def _access_panel(rep: analysis.BankConflicts, banks: np.ndarray) -> Panel:
     """The first instruction of an access, lane and bank per cell, the first phase lit."""
-    r0, c0, rows, cols = win = _access_window(rep)
+    r0, c0, rows, cols = _access_window(rep)
     rgb = np.ones((rows, cols, 3))
     labels = [["" for _ in range(cols)] for _ in range(rows)]
     for lane, cells in enumerate(rep.first_instruction.lanes):
@@ -206,8 +209,11 @@ def _access_panel(rep: analysis.BankConflicts, banks: np.ndarray) -> Panel:
             rgb[m - r0, n - c0] = _hue_colour(lane)
             labels[m - r0][n - c0] = f"{rep.lane}{lane}\nb{banks[m, n]}"
     inside = lambda cs: [(m - r0, n - c0) for m, n in cs if r0 <= m < r0 + rows and c0 <= n < c0 + cols]  # noqa: E731
+    fit = int((MAX_WIDTH - TICKS) / Panel("", rgb, labels).cell)  # columns that fit a row of the figure
+    if cols > fit:
+        cols, rgb, labels = fit, rgb[:, :fit], [row[:fit] for row in labels]
     verdict = "conflict-free" if rep.conflict_free else f"{rep.max_degree}-way"
-    title = _cut(f"{rep.name}: {verdict}; first instruction, phase 0 lit", banks.shape, win)
+    title = _cut(f"{rep.name}: {verdict}; first instruction, phase 0 lit", banks.shape, (r0, c0, rows, cols))
     return Panel(title, rgb, labels, crossed=inside(rep.first_conflicted), dim_except=inside(rep.first_phase),
                  origin=(r0, c0))
 
@@ -371,7 +377,7 @@ def _draw_panel(fig, p: Panel, left: float, top: float, fig_w: float, fig_h: flo
         ms, ns = zip(*p.crossed)
         # a red frame, not a cross over the label: the label says which lane and bank conflict
         for m, n in p.crossed:
-            ax.add_patch(Rectangle((n - 0.42, m - 0.42), 0.84, 0.84, fill=False, edgecolor="red", linewidth=1.3))
+            ax.add_patch(Rectangle((n - 0.47, m - 0.47), 0.94, 0.94, fill=False, edgecolor="red", linewidth=0.9))
     if p.outline:
         r, c, rows, cols = p.outline
         ax.add_patch(Rectangle((c - 0.5, r - 0.5), cols, rows, fill=False, edgecolor="black", linewidth=1.2))

@@ -176,10 +176,19 @@ def _register_mem_eff_features() -> None:
 # ------------------------------------------------------------- sm90 attention backward
 
 
+# (name, head dim, options): with a bias or dropout d64 and d128 take 64-query tiles (other
+# layouts); the bias gradient stores dS keys-contiguous
+SM90_CONFIGS = tuple((f"d{d}", d, {}) for d in attention_sm90.HEAD_DIMS) + (
+    ("d64_bias_or_dropout", 64, dict(bias_or_dropout=True)),
+    ("d128_bias_or_dropout", 128, dict(bias_or_dropout=True)),
+    ("d64_grad_bias", 64, dict(bias_or_dropout=True, ds_keys_contiguous=True)),
+)
+
+
 def _register_attention_sm90() -> None:
-    for d in attention_sm90.HEAD_DIMS:
-        t = attention_sm90.attention_sm90_tiles(d)
-        base = f"attention_bwd_sm90.sm90.bf16.d{d}"
+    for config, d, options in SM90_CONFIGS:
+        t = attention_sm90.attention_sm90_tiles(d, **options)
+        base = f"attention_bwd_sm90.sm90.bf16.{config}"
         accesses = attention_sm90_smem.smem_accesses(t)
         for name, (layout, dtype, what) in attention_sm90_smem.smem_layouts_algebra(t).items():
             tile = "x".join(str(_size(m)) for m in layout.shape)

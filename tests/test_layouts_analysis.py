@@ -147,8 +147,9 @@ def test_overlay_marks_conflicts():
 
 
 def test_big_grids_are_cropped_to_read():
-    """A big tile is an unlabelled overview beside labelled crops of at most CROP_MAX cells
-    (readable: LABEL_CELL inches a cell); small ones are labelled whole."""
+    """A big tile is an unlabelled overview beside labelled crops (at most 16 x 64 cells, and
+    as wide as a row of the figure; LABEL_CELL inches a cell or more); small ones are
+    labelled whole."""
     small = catalogue.LayoutEntry("t.8", "8x8", Layout((8, 8), (8, 1)))
     (p,) = draw.panels(small)[0]
     assert p.labels[7][7] == "63"
@@ -156,11 +157,12 @@ def test_big_grids_are_cropped_to_read():
     overview, crop = ps[0], ps[1]
     assert overview.labels is None and (overview.rows, overview.cols) == (16, 256)
     assert crop.labels[0][0] == "T0\nV0" and crop.labels[1][8] == "T33\nV0"  # warp 1 takes row 1
-    assert (crop.rows, crop.cols) == (8, 32) and crop.cell == draw.LABEL_CELL
+    assert (crop.rows, crop.cols) == (8, 32) and draw.LABEL_CELL <= crop.cell <= 0.3
     for name in layouts.names():
         for p in draw.panels(layouts.get(name))[0]:
             if p.labels is not None:
-                assert p.rows <= draw.CROP_MAX[0] and p.cols <= 32 or p.rows == 1, (name, p.title)
+                assert p.rows <= draw.ACCESS_CROP_MAX[0] and p.cols <= draw.ACCESS_CROP_MAX[1], (name, p.title)
+                assert p.width <= draw.MAX_WIDTH, (name, p.title)
         w, h = draw.figure_pixels(layouts.get(name))
         assert 700 <= w <= 100 * draw.MAX_WIDTH + 100 and h <= 3500, (name, w, h)
 
