@@ -269,8 +269,8 @@ def _register_preprocess(base: str, t) -> None:
     rows, cols = t.tile
     register(CopyEntry(f"{base}.preprocess.gmem_o_do", f"compute_dot_do_o: O / dO tile {rows}x{cols}, {t.vec} a "
                        "thread (no L1 allocation)", t.gmem_tiled_copy_do(load=True), "bf16"))
-    register(CopyEntry(f"{base}.preprocess.gmem_dq_accum", "compute_dot_do_o / clear_dkv_accum: zeros into the fp32 "
-                       "accumulator, 128-bit", t.gmem_tiled_copy_dq_accum(), "fp32"))
+    register(CopyEntry(f"{base}.preprocess.gmem_dq_accum", "compute_dot_do_o: zeros into the fp32 dQ accumulator, "
+                       "128-bit", t.gmem_tiled_copy_dq_accum(), "fp32"))
 
 
 def _register_postprocess(base: str, t) -> None:
@@ -286,6 +286,8 @@ def _register_postprocess(base: str, t) -> None:
                       tiled=mma))
     register(CopyEntry(f"{base}.postprocess.gmem_dq", f"dQ / dK / dV: staged rows to global memory, {t.vec} a thread",
                        out, "bf16", "gmem"))
+    register(CopyEntry(f"{base}.postprocess.gmem_dkv_accum", "clear_dkv_accum: zeros into the fp32 dK / dV "
+                       "accumulators, 128-bit", t.gmem_tiled_copy_dq_accum(), "fp32"))
     register(SmemEntry(
         f"{base}.postprocess.smem_dq", f"SmemLayoutdQ / dKV: {rows}x{cols}, {_sw(smem)}"
         + (f", rows padded by {smem.pad} elements" if smem.pad else ""), smem.layout(), "bf16",
