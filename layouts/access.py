@@ -108,7 +108,7 @@ class SmemAccess:
 
     @property
     def footprint(self) -> Tuple[int, int]:
-        """The tile part one instruction position covers (the step of ``tiled_over``)."""
+        """The part of the tile one position of the access covers (``instructions`` steps by it)."""
         if self.tv is None:
             return self.block
         m, n = self.tv.tile
