@@ -1,9 +1,9 @@
 """``python -m layouts``: list, show, analyse and draw the layout catalogue (CPU only).
 
-    python -m layouts list [PREFIX]
-    python -m layouts show NAME [--png FILE] [--svg FILE]
-    python -m layouts conflicts NAME
-    python -m layouts gallery DIR
+    python -m layouts list [FILTER]                   names containing FILTER, kind, description
+    python -m layouts show NAME [--png F] [--svg F]   the layout as text; optionally a picture
+    python -m layouts conflicts NAME                  bank conflicts (shared) or coalescing (global)
+    python -m layouts gallery DIR [--prefix P]        DIR/index.html and one PNG per entry
 """
 
 from __future__ import annotations
@@ -15,19 +15,40 @@ import sys
 
 from . import analysis, catalogue, text
 
+WORST_SHOWN = 4  # per conflicted access: its first instructions of the worst degree
+
 
 def _figures(entry) -> list:
     reports = analysis.analyse(entry)
     if not reports:
-        return ["(no memory access to analyse)"]
+        return [f"({analysis.no_access_reason(entry)})"]
     return [r.summary() for r in reports]
 
 
+def _kernels() -> list:
+    return sorted({n.split(".")[0] for n in catalogue.names()})
+
+
 def cmd_list(args) -> int:
-    for name in catalogue.names(args.prefix):
+    names = [n for n in catalogue.names() if args.filter is None or args.filter in n]
+    if not names:
+        print(f"no entry matches {args.filter!r}; kernels: {', '.join(_kernels())}", file=sys.stderr)
+        return 1
+    width = max(len(n) for n in names)
+    for name in names:
         e = catalogue.get(name)
-        print(f"{name:50s} {e.kind:9s} {e.description}")
+        print(f"{name:{width}s}  {e.kind:8s}  {e.description}")
     return 0
+
+
+def _output_path(path: str) -> str:
+    """``path`` with its folder created; SystemExit with one line if that is impossible."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"cannot write {path}: {e.strerror}") from None
+    return path
 
 
 def cmd_show(args) -> int:
@@ -36,41 +57,55 @@ def cmd_show(args) -> int:
     if args.png or args.svg:
         from . import draw
 
-        draw.save(entry, png=args.png, svg=args.svg)
-        for path in (args.png, args.svg):
+        png = args.png and _output_path(args.png)
+        svg = args.svg and _output_path(args.svg)
+        draw.save(entry, png=png, svg=svg)
+        for path in (png, svg):
             if path:
                 print(f"wrote {path}")
     return 0
 
 
-def cmd_conflicts(args) -> int:
-    entry = catalogue.get(args.name)
-    for line in _figures(entry):
-        print(line)
-    for rep in analysis.analyse(entry):
+def conflict_lines(entry) -> list:
+    """The figures of every access, each conflicted one followed by its worst instructions,
+    labelled with the access they belong to."""
+    reports = analysis.analyse(entry)
+    if not reports:
+        return [f"({analysis.no_access_reason(entry)})"]
+    lines = []
+    for rep in reports:
+        lines.append(rep.summary())
         if isinstance(rep, analysis.BankConflicts):
-            worst = [i for i in rep.instructions if i.degree == rep.max_degree][:4]
-            for i in worst:
-                print(f"  instr at {i.origin} warp {i.warp}: {i.wavefronts} wavefronts (ideal {i.ideal}), "
-                      f"{i.degree}-way")
+            for i in rep.worst(WORST_SHOWN):
+                lines.append(f"  {rep.name}: instruction {i.where(rep.kind)}: {i.wavefronts} wavefronts "
+                             f"(ideal {i.ideal}), {i.degree}-way")
+    return lines
+
+
+def cmd_conflicts(args) -> int:
+    for line in conflict_lines(catalogue.get(args.name)):
+        print(line)
     return 0
 
 
 def cmd_gallery(args) -> int:
     from . import draw
 
-    os.makedirs(args.dir, exist_ok=True)
+    entries = [n for n in catalogue.names() if args.prefix is None or n.startswith(args.prefix)]
+    if not entries:
+        print(f"no entry starts with {args.prefix!r}; kernels: {', '.join(_kernels())}", file=sys.stderr)
+        return 1
+    _output_path(os.path.join(args.dir, "index.html"))
     parts = ["<!doctype html><meta charset='utf-8'><title>layouts gallery</title>",
              "<style>body{font-family:sans-serif} img{max-width:100%;border:1px solid #ccc}</style>",
              "<h1>Layout catalogue</h1><ul>"]
-    entries = catalogue.names(args.prefix)
     parts += [f"<li><a href='#{html.escape(n)}'>{html.escape(n)}</a></li>" for n in entries]
     parts.append("</ul>")
     for name in entries:
         entry = catalogue.get(name)
         png = f"{name}.png"
         draw.save(entry, png=os.path.join(args.dir, png))
-        figs = "\n".join(_figures(entry))
+        figs = "\n".join(conflict_lines(entry))
         parts.append(f"<h2 id='{html.escape(name)}'>{html.escape(name)}</h2>"
                      f"<p>{html.escape(entry.description)}</p><pre>{html.escape(figs)}</pre>"
                      f"<img src='{html.escape(png)}' alt='{html.escape(name)}'>")
@@ -81,14 +116,14 @@ def cmd_gallery(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m layouts", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("list", help="names in the catalogue")
-    s.add_argument("prefix", nargs="?")
+    s = sub.add_parser("list", help="names in the catalogue (those containing FILTER)")
+    s.add_argument("filter", nargs="?")
     s.set_defaults(fn=cmd_list)
-    s = sub.add_parser("show", help="print an entry, optionally draw it")
+    s = sub.add_parser("show", help="print an entry, optionally draw it (folders are created)")
     s.add_argument("name")
     s.add_argument("--png")
     s.add_argument("--svg")
@@ -100,7 +135,11 @@ def main(argv=None) -> int:
     s.add_argument("dir")
     s.add_argument("--prefix", help="only names starting with this")
     s.set_defaults(fn=cmd_gallery)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     try:
         return args.fn(args)
     except KeyError as e:
@@ -108,5 +147,17 @@ def main(argv=None) -> int:
         return 2
 
 
+def run(argv=None) -> int:
+    """``main`` for a shell: a reader that stops early (``| head``) ends the output quietly."""
+    try:
+        code = main(argv)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # stdout is gone: point it at /dev/null so the interpreter's own flush at exit is quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports a command killed by it
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -604,3 +604,18 @@ class LdMatrixAtom:
 def sm75_ldmatrix_x4() -> LdMatrixAtom:
     src = Layout(((16, 2), 8), ((1, 128), 16))
     return LdMatrixAtom("SM75_U32x4_LDSM_N", 4, TVLayout(src, (16, 16)), sm80_mma_16x8x16().a)
+
+
+def sm80_tiled_mma_c(atom_layout: Tuple[int, int, int], permutation: Tuple[int, int, int]) -> TVLayout:
+    """The C (accumulator) TV layout of ``make_tiled_mma(mma.m16n8k16, atom_layout,
+    permutation_mnk=permutation)`` (the DSL's ``tv_layout_C_tiled``): warps column-major over
+    (M, N), each repeating its 16x8 atom over the permutation tile, a warp's repeats
+    ``16 * wm`` rows and ``8 * wn`` columns apart. Thread (q, g, wm_i, wn_i) holds rows
+    g + 8 h + 16 wm_i (+ 16 wm i) and columns 2 q + p + 8 wn_i (+ 8 wn j)."""
+    wm, wn, _ = atom_layout
+    pm, pn, _ = permutation
+    rm, rn = pm // (16 * wm), pn // (8 * wn)
+    if rm * 16 * wm != pm or rn * 8 * wn != pn:
+        raise ValueError(f"permutation {permutation} is not whole 16x8 atoms of {atom_layout} warps")
+    layout = Layout(((4, 8, wm, wn), ((2, 2), (rm, rn))), ((2 * pm, 1, 16, 8 * pm), ((pm, 8), (16 * wm, 8 * wn * pm))))
+    return TVLayout(layout, (pm, pn))

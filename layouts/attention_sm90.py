@@ -759,46 +759,6 @@ class AttentionSm90WideTiles(AttentionSm90Tiles):
         return self.dq_slice_cols
 
 
-def smem_layouts_algebra(t: AttentionSm90Tiles) -> dict:
-    """The shared-memory tiles (one stage) in ``layouts.algebra`` form, for the catalogue and
-    its pictures: element offsets, swizzles in element units. The DSL objects above swizzle
-    byte addresses: Swizzle<B,4,3> on bytes (B = 3, 2, 1 for 128-, 64-, 32-byte atom rows)
-    is <B,3,3> on 16-bit elements and <B,2,3> on fp32 (tests/test_attention_sm90_cpu.py
-    compares them). With Dqk != Dv, dO and V have their own entries (smem_do, smem_v)."""
-    from .algebra import ComposedLayout, Layout, Swizzle
-
-    tm, tn = t.tile_m, t.tile_n
-
-    def swizzle(w, bits):  # atom rows of w elements: 16-byte chunks XORed with the row mod 2^B
-        return Swizzle((w * bits // 128).bit_length() - 1, (128 // bits).bit_length() - 1, 3)
-
-    def rows(r, w, bits, d=t.head_dim, cols_first=False):  # K-major atoms (8 rows x w elements), rows first
-        if cols_first:
-            return ComposedLayout(swizzle(w, bits), Layout(((8, r // 8), (w, d // w)), ((w, 8 * d), (1, 8 * w))))
-        return ComposedLayout(swizzle(w, bits), Layout(((8, r // 8), (w, d // w)), ((w, 8 * w), (1, r * w))))
-
-    wds = atom_cols(tm, 16)  # MN-major dS: queries contiguous
-    ds = Layout(((wds, tm // wds), (8, tn // 8)), ((1, tn * wds), (wds, 8 * wds)))
-    if t.head_dim_v == t.head_dim:
-        q_what, k_what = "Q / dO stage: S^T / dP^T B (K-major), dK / dV B (MN-major view)", \
-            "K / V: S^T / dP^T A (K-major), dQ B (MN-major view)"
-    else:
-        q_what, k_what = "Q stage: S^T B (K-major), dK B (MN-major view)", "K: S^T A (K-major), dQ B (MN-major view)"
-    forms = {
-        "smem_q": (rows(tm, atom_cols(t.q_slice_cols, 16), 16), "bf16", q_what),
-        "smem_k": (rows(tn, atom_cols(t.k_slice_cols, 16), 16), "bf16", k_what),
-        "smem_ds": (ComposedLayout(swizzle(wds, 16), ds), "bf16", "dS stage, queries contiguous: dQ A (MN-major)"),
-        "smem_dq": (rows(tm, atom_cols(t.dq_slice_cols, 32), 32, cols_first=t.dq_order == (1, 0)), "fp32",
-                    "dQ staging (fp32) for the TMA reduce-add"),
-    }  # fmt: skip
-    if t.head_dim_v != t.head_dim:
-        dv = t.head_dim_v
-        forms["smem_do"] = (rows(tm, atom_cols(t.do_slice_cols, 16), 16, dv), "bf16",
-                            "dO stage: dP^T B (K-major), dV B (MN-major view)")  # fmt: skip
-        forms["smem_v"] = (rows(tn, atom_cols(t.v_slice_cols, 16), 16, dv), "bf16", "V: dP^T A (K-major)")
-    return forms
-
-
 def head_dims_unsupported(head_dim: int, head_dim_v: int) -> Optional[str]:
     """Why the tiles cannot take Dqk = ``head_dim`` with Dv = ``head_dim_v`` (None: they can).
     Both must be one of HEAD_DIMS; the larger one picks the decomposition. Base tiles (both

@@ -6,16 +6,18 @@ kernel entries are built from the same functions the kernels call
 (``dropout_bias.tiles(...)``), so what is drawn and analysed here is what runs.
 
 An entry gives its pure-Python form (``layouts.algebra``) for analysis and pictures,
-and ``build()``, the DSL object, to be called inside a ``@cute.jit`` function.
+and ``build()``, the DSL object, to be called inside a ``@cute.jit`` function. The
+kernels' entries are registered by ``kernel_entries``; a shared-memory tile lists the
+accesses the kernel makes to it (``layouts.access``), which ``analysis`` counts.
 """
 
 from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
-from . import attention_sm90, dropout_bias, mem_eff_attention
+from .access import SmemAccess, as_2d, tma, wgmma
 from .algebra import (
     AnyLayout,
     ComposedLayout,
@@ -27,7 +29,7 @@ from .algebra import (
     sm75_ldmatrix_x4,
     sm80_mma_16x8x16,
 )
-from .spec import TiledCopySpec
+from .spec import FragmentCopySpec, TiledCopySpec, TiledMmaSpec
 
 DTYPES = {"fp32": 32, "fp16": 16, "bf16": 16, "u8": 8}
 ARCHS = {"sm80": "sm_80", "sm90": "sm_90a"}
@@ -61,6 +63,7 @@ class LayoutEntry:
     name: str
     description: str
     layout: Layout
+    no_access: str = ""  # why it has no memory access of its own (a register or gmem tiling)
     kind = "layout"
 
     @property
@@ -75,15 +78,16 @@ class LayoutEntry:
 class SmemEntry:
     """A shared-memory tile layout (element offsets, possibly swizzled).
 
-    ``accesses`` names the copy/ldmatrix entries whose bank conflicts against this
-    layout the analysis reports.
+    ``accesses``: what the kernel does to the tile, analysed for bank conflicts: names of
+    copy / ldmatrix entries, or ``layouts.access.SmemAccess`` descriptions. A layout of
+    rank > 2 (a ring of buffers) is analysed and drawn as rows x the rest (``view``).
     """
 
     name: str
     description: str
     layout: AnyLayout
     dtype: str
-    accesses: Tuple[str, ...] = ()
+    accesses: Tuple[Union[str, SmemAccess], ...] = ()
     kind = "smem"
 
     @property
@@ -91,9 +95,13 @@ class SmemEntry:
         return DTYPES[self.dtype]
 
     @property
+    def view(self) -> AnyLayout:
+        return as_2d(self.layout)
+
+    @property
     def tile(self) -> Tuple[int, int]:
         # a tiled atom has nested modes, e.g. ((8, 16), (64, 2)): the tile is their sizes
-        return tuple(_size(m) for m in self.layout.shape)
+        return tuple(_size(m) for m in self.view.shape)
 
     def build(self):
         import cutlass.cute as cute
@@ -116,12 +124,22 @@ class CopyEntry:
 
     name: str
     description: str
-    spec: TiledCopySpec
+    spec: Union[TiledCopySpec, FragmentCopySpec]
     dtype: str
     memory: str = "gmem"
     smem_layouts: Tuple[str, ...] = ()
+    gmem_row_stride: int = 0  # elements between rows in global memory (0: the tile's width)
     kind = "copy"
     access_kind = "vector"
+
+    @property
+    def values_per_access(self) -> int:
+        """Values a thread moves per instruction (0: its whole block at once)."""
+        return getattr(self.spec, "values_per_access", 0)
+
+    def gmem(self) -> Layout:
+        rows, cols = self.tile
+        return Layout((rows, cols), (self.gmem_row_stride or cols, 1))
 
     @property
     def elem_bits(self) -> int:
@@ -190,23 +208,30 @@ class LdMatrixEntry:
 
 @dataclass(frozen=True)
 class MmaEntry:
-    """A warp MMA atom; its A (M x K), B (N x K) and C (M x N) fragments."""
+    """A warp MMA atom; its A (M x K), B (N x K) and C (M x N) fragments. With ``tiled``,
+    the tiled MMA a kernel builds (warps, permutation): its C fragment over the whole tile."""
 
     name: str
     description: str
     atom: MmaAtom
     dtype: str
     acc_dtype: str = "fp32"
+    tiled: Optional[TiledMmaSpec] = None
     kind = "mma"
 
     @property
     def tile(self) -> Tuple[int, int]:
-        return self.atom.c.tile
+        return self.tiled.permutation[:2] if self.tiled else self.atom.c.tile
+
+    def tiled_c(self) -> Optional[TVLayout]:
+        return self.tiled.c_tv() if self.tiled else None
 
     def build(self):
         import cutlass.cute as cute
         from cutlass.cute.nvgpu import warp
 
+        if self.tiled:
+            return self.tiled.build(cute_dtype(self.dtype))
         op = warp.MmaF16BF16Op(cute_dtype(self.dtype), cute_dtype(self.acc_dtype), self.atom.shape_mnk)
         return cute.make_tiled_mma(op)
 
@@ -225,63 +250,19 @@ def get(name: str):
         return _REGISTRY[name]
     except KeyError:
         close = difflib.get_close_matches(name, _REGISTRY, n=3)
-        raise KeyError(f"no layout {name!r}" + (f"; did you mean {close}?" if close else "")) from None
+        raise KeyError(f"no layout {name!r}" + (f"; did you mean {', '.join(close)}?" if close else "")) from None
 
 
 def names(prefix: Optional[str] = None) -> List[str]:
     return sorted(n for n in _REGISTRY if prefix is None or n.startswith(prefix))
 
 
-# ------------------------------------------------------------------ kernel entries
-
-
-def _register_dropout_bias() -> None:
-    for arch_key, arch in ARCHS.items():
-        for dtype in ("bf16", "fp16", "fp32"):
-            bits = DTYPES[dtype]
-            t = dropout_bias.tiles(bits, dropout_bias.MAX_VECTOR_BITS // bits, arch)
-            base = f"dropout_bias_bwd.{arch_key}.{dtype}"
-            register(CopyEntry(f"{base}.gmem_dy", f"dY / x global load, {t.vec} x {dtype} per thread",
-                               t.gmem_load(), dtype))
-            register(CopyEntry(f"{base}.gmem_mask", f"keep-mask global load (bytes), {t.vec} per thread",
-                               t.gmem_load_mask(), "u8"))
-            register(CopyEntry(f"{base}.gmem_dx", f"dX global store, {t.vec} x {dtype} per thread",
-                               t.gmem_store(), dtype))
-
-
-def _register_mem_eff_attention() -> None:
-    for arch_key, arch in ARCHS.items():
-        for max_k in (64, 128, 256):
-            cfg = mem_eff_attention.attention_backward_config(16, max_k, max_k, True, arch)
-            base = f"mem_eff_attention_bwd.{arch_key}.bf16.k{max_k}"
-            tiles = {
-                "smem_q": (cfg.smem_layout_q(), "Q_i / dO_i tile (one stage): MatmulQK / DOIVJ B, GradK / GradV B (.trans)"),
-                "smem_k": (cfg.smem_layout_k(), "K_j / V_j tile: MatmulQK / DOIVJ A, GradQ B (.trans)"),
-                "smem_attn": (cfg.smem_layout_attn(), "attn_T / tmp_T (keys x queries): GradV / GradK A, GradQ A (.trans)"),
-            }
-            copy = f"{base}.gmem_qkv"
-            register(CopyEntry(copy, f"cp.async of Q/K/V/dO rows into shared memory, {cfg.vec} x bf16 per thread",
-                               cfg.gmem_tiled_copy(cfg.max_k), "bf16", "smem",
-                               (f"{base}.smem_q", f"{base}.smem_k")))
-            for name, (spec, what) in tiles.items():
-                rows, cols = spec.shape
-                register(SmemEntry(f"{base}.{name}", f"{what}: {rows}x{cols}, Swizzle{spec.swizzle}",
-                                   spec.layout(), "bf16", (copy,) if name != "smem_attn" else ()))
-
-
-def _register_attention_sm90() -> None:
-    for d in attention_sm90.HEAD_DIMS:
-        t = attention_sm90.attention_sm90_tiles(d)
-        base = f"attention_bwd_sm90.sm90.bf16.d{d}"
-        for name, (layout, dtype, what) in attention_sm90.smem_layouts_algebra(t).items():
-            tile = "x".join(str(_size(m)) for m in layout.shape)
-            register(SmemEntry(f"{base}.{name}", f"{what}: {tile}, {layout.swizzle} (element units)", layout, dtype))
-
-
 # --------------------------------------------------------------- reference entries
 
 SMEM_64 = ("reference.smem.fp16_64x64.unswizzled", "reference.smem.fp16_64x64.swizzle333")
-ACCESSES_64 = ("reference.sm80.ldmatrix_x4", "reference.sm80.cp_async_128b.fp16_16x64")
+# the two copies by name, and a wgmma and a TMA load described in place
+ACCESSES_64 = ("reference.sm80.ldmatrix_x4", "reference.sm80.cp_async_128b.fp16_16x64",
+               wgmma("wgmma A read, m64k16", "K-major", 64, 16), tma("TMA load", 64, 64))
 
 
 def _register_reference() -> None:
@@ -297,11 +278,12 @@ def _register_reference() -> None:
     row_major = Layout((64, 64), (64, 1))
     register(SmemEntry(SMEM_64[0], "64x64 fp16, row-major, 128-byte rows, no swizzle", row_major, "fp16",
                        ACCESSES_64))
-    register(SmemEntry(SMEM_64[1], "64x64 fp16, row-major with Swizzle<3,3,3> (16-byte chunk ^= row % 8)",
+    register(SmemEntry(SMEM_64[1], "64x64 fp16, row-major with S<3,3,3> (16-byte chunk ^= row % 8)",
                        ComposedLayout(Swizzle(3, 3, 3), row_major), "fp16", ACCESSES_64))
 
 
-_register_dropout_bias()
-_register_mem_eff_attention()
-_register_attention_sm90()
 _register_reference()
+
+from . import kernel_entries  # noqa: E402  (registers every kernel's entries; needs the classes above)
+
+kernel_entries.register_all()

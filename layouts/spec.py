@@ -164,6 +164,14 @@ class TiledMmaSpec:
         m, n, k = self.atom_layout
         return (1 if self.op == "fma" else 32) * m * n * k
 
+    def c_tv(self):
+        """The pure-Python C TV layout over the permutation tile (``tv_layout_C_tiled``)."""
+        from .algebra import sm80_tiled_mma_c
+
+        if self.op != "mma.sync" or self.shape_mnk != (16, 8, 16):
+            raise NotImplementedError("the pure-Python C layout is written for mma.sync m16n8k16")
+        return sm80_tiled_mma_c(self.atom_layout, self.permutation)
+
     def build(self, ab_dtype):
         import cutlass
         import cutlass.cute as cute
@@ -173,3 +181,37 @@ class TiledMmaSpec:
         else:
             op = cute.nvgpu.warp.MmaF16BF16Op(ab_dtype, cutlass.Float32, self.shape_mnk)
         return cute.make_tiled_mma(op, self.atom_layout, permutation_mnk=self.permutation)
+
+
+@dataclass(frozen=True)
+class FragmentCopySpec:
+    """A copy in a tiled MMA's accumulator layout (``make_tiled_copy_C``): every thread moves
+    its fragment ``copy_bits`` at a time (fp32 pairs as 64 bits, bf16 pairs as 32)."""
+
+    mma: TiledMmaSpec
+    elem_bits: int
+    copy_bits: int
+    mma_dtype: str = "bf16"  # the MMA's input type (the tiled MMA is built for it)
+
+    @property
+    def num_threads(self) -> int:
+        return self.mma.num_threads
+
+    @property
+    def tiler(self) -> Tuple[int, int]:
+        return self.mma.permutation[:2]
+
+    @property
+    def values_per_access(self) -> int:
+        return self.copy_bits // self.elem_bits
+
+    def tv_layout(self):
+        return self.mma.c_tv()
+
+    def build(self, dtype):
+        import cutlass
+        import cutlass.cute as cute
+
+        ab = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[self.mma_dtype]
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=self.copy_bits)
+        return cute.make_tiled_copy_C(atom, self.mma.build(ab))

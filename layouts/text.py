@@ -44,16 +44,26 @@ def tv_grid(tv: TVLayout) -> str:
     return "\n".join(out)
 
 
+def _access_name(access) -> str:
+    if isinstance(access, str):  # a copy / ldmatrix entry of the catalogue
+        return access
+    return access.label + (f" ({access.detail})" if access.detail else "")
+
+
 def describe(entry) -> str:
     lines: List[str] = [f"{entry.name} [{entry.kind}]", f"  {entry.description}"]
     if isinstance(entry, catalogue.LayoutEntry):
         lines += [f"layout {entry.layout}", grid(*entry.tile, lambda m, n: str(entry.layout((m, n))))]
     elif isinstance(entry, catalogue.SmemEntry):
-        eb = entry.elem_bits
-        lines += [f"layout {entry.layout} ({entry.dtype}), element offset per (row, col):",
-                  grid(*entry.tile, lambda m, n: str(entry.layout((m, n)))),
+        eb, view = entry.elem_bits, entry.view
+        lines += [f"layout {entry.layout} ({entry.dtype})"]
+        if view is not entry.layout:
+            lines += [f"  as rows x the rest: {view}"]
+        lines += ["element offset per (row, col):", grid(*entry.tile, lambda m, n: str(view((m, n)))),
                   "bank (4-byte word mod 32) per (row, col):",
-                  grid(*entry.tile, lambda m, n: str((entry.layout((m, n)) * eb // 8 // 4) % 32))]
+                  grid(*entry.tile, lambda m, n: str((view((m, n)) * eb // 8 // 4) % 32)),
+                  "accesses (python -m layouts conflicts NAME counts them):"]
+        lines += [f"  {_access_name(a)}" for a in entry.accesses]
     elif isinstance(entry, catalogue.CopyEntry):
         s = entry.spec
         lines += [f"spec {s}", f"{s.copy_bits}-bit accesses, {entry.memory}, tile {s.tiler[0]}x{s.tiler[1]}",
@@ -65,4 +75,8 @@ def describe(entry) -> str:
         a = entry.atom
         lines += [f"{a.name} M,N,K = {a.shape_mnk}", "A (M x K):", tv_grid(a.a), "B (N x K):", tv_grid(a.b),
                   "C (M x N):", tv_grid(a.c)]
+        if entry.tiled:
+            t = entry.tiled
+            lines += [f"tiled: warps {t.atom_layout}, permutation {t.permutation}; C over the tile:",
+                      tv_grid(entry.tiled_c())]
     return "\n".join(lines)

@@ -1504,19 +1504,23 @@ def test_suite_sm90_row_runs_features(monkeypatch, feature):
 
 
 CATALOGUE_DIMS = [(d, d) for d in tiling.HEAD_DIMS] + [(128, 64), (64, 96), (192, 128), (256, 96)]
+# with a bias or dropout d64 / d128 take other tiles; the bias gradient a keys-contiguous dS
+CATALOGUE_OPTIONS = [(d, d, dict(bias_or_dropout=True)) for d in (64, 128)] + [
+    (64, 64, dict(bias_or_dropout=True, ds_keys_contiguous=True))]
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("d,dv", CATALOGUE_DIMS)
-def test_catalogue_forms_match_the_kernel_layouts(d, dv):
+@pytest.mark.parametrize("d,dv,options", [(d, dv, {}) for d, dv in CATALOGUE_DIMS] + CATALOGUE_OPTIONS)
+def test_catalogue_forms_match_the_kernel_layouts(d, dv, options):
     """The catalogue's algebra forms of the shared-memory tiles give the offsets of the DSL
     layouts the kernel allocates (their swizzles act on byte addresses), atoms included;
     with Dqk != Dv also dO's and V's."""
     import cutlass.cute as cute
 
     from layouts.algebra import Swizzle, parse_layout
+    from layouts.attention_sm90_smem import smem_layouts_algebra
 
-    t = tiling.attention_sm90_tiles(d, head_dim_v=dv)
+    t = tiling.attention_sm90_tiles(d, head_dim_v=dv, **options)
     printed = {}
     bf16 = cutlass.BFloat16
     layouts = {  # made while tracing
@@ -1535,7 +1539,7 @@ def test_catalogue_forms_match_the_kernel_layouts(d, dv):
             printed[name] = (str(lay.inner), str(lay.outer))
 
     cute.compile(trace)
-    forms = tiling.smem_layouts_algebra(t)
+    forms = smem_layouts_algebra(t)
     assert sorted(forms) == sorted(printed)
     for name, (layout, dtype, _) in forms.items():
         inner, outer = printed[name]

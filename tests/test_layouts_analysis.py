@@ -126,40 +126,63 @@ def test_every_entry_analyses():
 
 
 def test_overlay_marks_conflicts():
+    """Per access, a crop of its first instruction: lane and bank in each cell, phase 0 lit,
+    the cells of conflicted phases framed."""
     bad, _ = draw.panels(layouts.get(UNSWIZZLED))
     good, figures = draw.panels(layouts.get(SWIZZLED))
-    assert len(bad) == len(good) == 3  # bank map + one panel per analysed access
-    assert len(bad[1].crossed) == 64 * 64 and not good[1].crossed
-    assert sorted(good[1].dim_except) == sorted(report(LDMATRIX, SWIZZLED).first_phase)
+    n_access = len(analysis.analyse(layouts.get(SWIZZLED)))
+    assert len(bad) == len(good) == 2 + 1 + n_access + 1  # overview, atom, bank legend, accesses, lane legend
+    ld_bad, ld_good = bad[3], good[3]
+    assert ld_bad.title.startswith(f"{LDMATRIX} on {UNSWIZZLED}: 8-way") and (ld_bad.rows, ld_bad.cols) == (16, 16)
+    assert len(ld_bad.crossed) == 16 * 16 and not ld_good.crossed
+    assert sorted(ld_good.dim_except) == sorted(report(LDMATRIX, SWIZZLED).first_phase)
+    assert ld_bad.labels[0][0] == "T0\nb0" and ld_bad.labels[1][0] == "T1\nb0"  # rows 128 bytes apart: bank 0
+    assert ld_good.labels[1][0] == "T1\nb4"  # row 1's chunk 0 swizzled to chunk 1
     assert any("conflict-free" in f for f in figures)
-    # the bank map is coloured by bank: cells in the same bank share a colour
-    p = good[0]
-    assert p.labels[0][0] == "0" and p.labels[0][2] == "1" and p.labels[1][0] == "4"
-    assert (p.rgb[0, 0] == p.rgb[1, 9]).all()  # row 1, chunk 1 ^ 1 = 0: bank 0 again
+    # the whole tile's banks in colour, one swizzle atom labelled
+    overview, atom = good[0], good[1]
+    assert overview.labels is None and (overview.rows, overview.cols) == (64, 64)
+    assert atom.labels[0][0] == "0" and atom.labels[0][2] == "1" and atom.labels[1][0] == "4"
+    assert (overview.rgb[0, 0] == overview.rgb[1, 9]).all()  # row 1, chunk 1 ^ 1 = 0: bank 0 again
 
 
-def test_big_grids_drop_text_keep_colours():
+def test_big_grids_are_cropped_to_read():
+    """A big tile is an unlabelled overview beside labelled crops (at most 16 x 64 cells, and
+    as wide as a row of the figure; LABEL_CELL inches a cell or more); small ones are
+    labelled whole."""
+    small = catalogue.LayoutEntry("t.8", "8x8", Layout((8, 8), (8, 1)))
+    (p,) = draw.panels(small)[0]
+    assert p.labels[7][7] == "63"
+    ps, _ = draw.panels(layouts.get("dropout_bias_bwd.sm90.bf16.gmem_dy"))
+    overview, crop = ps[0], ps[1]
+    assert overview.labels is None and (overview.rows, overview.cols) == (16, 256)
+    assert crop.labels[0][0] == "T0\nV0" and crop.labels[1][8] == "T33\nV0"  # warp 1 takes row 1
+    assert (crop.rows, crop.cols) == (8, 32) and draw.LABEL_CELL <= crop.cell <= 0.3
+    for name in layouts.names():
+        for p in draw.panels(layouts.get(name))[0]:
+            if p.labels is not None:
+                assert p.rows <= draw.ACCESS_CROP_MAX[0] and p.cols <= draw.ACCESS_CROP_MAX[1], (name, p.title)
+                assert p.width <= draw.MAX_WIDTH, (name, p.title)
+        w, h = draw.figure_pixels(layouts.get(name))
+        assert 700 <= w <= 100 * draw.MAX_WIDTH + 100 and h <= 3500, (name, w, h)
+
+
+@pytest.mark.parametrize("name", ["attention_bwd_sm90.sm90.bf16.d128.smem_k", "dropout_bias_bwd.sm90.bf16.gmem_dy",
+                                  "attention_bwd_prepost.sm90.bf16.d64.postprocess.mma",
+                                  "mem_eff_attention_bwd.sm90.bf16.k64.smem_bias"])
+def test_no_text_is_clipped(name):
+    """Every title and number inside the figure, no panel title over a grid."""
     import matplotlib.pyplot as plt
 
-    small = catalogue.LayoutEntry("t.8", "8x8", Layout((8, 8), (8, 1)))
-    big = catalogue.LayoutEntry("t.128", "128x128", Layout((128, 128), (128, 1)))
-    for entry, texts in ((small, 64), (big, 0)):
-        fig = draw.render(entry)
-        try:
-            ax = fig.axes[0]
-            assert len(ax.texts) == texts
-            assert len(ax.images) == 1
-        finally:
-            plt.close(fig)
-    # a bank map's labels are 1-2 characters, big enough in a 128x128 grid's 5-point cells by font size alone:
-    # dropped by the cell count (MAX_LABELS), or the gallery spends minutes drawing 16k unreadable labels
-    bank_map = catalogue.SmemEntry("t.smem128", "128x128 bf16", Layout((128, 128), (128, 1)), "bf16")
-    fig = draw.render(bank_map)
+    fig = draw.render(layouts.get(name))
     try:
-        assert len(fig.axes[0].texts) == 0 and len(fig.axes[0].images) == 1
+        r = fig.canvas.get_renderer()
+        inside = fig.bbox.padded(0.5)
+        texts = list(fig.texts) + [t for ax in fig.axes for t in ax.get_xticklabels() + ax.get_yticklabels()]
+        for t in texts:
+            bb = t.get_window_extent(r)
+            assert inside.x0 <= bb.x0 and bb.x1 <= inside.x1 and inside.y0 <= bb.y0 and bb.y1 <= inside.y1, t
+        grids = [ax.get_window_extent(r) for ax in fig.axes]
+        assert not any(t.get_window_extent(r).overlaps(g) for t in fig.texts for g in grids)
     finally:
         plt.close(fig)
-    w, h = draw.figure_pixels(big)
-    assert 600 <= w <= 2000 and 600 <= h <= 2000
-    w, h = draw.figure_pixels(small)
-    assert 400 <= w <= 1200 and 300 <= h <= 1200
