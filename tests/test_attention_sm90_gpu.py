@@ -3,14 +3,16 @@
 ``aten._efficient_attention_forward``:
 
 * against the fp64 reference: max |g - ref| <= TOL * max |ref| for dQ, dK, dV (partial
-  tiles, whole key blocks no query sees, both causal corners; bottom-right only with
-  Sq <= Sk, where torch's forward and the reference agree on rows without keys);
-* against the memory-efficient kernel on identical inputs, bottom-right with Sq > Sk
-  included (both read the same forward's statistics there);
+  tiles, whole key blocks no query sees, both causal corners). torch's forward is wrong for
+  bottom-right with Sq > Sk (``ops.attention._BOTTOM_RIGHT_MSG``): those cases take out /
+  logsumexp from the fp64 reference forward instead;
+* against the memory-efficient kernel on identical inputs (and both against fp64),
+  bottom-right with Sq > Sk included;
 * ``memory_efficient_attention(backend="sm90")`` autograd (eager and captured) against
-  backend="mem_eff";
+  backend="mem_eff" and fp64;
 * dispatch on the device: auto takes sm90 where it applies (bias and dropout included) and
-  the memory-efficient kernel for key splits / unaligned inputs / fp32;
+  the memory-efficient kernel for key splits / unaligned inputs / fp32, each run's
+  gradients against fp64;
 * attention bias of every broadcast kind and layout, its gradient, and dropout with torch's
   keep mask (through dV with identity dO rows, bit for bit), with masks, windows, every head
   dim, variable lengths, grouped heads and deterministic mode: against fp64 (the mask torch
@@ -20,7 +22,7 @@
   and deterministic mode, against fp64 and the memory-efficient kernel;
 * deterministic mode: three runs bitwise equal, and against fp64;
 * convert_dq overlapping the kernel's last wave: deterministic bits equal to the late
-  convert's, three runs against fp64;
+  convert's, the overlapped runs against fp64 (three, deterministic ones for causal masks);
 * store_first (each query block's first dQ stored): the accumulator handed over full of NaN,
   three runs against fp64 and the zeroed accumulator's run;
 * zero_ahead (persistent CTAs zero the accumulator themselves: a round of tiles ahead, or with a
@@ -52,8 +54,8 @@ from .helpers import delta_rounding_floors
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
-F16, BF16 = torch.float16, torch.bfloat16
-TOL = {BF16: 2e-2, F16: 5e-3}  # max |g - ref| / max |ref|
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+TOL = {BF16: 2e-2, F16: 5e-3, F32: 5e-3}  # max |g - ref| / max |ref| (fp32: the memory-efficient kernel only)
 LOGGER = "cute_kernels.attention"
 
 
@@ -283,15 +285,30 @@ VS_MEM_EFF = [
 ]
 
 
+def _stats(q, k, v, mask_type):
+    """(out, logsumexp) for a backward: torch's forward, or the fp64 reference's where torch's
+    is wrong (bottom-right with Sq > Sk; rows without keys poisoned either way)."""
+    if mask_type == 2 and q.shape[1] > k.shape[1]:
+        return _padded_ref_forward(q, k, v, mask_type, 0)
+    group = q.shape[2] // k.shape[2]
+    return forward(q, k.repeat_interleave(group, 2), v.repeat_interleave(group, 2), mask_type)
+
+
 @pytest.mark.parametrize("case", VS_MEM_EFF, ids=[_id(c) for c in VS_MEM_EFF])
 def test_against_mem_eff(case):
+    """Both kernels on the same out / logsumexp, each against fp64 and against each other."""
     dtype, b, h, sq, sk, d, mask_type = case
     q, k, v, do = make_inputs(b, h, sq, sk, d, dtype, seed=7)
-    out, lse = forward(q, k, v, mask_type)
+    out, lse = _stats(q, k, v, mask_type)
     ours = backward("sm90", q, k, v, do, out, lse, mask_type)
     theirs = backward("mem_eff", q, k, v, do, out, lse, mask_type)
+    ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type)
+    floors = rounding_floors(q, k, do, out, dtype)
+    for backend, grads in (("sm90", ours), ("mem_eff", theirs)):
+        for name, g, r, like, floor in zip(("dq", "dk", "dv"), grads, ref, (q, k, v), floors):
+            check(f"{name} [{_id(case)}] {backend} vs fp64", g, r, like, dtype, floor)
     # each side carries the rounding floor: twice it between them
-    floors = [None if f is None else 2 * f for f in rounding_floors(q, k, do, out, dtype)]
+    floors = [None if f is None else 2 * f for f in floors]
     for name, g, r, like, floor in zip(("dq", "dk", "dv"), ours, theirs, (q, k, v), floors):
         check(f"{name} [{_id(case)}] vs mem_eff", g, r, like, dtype, floor)
     if mask_type == 2 and sq > sk:  # queries that see no key: no dQ from either
@@ -315,6 +332,9 @@ def _op_grads(backend, q, k, v, do, causal, compile_=False):
     return qs.grad, ks.grad, vs.grad
 
 
+MASK_TYPES = {False: 0, True: 1, "bottom_right": 2}  # memory_efficient_attention's causal -> custom_mask_type
+
+
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True, "bottom_right"])
 def test_memory_efficient_attention_autograd(dtype, causal, caplog):
@@ -325,6 +345,13 @@ def test_memory_efficient_attention_autograd(dtype, causal, caplog):
     assert chosen(caplog) == ["sm90", "mem_eff"]
     for name, g, r, like in zip(("dq", "dk", "dv"), ours, theirs, (q, k, v)):
         check(f"{name} (memory_efficient_attention causal={causal})", g, r, like, dtype)
+    mask_type = MASK_TYPES[causal]
+    ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type)
+    out, _ = attention_forward_ref(q, k, v, custom_mask_type=mask_type)  # (the forward's out, for the floors)
+    floors = rounding_floors(q, k, do, out.to(dtype), dtype)
+    for backend, grads in (("sm90", ours), ("mem_eff", theirs)):
+        for name, g, r, like, floor in zip(("dq", "dk", "dv"), grads, ref, (q, k, v), floors):
+            check(f"{name} (memory_efficient_attention causal={causal}, {backend}) vs fp64", g, r, like, dtype, floor)
 
 
 def test_memory_efficient_attention_captured(caplog):
@@ -354,38 +381,49 @@ def test_auto_takes_sm90(caplog):
 
 
 def test_auto_dispatch_of_features(caplog):
-    """bias and dropout: the sm90 kernel; key splits, unaligned inputs, fp32: the memory-efficient one."""
+    """bias and dropout: the sm90 kernel; key splits, unaligned inputs, fp32: the memory-efficient
+    one. Each run's gradients against fp64 (with the bias, with the keep mask torch's forward drew)."""
+    from .test_mem_eff_attention_features_gpu import torch_keep_mask
+
     gen = torch.Generator(DEV).manual_seed(14)
     b, h, s, d = 1, 2, 96, 64
     q, k, v, do = make_inputs(b, h, s, s, d, BF16, seed=14)
     empty = torch.empty((), dtype=torch.int64)
-    runs = []
+    runs = []  # (the call, its (q, k, v, dO, out), the reference's keywords)
     # attention bias
     bias = torch.randn(b, h, s, s, device=DEV, dtype=BF16, generator=gen)
     out, lse, _, _, _, _ = torch.ops.aten._efficient_attention_forward(q, k, v, bias, None, None, None, None, 0.0, 0, True)
-    runs.append(lambda: ops.efficient_attention_backward(do, q, k, v, bias, out, None, None, s, s, lse, 0.0, empty, empty, 0, False))
+    runs.append((lambda: ops.efficient_attention_backward(do, q, k, v, bias, out, None, None, s, s, lse, 0.0, empty, empty, 0, False),
+                 (q, k, v, do, out), dict(custom_mask_type=0, bias=bias)))  # fmt: skip
     # dropout (the forward's philox state)
     out_d, lse_d, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(q, k, v, None, None, None, None, None, 0.2, 0, True)
-    runs.append(lambda: ops.efficient_attention_backward(do, q, k, v, None, out_d, None, None, s, s, lse_d, 0.2, seed, offset, 0, False))
+    keep = torch_keep_mask((b, h, s, s), 0.2, int(seed), int(offset))
+    runs.append((lambda: ops.efficient_attention_backward(do, q, k, v, None, out_d, None, None, s, s, lse_d, 0.2, seed, offset, 0, False),
+                 (q, k, v, do, out_d), dict(custom_mask_type=0, dropout_mask=keep, dropout_p=0.2)))  # fmt: skip
     # key splits
     out_c, lse_c = forward(q, k, v, 1)
-    runs.append(lambda: backward("auto", q, k, v, do, out_c, lse_c, 1, num_splits_key=2))
+    runs.append((lambda: backward("auto", q, k, v, do, out_c, lse_c, 1, num_splits_key=2), (q, k, v, do, out_c),
+                 dict(custom_mask_type=1)))  # fmt: skip
     # an input 2 bytes past a 16-byte boundary (TMA cannot read it)
     q_off = torch.empty(q.numel() + 8, device=DEV, dtype=BF16)[1 : q.numel() + 1].view(q.shape).copy_(q)
-    runs.append(lambda: backward("auto", q_off, k, v, do, out_c, lse_c, 1))
+    runs.append((lambda: backward("auto", q_off, k, v, do, out_c, lse_c, 1), (q_off, k, v, do, out_c), dict(custom_mask_type=1)))
     # fp32
     q32, k32, v32, do32 = (t.float() for t in (q, k, v, do))
     out32, lse32 = forward(q32, k32, v32, 0)
-    runs.append(lambda: backward("auto", q32, k32, v32, do32, out32, lse32, 0))
+    runs.append((lambda: backward("auto", q32, k32, v32, do32, out32, lse32, 0), (q32, k32, v32, do32, out32),
+                 dict(custom_mask_type=0)))  # fmt: skip
     reasons = ["supported", "supported", "num_splits_key", "not TMA-aligned", "dtype"]
     with caplog.at_level(logging.DEBUG, logger=LOGGER):
-        for run in runs:
-            grads = run()
-            assert all(torch.isfinite(g).all() for g in grads[:3])
+        results = [run() for run, _, _ in runs]
     assert chosen(caplog) == ["sm90"] * 2 + ["mem_eff"] * (len(runs) - 2)
     msgs = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     for msg, reason in zip(msgs, reasons):
         assert reason in msg, (reason, msg)
+    for (_, (qi, ki, vi, doi, outi), ref_kw), grads, what in zip(runs, results, ("bias", "dropout", "key splits", "unaligned", "fp32")):
+        ref = attention_backward_ref(qi, ki, vi, doi, **ref_kw)
+        floors = rounding_floors(qi, ki, doi, outi, qi.dtype)
+        for name, g, r, like, floor in zip(("dq", "dk", "dv"), grads[:3], ref, (qi, ki, vi), floors):
+            check(f"{name} ({what})", g, r, like, qi.dtype, floor)
 
 
 def test_sm90_refuses_features():
@@ -602,8 +640,9 @@ OVERLAP_CASES = [
 def test_convert_overlap_is_the_late_convert(case, monkeypatch):
     """convert_dq overlapping the kernel (ConvertDQReady: a head converted once all its key
     blocks have counted their dQ adds) gives deterministic mode the late convert_dq's bits;
-    without determinism, three runs against fp64 (a head converted before its adds are all
-    visible would be off by whole blocks' contributions)."""
+    the overlapped runs against fp64 (a head converted before its adds are all visible would
+    be off by whole blocks' contributions): the deterministic one, then three plain runs, or
+    with a causal mask (overlapped only when deterministic) two more deterministic ones."""
     from ops import attention_bwd_prepost as P
     from ops import attention_sm90 as S
 
@@ -621,16 +660,21 @@ def test_convert_overlap_is_the_late_convert(case, monkeypatch):
     assert len(overlapped) == 1, "the overlapping convert was not taken"
     for name, a, c in zip(("dq", "dk", "dv"), runs[True], runs[False]):
         assert torch.equal(a, c), f"{name}: overlapped and late convert_dq differ"
-    if mask_type:
-        return
+    # equal bits do not make either right: the overlapped runs against fp64 too, the
+    # deterministic one and more (a causal mask overlaps only in deterministic mode: its
+    # further runs are deterministic too, three overlapped runs in all; without one, three
+    # plain runs, whose adds race)
     monkeypatch.setattr(S, "DQ_READY", True)
+    deterministic = mask_type != 0
+    checked = [("deterministic", runs[True])]
+    for i in range(2 if deterministic else 3):
+        checked.append((f"run {i}", backward("sm90", q, k, v, do, out, lse, mask_type, deterministic=deterministic)))
+    assert len(overlapped) == len(checked), "the overlapping convert was not taken"
     ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type)
     floors = rounding_floors(q, k, do, out, dtype)
-    for i in range(3):
-        got = backward("sm90", q, k, v, do, out, lse, mask_type)
+    for label, got in checked:
         for name, g, r, like, floor in zip(("dq", "dk", "dv"), got, ref, (q, k, v), floors):
-            check(f"{name} run {i}", g, r, like, dtype, floor)
-    assert len(overlapped) == 4
+            check(f"{name} [{_grouped_id(case + (0,))}] {label}", g, r, like, dtype, floor)
 
 
 def _unzeroed_accumulator_runs(S, monkeypatch, dims, mask_type, seed, taken, off):
@@ -987,7 +1031,7 @@ PAIR_SHAPES = [
     (2, 2, 2, 130, 257, 2),  # bottom-right, Sq < Sk
     (1, 4, 2, 200, 200, 1),  # grouped-query heads
     (1, 6, 1, 130, 300, 2),  # multi-query, bottom-right
-    (2, 2, 2, 300, 100, 2),  # bottom-right, Sq > Sk: against the memory-efficient kernel only
+    (2, 2, 2, 300, 100, 2),  # bottom-right, Sq > Sk: out / logsumexp from the reference forward
 ]
 PAIR_IDS = [f"d{a}-dv{b}" for a, b in tiling.HEAD_DIM_PAIRS]
 
@@ -995,14 +1039,14 @@ PAIR_IDS = [f"d{a}-dv{b}" for a, b in tiling.HEAD_DIM_PAIRS]
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim,head_dim_v", tiling.HEAD_DIM_PAIRS, ids=PAIR_IDS)
 def test_unequal_head_dims(head_dim, head_dim_v, dtype, caplog):
-    """dQ / dK Dqk wide, dV Dv wide: against fp64 (where torch's forward agrees with the
-    reference) and against the memory-efficient kernel on the same out / logsumexp."""
+    """dQ / dK Dqk wide, dV Dv wide: against fp64 and against the memory-efficient kernel on
+    the same out / logsumexp (torch's forward, or the reference's where torch's is wrong)."""
     for i, (b, h, hk, sq, sk, mask_type) in enumerate(PAIR_SHAPES):
         name = f"d{head_dim}-dv{head_dim_v} B{b}H{h}Hk{hk}q{sq}k{sk}m{mask_type}"
         q, _, _, do = make_inputs(b, h, sq, sk, (head_dim, head_dim_v), dtype, seed=10 * i + head_dim)
         _, k, v, _ = make_inputs(b, hk, sq, sk, (head_dim, head_dim_v), dtype, seed=10 * i + head_dim_v)
         # (rows that see no key come poisoned: torch's forward leaves them unwritten here too)
-        out, lse = forward(q, k.repeat_interleave(h // hk, 2), v.repeat_interleave(h // hk, 2), mask_type)
+        out, lse = _stats(q, k, v, mask_type)
         caplog.clear()
         with caplog.at_level(logging.DEBUG, logger=LOGGER):
             ours = backward("auto", q, k, v, do, out, lse, mask_type)
@@ -1010,10 +1054,9 @@ def test_unequal_head_dims(head_dim, head_dim_v, dtype, caplog):
         assert chosen(caplog) == ["sm90", "mem_eff"], name
         assert ours[0].shape[-1] == ours[1].shape[-1] == head_dim and ours[2].shape[-1] == head_dim_v
         floors = rounding_floors(q, k, do, out, dtype)
-        if mask_type != 2 or sq <= sk:
-            ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type)
-            for g_name, g, r, like, floor in zip(("dq", "dk", "dv"), ours, ref, (q, k, v), floors):
-                check(f"{g_name} [{name}]", g, r, like, dtype, floor)
+        ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type)
+        for g_name, g, r, like, floor in zip(("dq", "dk", "dv"), ours, ref, (q, k, v), floors):
+            check(f"{g_name} [{name}]", g, r, like, dtype, floor)
         floors = [None if f is None else 2 * f for f in floors]
         for g_name, g, r, like, floor in zip(("dq", "dk", "dv"), ours, theirs, (q, k, v), floors):
             check(f"{g_name} [{name}] vs mem_eff", g, r, like, dtype, floor)

@@ -10,9 +10,11 @@ The CUDA tensors are FakeTensorMode tensors on device "cuda": validation sees re
 metadata, nothing runs, and the cases run on CPU-only machines. Cases that need real
 values or addresses (cu_seqlens contents, misaligned pointers) are marked ``gpu``.
 
-"Before any launch" is enforced, not hoped for: while a case runs, the compile caches
-and each op's first step after validation (its custom op, its implementation, torch's
-forward for the autograd ops) raise ``_Reached`` instead, which no case expects.
+"Before any launch" is enforced, not hoped for: while a case runs, the compile caches,
+every launch through a memoised launch plan (whose compiled functions skip the compile
+caches once cached) and each op's first step after validation (its custom op, its
+implementation, torch's forward for the autograd ops) raise ``_Reached`` instead, which no
+case expects.
 """
 
 import re
@@ -176,7 +178,7 @@ class Case(NamedTuple):
     arg: str  # the offending argument, which the message must name
     detail: str  # a fragment of the message: the fault it reports
     gpu: bool = False  # needs real CUDA tensors (values, addresses)
-    late: bool = False  # checked in the launch plan, after the op's entry (compile still guarded)
+    late: bool = False  # checked in the launch plan, after the op's entry (compiles and launches still guarded)
 
 
 def C(op, desc, build, exc, arg, detail, **kw):
@@ -575,10 +577,44 @@ def _reached(what):
     return raiser
 
 
+class _GuardedPlan:
+    """A norm / dropout-bias ``_Plan`` whose compiled functions raise _Reached (other fields as they are)."""
+
+    def __init__(self, plan, what):
+        self._plan, self._what = plan, what
+
+    def __getattr__(self, name):
+        value = getattr(self._plan, name)
+        return _reached(f"{self._what}.{name}") if callable(value) else value
+
+
+def _guarded_plan(plan, what):
+    """``plan`` with every compiled function in it replaced by a raiser: a bare function (Δ,
+    clear_dkv_accum), a tuple holding one (preprocess, convert_dq, convert_dkv), a ``_Plan``
+    (norm, dropout-bias) or None (nothing to launch)."""
+    if plan is None:
+        return None
+    if callable(plan):
+        return _reached(what)
+    if isinstance(plan, tuple):
+        return tuple(_reached(what) if callable(part) else part for part in plan)
+    return _GuardedPlan(plan, what)
+
+
+# The memos of launch plans: a cached plan holds compiled functions, so a call that finds its
+# plan there launches without going through the compile caches.
+_PLAN_MAKERS = [(P, "_cached_plan"), (D, "_plan"), (N, "_plan")]
+
+
 def _guard(monkeypatch, op, entries=True):
-    """Compiling anything, or (with ``entries``) reaching ``op``'s launch path, raises _Reached."""
+    """Compiling anything, launching through any plan (new or cached), or (with ``entries``)
+    reaching ``op``'s launch path, raises _Reached."""
     monkeypatch.setattr(cc, "compile_kernel", _reached("compile_kernel"))
     monkeypatch.setattr(cc.CompileCache, "__call__", lambda self, *key: _reached(f"compile cache {self.name}")())
+    for module, name in _PLAN_MAKERS:
+        make = getattr(module, name)
+        what = f"a launch through {module.__name__}.{name}"
+        monkeypatch.setattr(module, name, lambda *a, _make=make, _what=what: _guarded_plan(_make(*a), _what))
     if entries:
         for module, name in _ENTRIES[op]:
             monkeypatch.setattr(module, name, _reached(f"{module.__name__}.{name}"))
@@ -630,6 +666,54 @@ def test_base_inputs_pass_validation(op, build, monkeypatch):
     with pytest.raises(_Reached):
         with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
             build()()
+
+
+def _cpu_launches():
+    """(op, launch) pairs that run a kernel through each kind of memoised plan, on CPU tensors
+    (the plan makers only read metadata and addresses; a stand-in takes the compiled
+    function's place)."""
+    acc = lambda: torch.zeros(1, 1, 128, 64)  # noqa: E731
+    dk_accum, dv_accum, dk, dv = acc(), acc(), torch.empty(1, 77, 1, 64, dtype=BF16), torch.empty(1, 77, 1, 64, dtype=BF16)
+    dy, mask, dx, dbias = torch.ones(4, 8, dtype=BF16), torch.ones(4, 8, dtype=torch.uint8), torch.empty(4, 8, dtype=BF16), torch.empty(8, dtype=BF16)
+    x, w, stat, dw = torch.ones(4, 8, dtype=BF16), torch.ones(8), torch.ones(4), torch.empty(8)
+    return [
+        ("attention_bwd_clear_dkv_accum", lambda: P.launch_clear_dkv_accum(dk_accum, dv_accum)),  # a bare function
+        ("attention_bwd_convert_dkv", lambda: P.launch_convert_dkv(dk_accum, dv_accum, dk, dv, 0.125, 1.0, None)),  # a tuple
+        ("dropout_bias_backward", lambda: D.launch(dy, mask, 0.1, None, None, None, dx, dbias)),  # a _Plan
+        ("layer_norm_backward", lambda: N.launch(dy, x, w, stat, stat, None, False, dx, dw, None)),  # a _Plan, finalize too
+    ]
+
+
+@pytest.mark.parametrize("index", range(4), ids=[op for op, _ in _cpu_launches()])
+def test_guard_catches_a_launch_through_a_cached_plan(index, monkeypatch):
+    """A plan cached before the guard holds a compiled function that no compile cache sees
+    again: the guard must still stop its launch. Without the plan guard (compile caches
+    alone) the same call launches."""
+    from ops._memo import Memo
+
+    for module in (P, D, N):  # fresh memos: nothing of this test stays behind in the real ones
+        monkeypatch.setattr(module, "_plans", Memo())
+    monkeypatch.setattr(cc, "device_arch", lambda index: "sm_90a")  # no driver to ask on CPU
+    monkeypatch.setattr(cc, "num_sms", lambda index: 132)
+    monkeypatch.setattr(cc, "ticket_counters", lambda device, count: torch.zeros(count, dtype=I32))
+    launched = []
+    stand_in = lambda *args: launched.append(len(args))  # noqa: E731
+    op, launch = _cpu_launches()[index]
+    with monkeypatch.context() as warm:  # warm the plan cache: the compile cache hands out the stand-in
+        warm.setattr(cc.CompileCache, "__call__", lambda self, *key: stand_in)
+        launch()
+    assert launched, "the warm-up launched nothing"
+    with monkeypatch.context() as compiles_only:  # compile caches guarded alone: the cached plan launches
+        compiles_only.setattr(cc, "compile_kernel", _reached("compile_kernel"))
+        compiles_only.setattr(cc.CompileCache, "__call__", lambda self, *key: _reached(f"compile cache {self.name}")())
+        before = len(launched)
+        launch()
+        assert len(launched) > before, "the plan was not cached: this test shows nothing"
+    before = len(launched)
+    _guard(monkeypatch, op, entries=False)
+    with pytest.raises(_Reached, match="a launch through"):
+        launch()
+    assert len(launched) == before, "a kernel launched under the guard"
 
 
 def test_refused_sdpa_switches_change_nothing():

@@ -1,5 +1,7 @@
 """The fused dropout + bias backward on the GPU, against an fp64 reference."""
 
+import math
+
 import pytest
 import torch
 
@@ -130,22 +132,56 @@ def test_torch_compile_fullgraph():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def _act_ref(z, activation):
+    """act(z) written from torch primitives (fp64 in, fp64 out), independent of the op's own code."""
+    if activation is None:
+        return z
+    if activation == "relu":
+        return torch.where(z > 0, z, torch.zeros_like(z))
+    if activation == "gelu":  # the tanh approximation
+        return 0.5 * z * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (z + 0.044715 * z**3)))
+    assert activation == "gelu_erf"
+    return 0.5 * z * (1.0 + torch.erf(z / math.sqrt(2.0)))
+
+
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
+
+
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_autograd_matches_torch(activation, dtype):
-    """bias_dropout's gradients equal torch autograd through the same mask."""
-    x = torch.randn(64, 7, 96, device="cuda", dtype=dtype, requires_grad=True)
-    b = torch.randn(96, device="cuda", dtype=dtype, requires_grad=True)
-    g = torch.randn(64, 7, 96, device="cuda", dtype=dtype)
+    """bias_dropout's forward, judged from its output: every element exactly 0 (dropped) or
+    act(x + bias) / (1 - p) within the forward's roundings, about 1 - p of them kept, the kept
+    ones those of the forward's draw (torch.rand >= p under the same seed); its gradients equal
+    fp64 autograd through that mask."""
+    p = 0.3
+    gen = torch.Generator("cuda").manual_seed(7)  # inputs apart from the global generator the forward draws from
+    x = torch.randn(64, 7, 96, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+    b = torch.randn(96, device="cuda", dtype=dtype, generator=gen).requires_grad_()
+    g = torch.randn(64, 7, 96, device="cuda", dtype=dtype, generator=gen)
     torch.manual_seed(123)
-    y = ops.bias_dropout(x, b, 0.3, activation)
+    y = ops.bias_dropout(x, b, p, activation)
     y.backward(g)
+    out = y.detach()
+    z = x.detach().double() + b.detach().double()
+    want = _act_ref(z, activation) / (1 - p)
+    # x + bias, act and the scaling each rounded to dtype: a few roundings of |y|, and act's
+    # slope (<= 1.13 for these activations) times the rounding of x + bias; in fp32 the math
+    # library's tanh / erf (a few ulps, 1 + erf(u) cancelling for negative u) count as much
+    bound = (4 if dtype == torch.bfloat16 else 16) * UNIT_ROUNDOFF[dtype] * (want.abs() + 1.2 * z.abs() / (1 - p))
+    kept = out != 0
+    err = (out.double() - want).abs()
+    assert (err[kept] <= bound[kept]).all(), f"kept elements are not act(x + bias) / (1 - p): max |y - want| {err[kept].max().item():.3g}"
+    visible = want.abs() > 1e-3  # nonzero before dropout whatever the roundings: y == 0 exactly when dropped
+    frac = kept[visible].double().mean().item()
+    assert abs(frac - (1 - p)) < 0.02, f"{frac:.4f} of the elements kept, not about {1 - p}"
     torch.manual_seed(123)
-    mask = torch.rand(x.shape, device="cuda") >= 0.3  # the forward's draw
+    mask = torch.rand(x.shape, device="cuda") >= p  # the forward's draw
+    assert not out[~mask].any(), "an element the draw dropped is not 0"
+    assert torch.equal(kept[visible], mask[visible]), "the kept elements are not the forward's draw"
     x2 = x.detach().double().requires_grad_()
     b2 = b.detach().double().requires_grad_()
-    a2 = dbo._act_forward(x2 + b2, activation)
-    y2 = a2 * mask / 0.7
+    y2 = _act_ref(x2 + b2, activation) * mask / (1 - p)
     y2.backward(g.double())
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert rel_err(y, y2) < tol

@@ -28,12 +28,16 @@ Large tensors (``@pytest.mark.large``; each test below 25 GB of GPU memory, free
   the fp64 reference;
 * memory-efficient attention backward whose batch (dense) or sequence (packed) offsets
   exceed 2^31 elements in q / k / v / out / dO (views of one 2^32+-element buffer) and in
-  the gradients (``shared_storage_dqdkdv``); a few (batch, head) slices are checked
-  against the fp64 reference computed on those slices only.
+  the gradients (``shared_storage_dqdkdv``): every gradient element written (finite), and
+  a few hundred (batch or sequence, head) slices, drawn with a fixed seed, plus every slice
+  of the batches / sequences whose elements straddle element 2^31 or 2^32 of either
+  buffer, against the fp64 reference computed slice by slice.
 """
 
+import bisect
 import gc
 import math
+import random
 
 import pytest
 import torch
@@ -433,12 +437,13 @@ def test_norm_over_2_31_elements(norm, dtype, w_dtype, n, free_gpu_memory):
 # the gradients share one [B, M, 3, H, D] buffer (shared_storage_dqdkdv), whose last
 # batches start past 2^31 elements. Only the checked slices get a consistent forward
 # (out, logsumexp from the fp64 reference); the others' out is random and their
-# logsumexp 8, which keeps every probability finite.
+# logsumexp 8, which keeps every probability (and gradient) finite.
 ATT_M, ATT_H, ATT_D = 256, 4, 64
 ATT_SLOTS = 8
 ATT_UNCHECKED_LSE = 8.0
 ATT_BATCH = 11000  # dense: the gradients' last batches start past 2^31 elements
 ATT_SEQS = 11000  # packed: sequences of 200 / 312 rows
+ATT_SAMPLE = 320  # (batch or sequence, head) slices drawn at random and checked
 
 
 def _workspace_bytes(seqs, h, max_q):
@@ -453,12 +458,48 @@ def _attention_buffers(b, m, gen):
     return buf, q, k, v, out, do
 
 
+def _checked_slices(units, row_strides, unit_of_row, total_rows, fixed, seed):
+    """(unit, head) slices to check, sorted: ``fixed``, ATT_SAMPLE drawn at random (``seed``),
+    and every head of the units (batches or sequences) holding element 2^31 - 1, 2^31,
+    2^32 - 1 or 2^32 of a buffer whose rows (B * M dense, packed rows) are ``row_strides``
+    elements apart (the inputs' buffer, the gradients'): the offsets that cross the limits."""
+    rng = random.Random(seed)
+    picked = set(fixed)
+    picked.update(divmod(i, ATT_H) for i in rng.sample(range(units * ATT_H), ATT_SAMPLE))
+    straddling = set()
+    for stride in row_strides:
+        for limit in (INT32_LIMIT, 2 * INT32_LIMIT):
+            for element in (limit - 1, limit):
+                if element // stride < total_rows:
+                    straddling.add(unit_of_row(element // stride))
+    assert straddling, "test precondition: a buffer reaches element 2^31"
+    picked.update((u, h) for u in straddling for h in range(ATT_H))
+    return sorted(picked)
+
+
+def _consistent_forward(q, k, v, out, rows, h, lse_at):
+    """out and logsumexp of rows ``rows`` (one batch entry or sequence), head h, from the fp64
+    reference, in place (``lse_at``: that slice's view of lse)."""
+    sel = lambda t: t[:, rows, h : h + 1]  # noqa: E731
+    o, l = attention_forward_ref(sel(q), sel(k), sel(v), custom_mask_type=1)
+    out[:, rows, h] = o[:, :, 0].to(BF16)
+    lse_at.copy_(l[0, 0].float())
+
+
 def _check_attention_slice(name, grads, q, k, v, do, rows, h):
     """Gradients of rows ``rows`` (one sequence or batch entry), head h, vs the reference."""
     sel = lambda t: t[:, rows, h : h + 1]  # noqa: E731
     ref = attention_backward_ref(sel(q), sel(k), sel(v), sel(do), custom_mask_type=1)
     for g, r, what in zip(grads, ref, ("dq", "dk", "dv")):
         check_grad(f"{what} [{name}]", sel(g), r, BF16)
+
+
+def _all_finite(grads, dim, name):
+    """Every gradient element was written (the allocator's blocks come poisoned with NaN)."""
+    for g, what in zip(grads, ("dq", "dk", "dv")):
+        for sl in _chunks(g.shape[dim], 1024 if dim == 0 else 1 << 18):
+            part = g[sl] if dim == 0 else g[:, sl]
+            assert torch.isfinite(part).all(), f"{what} [{name}] rows {sl.start}..{sl.stop}: NaN / inf (unwritten?)"
 
 
 @pytest.mark.large
@@ -471,16 +512,17 @@ def test_attention_batch_offsets_over_2_31(splits, free_gpu_memory):
     buf, q, k, v, out, do = _attention_buffers(b, m, gen)
     assert (b - 1) * q.stride(0) > 2 * INT32_LIMIT  # inputs: batch offsets past 2^32
     lse = torch.full((b, h, m), ATT_UNCHECKED_LSE, device=DEV)
-    checked = [(0, 0), (b // 2, 1), (b - 1, h - 1), (b - 1, 0)]
+    # the gradients' rows (shared_storage_dqdkdv: [B, M, 3, H, D]) are 3 H D elements apart
+    checked = _checked_slices(b, (q.stride(1), 3 * h * ATT_D), lambda row: row // m, b * m,
+                              [(0, 0), (b // 2, 1), (b - 1, h - 1), (b - 1, 0)], seed=22 + splits)  # fmt: skip
     for bi, hi in checked:
-        sel = lambda t: t[bi : bi + 1, :, hi : hi + 1]  # noqa: E731
-        o, l = attention_forward_ref(sel(q), sel(k), sel(v), custom_mask_type=1)
-        out[bi, :, hi] = o[0, :, 0].to(BF16)
-        lse[bi, hi] = l[0, 0].float()
+        _consistent_forward(*(t[bi : bi + 1] for t in (q, k, v, out)), slice(None), hi, lse[bi, hi])
     poison_allocator(3 * slot_elems * 2)
     grads = _ours(q, k, v, do, out, lse, 1, splits=splits, shared=True)
     torch.cuda.synchronize()
     assert (b - 1) * grads[0].stride(0) > INT32_LIMIT, "test precondition: gradient offsets past 2^31"
+    assert grads[0].stride(1) == 3 * h * ATT_D and grads[0].storage_offset() == 0, "the gradients' layout changed"
+    _all_finite(grads, 0, f"splits {splits}")
     for bi, hi in checked:
         _check_attention_slice(f"batch {bi} head {hi} splits {splits}", [g[bi : bi + 1] for g in grads],
                                *(t[bi : bi + 1] for t in (q, k, v, do)), slice(None), hi)  # fmt: skip
@@ -501,16 +543,16 @@ def test_attention_packed_offsets_over_2_31(free_gpu_memory):
     assert starts[-2] * q.stride(1) > 2 * INT32_LIMIT  # the last sequence starts past 2^32 elements
     max_len = max(lengths)
     lse = torch.full((nseq, h, max_len), ATT_UNCHECKED_LSE, device=DEV)
-    checked = [(0, 0), (nseq // 2, 2), (nseq - 1, h - 1), (nseq - 2, 1)]
+    # a packed row's sequence: the last start at or before it
+    checked = _checked_slices(nseq, (q.stride(1), 3 * h * ATT_D), lambda row: bisect.bisect_right(starts, row) - 1,
+                              total, [(0, 0), (nseq // 2, 2), (nseq - 1, h - 1), (nseq - 2, 1)], seed=23)  # fmt: skip
     for si, hi in checked:
-        rows = slice(starts[si], starts[si + 1])
-        sel = lambda t: t[:, rows, hi : hi + 1]  # noqa: E731
-        o, l = attention_forward_ref(sel(q), sel(k), sel(v), custom_mask_type=1)
-        out[0, rows, hi] = o[0, :, 0].to(BF16)
-        lse[si, hi, : lengths[si]] = l[0, 0].float()
+        _consistent_forward(q, k, v, out, slice(starts[si], starts[si + 1]), hi, lse[si, hi, : lengths[si]])
     poison_allocator(3 * slot_elems * 2)
     grads = _ours(q, k, v, do, out, lse, 1, splits=1, cq=cu, ck=cu, max_q=max_len, max_k=max_len, shared=True)
     torch.cuda.synchronize()
     assert starts[-2] * grads[0].stride(1) > INT32_LIMIT, "test precondition: gradient offsets past 2^31"
+    assert grads[0].stride(1) == 3 * h * ATT_D and grads[0].storage_offset() == 0, "the gradients' layout changed"
+    _all_finite(grads, 1, "packed")
     for si, hi in checked:
         _check_attention_slice(f"sequence {si} head {hi}", grads, q, k, v, do, slice(starts[si], starts[si + 1]), hi)
