@@ -86,15 +86,17 @@ def tile_error(got: torch.Tensor, ref: torch.Tensor, row_dim: int = 1, floor=Non
     Tiles whose reference is under half the root-mean-square tile are judged against half of
     it. A block of the kernel that is off by a few percent, missing, or computed for the
     wrong rows shows here even when the tensor's largest element hides it. A gradient that
-    is 0 by construction (its typical tile no larger than the rounding ``floor``'s, as
-    ``check_grad`` takes it, or exactly 0) has no scale to be relative to: 0 is returned,
-    and the element-wise check judges it."""
+    is 0 by construction has no scale to be relative to: 0 is returned, and the element-wise
+    check judges it. That is a reference exactly 0, or one whose typical tile is 1e-4
+    of the terms it cancels from (``floor`` / (4 eps): ``check_grad``'s rounding floor is
+    4 eps times those terms)."""
     ref = ref.double()
     norms = _tile_norms(ref, row_dim)
     typical = norms.square().mean().sqrt().item()
     if floor is not None:
         floor_tiles = _tile_norms(torch.as_tensor(floor, dtype=torch.float64).expand_as(ref), row_dim)
-        if typical <= floor_tiles.square().mean().sqrt().item():
+        terms = floor_tiles.square().mean().sqrt().item() / (4 * UNIT_ROUNDOFF[got.dtype])
+        if typical <= 1e-4 * terms:
             return 0.0
     if typical == 0.0:
         return 0.0
