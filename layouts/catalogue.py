@@ -26,6 +26,7 @@ from .algebra import (
     MmaAtom,
     Swizzle,
     TVLayout,
+    product,
     sm75_ldmatrix_x4,
     sm80_mma_16x8x16,
 )
@@ -45,15 +46,6 @@ def _dsl_layout(layout: Layout):
     import cutlass.cute as cute
 
     return cute.make_layout(layout.shape, stride=layout.stride)
-
-
-def _size(mode) -> int:
-    if isinstance(mode, tuple):
-        n = 1
-        for m in mode:
-            n *= _size(m)
-        return n
-    return mode
 
 
 @dataclass(frozen=True)
@@ -101,7 +93,7 @@ class SmemEntry:
     @property
     def tile(self) -> Tuple[int, int]:
         # a tiled atom has nested modes, e.g. ((8, 16), (64, 2)): the tile is their sizes
-        return tuple(_size(m) for m in self.view.shape)
+        return tuple(product(m) for m in self.view.shape)
 
     def build(self):
         import cutlass.cute as cute

@@ -11,7 +11,7 @@ from __future__ import annotations
 from . import attention_bwd_prepost as prepost
 from . import attention_sm90, attention_sm90_smem, dropout_bias, layer_norm, mem_eff_attention
 from .access import SmemAccess, copy, fragment, matrix_x4
-from .algebra import Layout, TVLayout, make_layout, make_ordered_layout, make_tiled_copy_tv, sm80_mma_16x8x16
+from .algebra import Layout, TVLayout, make_layout, make_ordered_layout, make_tiled_copy_tv, product, sm80_mma_16x8x16
 from .catalogue import ARCHS, DTYPES, CopyEntry, MmaEntry, SmemEntry, register
 from .spec import FragmentCopySpec, TiledCopySpec
 
@@ -191,7 +191,7 @@ def _register_attention_sm90() -> None:
         base = f"attention_bwd_sm90.sm90.bf16.{config}"
         accesses = attention_sm90_smem.smem_accesses(t)
         for name, (layout, dtype, what) in attention_sm90_smem.smem_layouts_algebra(t).items():
-            tile = "x".join(str(_size(m)) for m in layout.shape)
+            tile = "x".join(str(product(m)) for m in layout.shape)
             register(SmemEntry(f"{base}.{name}", f"{what}: {tile}, {layout.swizzle} (element units)", layout, dtype,
                                accesses[name]))
         if t.dkv_vector_store:
@@ -199,15 +199,6 @@ def _register_attention_sm90() -> None:
             spec = TiledCopySpec((t.num_mma_threads // per_row, per_row), (1, attention_sm90.DKV_VECTOR_BITS // 16), 16)
             register(CopyEntry(f"{base}.gmem_dkv", "dK / dV rows from the staged tile to global memory, 16 bytes "
                                "a consumer thread (s2g_copy_dkv)", spec, "bf16"))
-
-
-def _size(mode) -> int:
-    if isinstance(mode, tuple):
-        n = 1
-        for m in mode:
-            n *= _size(m)
-        return n
-    return mode
 
 
 # ------------------------------------------------------------------------- LayerNorm
