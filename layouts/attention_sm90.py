@@ -182,7 +182,7 @@ TILE_RING_SLOTS = 4  # persistent CTAs: tile indices in flight from the producer
 # steps a tile; FA4 same process): 16x16x512x64 (4) 0.1541 / 0.1430 (FA4 0.1502), 8x16x1024x64
 # (8) 0.2202 / 0.2174 (0.2199), 4x16x2048x64 (16) 0.375 / 0.383. The slow outliers once blamed on
 # it are the host's: event-timed rounds (the suite's do_bench) scatter for both kernels alike
-# when the lent machine's CPU is slow, graph replays do not (docs/attention_sm90.md)
+# when the host's CPU is slow, graph replays do not (docs/attention_sm90.md)
 CARRY_DQ_MAX_STEPS = 8
 # convert_dq overlapping a CTA-per-tile grid's last wave (ops.attention_sm90._overlaps_convert):
 # only where a head has at most this many key blocks. Each CTA's count waits until its last dQ

@@ -267,7 +267,7 @@ class AttentionBackwardConfig:
         """AccumulatorSharedStorage of attn_T (and of tmp_T = dSᵀ·scale): J x I."""
         return self.smem_tile(self.block_size_j, self.block_size_i)
 
-    # ---- bias and dropout (issue 6) ---------------------------------------------------
+    # ---- bias and dropout ----------------------------------------------------------------
     @property
     def tile_pad_bytes(self) -> int:
         # 16 bytes per row: rows stay 16-byte aligned (cp.async) and consecutive query
