@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from layouts.attention_bwd_prepost import round_up
+from layouts.attention_sm90 import TMA_ALIGN_BYTES  # the kernels' widest access: gradients are made dense otherwise
 
 from . import _compile as cc
 from ._validate import check_cuda, check_float, check_int, check_same_device, check_tensor, kernel_ready, validate_once
@@ -297,9 +298,6 @@ def _mea_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(lse, seed, offset)
 
 
-_VEC_BYTES = 16  # the kernels' widest access (and TMA's stride unit): gradients are made dense otherwise
-
-
 def _mea_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
     del grad_lse, grad_seed, grad_offset
     from ops.mem_eff_attention import efficient_attention_backward
@@ -308,7 +306,7 @@ def _mea_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
     none = (None,) * 7
     if grad_out is None:
         return (None,) * 14
-    grad_out = kernel_ready(grad_out, _VEC_BYTES // grad_out.element_size())
+    grad_out = kernel_ready(grad_out, TMA_ALIGN_BYTES // grad_out.element_size())
     bias_grad = attn_bias is not None and ctx.needs_input_grad[10]
     dq, dk, dv, db = efficient_attention_backward(
         grad_out, query, key, value, attn_bias, out, cu_q, cu_k, ctx.max_seqlens[0], ctx.max_seqlens[1], lse,
@@ -519,7 +517,7 @@ def _sdpa_backward_override(grad_out, query, key, value, attn_bias, out, logsume
 
         t = lambda x: x.transpose(1, 2)  # noqa: E731
         q_t, k_t = t(query), t(key)
-        grad_out = kernel_ready(grad_out, _VEC_BYTES // grad_out.element_size())
+        grad_out = kernel_ready(grad_out, TMA_ALIGN_BYTES // grad_out.element_size())
         try:
             bias_grad = attn_bias is not None and bool(grad_input_mask[3])
             dq, dk, dv, db = efficient_attention_backward(
