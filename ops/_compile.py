@@ -15,6 +15,7 @@ from typing import Callable, Dict, Hashable, Optional, Sequence
 
 import cutlass
 import cutlass.cute as cute
+import numpy as np
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
@@ -99,6 +100,25 @@ def fake_rng_args(on_device: bool) -> tuple:
     else:
         seed, offset = cutlass.Int64(0), cutlass.Int64(0)
     return seed, offset, cutlass.Float32(0.5), cutlass.Float32(2.0), cutlass.Int64(1)
+
+
+def rng_on_device(philox_seed, philox_offset) -> bool:
+    """Whether a kernel reads the dropout seed and offset from device memory: where both live
+    on the GPU (torch's forward under CUDA-graph capture; a host read would synchronise and
+    end the capture)."""
+    return philox_seed is not None and philox_seed.is_cuda and philox_offset.is_cuda
+
+
+def dropout_args(dropout_p, philox_seed, philox_offset, rows_q, rows_k) -> tuple:
+    """(seed, offset, p, 1 / (1 - p), Mq * Mk) as the attention backwards take them: p as the
+    float torch's kernels compare with, the scale computed in double from it, as theirs. A
+    seed and offset on the device stay there, as [1] views the kernel reads (``rng_on_device``);
+    host ones are passed as values."""
+    p32 = float(np.float32(dropout_p))
+    scale = float(np.float32(1.0 / (1.0 - p32)))
+    if rng_on_device(philox_seed, philox_offset):
+        return philox_seed.reshape(1), philox_offset.reshape(1), p32, scale, rows_q * rows_k
+    return int(philox_seed.item()), int(philox_offset.item()), p32, scale, rows_q * rows_k
 
 
 def eager(t: torch.Tensor) -> bool:

@@ -385,7 +385,10 @@ def memory_efficient_attention(
     if attn_bias is not None:
         attn_bias = _prepare_bias(attn_bias, query, key, cu_seqlens_q)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, attn_bias) if t is not None):
-        _check_backward_runs(query, key, value, mask_type, window_size, attn_bias, dropout_p, backend)
+        validate_once(  # by metadata: the backward checks each call's addresses again
+            ("mea_bwd", query, key, value, attn_bias, mask_type, window_size, dropout_p > 0.0, backend),
+            lambda: _check_backward_runs(query, key, value, mask_type, window_size, attn_bias, dropout_p, backend),
+        )
     out, _, _, _ = _mea_forward(
         query, key, value, cu_seqlens_q, cu_seqlens_k, max_q, max_k, mask_type, window_size, scale, attn_bias, dropout_p,
         backend, deterministic,

@@ -55,7 +55,7 @@ def _build(dtype, head_dim: int, head_dim_v: int, mask_type: int, has_window: bo
     each query block's first dQ is stored, no zeroed accumulator (``_stores_first``);
     ``zero_ahead``: persistent CTAs zero the accumulator a round of tiles ahead (``_zeroes_ahead``);
     ``tail_m``: the partial last query block's products that many queries wide (``_tail_m``);
-    ``rng_on_device``: dropout's seed and offset read from device tensors (``mem_eff_attention.rng_on_device``)."""
+    ``rng_on_device``: dropout's seed and offset read from device tensors (``_compile.dropout_args``)."""
     tiles = _tiles(head_dim, head_dim_v, has_bias, grad_bias, dropout)
     # a head dim above 128: the 64 x 64 decomposition (P^T / dS^T through shared memory)
     cls = AttentionBackwardSm90Wide if isinstance(tiles, tiling.AttentionSm90WideTiles) else AttentionBackwardSm90
@@ -349,11 +349,9 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     ``bias_requires_grad`` grad_bias is [B, H, Sq, Sk] (rows padded to 128 bits, as torch's),
     else None. Dropout: the keep mask of torch's memory-efficient forward for
     ``philox_seed / philox_offset`` (int64 scalar tensors), p = ``dropout_p``."""
-    from .mem_eff_attention import rng_on_device
-
     varlen = cu_seqlens_q is not None
     window, dropout = int(window_size or 0), float(dropout_p) > 0.0
-    rng_dev = dropout and rng_on_device(philox_seed, philox_offset)
+    rng_dev = dropout and cc.rng_on_device(philox_seed, philox_offset)
     if bias is not None and varlen:
         raise NotImplementedError("attention bias with cu_seqlens is not supported (torch's forward refuses it too)")
     sig = (query.shape, key.shape, value.shape, query.dtype, query.device, int(mask_type), window, bool(deterministic),
@@ -404,10 +402,8 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
             # a head is complete once every key block of the grid (ceil(rows_k / tile_n)) is counted
             ready = (tiles, counts, *plan.ready_counts)
     rng = (None,) * 5
-    if dropout:  # reads the seed / offset tensors (a copy to the host)
-        from .mem_eff_attention import _dropout_args
-
-        rng = _dropout_args(dropout_p, philox_seed, philox_offset, plan.rows_q, plan.rows_k)
+    if dropout:  # host seed / offset as values, device ones as tensors the kernel reads
+        rng = cc.dropout_args(dropout_p, philox_seed, philox_offset, plan.rows_q, plan.rows_k)
     if plan.unzeroed:  # every block's first dQ is stored there, or the kernel zeroes it
         dq_accum = _unzeroed_dq_accum(dq_accum)
     elif not sp.fused_zeroing:  # the preprocess clears out's width (Dv): Dqk's apart

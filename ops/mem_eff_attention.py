@@ -70,7 +70,7 @@ log = logging.getLogger("cute_kernels.attention")
 def _build(dtype, cfg: tiling.AttentionBackwardConfig, varlen: bool, computes_delta: bool, arch: str,
            rng_on_device: bool = False):  # fmt: skip
     """Compile one configuration; bias, its gradient and dropout are the config's flags.
-    ``rng_on_device``: the dropout seed and offset are read from device tensors (``rng_args``)."""
+    ``rng_on_device``: the dropout seed and offset are read from device tensors (``_compile.dropout_args``)."""
     vec = cfg.vec
     kernel = AttentionBackwardKernel(dtype, cfg, varlen, computes_delta)
     b, h, mq, mk, dqk, dv = (cute.sym_int() for _ in range(6))
@@ -319,24 +319,6 @@ def grad_bias_buffer(query: Tensor, mk: int, mask_type: int) -> Tensor:
     return alloc((b, h, mq, padded), dtype=query.dtype, device=query.device)[..., :mk]
 
 
-def _dropout_args(dropout_p, philox_seed, philox_offset, rows_q, rows_k):
-    """(seed, offset, p, 1 / (1 - p), Mq * Mk) as the kernel takes them: p as the float
-    torch's kernels compare with, the scale computed in double from it, as theirs. A seed
-    and offset on the device (torch's forward under CUDA-graph capture) stay there, as
-    [1] views the kernel reads (``rng_on_device``); host ones are passed as values."""
-    p32 = float(np.float32(dropout_p))
-    scale = float(np.float32(1.0 / (1.0 - p32)))
-    if rng_on_device(philox_seed, philox_offset):
-        return philox_seed.reshape(1), philox_offset.reshape(1), p32, scale, rows_q * rows_k
-    return int(philox_seed.item()), int(philox_offset.item()), p32, scale, rows_q * rows_k
-
-
-def rng_on_device(philox_seed, philox_offset) -> bool:
-    """Whether the kernel reads the dropout seed and offset from device memory: where either
-    lives on the GPU (a host read would synchronise, and end a CUDA-graph capture)."""
-    return philox_seed is not None and (philox_seed.is_cuda or philox_offset.is_cuda)
-
-
 def _check_call(grad_out, query, key, value, bias, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 logsumexp, custom_mask_type, bias_requires_grad, window_size, num_splits_key, deterministic):  # fmt: skip
     """efficient_attention_backward's checks of tensor metadata and flags (the per-call
@@ -529,8 +511,8 @@ def _mem_eff_impl(
         )
     rng = (None,) * 5
     if dropout:
-        rng = _dropout_args(dropout_p, philox_seed, philox_offset, rows_q, rows_k)
-    on_device = dropout and rng_on_device(philox_seed, philox_offset)
+        rng = cc.dropout_args(dropout_p, philox_seed, philox_offset, rows_q, rows_k)
+    on_device = dropout and cc.rng_on_device(philox_seed, philox_offset)
     fn = compiled(cc.cute_dtype(query.dtype), cfg, varlen, computes_delta, arch, on_device)
     fn(
         query, key, value, out, grad_out, logsumexp, delta, grad_q, grad_k, grad_v, workspace, workspace_kv,
