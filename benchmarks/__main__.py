@@ -74,10 +74,14 @@ def _plot(rows, path):
 
 def _parser():
     head, _, rest = __doc__.partition("\n\n")
-    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=head, epilog=rest,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--quick", action="store_true",
-                    help="a few cases per suite, written as <suite>.quick.json; without a GPU, compile only their configurations")  # fmt: skip
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks", description=head, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a few cases per suite, written as <suite>.quick.json; without a GPU, compile only their configurations",
+    )
     ap.add_argument("--suite", action="append", choices=SUITES, help="run only this suite (repeatable)")
     ap.add_argument("--out", default=RESULTS, help="results root (default: benchmarks/results)")
     return ap

@@ -110,8 +110,14 @@ class BoardSampler:
         if exe is None:
             return None
         field = power_field(exe, gpu)
-        cmd = [exe, f"--id={gpu}", f"--query-gpu={field},clocks.sm", "--format=csv,noheader,nounits", "-lms",
-               str(PERIOD_MS)]  # fmt: skip
+        cmd = [
+            exe,
+            f"--id={gpu}",
+            f"--query-gpu={field},clocks.sm",
+            "--format=csv,noheader,nounits",
+            "-lms",
+            str(PERIOD_MS),
+        ]
         try:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         except OSError:

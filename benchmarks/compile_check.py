@@ -97,8 +97,9 @@ class Progress:
             self._write(f"  {self.label}: {done}/{self.total} compiled in {seconds:.1f} s\n")
 
 
-def compile_suites(suites: Sequence[str], quick: bool, stream=None, arches: Sequence[str] = ARCHES,
-                   every: int = 0) -> int:  # fmt: skip
+def compile_suites(
+    suites: Sequence[str], quick: bool, stream=None, arches: Sequence[str] = ARCHES, every: int = 0
+) -> int:
     """Compile every suite's configurations with a progress line each; the count compiled."""
     total = 0
     for name in suites:

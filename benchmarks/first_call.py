@@ -32,9 +32,12 @@ def _call(case: str):
         return lambda: ops.layer_norm_backward(dy, x, w, mean, rstd, b)
     d, backend = (128, "sm90") if case == "attention_sm90_d128" else (64, "mem_eff")
     q, k, v, do = (torch.randn(2, 1024, 8, d, device=dev, dtype=bf16) for _ in range(4))
-    out, lse, _, _, _, _ = torch.ops.aten._efficient_attention_forward(q, k, v, None, None, None, None, None, 0.0, 1, True)
-    return lambda: ops.efficient_attention_backward(do, q, k, v, None, out, None, None, None, None, lse, 0.0, None, None,
-                                                    1, False, backend=backend)  # fmt: skip
+    out, lse, _, _, _, _ = torch.ops.aten._efficient_attention_forward(
+        q, k, v, None, None, None, None, None, 0.0, 1, True
+    )
+    return lambda: ops.efficient_attention_backward(
+        do, q, k, v, None, out, None, None, None, None, lse, 0.0, None, None, 1, False, backend=backend
+    )
 
 
 def child(case: str) -> dict:

@@ -97,7 +97,7 @@ def sanitizer_candidates() -> List[str]:
 
 
 def find_sanitizer(explicit: Optional[str] = None) -> Optional[str]:
-    for path in ([explicit] if explicit else sanitizer_candidates()):
+    for path in [explicit] if explicit else sanitizer_candidates():
         if path and os.path.isfile(path) and os.access(path, os.X_OK):
             return path
     return None
@@ -198,7 +198,7 @@ def parse_output(text: str) -> Parsed:
             continue
         if not line.startswith(_PREFIX):
             continue  # the program's own output
-        body = line[len(_PREFIX):]
+        body = line[len(_PREFIX) :]
         if not body.strip():
             in_record = False
             continue
@@ -340,25 +340,52 @@ def make_jobs(configs, tools: Sequence[str], group_mode: str) -> List[Job]:
         jobs += [Job(tool, g, cs) for g, cs in groups.items()]
     # the slowest first: racecheck, then attention (its compiles dominate), larger groups
     tool_rank = {"racecheck": 0, "memcheck": 1, "initcheck": 2, "synccheck": 3, PLAIN: 4}
-    jobs.sort(key=lambda j: (
-        tool_rank.get(j.tool, 5), not any(c.family == "mem_eff_attention" for c in j.configs), -len(j.configs)
-    ))  # fmt: skip
+    jobs.sort(
+        key=lambda j: (
+            tool_rank.get(j.tool, 5),
+            not any(c.family == "mem_eff_attention" for c in j.configs),
+            -len(j.configs),
+        )
+    )
     return jobs
 
 
-def sanitizer_command(sanitizer: str, tool: str, names: Sequence[str], *, port: int, launch_timeout: int,
-                      racecheck_report: str = "analysis", all_kernels: bool = False, settle: float = 0.25,
-                      padding: int = 256, python: str = sys.executable) -> List[str]:  # fmt: skip
+def sanitizer_command(
+    sanitizer: str,
+    tool: str,
+    names: Sequence[str],
+    *,
+    port: int,
+    launch_timeout: int,
+    racecheck_report: str = "analysis",
+    all_kernels: bool = False,
+    settle: float = 0.25,
+    padding: int = 256,
+    python: str = sys.executable,
+) -> List[str]:
     worker = [python, "-m", "benchmarks.sanitize", "--worker", ",".join(names), "--settle", str(settle)]
     if tool == PLAIN:
         return worker
     cmd = [
-        sanitizer, "--tool", tool, "--error-exitcode", str(ERROR_EXITCODE),
-        "--launch-timeout", str(launch_timeout), "--port", str(port),
-        "--target-processes", "application-only", "--print-limit", "10000",
-        "--show-backtrace", "device", "--destroy-on-device-error", "kernel",
+        sanitizer,
+        "--tool",
+        tool,
+        "--error-exitcode",
+        str(ERROR_EXITCODE),
+        "--launch-timeout",
+        str(launch_timeout),
+        "--port",
+        str(port),
+        "--target-processes",
+        "application-only",
+        "--print-limit",
+        "10000",
+        "--show-backtrace",
+        "device",
+        "--destroy-on-device-error",
+        "kernel",
         "--ignore-getprocaddress-notfound",
-    ]  # fmt: skip
+    ]
     if not all_kernels:
         cmd += ["--kernel-name", KERNEL_FILTER]
     if tool == "racecheck":
@@ -381,8 +408,17 @@ def job_env(tool: str, caching_allocator: bool, lineinfo: bool) -> Dict[str, str
 
 def run_job(job: Job, env: Dict[str, str], timeout: float, log_dir: Optional[str]) -> None:
     t0 = time.time()
-    proc = subprocess.Popen(job.command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        job.command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -448,15 +484,30 @@ def config_result(job: Job, cfg, strict: bool = False) -> dict:
     else:
         status = "clean"
     return {
-        "config": cfg.name, "family": cfg.family, "group": job.group, "tool": job.tool, "status": status,
-        "errors": b.errors, "warnings": b.warnings, "api_errors": b.api_errors,
-        "seconds": end["seconds"] if end else None, "detail": end["detail"] if end else "",
-        "excerpt": b.lines, "log": job.log,
-    }  # fmt: skip
+        "config": cfg.name,
+        "family": cfg.family,
+        "group": job.group,
+        "tool": job.tool,
+        "status": status,
+        "errors": b.errors,
+        "warnings": b.warnings,
+        "api_errors": b.api_errors,
+        "seconds": end["seconds"] if end else None,
+        "detail": end["detail"] if end else "",
+        "excerpt": b.lines,
+        "log": job.log,
+    }
 
 
-CELL = {"clean": "ok", "fired": "fired", "skipped": "-", "not run": "NOT RUN", "incomplete": "CRASH",
-        "silent": "SILENT", "exception": "EXC"}  # fmt: skip
+CELL = {
+    "clean": "ok",
+    "fired": "fired",
+    "skipped": "-",
+    "not run": "NOT RUN",
+    "incomplete": "CRASH",
+    "silent": "SILENT",
+    "exception": "EXC",
+}
 
 
 def format_table(results: List[dict], tools: Sequence[str]) -> str:
@@ -502,13 +553,23 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.sanitize", description=__doc__.splitlines()[0])
     ap.add_argument("--list", action="store_true", help="print the configurations and exit")
     ap.add_argument("--tools", default=",".join(DEFAULT_TOOLS), help=f"comma-separated, of {', '.join(TOOLS)}")
-    ap.add_argument("--only", help="run only configurations whose name contains one of these (comma-separated) substrings")
-    ap.add_argument("--group", choices=("family", "config", "all"), default="family",
-                    help="configurations per sanitizer process: a family's group (default), one each, or all in one")
+    ap.add_argument(
+        "--only", help="run only configurations whose name contains one of these (comma-separated) substrings"
+    )
+    ap.add_argument(
+        "--group",
+        choices=("family", "config", "all"),
+        default="family",
+        help="configurations per sanitizer process: a family's group (default), one each, or all in one",
+    )
     ap.add_argument("--jobs", type=int, default=0, help="sanitizer processes at once (default: min(6, CPUs / 2))")
     ap.add_argument("--timeout", type=float, default=480.0, help="seconds for one sanitizer process (default 480)")
-    ap.add_argument("--budget", type=float, default=0.0,
-                    help="seconds for the whole run: jobs not started by then are reported as not run (0: none)")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=0.0,
+        help="seconds for the whole run: jobs not started by then are reported as not run (0: none)",
+    )
     ap.add_argument("--json", help="report path (default benchmarks/results/<arch>-<gpu>/sanitize.json)")
     ap.add_argument("--log-dir", help="keep each process's full output here (default: a temporary directory)")
     ap.add_argument("--warm", action="store_true", help="first run every group once without a sanitizer")
@@ -516,14 +577,19 @@ def main(argv=None) -> int:
     ap.add_argument("--all-kernels", action="store_true", help="check every kernel, torch's too (slower, noisier)")
     ap.add_argument("--racecheck-report", choices=("analysis", "hazard", "all"), default="analysis")
     ap.add_argument("--padding", type=int, default=256, help="memcheck's guard bytes after each allocation (0: none)")
-    ap.add_argument("--caching-allocator", action="store_true",
-                    help="keep torch's caching allocator under memcheck (misses overruns inside its blocks)")
+    ap.add_argument(
+        "--caching-allocator",
+        action="store_true",
+        help="keep torch's caching allocator under memcheck (misses overruns inside its blocks)",
+    )
     ap.add_argument("--no-lineinfo", action="store_true", help="compile without line info (CUTE_DSL_LINEINFO)")
     ap.add_argument("--strict", action="store_true", help="also fail on racecheck warnings and CUDA API errors")
     ap.add_argument("--settle", type=float, default=0.25, help="seconds the worker waits after each workload")
     ap.add_argument("--sanitizer", help="path of compute-sanitizer (default: searched)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)  # CONFIG[,CONFIG...]: run in this process
-    ap.add_argument("--fake", action="store_true", help="with --worker: run under FakeTensorMode (no GPU; checks the calls)")
+    ap.add_argument(
+        "--fake", action="store_true", help="with --worker: run under FakeTensorMode (no GPU; checks the calls)"
+    )
     args = ap.parse_args(argv)
 
     if args.worker is not None:
@@ -556,8 +622,11 @@ def main(argv=None) -> int:
         print("compute-sanitizer not found. Looked at:", file=sys.stderr)
         for c in sanitizer_candidates() or ["(nothing: no CUDA toolkit or sanitizer wheel found)"]:
             print(f"  {c}", file=sys.stderr)
-        print("Install the CUDA toolkit, or `pip install nvidia-cuda-sanitizer-api`, or pass --sanitizer PATH "
-              "(or set COMPUTE_SANITIZER / CUDA_HOME).", file=sys.stderr)  # fmt: skip
+        print(
+            "Install the CUDA toolkit, or `pip install nvidia-cuda-sanitizer-api`, or pass --sanitizer PATH "
+            "(or set COMPUTE_SANITIZER / CUDA_HOME).",
+            file=sys.stderr,
+        )
         return 2
 
     from ops._compile import device_arch
@@ -579,8 +648,10 @@ def main(argv=None) -> int:
 
     run_tools = ([PLAIN] if args.warm else []) + tools
     jobs = make_jobs(configs, run_tools, args.group)
-    print(f"{len(configs)} configurations, tools {', '.join(run_tools)}: {len(jobs)} processes, {jobs_n} at a time;"
-          f" logs in {log_dir}")  # fmt: skip
+    print(
+        f"{len(configs)} configurations, tools {', '.join(run_tools)}: {len(jobs)} processes, {jobs_n} at a time;"
+        f" logs in {log_dir}"
+    )
 
     start = time.time()
     ports = list(range(BASE_PORT, BASE_PORT + PORT_STRIDE * jobs_n, PORT_STRIDE))
@@ -596,10 +667,16 @@ def main(argv=None) -> int:
                 port = ports.pop()
             try:
                 job.command = sanitizer_command(
-                    sanitizer, job.tool, [c.name for c in job.configs], port=port,
-                    launch_timeout=int(args.timeout), racecheck_report=args.racecheck_report,
-                    all_kernels=args.all_kernels, settle=args.settle, padding=args.padding,
-                )  # fmt: skip
+                    sanitizer,
+                    job.tool,
+                    [c.name for c in job.configs],
+                    port=port,
+                    launch_timeout=int(args.timeout),
+                    racecheck_report=args.racecheck_report,
+                    all_kernels=args.all_kernels,
+                    settle=args.settle,
+                    padding=args.padding,
+                )
                 env = job_env(job.tool, args.caching_allocator, not args.no_lineinfo)
                 timeout = args.timeout if remaining is None else min(args.timeout, remaining)
                 run_job(job, env, timeout, log_dir)
@@ -611,8 +688,11 @@ def main(argv=None) -> int:
             n_err = sum(config_result(job, c, args.strict)["status"] not in PASSING for c in job.configs)
             probs = job_problems(job, args.strict)
             state = "ok" if not n_err and not probs else f"{n_err} failing" + (f"; {'; '.join(probs)}" if probs else "")
-            print(f"[{done_count[0]:2d}/{len(jobs)}] {job.tool:9} {job.group:28} {len(job.configs):2d} configs "
-                  f"{job.seconds:6.1f} s  {state}", flush=True)  # fmt: skip
+            print(
+                f"[{done_count[0]:2d}/{len(jobs)}] {job.tool:9} {job.group:28} {len(job.configs):2d} configs "
+                f"{job.seconds:6.1f} s  {state}",
+                flush=True,
+            )
         return job
 
     if args.warm:
@@ -634,22 +714,46 @@ def main(argv=None) -> int:
         for c in job.configs:
             results.append(config_result(job, c, args.strict))
         p = job.parsed
-        processes.append({
-            "tool": job.tool, "group": job.group, "configs": [c.name for c in job.configs],
-            "returncode": job.returncode, "seconds": round(job.seconds, 2), "timed_out": job.timed_out,
-            "skipped": job.skipped, "problems": job_problems(job, args.strict),
-            "error_summary": p.error_summary if p else None, "racecheck_summary": p.race_summary if p else None,
-            "outside_configs": {k: {"errors": b.errors, "warnings": b.warnings, "api_errors": b.api_errors,
-                                    "excerpt": b.lines} for k, b in (p.buckets.items() if p else ())
-                                if k in (STARTUP, EXIT)},
-            "command": job.command, "log": job.log,
-        })  # fmt: skip
+        processes.append(
+            {
+                "tool": job.tool,
+                "group": job.group,
+                "configs": [c.name for c in job.configs],
+                "returncode": job.returncode,
+                "seconds": round(job.seconds, 2),
+                "timed_out": job.timed_out,
+                "skipped": job.skipped,
+                "problems": job_problems(job, args.strict),
+                "error_summary": p.error_summary if p else None,
+                "racecheck_summary": p.race_summary if p else None,
+                "outside_configs": {
+                    k: {"errors": b.errors, "warnings": b.warnings, "api_errors": b.api_errors, "excerpt": b.lines}
+                    for k, b in (p.buckets.items() if p else ())
+                    if k in (STARTUP, EXIT)
+                },
+                "command": job.command,
+                "log": job.log,
+            }
+        )
     for c in configs:  # a tool a configuration is not meant for
         for t in run_tools:
             if not any(r["config"] == c.name and r["tool"] == t for r in results):
-                results.append({"config": c.name, "family": c.family, "group": c.group, "tool": t,
-                                "status": "skipped", "errors": 0, "warnings": 0, "api_errors": 0,
-                                "seconds": None, "detail": "", "excerpt": [], "log": ""})  # fmt: skip
+                results.append(
+                    {
+                        "config": c.name,
+                        "family": c.family,
+                        "group": c.group,
+                        "tool": t,
+                        "status": "skipped",
+                        "errors": 0,
+                        "warnings": 0,
+                        "api_errors": 0,
+                        "seconds": None,
+                        "detail": "",
+                        "excerpt": [],
+                        "log": "",
+                    }
+                )
     tool_rank = {t: i for i, t in enumerate(run_tools)}
     results.sort(key=lambda r: (order[r["config"]], tool_rank[r["tool"]]))
     failing = [r for r in results if r["status"] not in PASSING]
@@ -660,21 +764,35 @@ def main(argv=None) -> int:
     print(format_table(results, run_tools))
     print()
     for r in failing:
-        print(f"FAIL {r['config']} [{r['tool']}]: {r['status']}"
-              + (f" ({r['errors']} errors)" if r["errors"] else "") + (f" {r['detail']}" if r["detail"] else ""))
+        print(
+            f"FAIL {r['config']} [{r['tool']}]: {r['status']}"
+            + (f" ({r['errors']} errors)" if r["errors"] else "")
+            + (f" {r['detail']}" if r["detail"] else "")
+        )
         for line in r["excerpt"][:12]:
             print(f"    {line}")
     for p in proc_failing:
         print(f"FAIL process {p['tool']} {p['group']}: {'; '.join(p['problems'])} (log {p['log']})")
-    print(f"{'OK' if ok else 'FAILED'}: {len(results) - len(failing)}/{len(results)} (configuration, tool) pairs pass;"
-          f" {wall:.0f} s")  # fmt: skip
+    print(
+        f"{'OK' if ok else 'FAILED'}: {len(results) - len(failing)}/{len(results)} (configuration, tool) pairs pass;"
+        f" {wall:.0f} s"
+    )
 
     report = {
-        "device": device, "arch": arch, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-        "sanitizer": {"path": sanitizer, "version": version}, "tools": run_tools, "group": args.group,
-        "jobs": jobs_n, "kernel_filter": None if args.all_kernels else KERNEL_FILTER, "seconds": round(wall, 1),
-        "ok": ok, "results": results, "processes": processes,
-    }  # fmt: skip
+        "device": device,
+        "arch": arch,
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+        "sanitizer": {"path": sanitizer, "version": version},
+        "tools": run_tools,
+        "group": args.group,
+        "jobs": jobs_n,
+        "kernel_filter": None if args.all_kernels else KERNEL_FILTER,
+        "seconds": round(wall, 1),
+        "ok": ok,
+        "results": results,
+        "processes": processes,
+    }
     os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
     with open(json_path, "w") as f:
         json.dump(report, f, indent=1)

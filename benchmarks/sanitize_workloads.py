@@ -188,9 +188,13 @@ def _prepost_preprocess_varlen(dtype, d, lengths, h=3, zero_dq_accum=False, offs
     total = sum(lengths)
     out, grad_out = _packed(total, h, d, dtype, offset), _packed(total, h, d, dtype, offset)
     ops.attention_bwd_preprocess(
-        out, grad_out, scale=0.75, cu_seqlens_q=_cu_seqlens(lengths), max_seqlen_q=max(lengths) + slack,
+        out,
+        grad_out,
+        scale=0.75,
+        cu_seqlens_q=_cu_seqlens(lengths),
+        max_seqlen_q=max(lengths) + slack,
         zero_dq_accum=zero_dq_accum,
-    )  # fmt: skip
+    )
 
 
 def _prepost_odd_row_slice():
@@ -238,7 +242,9 @@ def _prepost_convert_dq_varlen(dtype, d, lengths, h=3):
     cu = _cu_seqlens(lengths)
     for nsplits in (None, 3):
         acc = torch.randn(A.dq_accum_shape(len(lengths), sum(lengths), h, d, varlen=True, nsplits=nsplits), device=DEV)
-        ops.attention_bwd_convert_dq(acc, 0.1, head_dim=d, cu_seqlens_q=cu, max_seqlen_q=max(lengths), p_dropout=0.2, dtype=dtype)
+        ops.attention_bwd_convert_dq(
+            acc, 0.1, head_dim=d, cu_seqlens_q=cu, max_seqlen_q=max(lengths), p_dropout=0.2, dtype=dtype
+        )
 
 
 def _prepost_convert_dkv(dtype, d, b, s, h):
@@ -281,10 +287,15 @@ def _prepost_configs():
     add("preprocess-bf16-d128-2x77x3", lambda: _prepost_preprocess(BF16, 128, 2, 77, 3, scale=0.9))
     add("preprocess-bf16-d1-1x1x1", lambda: _prepost_preprocess(BF16, 1, 1, 1, 1))
     add("preprocess-fp32-d33-bhsd", lambda: _prepost_preprocess(F32, 33, 3, 200, 2, layout="bhsd"))
-    add("preprocess-zero-dq-bf16-d64-bhsd", lambda: _prepost_preprocess(BF16, 64, 2, 200, 3, "bhsd", zero_dq_accum=True))
+    add(
+        "preprocess-zero-dq-bf16-d64-bhsd", lambda: _prepost_preprocess(BF16, 64, 2, 200, 3, "bhsd", zero_dq_accum=True)
+    )
     add("preprocess-zero-dq-bf16-d256", lambda: _prepost_preprocess(BF16, 256, 1, 130, 2, zero_dq_accum=True))
     add("preprocess-varlen-fp16-d40", lambda: _prepost_preprocess_varlen(F16, 40, lengths, slack=130))
-    add("preprocess-varlen-zero-dq-bf16-d33", lambda: _prepost_preprocess_varlen(BF16, 33, [100, 0, 150], zero_dq_accum=True))
+    add(
+        "preprocess-varlen-zero-dq-bf16-d33",
+        lambda: _prepost_preprocess_varlen(BF16, 33, [100, 0, 150], zero_dq_accum=True),
+    )
     add("preprocess-varlen-bf16-d64-misaligned", lambda: _prepost_preprocess_varlen(BF16, 64, lengths, h=2, offset=1))
     add("preprocess-varlen-fp16-d33-odd-row-slice", _prepost_odd_row_slice)
     add("compute_delta-bf16-d255-bhsd", lambda: _prepost_compute_delta(BF16, 255, 2, 77, 3))
@@ -336,7 +347,11 @@ def _mea(dtype, b, mq, mk, h, kd, kv, *, mask=0, window=0, lengths=None, splits=
     elif layout == "bhmk":
         q, k, v = (_randn(b, h, m, d, dtype=dtype).transpose(1, 2) for m, d in ((mq, kd), (mk, kd), (mk, kv)))
     else:
-        q, k, v = _randn(b, mq, h, kd, dtype=dtype), _randn(b, mk, h, kd, dtype=dtype), _randn(b, mk, h, kv, dtype=dtype)
+        q, k, v = (
+            _randn(b, mq, h, kd, dtype=dtype),
+            _randn(b, mk, h, kd, dtype=dtype),
+            _randn(b, mk, h, kv, dtype=dtype),
+        )
     do = _randn(b, mq, h, kv, dtype=dtype)
     cq = ck = None
     max_q, max_k = mq, mk
@@ -350,13 +365,40 @@ def _mea(dtype, b, mq, mk, h, kd, kv, *, mask=0, window=0, lengths=None, splits=
     else:
         varlen = cq is not None
         out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
-            q, k, v, None, cq, ck, max_q if varlen else None, max_k if varlen else None, 0.0, mask, True,
+            q,
+            k,
+            v,
+            None,
+            cq,
+            ck,
+            max_q if varlen else None,
+            max_k if varlen else None,
+            0.0,
+            mask,
+            True,
             window_size=win,
-        )  # fmt: skip
+        )
     ops.efficient_attention_backward(
-        do, q, k, v, None, out, cq, ck, max_q, max_k, lse, 0.0, seed, offset, mask, False,
-        num_splits_key=splits, window_size=win, backend="mem_eff",
-    )  # fmt: skip
+        do,
+        q,
+        k,
+        v,
+        None,
+        out,
+        cq,
+        ck,
+        max_q,
+        max_k,
+        lse,
+        0.0,
+        seed,
+        offset,
+        mask,
+        False,
+        num_splits_key=splits,
+        window_size=win,
+        backend="mem_eff",
+    )
 
 
 def _mea_configs():
@@ -376,16 +418,24 @@ def _mea_configs():
     # d256, masks past the keys, windows, layouts (b)
     add("b", "fp16-d256-1x130x130-causal_tl", lambda: _mea(F16, 1, 130, 130, 2, 256, 256, mask=1))
     add("b", "bf16-d256-1x70x100-nomask", lambda: _mea(BF16, 1, 70, 100, 2, 256, 256))
-    add("b", "fp16-d64-1x200x130-causal_br-q_gt_k", lambda: _mea(F16, 1, 200, 130, 2, 64, 64, mask=2, math_forward=True))
+    add(
+        "b", "fp16-d64-1x200x130-causal_br-q_gt_k", lambda: _mea(F16, 1, 200, 130, 2, 64, 64, mask=2, math_forward=True)
+    )
     add("b", "bf16-d64-1x257x257-window16_tl", lambda: _mea(BF16, 1, 257, 257, 2, 64, 64, mask=1, window=16))
     add("b", "fp16-d64-1x100x300-window16_br", lambda: _mea(F16, 1, 100, 300, 2, 64, 64, mask=2, window=16))
     add("b", "bf16-d64-2x130x130-packed-qkv", lambda: _mea(BF16, 2, 130, 130, 2, 64, 64, mask=1, layout="packed"))
     add("b", "fp16-k64v32-1x50x130-bhmk-causal_br", lambda: _mea(F16, 1, 50, 130, 2, 64, 32, mask=2, layout="bhmk"))
     # variable lengths and split keys (c)
     add("c", "fp16-d64-varlen-causal_tl", lambda: _mea(F16, 1, 0, 0, 2, 64, 64, mask=1, lengths=varlen_a))
-    add("c", "bf16-d128-varlen-window8_br", lambda: _mea(BF16, 1, 0, 0, 2, 128, 128, mask=2, window=8, lengths=varlen_b))
+    add(
+        "c", "bf16-d128-varlen-window8_br", lambda: _mea(BF16, 1, 0, 0, 2, 128, 128, mask=2, window=8, lengths=varlen_b)
+    )
     varlen_c = ([77, 0, 150, 1], [77, 5, 300, 1])  # a sequence of 3 key blocks: room for 2 splits
-    add("c", "bf16-d64-varlen-causal_tl-splits2", lambda: _mea(BF16, 1, 0, 0, 2, 64, 64, mask=1, lengths=varlen_c, splits=2))
+    add(
+        "c",
+        "bf16-d64-varlen-causal_tl-splits2",
+        lambda: _mea(BF16, 1, 0, 0, 2, 64, 64, mask=1, lengths=varlen_c, splits=2),
+    )
     add("c", "bf16-d64-2x300x300-causal_tl-splits2", lambda: _mea(BF16, 2, 300, 300, 2, 64, 64, mask=1, splits=2))
     add("c", "bf16-d128-1x200x300-nomask-splits2", lambda: _mea(BF16, 1, 200, 300, 2, 128, 128, splits=2))
     add("c", "fp16-d64-1x130x257-auto-splits", lambda: _mea(F16, 1, 130, 257, 2, 64, 64, mask=1, splits=None))
@@ -400,8 +450,9 @@ def _mea_configs():
 # --------------------------------------------------------- Hopper attention backward (sm90)
 
 
-def _sm90(dtype, b, mq, mk, h, hk, kd, kv, *, mask=0, window=0, lengths=None, deterministic=False, bias=False,
-          dropout=0.0):  # fmt: skip
+def _sm90(
+    dtype, b, mq, mk, h, hk, kd, kv, *, mask=0, window=0, lengths=None, deterministic=False, bias=False, dropout=0.0
+):
     """One ``ops.efficient_attention_backward(backend="sm90")`` on the out / logsumexp (and
     Philox state) of torch's forward; ``hk`` key / value heads (the forward sees them repeated),
     ``bias``: a [B, H, Mq, Mk] bias whose gradient is asked for."""
@@ -420,13 +471,40 @@ def _sm90(dtype, b, mq, mk, h, hk, kd, kv, *, mask=0, window=0, lengths=None, de
     varlen = cq is not None
     group = h // hk
     out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
-        q, k.repeat_interleave(group, 2), v.repeat_interleave(group, 2), attn_bias, cq, ck,
-        max_q if varlen else None, max_k if varlen else None, dropout, mask, True, window_size=window or None,
-    )  # fmt: skip
+        q,
+        k.repeat_interleave(group, 2),
+        v.repeat_interleave(group, 2),
+        attn_bias,
+        cq,
+        ck,
+        max_q if varlen else None,
+        max_k if varlen else None,
+        dropout,
+        mask,
+        True,
+        window_size=window or None,
+    )
     ops.efficient_attention_backward(
-        do, q, k, v, attn_bias, out, cq, ck, max_q, max_k, lse, dropout, seed, offset, mask, bias,
-        window_size=window or None, deterministic=deterministic, backend="sm90",
-    )  # fmt: skip
+        do,
+        q,
+        k,
+        v,
+        attn_bias,
+        out,
+        cq,
+        ck,
+        max_q,
+        max_k,
+        lse,
+        dropout,
+        seed,
+        offset,
+        mask,
+        bias,
+        window_size=window or None,
+        deterministic=deterministic,
+        backend="sm90",
+    )
 
 
 def _sm90_configs():
@@ -441,8 +519,11 @@ def _sm90_configs():
     add("a", "fp16-d64-1x300x300-causal_tl", lambda: _sm90(F16, 1, 300, 300, 2, 2, 64, 64, mask=1))
     add("a", "bf16-d128-1x300x400-nomask-overlap", lambda: _sm90(BF16, 1, 300, 400, 2, 2, 128, 128))
     add("a", "bf16-d96-2x130x257-gqa-overlap", lambda: _sm90(BF16, 2, 130, 257, 4, 2, 96, 96))
-    add("a", "bf16-d128-1x200x260-causal_tl-deterministic",
-        lambda: _sm90(BF16, 1, 200, 260, 2, 1, 128, 128, mask=1, deterministic=True))
+    add(
+        "a",
+        "bf16-d128-1x200x260-causal_tl-deterministic",
+        lambda: _sm90(BF16, 1, 200, 260, 2, 1, 128, 128, mask=1, deterministic=True),
+    )
     # d128's partial last query block on narrower products (81 rows: one past a block; 300 and
     # 200 rows above take 64 and 48)
     add("a", "bf16-d128-2x81x300-gqa-tail16", lambda: _sm90(BF16, 2, 81, 300, 4, 2, 128, 128))
@@ -451,10 +532,16 @@ def _sm90_configs():
     add("b", "fp16-d256-1x130x257-causal_br", lambda: _sm90(F16, 1, 130, 257, 2, 2, 256, 256, mask=2))
     add("b", "bf16-k128v64-1x100x257-causal_br", lambda: _sm90(BF16, 1, 100, 257, 2, 2, 128, 64, mask=2))
     add("b", "bf16-d64-1x257x257-window16_tl", lambda: _sm90(BF16, 1, 257, 257, 2, 2, 64, 64, mask=1, window=16))
-    add("b", "fp16-d128-varlen-causal_tl",
-        lambda: _sm90(F16, 1, 0, 0, 2, 2, 128, 128, mask=1, lengths=([77, 0, 130, 1], [77, 5, 120, 1])))
-    add("b", "bf16-d128-1x130x200-bias_grad-dropout",
-        lambda: _sm90(BF16, 1, 130, 200, 2, 2, 128, 128, bias=True, dropout=0.1))
+    add(
+        "b",
+        "fp16-d128-varlen-causal_tl",
+        lambda: _sm90(F16, 1, 0, 0, 2, 2, 128, 128, mask=1, lengths=([77, 0, 130, 1], [77, 5, 120, 1])),
+    )
+    add(
+        "b",
+        "bf16-d128-1x130x200-bias_grad-dropout",
+        lambda: _sm90(BF16, 1, 130, 200, 2, 2, 128, 128, bias=True, dropout=0.1),
+    )
     return c
 
 
@@ -474,9 +561,11 @@ def _canary(kind: str):
     from .sanitize_canary import Canary
 
     fn = cc.compile_kernel(
-        Canary(kind), cc.fake_tensor(cutlass.Float32, (cute.sym_int(),), 1), cc.fake_stream(),
+        Canary(kind),
+        cc.fake_tensor(cutlass.Float32, (cute.sym_int(),), 1),
+        cc.fake_stream(),
         arch=cc.device_arch(torch.cuda.current_device()),
-    )  # fmt: skip
+    )
     buf = torch.zeros(256, device=DEV)  # 1 KiB, its own cudaMalloc without the caching allocator
     fn(buf)
 
@@ -489,8 +578,9 @@ def _canary_configs():
 
 
 def all_configs():
-    configs = (_dropout_configs() + _norm_configs() + _prepost_configs() + _mea_configs() + _sm90_configs()
-               + _canary_configs())  # fmt: skip
+    configs = (
+        _dropout_configs() + _norm_configs() + _prepost_configs() + _mea_configs() + _sm90_configs() + _canary_configs()
+    )
     for cfg in configs:
         assert "," not in cfg.name and " " not in cfg.name, cfg.name
     return configs

@@ -46,8 +46,9 @@ class Problem:
         out, lse, seed, offset = fwd[:4]
 
         def ours():
-            return ops.efficient_attention_backward(dout, q, k, v, None, out, None, None, s, s, lse, 0.0, seed, offset,
-                                                    mask, False, backend="sm90")  # fmt: skip
+            return ops.efficient_attention_backward(
+                dout, q, k, v, None, out, None, None, s, s, lse, 0.0, seed, offset, mask, False, backend="sm90"
+            )
 
         self.ours = ours
         self.fa4 = _setup_fa4(q, k, v, dout, causal, fa4)[0] if fa4 is not None else None
@@ -84,7 +85,9 @@ def chunk_sweep(args, fa4, num_sms):
         tiles = tiling.attention_sm90_tiles(d)
         fit = tiles.lpt_heads_per_chunk(s, 1, 2)
         auto = tiles.lpt_heads_per_chunk(s, 1, 2, seqlen_k=s, pairs=b * h, mask_type=1, num_sms=num_sms)
-        chunks = sorted({fit if c == 0 else c for c in map(int, args.chunks.split(",")) if (c or fit) <= b * h} | {auto})
+        chunks = sorted(
+            {fit if c == 0 else c for c in map(int, args.chunks.split(",")) if (c or fit) <= b * h} | {auto}
+        )
         p = Problem(b, h, s, d, True, fa4)
 
         def use(c):
@@ -106,8 +109,19 @@ def chunk_sweep(args, fa4, num_sms):
             tag = " <- model" if c == auto else (" <- L2 fit (before)" if c == fit else "")
             ok = "ok" if checks[c]["ok"] else f"WRONG {checks[c]['max_rel_err']}"
             print(f"  chunk {c:3d}: {ms:.3f} ms  vs FA4 {fa4_ms / ms:.3f}x  model {ratio:.3f}  {ok}{tag}")
-            rows.append({"probe": "chunk", "case": f"{b}x{h}x{s}x{d}:bf16:causal", "chunk": c, "ms": ms,
-                         "fa4_ms": fa4_ms, "model_over_ideal": ratio, "check": checks[c], "fit": fit, "auto": auto})
+            rows.append(
+                {
+                    "probe": "chunk",
+                    "case": f"{b}x{h}x{s}x{d}:bf16:causal",
+                    "chunk": c,
+                    "ms": ms,
+                    "fa4_ms": fa4_ms,
+                    "model_over_ideal": ratio,
+                    "check": checks[c],
+                    "fit": fit,
+                    "auto": auto,
+                }
+            )
         del p
         torch.cuda.empty_cache()
     return rows

@@ -1,9 +1,9 @@
 """``python -m layouts``: list, show, analyse and draw the layout catalogue (CPU only).
 
-    python -m layouts list [FILTER]                   names containing FILTER, kind, description
-    python -m layouts show NAME [--png F] [--svg F]   the layout as text; optionally a picture
-    python -m layouts conflicts NAME                  bank conflicts (shared) or coalescing (global)
-    python -m layouts gallery DIR [--prefix P]        DIR/index.html and one PNG per entry
+python -m layouts list [FILTER]                   names containing FILTER, kind, description
+python -m layouts show NAME [--png F] [--svg F]   the layout as text; optionally a picture
+python -m layouts conflicts NAME                  bank conflicts (shared) or coalescing (global)
+python -m layouts gallery DIR [--prefix P]        DIR/index.html and one PNG per entry
 """
 
 from __future__ import annotations
@@ -77,8 +77,10 @@ def conflict_lines(entry) -> list:
         lines.append(rep.summary())
         if isinstance(rep, analysis.BankConflicts):
             for i in rep.worst(WORST_SHOWN):
-                lines.append(f"  {rep.name}: instruction {i.where(rep.kind)}: {i.wavefronts} wavefronts "
-                             f"(ideal {i.ideal}), {i.degree}-way")
+                lines.append(
+                    f"  {rep.name}: instruction {i.where(rep.kind)}: {i.wavefronts} wavefronts "
+                    f"(ideal {i.ideal}), {i.degree}-way"
+                )
     return lines
 
 
@@ -96,9 +98,11 @@ def cmd_gallery(args) -> int:
         print(f"no entry starts with {args.prefix!r}; kernels: {', '.join(_kernels())}", file=sys.stderr)
         return 1
     _output_path(os.path.join(args.dir, "index.html"))
-    parts = ["<!doctype html><meta charset='utf-8'><title>layouts gallery</title>",
-             "<style>body{font-family:sans-serif} img{max-width:100%;border:1px solid #ccc}</style>",
-             "<h1>Layout catalogue</h1><ul>"]
+    parts = [
+        "<!doctype html><meta charset='utf-8'><title>layouts gallery</title>",
+        "<style>body{font-family:sans-serif} img{max-width:100%;border:1px solid #ccc}</style>",
+        "<h1>Layout catalogue</h1><ul>",
+    ]
     parts += [f"<li><a href='#{html.escape(n)}'>{html.escape(n)}</a></li>" for n in entries]
     parts.append("</ul>")
     for name in entries:
@@ -106,9 +110,11 @@ def cmd_gallery(args) -> int:
         png = f"{name}.png"
         draw.save(entry, png=os.path.join(args.dir, png))
         figs = "\n".join(conflict_lines(entry))
-        parts.append(f"<h2 id='{html.escape(name)}'>{html.escape(name)}</h2>"
-                     f"<p>{html.escape(entry.description)}</p><pre>{html.escape(figs)}</pre>"
-                     f"<img src='{html.escape(png)}' alt='{html.escape(name)}'>")
+        parts.append(
+            f"<h2 id='{html.escape(name)}'>{html.escape(name)}</h2>"
+            f"<p>{html.escape(entry.description)}</p><pre>{html.escape(figs)}</pre>"
+            f"<img src='{html.escape(png)}' alt='{html.escape(name)}'>"
+        )
         print(f"drew {name}")
     with open(os.path.join(args.dir, "index.html"), "w") as f:
         f.write("\n".join(parts) + "\n")
@@ -117,8 +123,9 @@ def cmd_gallery(args) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m layouts", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m layouts", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("list", help="names in the catalogue (those containing FILTER)")
     s.add_argument("filter", nargs="?")

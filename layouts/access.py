@@ -43,8 +43,9 @@ def as_2d(layout: AnyLayout) -> AnyLayout:
     if inner.rank <= 2:
         return layout
     modes = inner.modes()
-    grouped = Layout((modes[0].shape, tuple(m.shape for m in modes[1:])),
-                     (modes[0].stride, tuple(m.stride for m in modes[1:])))
+    grouped = Layout(
+        (modes[0].shape, tuple(m.shape for m in modes[1:])), (modes[0].stride, tuple(m.stride for m in modes[1:]))
+    )
     if isinstance(layout, ComposedLayout):
         return ComposedLayout(layout.swizzle, grouped, layout.offset)
     return grouped

@@ -280,7 +280,7 @@ def composition(a: Layout, b: Union[Layout, int, tuple]) -> Layout:
         b = Layout(b, 1)
     if isinstance(b, tuple):
         modes = [composition(a[i], bi) if bi is not None else a[i] for i, bi in enumerate(b)]
-        modes += a.modes()[len(b):]
+        modes += a.modes()[len(b) :]
         return concat(*modes)
     if is_int(b.shape):
         return _compose_int(a, b.shape, b.stride)
@@ -494,11 +494,13 @@ class TVLayout:
         return grid
 
     def same_function(self, other: "TVLayout") -> bool:
-        return self.tile == other.tile and all(
-            self.coord(t, v) == other.coord(t, v)
-            for t in range(self.num_threads)
-            for v in range(self.num_values)
-        ) and (self.num_threads, self.num_values) == (other.num_threads, other.num_values)
+        return (
+            self.tile == other.tile
+            and all(
+                self.coord(t, v) == other.coord(t, v) for t in range(self.num_threads) for v in range(self.num_values)
+            )
+            and (self.num_threads, self.num_values) == (other.num_threads, other.num_values)
+        )
 
     def __str__(self) -> str:
         return f"TV {self.layout} over {self.tile[0]}x{self.tile[1]}"

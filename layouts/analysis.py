@@ -87,8 +87,9 @@ def tv_table(tv: TVLayout) -> np.ndarray:
     return np.stack([idx % tv.tile[0], idx // tv.tile[0]], axis=-1)
 
 
-def warp_instructions(tv: TVLayout, kind: str = "vector", origin: Cell = (0, 0), values_per_access: int = 0,
-                      transpose: bool = False) -> List[WarpInstruction]:
+def warp_instructions(
+    tv: TVLayout, kind: str = "vector", origin: Cell = (0, 0), values_per_access: int = 0, transpose: bool = False
+) -> List[WarpInstruction]:
     """Split a TV layout into warps; ``values_per_access`` consecutive values of a thread
     (all of them by default) are one vector access, so a thread holding 4 accumulator
     values stored as pairs makes 2 instructions. ``transpose``: the TV's (m, n) is (n, m)."""
@@ -99,7 +100,7 @@ def warp_instructions(tv: TVLayout, kind: str = "vector", origin: Cell = (0, 0),
     for w in range(-(-tv.num_threads // WARP)):
         threads = range(w * WARP, min(tv.num_threads, (w + 1) * WARP))
         for g in range(tv.num_values // per):
-            lanes = tuple(tuple(tuple(c) for c in coords[t][g * per:(g + 1) * per]) for t in threads)
+            lanes = tuple(tuple(tuple(c) for c in coords[t][g * per : (g + 1) * per]) for t in threads)
             out.append(WarpInstruction(lanes, kind, origin, w, g))
     return out
 
@@ -203,8 +204,7 @@ class BankConflicts:
         return (
             f"{self.name}: {n} {unit} x {phases} phase{'s' if phases > 1 else ''}, "
             f"{self.wavefronts / n:g} wavefronts/instr (ideal {self.ideal / n:g}), "
-            f"worst conflict {self.max_degree}-way"
-            + (" - conflict-free" if self.conflict_free else "")
+            f"worst conflict {self.max_degree}-way" + (" - conflict-free" if self.conflict_free else "")
         )
 
     def worst(self, count: int = 4) -> List[InstructionCost]:
@@ -230,7 +230,11 @@ def _phase_cost(lanes: Sequence[Tuple[int, int]]) -> Tuple[int, int]:
 
 
 def bank_conflicts(
-    instrs: Sequence[WarpInstruction], layout: AnyLayout, elem_bits: int, access: str = "", layout_name: str = "",
+    instrs: Sequence[WarpInstruction],
+    layout: AnyLayout,
+    elem_bits: int,
+    access: str = "",
+    layout_name: str = "",
     **labels,
 ) -> BankConflicts:
     """Wavefronts of each instruction against ``layout`` (element offsets, swizzle
@@ -266,8 +270,20 @@ def bank_conflicts(
                 first_phase = [c for lane in lanes for c in instr.lanes[lane]]
         costs.append(InstructionCost(instr.origin, instr.warp, wave, ideal, degree, instr.group))
     cell_bank = {c: (o * elem_bits // 8 // BANK_BYTES) % NUM_BANKS for c, o in offsets.items()}
-    return BankConflicts(access, layout_name or str(layout), elem_bits, width, phases_n, costs, cell_bank,
-                         conflicted, first_phase, instrs[0] if instrs else None, first_conflicted, **labels)
+    return BankConflicts(
+        access,
+        layout_name or str(layout),
+        elem_bits,
+        width,
+        phases_n,
+        costs,
+        cell_bank,
+        conflicted,
+        first_phase,
+        instrs[0] if instrs else None,
+        first_conflicted,
+        **labels,
+    )
 
 
 @dataclass
@@ -307,8 +323,9 @@ class Coalescing:
         )
 
 
-def coalescing(tv: TVLayout, elem_bits: int, gmem: Optional[Layout] = None, access: str = "",
-               values_per_access: int = 0) -> Coalescing:
+def coalescing(
+    tv: TVLayout, elem_bits: int, gmem: Optional[Layout] = None, access: str = "", values_per_access: int = 0
+) -> Coalescing:
     """Sectors per warp request of the copy ``tv`` over ``gmem`` (default: row-major tile);
     ``values_per_access`` as in ``warp_instructions``."""
     M, N = tv.tile
@@ -344,8 +361,15 @@ def _analyse(entry) -> tuple:
 
     reports = []
     if isinstance(entry, catalogue.CopyEntry) and entry.memory == "gmem":
-        reports.append(coalescing(entry.tv(), entry.spec.elem_bits, entry.gmem(), access=entry.name,
-                                  values_per_access=entry.values_per_access))
+        reports.append(
+            coalescing(
+                entry.tv(),
+                entry.spec.elem_bits,
+                entry.gmem(),
+                access=entry.name,
+                values_per_access=entry.values_per_access,
+            )
+        )
     elif isinstance(entry, (catalogue.CopyEntry, catalogue.LdMatrixEntry)):
         for name in entry.smem_layouts:
             reports.append(smem_report(entry, catalogue.get(name)))
@@ -372,8 +396,10 @@ def no_access_reason(entry) -> str:
 def smem_report(access_entry, smem_entry) -> BankConflicts:
     """``access_entry`` (a copy or ldmatrix) repeated over all of ``smem_entry``'s tile."""
     if access_entry.elem_bits != smem_entry.elem_bits:
-        raise ValueError(f"{access_entry.name} moves {access_entry.elem_bits}-bit elements, "
-                         f"{smem_entry.name} holds {smem_entry.elem_bits}-bit ones")
+        raise ValueError(
+            f"{access_entry.name} moves {access_entry.elem_bits}-bit elements, "
+            f"{smem_entry.name} holds {smem_entry.elem_bits}-bit ones"
+        )
     instrs = tiled_over(access_entry.access_tv(), smem_entry.tile, access_entry.access_kind)
     return bank_conflicts(instrs, smem_entry.view, smem_entry.elem_bits, access_entry.name, smem_entry.name)
 
@@ -386,5 +412,6 @@ def access_report(access, smem_entry) -> BankConflicts:
     view, bits = smem_entry.view, smem_entry.elem_bits
     instrs = access.instructions(view, smem_entry.tile, bits)
     label = f"{access.label} ({', '.join(filter(None, (access.detail, swizzle_name(view, bits))))})"
-    return bank_conflicts(instrs, view, bits, access.label, smem_entry.name, unit=access.unit, lane=access.lane,
-                          label=label)
+    return bank_conflicts(
+        instrs, view, bits, access.label, smem_entry.name, unit=access.unit, lane=access.lane, label=label
+    )

@@ -321,8 +321,18 @@ class AttentionSm90Tiles:
         """Floats between the LSE / Δ stages: TMA destinations are 128-byte aligned (tile_m 80)."""
         return -(-self.tile_m // 32) * 32
 
-    def lpt_heads_per_chunk(self, seqlen_q: int, group: int, elem_bytes: int = 2, *, seqlen_k: Optional[int] = None,
-                            pairs: int = 0, mask_type: int = 1, window: int = 0, num_sms: int = 0) -> int:  # fmt: skip
+    def lpt_heads_per_chunk(
+        self,
+        seqlen_q: int,
+        group: int,
+        elem_bytes: int = 2,
+        *,
+        seqlen_k: Optional[int] = None,
+        pairs: int = 0,
+        mask_type: int = 1,
+        window: int = 0,
+        num_sms: int = 0,
+    ) -> int:
         """(batch, key head) pairs per chunk of the heavy-first order. At most as many as have
         their Q, dO (elem_bytes) and fp32 dQ accumulator rows fit LPT_L2_BYTES; given the
         problem (``seqlen_k``, the ``pairs`` of the grid, the mask, ``num_sms``), the size of
@@ -457,9 +467,14 @@ class AttentionSm90Tiles:
         from cutlass.utils import hopper_helpers as hh
 
         return hh.make_trivial_tiled_mma(
-            dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
-            atom_layout_mnk=(NUM_CONSUMER_WG, 1, 1), tiler_mn=(64, self.tile_m),
-        )  # fmt: skip
+            dtype,
+            dtype,
+            OperandMajorMode.K,
+            OperandMajorMode.K,
+            Float32,
+            atom_layout_mnk=(NUM_CONSUMER_WG, 1, 1),
+            tiler_mn=(64, self.tile_m),
+        )
 
     def tiled_mma_dkv(self, dtype, cols: Optional[int] = None):
         """dV += P^T dO and dK += dS^T Q: A from registers, B the MN-major view of dO / Q.
@@ -469,10 +484,15 @@ class AttentionSm90Tiles:
         from cutlass.utils import hopper_helpers as hh
 
         return hh.make_trivial_tiled_mma(
-            dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(NUM_CONSUMER_WG, 1, 1), tiler_mn=(64, cols or self.head_dim),
+            dtype,
+            dtype,
+            OperandMajorMode.K,
+            OperandMajorMode.MN,
+            Float32,
+            atom_layout_mnk=(NUM_CONSUMER_WG, 1, 1),
+            tiler_mn=(64, cols or self.head_dim),
             a_source=warpgroup.OperandSource.RMEM,
-        )  # fmt: skip
+        )
 
     def ds_major(self, as_a_of_dq: bool):
         """Major mode of the dS tile as a wgmma operand: dQ's A (queries x keys) or, transposed,
@@ -493,13 +513,23 @@ class AttentionSm90Tiles:
         if self.dq_swapab:  # A = K^T (head dim contiguous: MN-major), B = dS^T (keys contiguous: K-major)
             b_major = OperandMajorMode.K if self.ds_keys_contiguous else OperandMajorMode.MN
             return hh.make_trivial_tiled_mma(
-                dtype, dtype, OperandMajorMode.MN, b_major, Float32,
-                atom_layout_mnk=(an, am, 1), tiler_mn=(64, self.tile_m),
-            )  # fmt: skip
+                dtype,
+                dtype,
+                OperandMajorMode.MN,
+                b_major,
+                Float32,
+                atom_layout_mnk=(an, am, 1),
+                tiler_mn=(64, self.tile_m),
+            )
         return hh.make_trivial_tiled_mma(
-            dtype, dtype, self.ds_major(True), OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(am, an, 1), tiler_mn=(64, self.head_dim // an),
-        )  # fmt: skip
+            dtype,
+            dtype,
+            self.ds_major(True),
+            OperandMajorMode.MN,
+            Float32,
+            atom_layout_mnk=(am, an, 1),
+            tiler_mn=(64, self.head_dim // an),
+        )
 
     def r2s_copy_ds(self, dtype, tiled_mma_sdp):
         """dS^T (the S^T / dP^T accumulator, cast) into sdS: query pairs as 32 bits, or single
@@ -621,7 +651,9 @@ class AttentionSm90Tiles:
         from cutlass.utils import hopper_helpers as hh
 
         if self.ds_keys_contiguous:
-            return cute.tile_to_shape(self.ds_keys_atom(dtype), (self.tile_m, self.tile_n, self.ds_buffers), order=(0, 1, 2))
+            return cute.tile_to_shape(
+                self.ds_keys_atom(dtype), (self.tile_m, self.tile_n, self.ds_buffers), order=(0, 1, 2)
+            )
         atom = warpgroup.make_smem_layout_atom(hh.get_smem_layout_atom(LayoutEnum.COL_MAJOR, dtype, self.tile_m), dtype)
         return cute.tile_to_shape(atom, (self.tile_m, self.tile_n, self.ds_buffers), order=(1, 0, 2))
 
@@ -631,7 +663,9 @@ class AttentionSm90Tiles:
         from cutlass.tensor_utils import LayoutEnum
         from cutlass.utils import hopper_helpers as hh
 
-        return warpgroup.make_smem_layout_atom(hh.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, GRAD_BIAS_BOX_KEYS), dtype)
+        return warpgroup.make_smem_layout_atom(
+            hh.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, GRAD_BIAS_BOX_KEYS), dtype
+        )
 
     def smem_layout_grad_bias_box(self, dtype):
         """One TMA box of the bias gradient: GRAD_BIAS_BOX_KEYS columns of a keys-contiguous dS buffer."""
@@ -656,13 +690,17 @@ class AttentionSm90Tiles:
         from cutlass.tensor_utils import LayoutEnum
         from cutlass.utils import hopper_helpers as hh
 
-        return warpgroup.make_smem_layout_atom(hh.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, Float32, self.dq_slice_cols), Float32)
+        return warpgroup.make_smem_layout_atom(
+            hh.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, Float32, self.dq_slice_cols), Float32
+        )
 
     def smem_layout_dq(self):
         """(tile_m, head_dim, dq_stages) fp32, swizzled (``dq_atom``)."""
         import cutlass.cute as cute
 
-        return cute.tile_to_shape(self.dq_atom(), (self.tile_m, self.head_dim, self.dq_stages), order=self.dq_order + (2,))
+        return cute.tile_to_shape(
+            self.dq_atom(), (self.tile_m, self.head_dim, self.dq_stages), order=self.dq_order + (2,)
+        )
 
     @property
     def dq_order(self) -> tuple:
@@ -710,9 +748,14 @@ class AttentionSm90WideTiles(AttentionSm90Tiles):
         from cutlass.utils import hopper_helpers as hh
 
         return hh.make_trivial_tiled_mma(
-            dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
-            atom_layout_mnk=(1, NUM_CONSUMER_WG, 1), tiler_mn=(64, self.tile_m // NUM_CONSUMER_WG),
-        )  # fmt: skip
+            dtype,
+            dtype,
+            OperandMajorMode.K,
+            OperandMajorMode.K,
+            Float32,
+            atom_layout_mnk=(1, NUM_CONSUMER_WG, 1),
+            tiler_mn=(64, self.tile_m // NUM_CONSUMER_WG),
+        )
 
     def tiled_mma_dkv(self, dtype, cols: Optional[int] = None):
         """dV += P^T dO, dK += dS^T Q: A = P^T / dS^T from shared memory (K-major: queries
@@ -723,9 +766,14 @@ class AttentionSm90WideTiles(AttentionSm90Tiles):
         from cutlass.utils import hopper_helpers as hh
 
         return hh.make_trivial_tiled_mma(
-            dtype, dtype, self.ds_major(False), OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(1, NUM_CONSUMER_WG, 1), tiler_mn=(64, (cols or self.head_dim) // NUM_CONSUMER_WG),
-        )  # fmt: skip
+            dtype,
+            dtype,
+            self.ds_major(False),
+            OperandMajorMode.MN,
+            Float32,
+            atom_layout_mnk=(1, NUM_CONSUMER_WG, 1),
+            tiler_mn=(64, (cols or self.head_dim) // NUM_CONSUMER_WG),
+        )
 
     def tiled_mma_dq(self, dtype):
         """dQ = dS K in two column halves, one after the other (their accumulators would not
@@ -735,9 +783,14 @@ class AttentionSm90WideTiles(AttentionSm90Tiles):
         from cutlass.utils import hopper_helpers as hh
 
         return hh.make_trivial_tiled_mma(
-            dtype, dtype, self.ds_major(True), OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(1, NUM_CONSUMER_WG, 1), tiler_mn=(64, self.dq_slice_cols),
-        )  # fmt: skip
+            dtype,
+            dtype,
+            self.ds_major(True),
+            OperandMajorMode.MN,
+            Float32,
+            atom_layout_mnk=(1, NUM_CONSUMER_WG, 1),
+            tiler_mn=(64, self.dq_slice_cols),
+        )
 
     @property
     def q_slice_cols(self) -> int:
@@ -768,8 +821,10 @@ def head_dims_unsupported(head_dim: int, head_dim_v: int) -> Optional[str]:
     if head_dim not in HEAD_DIMS or head_dim_v not in HEAD_DIMS:
         return f"the sm90 attention backward supports head dims {HEAD_DIMS}, got {head_dim} / {head_dim_v}"
     if max(head_dim, head_dim_v) > WIDE_FROM and head_dim == 96:
-        return (f"Dqk 96 with Dv {head_dim_v}: the 64 x 64-tile kernel splits dQ into 24-column quarters, "
-                "which no swizzle atom divides")  # fmt: skip
+        return (
+            f"Dqk 96 with Dv {head_dim_v}: the 64 x 64-tile kernel splits dQ into 24-column quarters, "
+            "which no swizzle atom divides"
+        )
     return None
 
 
@@ -790,8 +845,9 @@ def _rows_split_evenly(cols: int, elem_bits: int = 16) -> bool:
 
 
 @functools.lru_cache(maxsize=None)  # also read on the call path (deterministic mode's semaphore shape)
-def attention_sm90_tiles(head_dim: int, *, head_dim_v: Optional[int] = None,
-                         bias_or_dropout: bool = False, **overrides) -> AttentionSm90Tiles:  # fmt: skip
+def attention_sm90_tiles(
+    head_dim: int, *, head_dim_v: Optional[int] = None, bias_or_dropout: bool = False, **overrides
+) -> AttentionSm90Tiles:
     """The tiles for Dqk = ``head_dim`` and Dv = ``head_dim_v`` (default: Dqk; see the
     module table); ``bias_or_dropout``: the kernel adds a bias or drops out (their per-value
     work needs the registers d64's 128-query step takes); ``overrides`` for sweeps. Head dims
@@ -833,10 +889,20 @@ def attention_sm90_tiles(head_dim: int, *, head_dim_v: Optional[int] = None,
         # between the threads (H100, same runs, TMA store vs these: 8x16x1024x64 0.2442 vs 0.2419
         # ms, 16x16x512x64 0.170 vs 0.168, 4x16x2048x128 0.682 vs 0.679, causal d64 even)
         fa4_order = not bias_or_dropout
-        fields = dict(head_dim=head_dim, head_dim_v=dv, tile_m=64, tile_n=128, dq_per_wg=True, pds_split=True,
-                      overlap="none", stats_early=fa4_order, ds_before_dv=fa4_order,
-                      dq_empty_early=fa4_order and max(head_dim, dv) > 64, dkv_tma_store=True,
-                      dkv_vector_store=all(_rows_split_evenly(c) for c in (head_dim, dv)))
+        fields = dict(
+            head_dim=head_dim,
+            head_dim_v=dv,
+            tile_m=64,
+            tile_n=128,
+            dq_per_wg=True,
+            pds_split=True,
+            overlap="none",
+            stats_early=fa4_order,
+            ds_before_dv=fa4_order,
+            dq_empty_early=fa4_order and max(head_dim, dv) > 64,
+            dkv_tma_store=True,
+            dkv_vector_store=all(_rows_split_evenly(c) for c in (head_dim, dv)),
+        )
         if head_dim == dv == 128 and not bias_or_dropout:
             # 80 queries a step with dQ^T = K^T dS^T (FA3 / FA4's non-causal d128 tile), the
             # statistics read at their use, one dS barrier for both warpgroups then dQ before dK
@@ -870,8 +936,9 @@ def attention_sm90_tiles(head_dim: int, *, head_dim_v: Optional[int] = None,
             # ptxas spills 32-880 bytes, so those keep 64). dQ a step late, both dQ buffers
             # freed first (H100, same runs: 4x16x2048x64 0.393 vs 0.404 ms, causal 2x16x4096x64
             # 0.401 vs 0.410, 8x16x1024x64 0.243 vs 0.245; at d128's tile_m 80 it spills)
-            fields.update(tile_m=128, stats_early=False, pds_split=False, dq_defer=True, dq_empty_early=True,
-                          kv_buffers=2)
+            fields.update(
+                tile_m=128, stats_early=False, pds_split=False, dq_defer=True, dq_empty_early=True, kv_buffers=2
+            )
         fields.update(overrides)
         t = AttentionSm90Tiles(**fields)
         if t.dq_defer and t.ds_stages < 2:
@@ -887,11 +954,15 @@ def attention_sm90_tiles(head_dim: int, *, head_dim_v: Optional[int] = None,
         if t.dkv_vector_store and not t.dkv_tma_store:
             raise ValueError("dkv_vector_store stores the dK / dV that dkv_tma_store stages in shared memory")
         if t.dkv_vector_store and not all(_rows_split_evenly(c) for c in (t.head_dim, t.head_dim_v)):
-            raise ValueError(f"dkv_vector_store: rows of {t.head_dim} / {t.head_dim_v} values do not split evenly "
-                             f"into the consumer threads' 16-byte stores")  # fmt: skip
+            raise ValueError(
+                f"dkv_vector_store: rows of {t.head_dim} / {t.head_dim_v} values do not split evenly "
+                f"into the consumer threads' 16-byte stores"
+            )
         if t.tile_m not in ((64, 80, 128) if t.dq_swapab else (64, 128)) or t.tile_n != 64 * NUM_CONSUMER_WG:
-            raise ValueError(f"tile_m must be 64 or 128 (80 with dq_swapab) and tile_n {64 * NUM_CONSUMER_WG}, got "
-                             f"{t.tile_m}, {t.tile_n}")  # fmt: skip
+            raise ValueError(
+                f"tile_m must be 64 or 128 (80 with dq_swapab) and tile_n {64 * NUM_CONSUMER_WG}, got "
+                f"{t.tile_m}, {t.tile_n}"
+            )
     need = t.smem_bytes(dropout=bias_or_dropout)  # with dropout its keep flags must fit too
     if need > SMEM_LIMIT:
         raise ValueError(f"tiles need {need} bytes of shared memory, more than {SMEM_LIMIT}")

@@ -53,8 +53,10 @@ def smem_layouts_algebra(t: AttentionSm90Tiles) -> dict:
     if t.ds_keys_contiguous:  # the bias gradient's: rows of GRAD_BIAS_BOX_KEYS keys, atoms rows first
         ds = rows(tm, GRAD_BIAS_BOX_KEYS, 16, d=tn)
     if t.head_dim_v == t.head_dim:
-        q_what, k_what = "Q / dO stage: S^T / dP^T B (K-major), dK / dV B (MN-major view)", \
-            "K / V: S^T / dP^T A (K-major), dQ B (MN-major view)"
+        q_what, k_what = (
+            "Q / dO stage: S^T / dP^T B (K-major), dK / dV B (MN-major view)",
+            "K / V: S^T / dP^T A (K-major), dQ B (MN-major view)",
+        )
     else:
         q_what, k_what = "Q stage: S^T B (K-major), dK B (MN-major view)", "K: S^T A (K-major), dQ B (MN-major view)"
     ds_what = "dS stage, queries contiguous: dQ A (MN-major)"
@@ -66,13 +68,19 @@ def smem_layouts_algebra(t: AttentionSm90Tiles) -> dict:
         "smem_q": (rows(tm, atom_cols(t.q_slice_cols, 16), 16), "bf16", q_what),
         "smem_k": (rows(tn, atom_cols(t.k_slice_cols, 16), 16), "bf16", k_what),
         "smem_ds": (ds, "bf16", ds_what),
-        "smem_dq": (rows(tm, atom_cols(t.dq_slice_cols, 32), 32, cols_first=t.dq_order == (1, 0)), "fp32",
-                    "dQ staging (fp32) for the TMA reduce-add"),
-    }  # fmt: skip
+        "smem_dq": (
+            rows(tm, atom_cols(t.dq_slice_cols, 32), 32, cols_first=t.dq_order == (1, 0)),
+            "fp32",
+            "dQ staging (fp32) for the TMA reduce-add",
+        ),
+    }
     if t.head_dim_v != t.head_dim:
         dv = t.head_dim_v
-        forms["smem_do"] = (rows(tm, atom_cols(t.do_slice_cols, 16), 16, dv), "bf16",
-                            "dO stage: dP^T B (K-major), dV B (MN-major view)")  # fmt: skip
+        forms["smem_do"] = (
+            rows(tm, atom_cols(t.do_slice_cols, 16), 16, dv),
+            "bf16",
+            "dO stage: dP^T B (K-major), dV B (MN-major view)",
+        )
         forms["smem_v"] = (rows(tn, atom_cols(t.v_slice_cols, 16), 16, dv), "bf16", "V: dP^T A (K-major)")
     return forms
 
@@ -114,9 +122,11 @@ def _ds_accesses(t: AttentionSm90Tiles) -> tuple:
     what = "P^T and dS^T" if _wide(t) else "dS^T"
     if t.ds_keys_contiguous:  # stored transposed; dQ reads it K-major; the bias gradient leaves by TMA
         rows = t.dq_sub_tile[0]
-        return (matrix_x4(f"stmatrix write of {what}", "x4.trans"),
-                wgmma("wgmma A read of dS by dQ", "K-major", rows, 16),
-                tma("TMA store of dB (bias gradient)", t.tile_m, GRAD_BIAS_BOX_KEYS))
+        return (
+            matrix_x4(f"stmatrix write of {what}", "x4.trans"),
+            wgmma("wgmma A read of dS by dQ", "K-major", rows, 16),
+            tma("TMA store of dB (bias gradient)", t.tile_m, GRAD_BIAS_BOX_KEYS),
+        )
     out = [matrix_x4(f"stmatrix write of {what}", "x4")]
     if _wide(t):
         out.append(wgmma("wgmma A read of P^T / dS^T by dV / dK", "K-major", 16, 64))
@@ -140,5 +150,4 @@ def _dq_accesses(t: AttentionSm90Tiles) -> tuple:
 def smem_accesses(t: AttentionSm90Tiles) -> dict:
     """Every access the kernel makes to each tile of ``smem_layouts_algebra`` (equal head
     dims: dO shares Q's layout and accesses, V K's)."""
-    return {"smem_q": _q_accesses(t), "smem_k": _k_accesses(t), "smem_ds": _ds_accesses(t),
-            "smem_dq": _dq_accesses(t)}
+    return {"smem_q": _q_accesses(t), "smem_k": _k_accesses(t), "smem_ds": _ds_accesses(t), "smem_dq": _dq_accesses(t)}

@@ -253,25 +253,54 @@ def names(prefix: Optional[str] = None) -> List[str]:
 
 SMEM_64 = ("reference.smem.fp16_64x64.unswizzled", "reference.smem.fp16_64x64.swizzle333")
 # the two copies by name, and a wgmma and a TMA load described in place
-ACCESSES_64 = ("reference.sm80.ldmatrix_x4", "reference.sm80.cp_async_128b.fp16_16x64",
-               wgmma("wgmma A read, m64k16", "K-major", 64, 16), tma("TMA load", 64, 64))
+ACCESSES_64 = (
+    "reference.sm80.ldmatrix_x4",
+    "reference.sm80.cp_async_128b.fp16_16x64",
+    wgmma("wgmma A read, m64k16", "K-major", 64, 16),
+    tma("TMA load", 64, 64),
+)
 
 
 def _register_reference() -> None:
     register(LayoutEntry("reference.rowmajor_8x8", "row-major 8x8: (8,8):(8,1)", Layout((8, 8), (8, 1))))
-    register(MmaEntry("reference.sm80.mma_16x8x16.f16", "mma.sync.m16n8k16 f16 inputs, f32 accumulators",
-                      sm80_mma_16x8x16(), "fp16"))
-    register(LdMatrixEntry("reference.sm80.ldmatrix_x4",
-                           "ldmatrix.x4 (4 8x8 b16 matrices) loading the 16x16 A operand of the 16x8x16 MMA",
-                           sm75_ldmatrix_x4(), "fp16", SMEM_64))
-    register(CopyEntry("reference.sm80.cp_async_128b.fp16_16x64",
-                       "cp.async of a 16x64 fp16 tile, 128 threads x 8 elements (row-major threads)",
-                       TiledCopySpec((16, 8), (1, 8), 16, op="cp.async"), "fp16", "smem", SMEM_64))
+    register(
+        MmaEntry(
+            "reference.sm80.mma_16x8x16.f16",
+            "mma.sync.m16n8k16 f16 inputs, f32 accumulators",
+            sm80_mma_16x8x16(),
+            "fp16",
+        )
+    )
+    register(
+        LdMatrixEntry(
+            "reference.sm80.ldmatrix_x4",
+            "ldmatrix.x4 (4 8x8 b16 matrices) loading the 16x16 A operand of the 16x8x16 MMA",
+            sm75_ldmatrix_x4(),
+            "fp16",
+            SMEM_64,
+        )
+    )
+    register(
+        CopyEntry(
+            "reference.sm80.cp_async_128b.fp16_16x64",
+            "cp.async of a 16x64 fp16 tile, 128 threads x 8 elements (row-major threads)",
+            TiledCopySpec((16, 8), (1, 8), 16, op="cp.async"),
+            "fp16",
+            "smem",
+            SMEM_64,
+        )
+    )
     row_major = Layout((64, 64), (64, 1))
-    register(SmemEntry(SMEM_64[0], "64x64 fp16, row-major, 128-byte rows, no swizzle", row_major, "fp16",
-                       ACCESSES_64))
-    register(SmemEntry(SMEM_64[1], "64x64 fp16, row-major with S<3,3,3> (16-byte chunk ^= row % 8)",
-                       ComposedLayout(Swizzle(3, 3, 3), row_major), "fp16", ACCESSES_64))
+    register(SmemEntry(SMEM_64[0], "64x64 fp16, row-major, 128-byte rows, no swizzle", row_major, "fp16", ACCESSES_64))
+    register(
+        SmemEntry(
+            SMEM_64[1],
+            "64x64 fp16, row-major with S<3,3,3> (16-byte chunk ^= row % 8)",
+            ComposedLayout(Swizzle(3, 3, 3), row_major),
+            "fp16",
+            ACCESSES_64,
+        )
+    )
 
 
 _register_reference()

@@ -172,14 +172,13 @@ def _bank_panels(entry, banks: np.ndarray, outline) -> List[Panel]:
     if rows <= CROP_MAX[0] and cols <= CROP_MAX[1]:
         return [Panel(title, _bank_rgb(banks), [[str(b) for b in r] for r in banks])]
     over = _window(rows, cols, OVERVIEW_MAX)
-    overview = Panel(_cut(title, (rows, cols), over), _bank_rgb(banks[:over[2], :over[3]]), outline=outline)
+    overview = Panel(_cut(title, (rows, cols), over), _bank_rgb(banks[: over[2], : over[3]]), outline=outline)
     span = swizzle_span(entry.view)
     wide = min(CROP_MAX[1], span or CROP_MAX[1])  # along the contiguous dimension, 8 lines across it
     atom = _window(rows, cols, (8, wide) if contiguous_axis(entry.view) == 1 else (min(CROP_MAX[0], wide), 8))
-    sub = banks[:atom[2], :atom[3]]
+    sub = banks[: atom[2], : atom[3]]
     what = "banks of the first swizzle atom" if span else "banks, top left"
-    crop = Panel(_cut(what, (rows, cols), atom), _bank_rgb(sub),
-                 [[str(b) for b in r] for r in sub])
+    crop = Panel(_cut(what, (rows, cols), atom), _bank_rgb(sub), [[str(b) for b in r] for r in sub])
     return [overview, crop]
 
 
@@ -214,12 +213,21 @@ def _access_panel(rep: analysis.BankConflicts, banks: np.ndarray) -> Panel:
         cols, rgb, labels = fit, rgb[:, :fit], [row[:fit] for row in labels]
     verdict = "conflict-free" if rep.conflict_free else f"{rep.max_degree}-way"
     title = _cut(f"{rep.name}: {verdict}; first instruction, phase 0 lit", banks.shape, (r0, c0, rows, cols))
-    return Panel(title, rgb, labels, crossed=inside(rep.first_conflicted), dim_except=inside(rep.first_phase),
-                 origin=(r0, c0))
+    return Panel(
+        title, rgb, labels, crossed=inside(rep.first_conflicted), dim_except=inside(rep.first_phase), origin=(r0, c0)
+    )
 
 
-LANE_NAMES = {"T": "T thread", "V": "V value", "R": "R wgmma core-matrix row", "P": "P TMA piece (16 bytes)",
-              "b": "b bank", "+": "+ more lanes on the element", "W": "W warp request", "s": "s its 32-byte sector"}
+LANE_NAMES = {
+    "T": "T thread",
+    "V": "V value",
+    "R": "R wgmma core-matrix row",
+    "P": "P TMA piece (16 bytes)",
+    "b": "b bank",
+    "+": "+ more lanes on the element",
+    "W": "W warp request",
+    "s": "s its 32-byte sector",
+}
 
 
 def _legend(kind: str, letters: str = "TV") -> Panel:
@@ -227,8 +235,9 @@ def _legend(kind: str, letters: str = "TV") -> Panel:
     ``letters`` in the cells mean."""
     ids = np.arange(32)[None, :]
     if kind == "bank":
-        return Panel("legend: colour = bank (4-byte word mod 32)", _bank_rgb(ids), [[str(i) for i in ids[0]]],
-                     ticks=False)
+        return Panel(
+            "legend: colour = bank (4-byte word mod 32)", _bank_rgb(ids), [[str(i) for i in ids[0]]], ticks=False
+        )
     rgb = np.array([[_hue_colour(i) for i in ids[0]]])
     what = ", ".join(LANE_NAMES[c] for c in letters)
     return Panel(f"legend: colour = thread / lane; {what}", rgb, [[f"{i}" for i in ids[0]]], ticks=False)
@@ -278,8 +287,11 @@ def _copy_panels(entry, reports) -> List[Panel]:
 
 def _mma_panels(entry) -> List[Panel]:
     a = entry.atom
-    out = [_tv_panel(f"A (M x K)  {a.a.layout}", a.a), _tv_panel(f"B (N x K)  {a.b.layout}", a.b),
-           _tv_panel(f"C (M x N)  {a.c.layout}", a.c)]
+    out = [
+        _tv_panel(f"A (M x K)  {a.a.layout}", a.a),
+        _tv_panel(f"B (N x K)  {a.b.layout}", a.b),
+        _tv_panel(f"C (M x N)  {a.c.layout}", a.c),
+    ]
     if entry.tiled:
         out += _tv_panels(f"tiled C over {entry.tile[0]}x{entry.tile[1]}  {entry.tiled_c().layout}", entry.tiled_c())
     return out + [_legend("lane", "TV")]
@@ -355,8 +367,16 @@ def _draw_panel(fig, p: Panel, left: float, top: float, fig_w: float, fig_h: flo
     """``p`` with its title's top at ``top`` inches from the figure's bottom."""
     gw, gh = p.grid
     title_h = len(p.lines) * TITLE_FONT * LINE
-    fig.text((left + (TICKS if p.ticks else 0)) / fig_w, top / fig_h, "\n".join(p.lines), ha="left", va="top",
-             fontsize=TITLE_FONT, family="monospace", linespacing=1.15)
+    fig.text(
+        (left + (TICKS if p.ticks else 0)) / fig_w,
+        top / fig_h,
+        "\n".join(p.lines),
+        ha="left",
+        va="top",
+        fontsize=TITLE_FONT,
+        family="monospace",
+        linespacing=1.15,
+    )
     x0 = left + (TICKS if p.ticks else 0)
     y0 = top - title_h - TICKS * p.ticks - gh
     ax = fig.add_axes([x0 / fig_w, y0 / fig_h, gw / fig_w, gh / fig_h])
@@ -397,8 +417,9 @@ def _grid_and_ticks(ax, p: Panel) -> None:
     xs, ys = range(0, p.cols, _tick_step(p.cols, p.cell)), range(0, p.rows, _tick_step(p.rows, p.cell))
     ax.set_xticks(list(xs), [str(x + p.origin[1]) for x in xs])
     ax.set_yticks(list(ys), [str(y + p.origin[0]) for y in ys])
-    ax.tick_params(which="both", length=0, labelsize=5.5, top=True, labeltop=True, bottom=False, labelbottom=False,
-                   pad=1.5)
+    ax.tick_params(
+        which="both", length=0, labelsize=5.5, top=True, labeltop=True, bottom=False, labelbottom=False, pad=1.5
+    )
 
 
 def render(entry):
@@ -406,8 +427,16 @@ def render(entry):
     ps, figs = panels(entry)
     fig_w, fig_h, header, rows = _arrange(entry, ps, figs)
     fig = plt.figure(figsize=(fig_w, fig_h), dpi=DPI)
-    fig.text(MARGIN / fig_w, 1 - MARGIN / fig_h, "\n".join(header), ha="left", va="top", fontsize=HEADER_FONT,
-             family="monospace", linespacing=1.15)
+    fig.text(
+        MARGIN / fig_w,
+        1 - MARGIN / fig_h,
+        "\n".join(header),
+        ha="left",
+        va="top",
+        fontsize=HEADER_FONT,
+        family="monospace",
+        linespacing=1.15,
+    )
     top = fig_h - MARGIN - len(header) * HEADER_FONT * LINE - MARGIN
     for row in rows:
         left = MARGIN

@@ -60,7 +60,9 @@ CLUSTER_STAGES = 3
 MIN_THREADS_PER_CTA = 128
 MAX_CLUSTER = 8  # portable cluster size on sm_90
 CLUSTER_EXCHANGES = ("mbarrier", "barrier")
-BYTES_IN_FLIGHT = 64 * 1024  # per SM: x and dz bytes the cp.async ring keeps loading (96 KiB: 3 stages at N=4096 bf16, 9% slower)
+BYTES_IN_FLIGHT = (
+    64 * 1024
+)  # per SM: x and dz bytes the cp.async ring keeps loading (96 KiB: 3 stages at N=4096 bf16, 9% slower)
 MAX_STAGES = 8
 SMEM_PER_SM = 200 * 1024  # of the 227 KiB an H100 SM offers, what the rings may take
 REG_FILE = 65536  # 32-bit registers per SM (sm_80, sm_90)
@@ -247,7 +249,9 @@ def ln_bwd_tiles(
     stages = max(2, min(MAX_STAGES, -(-BYTES_IN_FLIGHT // (stage * ctas_per_sm))))
     if t.ctas_per_row > 1:
         stages = max(stages, CLUSTER_STAGES)
-    while stages > 1 and ctas_per_sm * t.replace_stages(stages).smem_bytes(in_bits, out_bits, num_partials) > SMEM_PER_SM:
+    while (
+        stages > 1 and ctas_per_sm * t.replace_stages(stages).smem_bytes(in_bits, out_bits, num_partials) > SMEM_PER_SM
+    ):
         stages -= 1
     t = replace(t, ctas_per_sm=ctas_per_sm, stages=overrides.get("stages", stages))
     if t.max_n < n:

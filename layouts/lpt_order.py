@@ -69,8 +69,11 @@ def best_heads_per_chunk(block_steps: tuple, pairs: int, max_heads: int, num_sms
     every pair). Ties go to the smaller chunk (less of L2)."""
     max_heads = max(1, min(max_heads, pairs))
     # every size up to 16, then powers of two and the budget itself
-    candidates = sorted({h for h in range(1, min(max_heads, 16) + 1)}
-                        | {1 << k for k in range(max_heads.bit_length()) if 1 << k <= max_heads} | {max_heads})
+    candidates = sorted(
+        {h for h in range(1, min(max_heads, 16) + 1)}
+        | {1 << k for k in range(max_heads.bit_length()) if 1 << k <= max_heads}
+        | {max_heads}
+    )
     if len(block_steps) * pairs * len(candidates) > MAX_SIMULATED_CTAS:
         return max_heads
     best, best_time = max_heads, None

@@ -128,7 +128,11 @@ class AttentionBackwardConfig:
             raise ValueError(f"scalar_t must be 16 or 32 bits, got {self.elem_bits}")
         if self.max_k % HEAD_DIM_ROUND or self.max_k <= 0:
             raise ValueError(f"kMaxK must be a positive multiple of {HEAD_DIM_ROUND}, got {self.max_k}")
-        for name, (wm, wn) in (("warps_sdp", self.warps_sdp), ("warps_dkv", self.warps_dkv), ("warps_dq", self.warps_dq)):
+        for name, (wm, wn) in (
+            ("warps_sdp", self.warps_sdp),
+            ("warps_dkv", self.warps_dkv),
+            ("warps_dq", self.warps_dq),
+        ):
             if wm * wn != self.num_warps:
                 raise ValueError(f"{name} {wm}x{wn} does not use the {self.num_warps} warps")
         if not self.is_half:  # SIMT: 16 x 16 threads tile every matmul
@@ -166,7 +170,9 @@ class AttentionBackwardConfig:
         if self.apply_dropout:
             tpr = self.zij_threads_per_row
             if self.num_threads % self.block_size_i or self.block_size_j % (4 * tpr):
-                raise ValueError(f"Zij: {self.num_threads} threads cannot draw {self.block_size_i} x {self.block_size_j} in quads")
+                raise ValueError(
+                    f"Zij: {self.num_threads} threads cannot draw {self.block_size_i} x {self.block_size_j} in quads"
+                )
 
     # ---- the C++'s derived constants ------------------------------------------------
     @property
@@ -301,7 +307,9 @@ class AttentionBackwardConfig:
         if self.bias_aligned:
             vec = 128 // self.elem_bits
             tpr = min(self.block_size_j // vec, self.num_threads)
-            return TiledCopySpec((self.num_threads // tpr, tpr), (1, vec), self.elem_bits, op="cp.async", load_cache="global")
+            return TiledCopySpec(
+                (self.num_threads // tpr, tpr), (1, vec), self.elem_bits, op="cp.async", load_cache="global"
+            )
         tpr = min(32, self.block_size_j)
         return TiledCopySpec((self.num_threads // tpr, tpr), (1, 1), self.elem_bits)
 
@@ -322,7 +330,9 @@ class AttentionBackwardConfig:
         if self.is_aligned:
             atom_cols = _swizzled_atom(cols, self.elem_bits)[0][1]
             tpr = atom_cols // self.vec
-            return TiledCopySpec((self.num_threads // tpr, tpr), (1, self.vec), self.elem_bits, op="cp.async", load_cache="global")
+            return TiledCopySpec(
+                (self.num_threads // tpr, tpr), (1, self.vec), self.elem_bits, op="cp.async", load_cache="global"
+            )
         tpr = min(32, cols)
         return TiledCopySpec((self.num_threads // tpr, tpr), (1, 1), self.elem_bits)
 
@@ -457,6 +467,8 @@ def attention_backward_config(
     if cfg.smem_bytes() > cap:
         hint = ""
         if max_k > MAX_K_IN_RF:
-            hint = f" (head dim {biggest}: {arch} serves head dims up to {_max_head_dim_for(cap)}; sm_90 serves {MAX_K})"
+            hint = (
+                f" (head dim {biggest}: {arch} serves head dims up to {_max_head_dim_for(cap)}; sm_90 serves {MAX_K})"
+            )
         raise NotImplementedError(f"{cfg} needs {cfg.smem_bytes()} bytes of shared memory, {arch} has {cap}{hint}")
     return cfg

@@ -21,8 +21,9 @@ def grid(rows: int, cols: int, cell: Callable[[int, int], str]) -> str:
     body = [[cell(m, n) for n in range(c)] for m in range(r)]
     width = max(len(str(cols - 1)), max(len(s) for row in body for s in row))
     head = " " * 5 + " ".join(f"{n:>{width}}" for n in range(c)) + (" ..." if c < cols else "")
-    lines = [head] + [f"{m:>4} " + " ".join(f"{s:>{width}}" for s in row) + (" ..." if c < cols else "")
-                      for m, row in enumerate(body)]
+    lines = [head] + [
+        f"{m:>4} " + " ".join(f"{s:>{width}}" for s in row) + (" ..." if c < cols else "") for m, row in enumerate(body)
+    ]
     if r < rows:
         lines.append("  ...")
     if (r, c) != (rows, cols):
@@ -59,24 +60,43 @@ def describe(entry) -> str:
         lines += [f"layout {entry.layout} ({entry.dtype})"]
         if view is not entry.layout:
             lines += [f"  as rows x the rest: {view}"]
-        lines += ["element offset per (row, col):", grid(*entry.tile, lambda m, n: str(view((m, n)))),
-                  "bank (4-byte word mod 32) per (row, col):",
-                  grid(*entry.tile, lambda m, n: str((view((m, n)) * eb // 8 // 4) % 32)),
-                  "accesses (python -m layouts conflicts NAME counts them):"]
+        lines += [
+            "element offset per (row, col):",
+            grid(*entry.tile, lambda m, n: str(view((m, n)))),
+            "bank (4-byte word mod 32) per (row, col):",
+            grid(*entry.tile, lambda m, n: str((view((m, n)) * eb // 8 // 4) % 32)),
+            "accesses (python -m layouts conflicts NAME counts them):",
+        ]
         lines += [f"  {_access_name(a)}" for a in entry.accesses]
     elif isinstance(entry, catalogue.CopyEntry):
         s = entry.spec
-        lines += [f"spec {s}", f"{s.copy_bits}-bit accesses, {entry.memory}, tile {s.tiler[0]}x{s.tiler[1]}",
-                  tv_grid(entry.tv())]
+        lines += [
+            f"spec {s}",
+            f"{s.copy_bits}-bit accesses, {entry.memory}, tile {s.tiler[0]}x{s.tiler[1]}",
+            tv_grid(entry.tv()),
+        ]
     elif isinstance(entry, catalogue.LdMatrixEntry):
-        lines += ["source (lane -> the 16-byte row it addresses):", tv_grid(entry.src_tv()),
-                  "destination (lane -> fragment registers):", tv_grid(entry.dst_tv())]
+        lines += [
+            "source (lane -> the 16-byte row it addresses):",
+            tv_grid(entry.src_tv()),
+            "destination (lane -> fragment registers):",
+            tv_grid(entry.dst_tv()),
+        ]
     elif isinstance(entry, catalogue.MmaEntry):
         a = entry.atom
-        lines += [f"{a.name} M,N,K = {a.shape_mnk}", "A (M x K):", tv_grid(a.a), "B (N x K):", tv_grid(a.b),
-                  "C (M x N):", tv_grid(a.c)]
+        lines += [
+            f"{a.name} M,N,K = {a.shape_mnk}",
+            "A (M x K):",
+            tv_grid(a.a),
+            "B (N x K):",
+            tv_grid(a.b),
+            "C (M x N):",
+            tv_grid(a.c),
+        ]
         if entry.tiled:
             t = entry.tiled
-            lines += [f"tiled: warps {t.atom_layout}, permutation {t.permutation}; C over the tile:",
-                      tv_grid(entry.tiled_c())]
+            lines += [
+                f"tiled: warps {t.atom_layout}, permutation {t.permutation}; C over the tile:",
+                tv_grid(entry.tiled_c()),
+            ]
     return "\n".join(lines)

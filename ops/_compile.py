@@ -128,11 +128,7 @@ def eager(t: torch.Tensor) -> bool:
     (FakeTensorMode, make_fx, ...) take the direct path; everything else goes through
     the registered custom op, so graphs still see it.
     """
-    return (
-        type(t) is torch.Tensor
-        and not torch.compiler.is_compiling()
-        and _current_dispatch_mode() is None
-    )
+    return type(t) is torch.Tensor and not torch.compiler.is_compiling() and _current_dispatch_mode() is None
 
 
 def capturing() -> bool:

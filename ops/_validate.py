@@ -73,7 +73,9 @@ def validate_once(parts, check) -> None:
     if torch.compiler.is_compiling():
         check()
         return
-    key = tuple([(type(p), p.shape, p.stride(), p.dtype, p.device) if isinstance(p, Tensor) else (type(p), p) for p in parts])
+    key = tuple(
+        [(type(p), p.shape, p.stride(), p.dtype, p.device) if isinstance(p, Tensor) else (type(p), p) for p in parts]
+    )
     try:
         known = key in _validated
     except TypeError:  # an unhashable argument: let the full check name it

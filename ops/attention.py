@@ -97,10 +97,14 @@ def _check_qkv(query, key, value):
             f"got {tuple(key.shape)}"
         )
     if tuple(value.shape[:3]) != tuple(key.shape[:3]):
-        raise ValueError(f"value must have key's batch, seqlen and heads {tuple(key.shape[:3])}, got shape {tuple(value.shape)}")
+        raise ValueError(
+            f"value must have key's batch, seqlen and heads {tuple(key.shape[:3])}, got shape {tuple(value.shape)}"
+        )
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dim (stride {t.stride(-1)}); pass {name}.contiguous()")
+            raise ValueError(
+                f"{name} must be contiguous in its last dim (stride {t.stride(-1)}); pass {name}.contiguous()"
+            )
 
 
 def _check_cu_meta(name, cu, query):
@@ -109,7 +113,9 @@ def _check_cu_meta(name, cu, query):
     if cu.dtype != torch.int32:
         raise TypeError(f"{name} must be int32, got {cu.dtype}")
     if cu.dim() != 1 or cu.numel() < 2:
-        raise ValueError(f"{name} must be a 1-D tensor [num_seqs + 1] with at least 2 entries, got shape {tuple(cu.shape)}")
+        raise ValueError(
+            f"{name} must be a 1-D tensor [num_seqs + 1] with at least 2 entries, got shape {tuple(cu.shape)}"
+        )
     if cu.stride(0) != 1:
         raise ValueError(f"{name} must be contiguous")
 
@@ -128,7 +134,9 @@ def _check_meta(query, key, value, cu_seqlens_q, cu_seqlens_k):
                 f"got {tuple(cu_seqlens_k.shape)}"
             )
         if query.shape[0] != 1:
-            raise ValueError(f"query must have batch 1 with cu_seqlens_q (sequences packed along M), got batch {query.shape[0]}")
+            raise ValueError(
+                f"query must have batch 1 with cu_seqlens_q (sequences packed along M), got batch {query.shape[0]}"
+            )
 
 
 def _check_cu_values(name, cu, total, max_seqlen, max_name):
@@ -257,10 +265,20 @@ def _mea_forward(
     if group > 1:  # torch's forward has one key head per query head
         key, value = (t.repeat_interleave(group, dim=2) for t in (key, value))
     out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
-        query, key, value, attn_bias, cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q if varlen else None, max_seqlen_k if varlen else None,
-        dropout_p, custom_mask_type, True, scale=scale, window_size=window_size if window_size > 0 else None,
-    )  # fmt: skip
+        query,
+        key,
+        value,
+        attn_bias,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q if varlen else None,
+        max_seqlen_k if varlen else None,
+        dropout_p,
+        custom_mask_type,
+        True,
+        scale=scale,
+        window_size=window_size if window_size > 0 else None,
+    )
     return out, lse, *_rng_on_device(seed, offset, dropout_p, query.device)
 
 
@@ -278,8 +296,22 @@ def _rng_on_device(seed: Tensor, offset: Tensor, dropout_p: float, device) -> Tu
 
 
 @_mea_forward.register_fake
-def _(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, custom_mask_type, window_size, scale,
-      attn_bias=None, dropout_p=0.0, backend="auto", deterministic=False):  # fmt: skip
+def _(
+    query,
+    key,
+    value,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    custom_mask_type,
+    window_size,
+    scale,
+    attn_bias=None,
+    dropout_p=0.0,
+    backend="auto",
+    deterministic=False,
+):
     b, mq, h, _ = query.shape
     out = query.new_empty((b, mq, h, value.shape[3]))
     rows = cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else b
@@ -289,7 +321,9 @@ def _(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
 
 
 def _mea_setup(ctx, inputs, output):
-    query, key, value, cu_q, cu_k, max_q, max_k, mask_type, window_size, scale, attn_bias, dropout_p, backend, det = inputs
+    query, key, value, cu_q, cu_k, max_q, max_k, mask_type, window_size, scale, attn_bias, dropout_p, backend, det = (
+        inputs
+    )
     out, lse, seed, offset = output
     ctx.save_for_backward(query, key, value, out, lse, cu_q, cu_k, attn_bias, seed, offset)
     ctx.max_seqlens = (max_q, max_k)
@@ -309,11 +343,27 @@ def _mea_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
     grad_out = kernel_ready(grad_out, TMA_ALIGN_BYTES // grad_out.element_size())
     bias_grad = attn_bias is not None and ctx.needs_input_grad[10]
     dq, dk, dv, db = efficient_attention_backward(
-        grad_out, query, key, value, attn_bias, out, cu_q, cu_k, ctx.max_seqlens[0], ctx.max_seqlens[1], lse,
-        ctx.dropout_p, seed, offset, ctx.mask_type, bias_grad,
-        scale=ctx.scale, window_size=ctx.window_size if ctx.window_size > 0 else None, backend=ctx.backend,
+        grad_out,
+        query,
+        key,
+        value,
+        attn_bias,
+        out,
+        cu_q,
+        cu_k,
+        ctx.max_seqlens[0],
+        ctx.max_seqlens[1],
+        lse,
+        ctx.dropout_p,
+        seed,
+        offset,
+        ctx.mask_type,
+        bias_grad,
+        scale=ctx.scale,
+        window_size=ctx.window_size if ctx.window_size > 0 else None,
+        backend=ctx.backend,
         deterministic=ctx.deterministic,
-    )  # fmt: skip
+    )
     return (dq, dk, dv) + none + (db, None, None, None)
 
 
@@ -390,8 +440,20 @@ def memory_efficient_attention(
             lambda: _check_backward_runs(query, key, value, mask_type, window_size, attn_bias, dropout_p, backend),
         )
     out, _, _, _ = _mea_forward(
-        query, key, value, cu_seqlens_q, cu_seqlens_k, max_q, max_k, mask_type, window_size, scale, attn_bias, dropout_p,
-        backend, deterministic,
+        query,
+        key,
+        value,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_q,
+        max_k,
+        mask_type,
+        window_size,
+        scale,
+        attn_bias,
+        dropout_p,
+        backend,
+        deterministic,
     )
     return out
 
@@ -409,9 +471,22 @@ def _check_backward_runs(query, key, value, mask_type, window_size, attn_bias, d
         )
     if backend != "sm90" or not query.is_cuda or not cc.eager(query):
         return
-    out = torch.empty((*query.shape[:3], value.shape[3]), dtype=query.dtype, device="meta")  # its shape is all that counts
-    choose_backend("sm90", out, query, key, value, out, custom_mask_type=mask_type, window_size=window_size,
-                   bias=attn_bias, dropout_p=dropout_p, arch=cc.tensor_arch(query))  # fmt: skip
+    out = torch.empty(
+        (*query.shape[:3], value.shape[3]), dtype=query.dtype, device="meta"
+    )  # its shape is all that counts
+    choose_backend(
+        "sm90",
+        out,
+        query,
+        key,
+        value,
+        out,
+        custom_mask_type=mask_type,
+        window_size=window_size,
+        bias=attn_bias,
+        dropout_p=dropout_p,
+        arch=cc.tensor_arch(query),
+    )
 
 
 BIAS_ALIGN = 16  # elements: torch's forward wants the bias rows 128-bit aligned (SDPA pads them alike)
@@ -447,8 +522,21 @@ def _aten_efficient_attention_backward(*args, **kwargs):
     return torch.ops.aten._efficient_attention_backward.default(*args, **kwargs)
 
 
-def _torch_sdpa_backward(grad_out, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset,
-                         dropout_p, grad_input_mask, is_causal, scale):  # fmt: skip
+def _torch_sdpa_backward(
+    grad_out,
+    query,
+    key,
+    value,
+    attn_bias,
+    out,
+    logsumexp,
+    philox_seed,
+    philox_offset,
+    dropout_p,
+    grad_input_mask,
+    is_causal,
+    scale,
+):
     """What torch's ``_scaled_dot_product_efficient_attention_backward_cuda`` does: [B, H, M, K]
     inputs transposed to [B, M, H, K], ``aten._efficient_attention_backward``, grads
     transposed back (views of [B, M, H, K] memory); batches over 65535 in chunks."""
@@ -462,9 +550,25 @@ def _torch_sdpa_backward(grad_out, query, key, value, attn_bias, out, logsumexp,
 
     def chunk(g, q, k, v, bias, o, lse):
         dq, dk, dv, db = _aten_efficient_attention_backward(
-            g, q, k, v, bias, o, None, None, q.shape[1], k.shape[1], lse, dropout_p, philox_seed, philox_offset,
-            mask_type, bias_requires_grad, scale=scale, num_splits_key=None,
-        )  # fmt: skip
+            g,
+            q,
+            k,
+            v,
+            bias,
+            o,
+            None,
+            None,
+            q.shape[1],
+            k.shape[1],
+            lse,
+            dropout_p,
+            philox_seed,
+            philox_offset,
+            mask_type,
+            bias_requires_grad,
+            scale=scale,
+            num_splits_key=None,
+        )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), db
 
     t = lambda x: x.transpose(1, 2)  # noqa: E731
@@ -509,8 +613,22 @@ def _sdpa_unsupported(grad_out, query, key, value, attn_bias, out, logsumexp, dr
     return None
 
 
-def _sdpa_backward_override(grad_out, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset,
-                            dropout_p, grad_input_mask, is_causal=False, *, scale=None):  # fmt: skip
+def _sdpa_backward_override(
+    grad_out,
+    query,
+    key,
+    value,
+    attn_bias,
+    out,
+    logsumexp,
+    philox_seed,
+    philox_offset,
+    dropout_p,
+    grad_input_mask,
+    is_causal=False,
+    *,
+    scale=None,
+):
     """Our ``aten::_scaled_dot_product_efficient_attention_backward`` (inputs [B, H, M, K])."""
     if grad_out is None:  # undefined: torch returns four undefined tensors
         return None, None, None, None
@@ -524,15 +642,43 @@ def _sdpa_backward_override(grad_out, query, key, value, attn_bias, out, logsume
         try:
             bias_grad = attn_bias is not None and bool(grad_input_mask[3])
             dq, dk, dv, db = efficient_attention_backward(
-                t(grad_out), q_t, k_t, t(value), attn_bias, t(out), None, None, q_t.shape[1], k_t.shape[1], logsumexp,
-                float(dropout_p), philox_seed, philox_offset, 1 if is_causal else 0, bias_grad, scale=scale,
-            )  # fmt: skip
+                t(grad_out),
+                q_t,
+                k_t,
+                t(value),
+                attn_bias,
+                t(out),
+                None,
+                None,
+                q_t.shape[1],
+                k_t.shape[1],
+                logsumexp,
+                float(dropout_p),
+                philox_seed,
+                philox_offset,
+                1 if is_causal else 0,
+                bias_grad,
+                scale=scale,
+            )
             return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), db
         except NotImplementedError as e:
             reason = f"NotImplementedError: {e}"
     logger.debug("SDPA efficient backward falls back to torch's kernel: %s", reason)
-    return _torch_sdpa_backward(grad_out, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset,
-                                dropout_p, grad_input_mask, is_causal, scale)  # fmt: skip
+    return _torch_sdpa_backward(
+        grad_out,
+        query,
+        key,
+        value,
+        attn_bias,
+        out,
+        logsumexp,
+        philox_seed,
+        philox_offset,
+        dropout_p,
+        grad_input_mask,
+        is_causal,
+        scale,
+    )
 
 
 _sdpa_lock = threading.Lock()

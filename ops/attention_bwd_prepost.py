@@ -72,7 +72,9 @@ def _build_preprocess(dtype, head_dim_tile, vec, varlen, clear_dq_accum, arch, l
     from cute_kernels.attention_bwd_prepost import ComputeDotDoO
 
     if lse_log2 and arch != "sm_90a":
-        raise ValueError(f"the LSE-rescaling preprocess serves the sm90 kernel (programmatic dependent launch): sm_90a, got {arch}")
+        raise ValueError(
+            f"the LSE-rescaling preprocess serves the sm90 kernel (programmatic dependent launch): sm_90a, got {arch}"
+        )
     t = tiling.preprocess_tiles(dtype.width, head_dim_tile, vec, arch)
     s = cute.sym_int
     acc = None
@@ -155,10 +157,15 @@ def _build_convert_dq_ready(dtype, head_dim_tile, vec, varlen, arch):
         _fake_cu(varlen),
         cc.fake_tensor(i32, (1,), 1),
         cc.fake_tensor(i32, (s(), s()), 1),
-        cutlass.Float32(1.0), i32(1), i32(1), i32(1), i32(1), i32(1),
+        cutlass.Float32(1.0),
+        i32(1),
+        i32(1),
+        i32(1),
+        i32(1),
+        i32(1),
         cc.fake_stream(),
         arch=arch,
-    )  # fmt: skip
+    )
 
 
 def _build_convert_dkv(dtype, head_dim_tile, vec, varlen, arch):
@@ -237,7 +244,9 @@ def _check_seq_pair(a_name, a, b_name, b, cu_seqlens, max_seqlen, dtypes=INPUT_D
             raise ValueError("max_seqlen_q is only used with cu_seqlens_q")
     else:
         if a.dim() != 3:
-            raise ValueError(f"with cu_seqlens_q, {a_name} must be [total, heads, head_dim], got shape {tuple(a.shape)}")
+            raise ValueError(
+                f"with cu_seqlens_q, {a_name} must be [total, heads, head_dim], got shape {tuple(a.shape)}"
+            )
         _check_cu_seqlens("cu_seqlens_q", cu_seqlens, a)
         if max_seqlen is None:
             raise ValueError("cu_seqlens_q needs max_seqlen_q (the longest sequence), which sizes the grid")
@@ -316,10 +325,20 @@ def _cached_plan(key, make):
 def launch_preprocess(out, grad_out, delta, dq_accum, scale, cu_seqlens_q, max_seqlen_q, lse=None, lse_log2=None):
     """compute_dot_do_o into preallocated Δ (and dQ accumulator to clear, or None; and the
     forward's LSE ``lse`` in log2 units into ``lse_log2``, shaped as Δ, or None)."""
-    key = ("pre", _meta(out), _meta(grad_out), _meta(delta), _meta(dq_accum), cu_seqlens_q is None, max_seqlen_q,
-           _meta(lse), _meta(lse_log2))  # fmt: skip
-    plan = _cached_plan(key, lambda: _plan_preprocess(out, grad_out, delta, dq_accum, cu_seqlens_q, max_seqlen_q,
-                                                      lse is not None))  # fmt: skip
+    key = (
+        "pre",
+        _meta(out),
+        _meta(grad_out),
+        _meta(delta),
+        _meta(dq_accum),
+        cu_seqlens_q is None,
+        max_seqlen_q,
+        _meta(lse),
+        _meta(lse_log2),
+    )
+    plan = _cached_plan(
+        key, lambda: _plan_preprocess(out, grad_out, delta, dq_accum, cu_seqlens_q, max_seqlen_q, lse is not None)
+    )
     if plan is None:
         for t in (delta, lse_log2):
             if t is not None and t.numel():
@@ -390,9 +409,13 @@ def _preprocess_impl(out, grad_out, scale, cu_seqlens_q, max_seqlen_q, zero_dq_a
 
 @torch.library.custom_op("cute_kernels::attention_bwd_preprocess", mutates_args=())
 def _preprocess_op(
-    out: Tensor, grad_out: Tensor, scale: float, cu_seqlens_q: Optional[Tensor],
-    max_seqlen_q: Optional[int], zero_dq_accum: bool,
-) -> Tuple[Tensor, Tensor]:  # fmt: skip
+    out: Tensor,
+    grad_out: Tensor,
+    scale: float,
+    cu_seqlens_q: Optional[Tensor],
+    max_seqlen_q: Optional[int],
+    zero_dq_accum: bool,
+) -> Tuple[Tensor, Tensor]:
     return _preprocess_impl(out, grad_out, scale, cu_seqlens_q, max_seqlen_q, zero_dq_accum)
 
 
@@ -449,10 +472,16 @@ def _compute_delta_impl(out, grad_out, cu_seqlens_q, max_seqlen_q):
     if delta.numel() == 0 or out.numel() == 0:
         return delta.zero_()
     key = ("delta", _meta(out), _meta(grad_out), varlen)
-    fn = _cached_plan(key, lambda: compiled_compute_delta(
-        cc.cute_dtype(out.dtype), tiling.delta_head_dim_rounded(out.shape[-1]), _vec(out, grad_out), varlen,
-        cc.device_arch(out.device.index),
-    ))  # fmt: skip
+    fn = _cached_plan(
+        key,
+        lambda: compiled_compute_delta(
+            cc.cute_dtype(out.dtype),
+            tiling.delta_head_dim_rounded(out.shape[-1]),
+            _vec(out, grad_out),
+            varlen,
+            cc.device_arch(out.device.index),
+        ),
+    )
     fn(grad_out, out, delta, cu_seqlens_q)
     return delta
 
@@ -463,8 +492,15 @@ def may_have_blind_rows(mask_type: int, window: int, seqlen_q: int, seqlen_k: in
     return window > 0 or (mask_type == 2 and (packed or seqlen_q > seqlen_k))
 
 
-def zero_blind_delta(delta: Tensor, mask_type: int, window: int, seqlen_q: int, seqlen_k: int,
-                     cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None) -> None:  # fmt: skip
+def zero_blind_delta(
+    delta: Tensor,
+    mask_type: int,
+    window: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None,
+) -> None:
     """Δ := 0 in the query rows that see no key, in place. A forward may leave O unwritten
     there: torch's memory-efficient forward does for head dims above 128 (whole query blocks of
     a bottom-right mask with Sq > Sk; compute-sanitizer's initcheck flags the reads), and with
@@ -495,7 +531,9 @@ def zero_blind_delta(delta: Tensor, mask_type: int, window: int, seqlen_q: int, 
 
 
 @torch.library.custom_op("cute_kernels::attention_bwd_compute_delta", mutates_args=())
-def _compute_delta_op(out: Tensor, grad_out: Tensor, cu_seqlens_q: Optional[Tensor], max_seqlen_q: Optional[int]) -> Tensor:
+def _compute_delta_op(
+    out: Tensor, grad_out: Tensor, cu_seqlens_q: Optional[Tensor], max_seqlen_q: Optional[int]
+) -> Tensor:
     return _compute_delta_impl(out, grad_out, cu_seqlens_q, max_seqlen_q)
 
 
@@ -561,8 +599,9 @@ def _plan_convert_dq(dq_accum, dq, cu_seqlens_q, max_seqlen_q, ready=False):
     return cache(cc.cute_dtype(dq.dtype), t.head_dim, vec, varlen, arch), batch, num_m_blocks
 
 
-def _convert_dq_impl(dq_accum, softmax_scale, head_dim, seqlen_q, cu_seqlens_q, max_seqlen_q, p_dropout, dtype,
-                     ready=None):  # fmt: skip
+def _convert_dq_impl(
+    dq_accum, softmax_scale, head_dim, seqlen_q, cu_seqlens_q, max_seqlen_q, p_dropout, dtype, ready=None
+):
     """``ready``: ConvertDQReady's counters (``launch_convert_dq_ready``), behind the sm90 backward."""
     varlen = cu_seqlens_q is not None
     acc = dq_accum if dq_accum.dim() == (4 if varlen else 5) else dq_accum.unsqueeze(0)
@@ -583,9 +622,15 @@ def _convert_dq_impl(dq_accum, softmax_scale, head_dim, seqlen_q, cu_seqlens_q, 
 
 @torch.library.custom_op("cute_kernels::attention_bwd_convert_dq", mutates_args=())
 def _convert_dq_op(
-    dq_accum: Tensor, softmax_scale: float, head_dim: int, seqlen_q: Optional[int], cu_seqlens_q: Optional[Tensor],
-    max_seqlen_q: Optional[int], p_dropout: float, dtype: torch.dtype,
-) -> Tensor:  # fmt: skip
+    dq_accum: Tensor,
+    softmax_scale: float,
+    head_dim: int,
+    seqlen_q: Optional[int],
+    cu_seqlens_q: Optional[Tensor],
+    max_seqlen_q: Optional[int],
+    p_dropout: float,
+    dtype: torch.dtype,
+) -> Tensor:
     return _convert_dq_impl(dq_accum, softmax_scale, head_dim, seqlen_q, cu_seqlens_q, max_seqlen_q, p_dropout, dtype)
 
 
@@ -624,7 +669,16 @@ def attention_bwd_convert_dq(
     )
     check_float("softmax_scale", softmax_scale)
     check_probability("p_dropout", p_dropout)
-    args = (dq_accum, float(softmax_scale), int(head_dim), seqlen_q, cu_seqlens_q, max_seqlen_q, float(p_dropout), dtype)
+    args = (
+        dq_accum,
+        float(softmax_scale),
+        int(head_dim),
+        seqlen_q,
+        cu_seqlens_q,
+        max_seqlen_q,
+        float(p_dropout),
+        dtype,
+    )
     if cc.eager(dq_accum):
         return _convert_dq_impl(*args)
     return _convert_dq_op(*args)
@@ -652,7 +706,9 @@ def _check_convert_dq(dq_accum, head_dim, seqlen_q, cu_seqlens_q, max_seqlen_q, 
             raise ValueError("seqlen_q is required without cu_seqlens_q (dq_accum's rows are rounded up)")
         check_int("seqlen_q", seqlen_q)
         if dq_accum.shape[-3] < seqlen_rounded(seqlen_q):
-            raise ValueError(f"dq_accum needs round_up(seqlen_q, 128) = {seqlen_rounded(seqlen_q)} rows, got {dq_accum.shape[-3]}")
+            raise ValueError(
+                f"dq_accum needs round_up(seqlen_q, 128) = {seqlen_rounded(seqlen_q)} rows, got {dq_accum.shape[-3]}"
+            )
 
 
 def _checked_head_dim(head_dim):
@@ -700,9 +756,15 @@ def _convert_dkv_impl(dk_accum, dv_accum, softmax_scale, head_dim, seqlen_k, cu_
 
 @torch.library.custom_op("cute_kernels::attention_bwd_convert_dkv", mutates_args=())
 def _convert_dkv_op(
-    dk_accum: Tensor, dv_accum: Tensor, softmax_scale: float, head_dim: int, seqlen_k: int,
-    cu_seqlens_k: Optional[Tensor], p_dropout: float, dtype: torch.dtype,
-) -> Tuple[Tensor, Tensor]:  # fmt: skip
+    dk_accum: Tensor,
+    dv_accum: Tensor,
+    softmax_scale: float,
+    head_dim: int,
+    seqlen_k: int,
+    cu_seqlens_k: Optional[Tensor],
+    p_dropout: float,
+    dtype: torch.dtype,
+) -> Tuple[Tensor, Tensor]:
     return _convert_dkv_impl(dk_accum, dv_accum, softmax_scale, head_dim, seqlen_k, cu_seqlens_k, p_dropout, dtype)
 
 
@@ -737,7 +799,16 @@ def attention_bwd_convert_dkv(
     )
     check_float("softmax_scale", softmax_scale)
     check_probability("p_dropout", p_dropout)
-    args = (dk_accum, dv_accum, float(softmax_scale), int(head_dim), int(seqlen_k), cu_seqlens_k, float(p_dropout), dtype)
+    args = (
+        dk_accum,
+        dv_accum,
+        float(softmax_scale),
+        int(head_dim),
+        int(seqlen_k),
+        cu_seqlens_k,
+        float(p_dropout),
+        dtype,
+    )
     if cc.eager(dk_accum):
         return _convert_dkv_impl(*args)
     return _convert_dkv_op(*args)
@@ -757,7 +828,9 @@ def _check_convert_dkv(dk_accum, dv_accum, head_dim, seqlen_k, cu_seqlens_k, dty
         if cu_seqlens_k.numel() - 1 != dk_accum.shape[0]:
             raise ValueError(f"cu_seqlens_k has {cu_seqlens_k.numel() - 1} sequences, dk_accum {dk_accum.shape[0]}")
     elif dk_accum.shape[2] < seqlen_rounded(seqlen_k):
-        raise ValueError(f"dk_accum needs round_up(seqlen_k, 128) = {seqlen_rounded(seqlen_k)} rows, got {dk_accum.shape[2]}")
+        raise ValueError(
+            f"dk_accum needs round_up(seqlen_k, 128) = {seqlen_rounded(seqlen_k)} rows, got {dk_accum.shape[2]}"
+        )
 
 
 # --------------------------------------------------------------------- clear_dkv_accum

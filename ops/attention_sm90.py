@@ -39,15 +39,30 @@ DTYPES = (torch.float16, torch.bfloat16)
 def _tiles(head_dim: int, head_dim_v: int, bias: bool, grad_bias: bool, dropout: bool):
     """The tiles a configuration compiles with (also read on the call path: deterministic
     mode's semaphore shape, the heavy-first chunk; cached by ``attention_sm90_tiles``)."""
-    return tiling.attention_sm90_tiles(head_dim, head_dim_v=head_dim_v, ds_keys_contiguous=grad_bias,
-                                       bias_or_dropout=bias or dropout)  # fmt: skip
+    return tiling.attention_sm90_tiles(
+        head_dim, head_dim_v=head_dim_v, ds_keys_contiguous=grad_bias, bias_or_dropout=bias or dropout
+    )
 
 
-def _build(dtype, head_dim: int, head_dim_v: int, mask_type: int, has_window: bool, arch: str,
-           deterministic: bool = False, varlen: bool = False, has_bias: bool = False, grad_bias: bool = False,
-           dropout: bool = False, carry_dq: bool = False, dq_ready: bool = False,
-           store_first: bool = False, zero_ahead: bool = False, tail_m: int = 0,
-           rng_on_device: bool = False):  # fmt: skip
+def _build(
+    dtype,
+    head_dim: int,
+    head_dim_v: int,
+    mask_type: int,
+    has_window: bool,
+    arch: str,
+    deterministic: bool = False,
+    varlen: bool = False,
+    has_bias: bool = False,
+    grad_bias: bool = False,
+    dropout: bool = False,
+    carry_dq: bool = False,
+    dq_ready: bool = False,
+    store_first: bool = False,
+    zero_ahead: bool = False,
+    tail_m: int = 0,
+    rng_on_device: bool = False,
+):
     """One configuration; ``head_dim`` is Dqk (Q, K), ``head_dim_v`` Dv (V, dO). The bias
     gradient leaves by TMA from a keys-contiguous dS tile (``ds_keys_contiguous``);
     ``carry_dq``: short tiles of persistent CTAs (``_carries_dq``); ``dq_ready``: the kernel
@@ -59,9 +74,22 @@ def _build(dtype, head_dim: int, head_dim_v: int, mask_type: int, has_window: bo
     tiles = _tiles(head_dim, head_dim_v, has_bias, grad_bias, dropout)
     # a head dim above 128: the 64 x 64 decomposition (P^T / dS^T through shared memory)
     cls = AttentionBackwardSm90Wide if isinstance(tiles, tiling.AttentionSm90WideTiles) else AttentionBackwardSm90
-    kernel = cls(dtype, tiles, mask_type, has_window, deterministic, varlen, has_bias, grad_bias, dropout,
-                 carry_dq=carry_dq, dq_ready=dq_ready, store_first=store_first, zero_ahead=zero_ahead,
-                 tail_m=tail_m)  # fmt: skip
+    kernel = cls(
+        dtype,
+        tiles,
+        mask_type,
+        has_window,
+        deterministic,
+        varlen,
+        has_bias,
+        grad_bias,
+        dropout,
+        carry_dq=carry_dq,
+        dq_ready=dq_ready,
+        store_first=store_first,
+        zero_ahead=zero_ahead,
+        tail_m=tail_m,
+    )
     b, h, hk, mq, mk = (cute.sym_int() for _ in range(5))
     # TMA: last stride 1, the other strides and the addresses multiples of TMA_ALIGN_BYTES
     vec, vec32 = tiling.tma_align_elems(dtype.width), tiling.tma_align_elems(32)
@@ -77,7 +105,9 @@ def _build(dtype, head_dim: int, head_dim_v: int, mask_type: int, has_window: bo
     dynamic = kernel.dynamic_tiles
     # the tile counter, zeroed (causal zero_ahead: and the zeroing jobs' counter)
     counter = cc.fake_tensor(cutlass.Int32, (2 if zero_ahead else 1,), 1) if dynamic else None
-    ready = cc.fake_tensor(cutlass.Int32, (seqs, hk), 1) if dq_ready else None  # dQ's key blocks per (sequence, key head)
+    ready = (
+        cc.fake_tensor(cutlass.Int32, (seqs, hk), 1) if dq_ready else None
+    )  # dQ's key blocks per (sequence, key head)
     # store_first / zero_ahead: a flag per (batch, query head, query block), zeroed
     first = cc.fake_tensor(cutlass.Int32, (b, h, cute.sym_int()), 1) if store_first or zero_ahead else None
     cu_q, cu_k = (cc.fake_tensor(cutlass.Int32, (cute.sym_int(),), 1) if varlen else None for _ in range(2))
@@ -88,27 +118,82 @@ def _build(dtype, head_dim: int, head_dim_v: int, mask_type: int, has_window: bo
     grad_bias_t = cc.fake_tensor(dtype, (b, h, mq, mk), vec) if grad_bias else None
     rng = cc.fake_rng_args(rng_on_device) if dropout else (None,) * 5
     return cc.compile_kernel(
-        kernel, q, k, v, do, lse, delta, dq_accum, dk, dv, semaphore, counter, ready, first, cu_q, cu_k, bias, grad_bias_t,
-        cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(1), *rng,
-        cc.fake_stream(), arch=arch,
-    )  # fmt: skip
+        kernel,
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dq_accum,
+        dk,
+        dv,
+        semaphore,
+        counter,
+        ready,
+        first,
+        cu_q,
+        cu_k,
+        bias,
+        grad_bias_t,
+        cutlass.Float32(1.0),
+        cutlass.Int32(0),
+        cutlass.Int32(0),
+        cutlass.Int32(1),
+        cutlass.Int32(1),
+        *rng,
+        cc.fake_stream(),
+        arch=arch,
+    )
 
 
 compiled = cc.CompileCache("attention_bwd_sm90", _build)
 # where _config puts _build's flags the call reads back from its key
-_DQ_READY, _STORE_FIRST, _ZERO_AHEAD = (list(inspect.signature(_build).parameters).index(name)
-                                        for name in ("dq_ready", "store_first", "zero_ahead"))  # fmt: skip
+_DQ_READY, _STORE_FIRST, _ZERO_AHEAD = (
+    list(inspect.signature(_build).parameters).index(name) for name in ("dq_ready", "store_first", "zero_ahead")
+)
 
 
-def _config(dtype, head_dim: int, head_dim_v: int, mask_type: int, arch: str, *, window: bool = False,
-            deterministic: bool = False, varlen: bool = False, bias: bool = False, grad_bias: bool = False,
-            dropout: bool = False, carry_dq: bool = False, dq_ready: bool = False,
-            store_first: bool = False, zero_ahead: bool = False, tail_m: int = 0,
-            rng_on_device: bool = False) -> tuple:  # fmt: skip
+def _config(
+    dtype,
+    head_dim: int,
+    head_dim_v: int,
+    mask_type: int,
+    arch: str,
+    *,
+    window: bool = False,
+    deterministic: bool = False,
+    varlen: bool = False,
+    bias: bool = False,
+    grad_bias: bool = False,
+    dropout: bool = False,
+    carry_dq: bool = False,
+    dq_ready: bool = False,
+    store_first: bool = False,
+    zero_ahead: bool = False,
+    tail_m: int = 0,
+    rng_on_device: bool = False,
+) -> tuple:
     """The ``compiled`` key (``_build``'s arguments, in order) of one configuration."""
-    return (dtype, int(head_dim), int(head_dim_v), int(mask_type), bool(window), arch, bool(deterministic),
-            bool(varlen), bool(bias), bool(grad_bias), bool(dropout), bool(carry_dq), bool(dq_ready),
-            bool(store_first), bool(zero_ahead), int(tail_m), bool(dropout and rng_on_device))  # fmt: skip
+    return (
+        dtype,
+        int(head_dim),
+        int(head_dim_v),
+        int(mask_type),
+        bool(window),
+        arch,
+        bool(deterministic),
+        bool(varlen),
+        bool(bias),
+        bool(grad_bias),
+        bool(dropout),
+        bool(carry_dq),
+        bool(dq_ready),
+        bool(store_first),
+        bool(zero_ahead),
+        int(tail_m),
+        bool(dropout and rng_on_device),
+    )
 
 
 # convert_dq overlapping the kernel's last wave (_overlaps_convert): the kernel counts each key
@@ -125,16 +210,21 @@ def _overlaps_convert(schedule: str, mask_type: int, deterministic: bool, key_bl
     heavy-first order), whose last wave leaves multiprocessors idle while the heads before are
     complete. Persistent CTAs and the heavy-first order of causal masks end all multiprocessors
     nearly together, so the counts would cost without an overlap (causal d128 +0.7%)."""
-    return (DQ_READY and schedule == "grid" and (mask_type == 0 or deterministic)
-            and key_blocks <= tiling.DQ_READY_MAX_KEY_BLOCKS)  # fmt: skip
+    return (
+        DQ_READY
+        and schedule == "grid"
+        and (mask_type == 0 or deterministic)
+        and key_blocks <= tiling.DQ_READY_MAX_KEY_BLOCKS
+    )
 
 
 # each query block's first dQ stored instead of added into a zeroed accumulator (_stores_first)
 STORE_FIRST = True
 
 
-def _stores_first(tiles, mask_type: int, window: bool, deterministic: bool, varlen: bool, rows_q: int,
-                  rows_k: int) -> bool:  # fmt: skip
+def _stores_first(
+    tiles, mask_type: int, window: bool, deterministic: bool, varlen: bool, rows_q: int, rows_k: int
+) -> bool:
     """Whether the kernel stores each query block's first dQ (``store_first``), so that the
     preprocess need not zero the accumulator: for tiles that ask for it (``tiles.store_first``,
     measured per head dim), where every query block is seen by some key block (no mask;
@@ -152,8 +242,9 @@ ZERO_AHEAD = True
 ZERO_AHEAD_CAUSAL = True
 
 
-def _zeroes_ahead(schedule: str, store_first: bool, key_blocks: int, ctas: int, steps: int,
-                  reached: bool = True) -> bool:  # fmt: skip
+def _zeroes_ahead(
+    schedule: str, store_first: bool, key_blocks: int, ctas: int, steps: int, reached: bool = True
+) -> bool:
     """Whether the kernel zeroes the accumulator itself (``zero_ahead``), where it does not store
     first and every query block is ``reached`` by some key block (no window; bottom-right only
     with Sq <= Sk). Persistent CTAs over equal tiles (schedule "persistent", no mask) zero their
@@ -192,9 +283,25 @@ def _carries_dq(tiles, schedule: str, rows_q: int, group: int) -> bool:
     return schedule == "persistent" and tiles.carries_dq(group * -(-rows_q // tiles.tile_m))
 
 
-def _plan(dtype, head_dim: int, head_dim_v: int, mask_type: int, arch: str, *, window: bool, deterministic: bool,
-          varlen: bool, bias: bool, grad_bias: bool, dropout: bool, rows_q: int, group: int,
-          rows_k: int, ctas: int, rng_on_device: bool = False) -> tuple:  # fmt: skip
+def _plan(
+    dtype,
+    head_dim: int,
+    head_dim_v: int,
+    mask_type: int,
+    arch: str,
+    *,
+    window: bool,
+    deterministic: bool,
+    varlen: bool,
+    bias: bool,
+    grad_bias: bool,
+    dropout: bool,
+    rows_q: int,
+    group: int,
+    rows_k: int,
+    ctas: int,
+    rng_on_device: bool = False,
+) -> tuple:
     """(tiles, tile schedule, ``compiled`` key) of one call: the choices made per call from the
     configuration, the query rows (``carry_dq``), the key rows (``dq_ready``, ``zero_ahead``)
     and the persistent grid's CTAs (``zero_ahead``)."""
@@ -202,13 +309,32 @@ def _plan(dtype, head_dim: int, head_dim_v: int, mask_type: int, arch: str, *, w
     schedule = AttentionBackwardSm90.tile_schedule(tiles, mask_type, window, deterministic, varlen, bias, dropout)
     carry = _carries_dq(tiles, schedule, rows_q, group)
     first = _stores_first(tiles, mask_type, window, deterministic, varlen, rows_q, rows_k)
-    key = _config(dtype, head_dim, head_dim_v, mask_type, arch, window=window, deterministic=deterministic,
-                  varlen=varlen, bias=bias, grad_bias=grad_bias, dropout=dropout, carry_dq=carry,
-                  dq_ready=_overlaps_convert(schedule, mask_type, deterministic, -(-rows_k // tiles.tile_n)),
-                  store_first=first, zero_ahead=_zeroes_ahead(
-                      schedule, first, -(-rows_k // tiles.tile_n), ctas, group * -(-rows_q // tiles.tile_m),
-                      reached=not window and (mask_type != 2 or rows_q <= rows_k)),
-                  tail_m=_tail_m(tiles, schedule, rows_q, varlen, bias, dropout), rng_on_device=rng_on_device)  # fmt: skip
+    key = _config(
+        dtype,
+        head_dim,
+        head_dim_v,
+        mask_type,
+        arch,
+        window=window,
+        deterministic=deterministic,
+        varlen=varlen,
+        bias=bias,
+        grad_bias=grad_bias,
+        dropout=dropout,
+        carry_dq=carry,
+        dq_ready=_overlaps_convert(schedule, mask_type, deterministic, -(-rows_k // tiles.tile_n)),
+        store_first=first,
+        zero_ahead=_zeroes_ahead(
+            schedule,
+            first,
+            -(-rows_k // tiles.tile_n),
+            ctas,
+            group * -(-rows_q // tiles.tile_m),
+            reached=not window and (mask_type != 2 or rows_q <= rows_k),
+        ),
+        tail_m=_tail_m(tiles, schedule, rows_q, varlen, bias, dropout),
+        rng_on_device=rng_on_device,
+    )
     return tiles, schedule, key
 
 
@@ -228,10 +354,25 @@ def benchmark_configurations(cases, arch: str) -> list:
         feature = feature[0] if feature else None
         # as attention_backward_sm90 calls it: causal is top-left, no window / determinism /
         # varlen, a query head per key head
-        keys.add(_plan(cc.cute_dtype(getattr(torch, dtype_name)), d, d, 1 if causal else 0, arch, window=False,
-                       deterministic=False, varlen=False, bias=feature in ("bias", "bias_grad"),
-                       grad_bias=feature == "bias_grad", dropout=feature == "dropout", rows_q=s, group=1,
-                       rows_k=s, ctas=ctas)[2])  # fmt: skip
+        keys.add(
+            _plan(
+                cc.cute_dtype(getattr(torch, dtype_name)),
+                d,
+                d,
+                1 if causal else 0,
+                arch,
+                window=False,
+                deterministic=False,
+                varlen=False,
+                bias=feature in ("bias", "bias_grad"),
+                grad_bias=feature == "bias_grad",
+                dropout=feature == "dropout",
+                rows_q=s,
+                group=1,
+                rows_k=s,
+                ctas=ctas,
+            )[2]
+        )
     return sorted(keys, key=str)
 
 
@@ -246,8 +387,9 @@ def compile_for_benchmark_cases(cases, arch: str) -> int:
 _verdicts = Memo()  # unsupported's answers for plain CUDA tensors at TMA-aligned addresses, by metadata
 
 
-def unsupported(query, key, value, grad_out, out, *, mask_type=0, window_size=None, bias=None, dropout_p=0.0,
-                arch=None) -> Optional[str]:  # fmt: skip
+def unsupported(
+    query, key, value, grad_out, out, *, mask_type=0, window_size=None, bias=None, dropout_p=0.0, arch=None
+) -> Optional[str]:
     """Why the sm90 path cannot take this problem (None: it can).
 
     ``arch``: the DSL target to judge for; by default the device's, known only for real
@@ -286,13 +428,25 @@ def _unsupported(query, key, value, grad_out, out, mask_type, arch) -> Optional[
         # fake / meta tensors have no address to check (their real counterparts are checked at run time)
         address = 0 if t.device.type == "meta" or cc.is_fake_tensor(t) else t.data_ptr()
         if t.stride(-1) != 1 or address % tiling.TMA_ALIGN_BYTES or any(s % vec for s in t.stride()[:-1]):
-            return (f"{name} is not TMA-aligned (last stride 1, other strides and address multiples of "
-                    f"{tiling.TMA_ALIGN_BYTES} bytes)")  # fmt: skip
+            return (
+                f"{name} is not TMA-aligned (last stride 1, other strides and address multiples of "
+                f"{tiling.TMA_ALIGN_BYTES} bytes)"
+            )
     return None
 
 
-def _heads_per_chunk(tiles, rows_q: int, rows_k: int, group: int, pairs: int, query: Tensor, mask_type: int,
-                     window: int, deterministic: bool, varlen: bool) -> int:  # fmt: skip
+def _heads_per_chunk(
+    tiles,
+    rows_q: int,
+    rows_k: int,
+    group: int,
+    pairs: int,
+    query: Tensor,
+    mask_type: int,
+    window: int,
+    deterministic: bool,
+    varlen: bool,
+) -> int:
     """The heavy-first order's chunk (the kernel's ``heads_per_chunk``; unused without a causal
     mask or in deterministic mode). With variable lengths the key blocks' work depends on
     lengths the host does not read: the chunk that fits L2, as before the model (also for a
@@ -300,8 +454,16 @@ def _heads_per_chunk(tiles, rows_q: int, rows_k: int, group: int, pairs: int, qu
     elem = query.element_size()
     if mask_type == 0 or deterministic or varlen or query.device.type != "cuda":
         return tiles.lpt_heads_per_chunk(rows_q, group, elem)
-    return tiles.lpt_heads_per_chunk(rows_q, group, elem, seqlen_k=rows_k, pairs=pairs, mask_type=mask_type,
-                                     window=window, num_sms=cc.num_sms(query.device.index))  # fmt: skip
+    return tiles.lpt_heads_per_chunk(
+        rows_q,
+        group,
+        elem,
+        seqlen_k=rows_k,
+        pairs=pairs,
+        mask_type=mask_type,
+        window=window,
+        num_sms=cc.num_sms(query.device.index),
+    )
 
 
 # persistent CTAs (AttentionBackwardSm90.tile_schedule: the d64 tiles without varlen,
@@ -325,10 +487,27 @@ def _unzeroed_dq_accum(dq_accum: Tensor) -> Tensor:
     return dq_accum
 
 
-def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: float, mask_type: int = 0,
-                            window_size: int = 0, deterministic: bool = False, cu_seqlens_q=None, cu_seqlens_k=None,
-                            max_seqlen_q=None, max_seqlen_k=None, bias=None, bias_requires_grad: bool = False,
-                            dropout_p: float = 0.0, philox_seed=None, philox_offset=None):  # fmt: skip
+def attention_backward_sm90(
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    logsumexp,
+    scale: float,
+    mask_type: int = 0,
+    window_size: int = 0,
+    deterministic: bool = False,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    bias=None,
+    bias_requires_grad: bool = False,
+    dropout_p: float = 0.0,
+    philox_seed=None,
+    philox_offset=None,
+):
     """(dq, dk, dv, grad_bias) of dropout(softmax(scale Q K^T [+ bias] [+ causal mask [+ window]])) V;
     tensors [B, S, H, D] (key / value / dk / dv [B, S, Hk, D] with grouped-query heads: H a
     multiple of Hk; value, out, grad_out and dv have the head dim Dv, which may differ from
@@ -354,15 +533,42 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
     rng_dev = dropout and cc.rng_on_device(philox_seed, philox_offset)
     if bias is not None and varlen:
         raise NotImplementedError("attention bias with cu_seqlens is not supported (torch's forward refuses it too)")
-    sig = (query.shape, key.shape, value.shape, query.dtype, query.device, int(mask_type), window, bool(deterministic),
-           (cu_seqlens_q.shape, int(max_seqlen_q), int(max_seqlen_k)) if varlen else None, bias is not None,
-           bias is not None and bool(bias_requires_grad), dropout, rng_dev, _knobs())  # fmt: skip
+    sig = (
+        query.shape,
+        key.shape,
+        value.shape,
+        query.dtype,
+        query.device,
+        int(mask_type),
+        window,
+        bool(deterministic),
+        (cu_seqlens_q.shape, int(max_seqlen_q), int(max_seqlen_k)) if varlen else None,
+        bias is not None,
+        bias is not None and bool(bias_requires_grad),
+        dropout,
+        rng_dev,
+        _knobs(),
+    )
     plan = _call_plans.get(sig)
     if plan is None:
-        plan = _call_plans.put(sig, _call_plan(query, key, value, int(mask_type), window, bool(deterministic),
-                                               cu_seqlens_q, max_seqlen_q, max_seqlen_k, bias is not None,
-                                               bias is not None and bool(bias_requires_grad), dropout,
-                                               rng_dev))  # fmt: skip
+        plan = _call_plans.put(
+            sig,
+            _call_plan(
+                query,
+                key,
+                value,
+                int(mask_type),
+                window,
+                bool(deterministic),
+                cu_seqlens_q,
+                max_seqlen_q,
+                max_seqlen_k,
+                bias is not None,
+                bias is not None and bool(bias_requires_grad),
+                dropout,
+                rng_dev,
+            ),
+        )
     b, sq, h, d = query.shape
     sk = key.shape[1]
     # fresh [B, S, H, D] tensors whatever the inputs' strides, as aten's backward (and the
@@ -396,8 +602,9 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
         # the store_first / zero_ahead flags, deterministic mode's semaphores
         ints = scratch.view(torch.int32)
         ints.as_strided((sp.zeroed,), (1,), sp.flags_offset).zero_()
-        counter, tiles, counts, first, semaphore = (None if part is None else ints.as_strided(*part)
-                                                    for part in sp.int_parts)  # fmt: skip
+        counter, tiles, counts, first, semaphore = (
+            None if part is None else ints.as_strided(*part) for part in sp.int_parts
+        )
         if counts is not None:
             # a head is complete once every key block of the grid (ceil(rows_k / tile_n)) is counted
             ready = (tiles, counts, *plan.ready_counts)
@@ -410,12 +617,43 @@ def attention_backward_sm90(grad_out, query, key, value, out, logsumexp, scale: 
         dq_accum.zero_()
     # Δ from out / dO (Dv wide; the pre / postprocess take packed sequences as [total, H, D]),
     # the accumulator zeroed where it must be, the LSE in the kernel's log2 units: one launch
-    P.launch_preprocess(out[0] if varlen else out, grad_out[0] if varlen else grad_out, delta,
-                        dq_accum if sp.fused_zeroing else None, 1.0, cu_seqlens_q, max_seqlen_q, logsumexp, lse_log2)  # fmt: skip
+    P.launch_preprocess(
+        out[0] if varlen else out,
+        grad_out[0] if varlen else grad_out,
+        delta,
+        dq_accum if sp.fused_zeroing else None,
+        1.0,
+        cu_seqlens_q,
+        max_seqlen_q,
+        logsumexp,
+        lse_log2,
+    )
     P.zero_blind_delta(delta, mask_type, window, sq, sk, cu_seqlens_q, cu_seqlens_k)  # O may be unwritten there
-    fn(query, key, value, grad_out, lse_log2, delta, dq_accum.unsqueeze(0) if varlen else dq_accum,
-       dk, dv, semaphore, counter, ready[1] if ready else None, first, cu_seqlens_q, cu_seqlens_k, bias, grad_bias,
-       float(scale), window, plan.rows_k, plan.chunk, plan.ctas, *rng)  # fmt: skip
+    fn(
+        query,
+        key,
+        value,
+        grad_out,
+        lse_log2,
+        delta,
+        dq_accum.unsqueeze(0) if varlen else dq_accum,
+        dk,
+        dv,
+        semaphore,
+        counter,
+        ready[1] if ready else None,
+        first,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        bias,
+        grad_bias,
+        float(scale),
+        window,
+        plan.rows_k,
+        plan.chunk,
+        plan.ctas,
+        *rng,
+    )
     dq = P._convert_dq_impl(dq_accum, float(scale), d, sq, cu_seqlens_q, max_seqlen_q, 0.0, query.dtype, ready=ready)
     return (dq.unsqueeze(0) if varlen else dq), dk, dv, grad_bias
 
@@ -464,8 +702,9 @@ def _contiguous_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
-def _scratch_plan(seqs: int, h: int, rows_q: int, dq_accum_shape: tuple, int_shapes: tuple,
-                  fused_zeroing: bool) -> _ScratchPlan:  # fmt: skip
+def _scratch_plan(
+    seqs: int, h: int, rows_q: int, dq_accum_shape: tuple, int_shapes: tuple, fused_zeroing: bool
+) -> _ScratchPlan:
     """``int_shapes``: the zeroed int32 parts' shapes in ``_ScratchPlan.int_parts``' order, None where absent."""
     align = tiling.SCRATCH_ALIGN_BYTES // 4  # fp32 / int32 elements
     up = lambda n: round_up(n, align)  # noqa: E731
@@ -479,11 +718,18 @@ def _scratch_plan(seqs: int, h: int, rows_q: int, dq_accum_shape: tuple, int_sha
     zeroed = offset - flags_offset
     dq_offset = flags_offset + up(zeroed)
     return _ScratchPlan(
-        elems=dq_offset + math.prod(dq_accum_shape), delta_shape=delta_shape,
-        delta_strides=_contiguous_strides(delta_shape), lse_offset=n_delta, flags_offset=flags_offset, zeroed=zeroed,
-        int_parts=tuple(int_parts), dq_accum_shape=dq_accum_shape, dq_accum_strides=_contiguous_strides(dq_accum_shape),
-        dq_accum_offset=dq_offset, fused_zeroing=fused_zeroing,
-    )  # fmt: skip
+        elems=dq_offset + math.prod(dq_accum_shape),
+        delta_shape=delta_shape,
+        delta_strides=_contiguous_strides(delta_shape),
+        lse_offset=n_delta,
+        flags_offset=flags_offset,
+        zeroed=zeroed,
+        int_parts=tuple(int_parts),
+        dq_accum_shape=dq_accum_shape,
+        dq_accum_strides=_contiguous_strides(dq_accum_shape),
+        dq_accum_offset=dq_offset,
+        fused_zeroing=fused_zeroing,
+    )
 
 
 _call_plans = Memo()  # by call signature (attention_backward_sm90)
@@ -492,13 +738,37 @@ _call_plans = Memo()  # by call signature (attention_backward_sm90)
 def _knobs() -> tuple:
     """The module-level settings a call plan depends on (tests and experiments change them;
     a changed one makes new plans)."""
-    return (PERSISTENT_CTAS, DQ_READY, STORE_FIRST, ZERO_AHEAD, ZERO_AHEAD_CAUSAL, TAIL_BLOCK, _tiles, _zeroes_ahead,
-            tiling.attention_sm90_tiles, tiling.CARRY_DQ_MAX_STEPS, tiling.DQ_READY_MAX_KEY_BLOCKS,
-            tiling.ZERO_AHEAD_MAX_STEPS)  # fmt: skip
+    return (
+        PERSISTENT_CTAS,
+        DQ_READY,
+        STORE_FIRST,
+        ZERO_AHEAD,
+        ZERO_AHEAD_CAUSAL,
+        TAIL_BLOCK,
+        _tiles,
+        _zeroes_ahead,
+        tiling.attention_sm90_tiles,
+        tiling.CARRY_DQ_MAX_STEPS,
+        tiling.DQ_READY_MAX_KEY_BLOCKS,
+        tiling.ZERO_AHEAD_MAX_STEPS,
+    )
 
 
-def _call_plan(query, key, value, mask_type: int, window: int, deterministic: bool, cu_seqlens_q, max_seqlen_q,
-               max_seqlen_k, bias: bool, grad_bias: bool, dropout: bool, rng_dev: bool = False) -> _CallPlan:  # fmt: skip
+def _call_plan(
+    query,
+    key,
+    value,
+    mask_type: int,
+    window: int,
+    deterministic: bool,
+    cu_seqlens_q,
+    max_seqlen_q,
+    max_seqlen_k,
+    bias: bool,
+    grad_bias: bool,
+    dropout: bool,
+    rng_dev: bool = False,
+) -> _CallPlan:
     varlen = cu_seqlens_q is not None
     b, sq, h, d = query.shape
     sk, hk, d_v = key.shape[1], key.shape[2], value.shape[-1]
@@ -508,26 +778,50 @@ def _call_plan(query, key, value, mask_type: int, window: int, deterministic: bo
     if min(seqs, h, sq, sk, rows_q, rows_k) == 0:  # nothing to launch
         return _CallPlan(None, True, rows_q, rows_k, (), False, 0, 0, None)
     ctas = _persistent_ctas(query)  # the persistent grid (also decides zero_ahead)
-    tiles, schedule, config = _plan(cc.cute_dtype(query.dtype), d, d_v, mask_type, cc.device_arch(query.device.index),
-                                    window=window > 0, deterministic=deterministic, varlen=varlen, bias=bias,
-                                    grad_bias=grad_bias, dropout=dropout, rows_q=rows_q, group=h // hk, rows_k=rows_k,
-                                    ctas=ctas, rng_on_device=rng_dev)  # fmt: skip
+    tiles, schedule, config = _plan(
+        cc.cute_dtype(query.dtype),
+        d,
+        d_v,
+        mask_type,
+        cc.device_arch(query.device.index),
+        window=window > 0,
+        deterministic=deterministic,
+        varlen=varlen,
+        bias=bias,
+        grad_bias=grad_bias,
+        dropout=dropout,
+        rows_q=rows_q,
+        group=h // hk,
+        rows_k=rows_k,
+        ctas=ctas,
+        rng_on_device=rng_dev,
+    )
     # the kernel counts dQ's key blocks for ConvertDQReady; it stores each query block's first dQ,
     # or zeroes the accumulator itself (either way the preprocess does not)
     dq_ready, store_first, zero_ahead = config[_DQ_READY], config[_STORE_FIRST], config[_ZERO_AHEAD]
     unzeroed = store_first or zero_ahead
     blocks_q = -(-rows_q // tiles.tile_m)
-    int_shapes = (((2 if zero_ahead else 1),) if schedule == "dynamic" else None, (1,) if dq_ready else None,
-                  (seqs, hk) if dq_ready else None, (b, h, blocks_q) if unzeroed else None,
-                  (seqs, h, blocks_q) if deterministic else None)  # fmt: skip
+    int_shapes = (
+        ((2 if zero_ahead else 1),) if schedule == "dynamic" else None,
+        (1,) if dq_ready else None,
+        (seqs, hk) if dq_ready else None,
+        (b, h, blocks_q) if unzeroed else None,
+        (seqs, h, blocks_q) if deterministic else None,
+    )
     # the accumulator as the preprocess would size it (packed sequences: their total rows)
     dq_accum_shape = P.dq_accum_shape(seqs, sq, h, d, varlen=varlen)
     fused_zeroing = not unzeroed and P.clears_dq_accum(d_v, d)
     scratch = _scratch_plan(seqs, h, rows_q, dq_accum_shape, int_shapes, fused_zeroing)
     return _CallPlan(
-        config=config, empty=False, rows_q=rows_q, rows_k=rows_k, ready_counts=(h // hk, -(-rows_k // tiles.tile_n)),
+        config=config,
+        empty=False,
+        rows_q=rows_q,
+        rows_k=rows_k,
+        ready_counts=(h // hk, -(-rows_k // tiles.tile_n)),
         unzeroed=unzeroed,
-        chunk=_heads_per_chunk(tiles, rows_q, rows_k, h // hk, seqs * hk, query, mask_type, window, deterministic,
-                               varlen),
-        ctas=ctas, scratch=scratch,
-    )  # fmt: skip
+        chunk=_heads_per_chunk(
+            tiles, rows_q, rows_k, h // hk, seqs * hk, query, mask_type, window, deterministic, varlen
+        ),
+        ctas=ctas,
+        scratch=scratch,
+    )

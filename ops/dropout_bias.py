@@ -93,9 +93,7 @@ def _validate(grad_out, mask, p, x, bias, activation):
         check_shape("bias", bias, (n,))
         check_dtype("bias", bias, cc.FLOAT_DTYPES)
         if activation is not None and bias.dtype != grad_out.dtype:
-            raise TypeError(
-                f"with an activation, bias must have grad_out's dtype {grad_out.dtype}, got {bias.dtype}"
-            )
+            raise TypeError(f"with an activation, bias must have grad_out's dtype {grad_out.dtype}, got {bias.dtype}")
 
 
 def _validate_cached(grad_out, mask, p, x, bias, activation):
@@ -144,12 +142,22 @@ _plans = Memo()
 def _plan(grad_out, mask, x, bias, activation, grad_in, grad_bias) -> _Plan:
     """Plans are cached by the metadata they depend on: a repeated call is a dict lookup."""
     key = (
-        grad_out.shape, grad_out.stride(), grad_out.dtype, grad_out.device,
-        mask.stride(), grad_in.stride(), grad_bias.dtype, activation,
-        None if x is None else x.stride(), None if bias is None else bias.stride(),
-        grad_out.data_ptr() & 15, mask.data_ptr() & 15, grad_in.data_ptr() & 15,
-        0 if x is None else x.data_ptr() & 15, 0 if bias is None else bias.data_ptr() & 15,
-    )  # fmt: skip
+        grad_out.shape,
+        grad_out.stride(),
+        grad_out.dtype,
+        grad_out.device,
+        mask.stride(),
+        grad_in.stride(),
+        grad_bias.dtype,
+        activation,
+        None if x is None else x.stride(),
+        None if bias is None else bias.stride(),
+        grad_out.data_ptr() & 15,
+        mask.data_ptr() & 15,
+        grad_in.data_ptr() & 15,
+        0 if x is None else x.data_ptr() & 15,
+        0 if bias is None else bias.data_ptr() & 15,
+    )
     plan = _plans.get(key)
     if plan is None:
         plan = _plans.put(key, _Plan(grad_out, mask, x, bias, activation, grad_in, grad_bias))
@@ -184,8 +192,18 @@ def launch(
         xs = None if x is None else rows_view("x", x)
     partials = torch.empty((plan.chunks, plan.n), dtype=torch.float32, device=grad_out.device)
     counters = cc.ticket_counters(grad_out.device, plan.col_tiles)
-    plan.fn(dy, m, xs, bias if activation is not None else None, dx, partials, counters, grad_bias,
-            1.0 / (1.0 - p), plan.per_chunk)  # fmt: skip
+    plan.fn(
+        dy,
+        m,
+        xs,
+        bias if activation is not None else None,
+        dx,
+        partials,
+        counters,
+        grad_bias,
+        1.0 / (1.0 - p),
+        plan.per_chunk,
+    )
 
 
 def _dropout_bias_backward_impl(grad_out, mask, p, x, bias, activation):

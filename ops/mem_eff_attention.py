@@ -67,8 +67,14 @@ log = logging.getLogger("cute_kernels.attention")
 # ----------------------------------------------------------------------------- compile
 
 
-def _build(dtype, cfg: tiling.AttentionBackwardConfig, varlen: bool, computes_delta: bool, arch: str,
-           rng_on_device: bool = False):  # fmt: skip
+def _build(
+    dtype,
+    cfg: tiling.AttentionBackwardConfig,
+    varlen: bool,
+    computes_delta: bool,
+    arch: str,
+    rng_on_device: bool = False,
+):
     """Compile one configuration; bias, its gradient and dropout are the config's flags.
     ``rng_on_device``: the dropout seed and offset are read from device tensors (``_compile.dropout_args``)."""
     vec = cfg.vec
@@ -85,15 +91,19 @@ def _build(dtype, cfg: tiling.AttentionBackwardConfig, varlen: bool, computes_de
     delta = cc.fake_tensor(cutlass.Float32, (seqs, h, cute.sym_int()), 1)
     words = cfg.grad_q_temp_storage_words
     ws = cute.runtime.make_fake_tensor(
-        cutlass.Float32, (cute.sym_int(), cute.sym_int(), words),
-        stride=(cute.sym_int64(divisibility=4), words, 1), assumed_align=16,
+        cutlass.Float32,
+        (cute.sym_int(), cute.sym_int(), words),
+        stride=(cute.sym_int64(divisibility=4), words, 1),
+        assumed_align=16,
     )
     ws_kv = None  # dK / dV accumulators (head dims above 256): [B * H, splits, 2 * words]
     if not cfg.output_in_rf:
         kv_words = 2 * cfg.grad_kv_accum_words
         ws_kv = cute.runtime.make_fake_tensor(
-            cutlass.Float32, (cute.sym_int(), cute.sym_int(), kv_words),
-            stride=(cute.sym_int64(divisibility=4), kv_words, 1), assumed_align=16,
+            cutlass.Float32,
+            (cute.sym_int(), cute.sym_int(), kv_words),
+            stride=(cute.sym_int64(divisibility=4), kv_words, 1),
+            assumed_align=16,
         )
     cu_q, cu_k = (cc.fake_tensor(cutlass.Int32, (cute.sym_int(),), 1) if varlen else None for _ in range(2))
     bias = grad_bias = None
@@ -106,8 +116,29 @@ def _build(dtype, cfg: tiling.AttentionBackwardConfig, varlen: bool, computes_de
         grad_bias = cc.fake_tensor(dtype, (b, h, mq, mk), 128 // cfg.elem_bits)
     rng = cc.fake_rng_args(rng_on_device) if cfg.apply_dropout else (None,) * 5
     return cc.compile_kernel(
-        kernel, q, k, v, o, do, lse, delta, gq, gk, gv, ws, ws_kv, cu_q, cu_k, bias, grad_bias,
-        cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), *rng, cc.fake_stream(),
+        kernel,
+        q,
+        k,
+        v,
+        o,
+        do,
+        lse,
+        delta,
+        gq,
+        gk,
+        gv,
+        ws,
+        ws_kv,
+        cu_q,
+        cu_k,
+        bias,
+        grad_bias,
+        cutlass.Float32(1.0),
+        cutlass.Int32(0),
+        cutlass.Int32(0),
+        cutlass.Int32(1),
+        *rng,
+        cc.fake_stream(),
         arch=arch,
     )
 
@@ -169,9 +200,11 @@ def benchmark_configurations(cases, arch: str) -> list:
     for (_, _, _, d), dtype_name, _, *feature in cases:
         feature = feature[0] if feature else None
         features = {
-            None: {}, "dropout": dict(apply_dropout=True),
-            "bias": dict(has_bias=True, bias_aligned=True), "bias_grad": dict(has_bias=True, bias_aligned=True, grad_bias=True),
-        }[feature]  # fmt: skip
+            None: {},
+            "dropout": dict(apply_dropout=True),
+            "bias": dict(has_bias=True, bias_aligned=True),
+            "bias_grad": dict(has_bias=True, bias_aligned=True, grad_bias=True),
+        }[feature]
         dt = cc.cute_dtype(getattr(torch, dtype_name))
         cfg = tiling.attention_backward_config(dt.width, d, d, True, arch, **features)
         for computes_delta in (False, True):
@@ -216,7 +249,9 @@ def _check_inputs(grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, 
     dv = value.shape[3]
     # grouped-query heads: each key / value head serves h // hk consecutive query heads
     if hk < 1 or h % hk:
-        raise ValueError(f"key must have a number of heads that divides query's {h} (grouped-query heads), got shape {tuple(key.shape)}")
+        raise ValueError(
+            f"key must have a number of heads that divides query's {h} (grouped-query heads), got shape {tuple(key.shape)}"
+        )
     expect = {
         "key": (b, mk, hk, dqk),
         "value": (b, mk, hk, dv),
@@ -225,7 +260,9 @@ def _check_inputs(grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, 
     }
     for name, t in (("key", key), ("value", value), ("out", out), ("grad_out", grad_out)):
         if tuple(t.shape) != expect[name]:
-            raise ValueError(f"{name} must have shape {expect[name]} (from query {tuple(query.shape)} and key/value), got {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must have shape {expect[name]} (from query {tuple(query.shape)} and key/value), got {tuple(t.shape)}"
+            )
     check_cuda("logsumexp", logsumexp)
     check_same_device("logsumexp", logsumexp, query)
     if logsumexp.dtype != torch.float32:
@@ -239,7 +276,9 @@ def _check_inputs(grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, 
             check_cuda(name, cu)
             check_same_device(name, cu, query)
             if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
-                raise ValueError(f"{name} must be a 1-D int32 tensor of sequences + 1 offsets, got {cu.dtype} {tuple(cu.shape)}")
+                raise ValueError(
+                    f"{name} must be a 1-D int32 tensor of sequences + 1 offsets, got {cu.dtype} {tuple(cu.shape)}"
+                )
             if cu.stride(0) != 1:
                 raise ValueError(f"{name} must be contiguous, got stride {cu.stride(0)}")
         if cu_seqlens_q.numel() != cu_seqlens_k.numel():
@@ -280,8 +319,24 @@ def _check_bias(bias: Tensor, query: Tensor, key: Tensor, cu_seqlens_q, name: st
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(elem_bits, dqk, dv, aligned, arch, seqs, h, rows_q, rows_k, mask_type, window, varlen, num_splits_key, sms,
-          bias_mode=None, dropout=False):  # fmt: skip
+def _plan(
+    elem_bits,
+    dqk,
+    dv,
+    aligned,
+    arch,
+    seqs,
+    h,
+    rows_q,
+    rows_k,
+    mask_type,
+    window,
+    varlen,
+    num_splits_key,
+    sms,
+    bias_mode=None,
+    dropout=False,
+):
     """Config, split count and checked Params of one problem shape (kept off the per-call path).
 
     ``bias_mode``: None, or (bias_aligned, grad_bias)."""
@@ -290,9 +345,19 @@ def _plan(elem_bits, dqk, dv, aligned, arch, seqs, h, rows_q, rows_k, mask_type,
         features.update(has_bias=True, bias_aligned=bias_mode[0], grad_bias=bias_mode[1])
     cfg = tiling.attention_backward_config(elem_bits, dqk, dv, aligned, arch, **features)
     params = Params(
-        cfg, seqs, h, rows_q, rows_k, dqk, dv, mask_type, window, varlen=varlen,
-        dropout_prob=0.5 if dropout else 0.0, has_bias=bias_mode is not None,
-    )  # fmt: skip
+        cfg,
+        seqs,
+        h,
+        rows_q,
+        rows_k,
+        dqk,
+        dv,
+        mask_type,
+        window,
+        varlen=varlen,
+        dropout_prob=0.5 if dropout else 0.0,
+        has_bias=bias_mode is not None,
+    )
     # An explicit split count is clamped to one split per key block, as torch's launcher does.
     params.num_splits_key = (
         choose_num_splits_key(params, sms) if num_splits_key is None else min(num_splits_key, params.max_splits_key())
@@ -319,16 +384,41 @@ def grad_bias_buffer(query: Tensor, mk: int, mask_type: int) -> Tensor:
     return alloc((b, h, mq, padded), dtype=query.dtype, device=query.device)[..., :mk]
 
 
-def _check_call(grad_out, query, key, value, bias, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                logsumexp, custom_mask_type, bias_requires_grad, window_size, num_splits_key, deterministic):  # fmt: skip
+def _check_call(
+    grad_out,
+    query,
+    key,
+    value,
+    bias,
+    out,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    logsumexp,
+    custom_mask_type,
+    bias_requires_grad,
+    window_size,
+    num_splits_key,
+    deterministic,
+):
     """efficient_attention_backward's checks of tensor metadata and flags (the per-call
     values, dropout_p, scale and the philox tensors, are checked at each call)."""
-    for name, t in (("grad_out_", grad_out), ("query", query), ("key", key), ("value", value), ("out", out), ("logsumexp", logsumexp)):
+    for name, t in (
+        ("grad_out_", grad_out),
+        ("query", query),
+        ("key", key),
+        ("value", value),
+        ("out", out),
+        ("logsumexp", logsumexp),
+    ):
         check_tensor(name, t)
     if bias_requires_grad and bias is None:
         raise ValueError("bias_requires_grad needs a bias")
     if not _is_int(custom_mask_type) or int(custom_mask_type) not in (0, 1, 2):
-        raise ValueError(f"custom_mask_type must be 0 (none), 1 (causal from top-left) or 2 (causal from bottom-right), got {custom_mask_type!r}")
+        raise ValueError(
+            f"custom_mask_type must be 0 (none), 1 (causal from top-left) or 2 (causal from bottom-right), got {custom_mask_type!r}"
+        )
     if window_size is not None and (not _is_int(window_size) or int(window_size) < 0):
         raise ValueError(f"window_size must be None or a non-negative int, got {window_size!r}")
     if window_size is not None and int(window_size) > 0 and int(custom_mask_type) == 0:
@@ -336,7 +426,9 @@ def _check_call(grad_out, query, key, value, bias, out, cu_seqlens_q, cu_seqlens
     if num_splits_key is not None and (not _is_int(num_splits_key) or int(num_splits_key) < 1):
         raise ValueError(f"num_splits_key must be a positive int, got {num_splits_key!r}")
     if deterministic and num_splits_key is not None and int(num_splits_key) > 1:
-        raise ValueError(f"deterministic needs num_splits_key None or 1 (key splits add dQ in any order), got {num_splits_key}")
+        raise ValueError(
+            f"deterministic needs num_splits_key None or 1 (key splits add dQ in any order), got {num_splits_key}"
+        )
     _check_inputs(grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp)
     if bias is not None:
         check_cuda("bias", bias)
@@ -368,9 +460,22 @@ def _resolve_deterministic(deterministic) -> bool:
     return deterministic
 
 
-def choose_backend(backend, grad_out, query, key, value, out, *, custom_mask_type=0, window_size=None,
-                   bias=None, dropout_p=0.0, num_splits_key=None,
-                   shared_storage_dqdkdv=False, arch=None) -> Tuple[str, str]:  # fmt: skip
+def choose_backend(
+    backend,
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    *,
+    custom_mask_type=0,
+    window_size=None,
+    bias=None,
+    dropout_p=0.0,
+    num_splits_key=None,
+    shared_storage_dqdkdv=False,
+    arch=None,
+) -> Tuple[str, str]:
     """(backend, why) for one backward: "sm90" or "mem_eff" and the reason, as logged.
 
     ``arch`` defaults to the device's, known only for real CUDA tensors (CPU, meta and
@@ -387,9 +492,17 @@ def choose_backend(backend, grad_out, query, key, value, out, *, custom_mask_typ
         reason = "shared_storage_dqdkdv (the sm90 path has no packed dQ / dK / dV outputs)"
     else:
         reason = sm90.unsupported(
-            query, key, value, grad_out, out, mask_type=int(custom_mask_type), window_size=window_size,
-            bias=bias, dropout_p=float(dropout_p), arch=arch,
-        )  # fmt: skip
+            query,
+            key,
+            value,
+            grad_out,
+            out,
+            mask_type=int(custom_mask_type),
+            window_size=window_size,
+            bias=bias,
+            dropout_p=float(dropout_p),
+            arch=arch,
+        )
     if reason is None:
         return "sm90", f"backend={backend!r}, supported"
     if backend == "sm90":
@@ -398,50 +511,151 @@ def choose_backend(backend, grad_out, query, key, value, out, *, custom_mask_typ
 
 
 def _impl(
-    grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,
-    custom_mask_type, scale, num_splits_key, window_size, shared_storage_dqdkdv,
-    bias=None, bias_requires_grad=False, dropout_p=0.0, philox_seed=None, philox_offset=None, backend="auto",
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    logsumexp,
+    custom_mask_type,
+    scale,
+    num_splits_key,
+    window_size,
+    shared_storage_dqdkdv,
+    bias=None,
+    bias_requires_grad=False,
+    dropout_p=0.0,
+    philox_seed=None,
+    philox_offset=None,
+    backend="auto",
     deterministic=False,
 ):
     """The backend choice (logged), then that backend's launches."""
     choice, why = choose_backend(
-        backend, grad_out, query, key, value, out, custom_mask_type=custom_mask_type, window_size=window_size,
-        bias=bias, dropout_p=dropout_p, num_splits_key=num_splits_key,
+        backend,
+        grad_out,
+        query,
+        key,
+        value,
+        out,
+        custom_mask_type=custom_mask_type,
+        window_size=window_size,
+        bias=bias,
+        dropout_p=dropout_p,
+        num_splits_key=num_splits_key,
         shared_storage_dqdkdv=shared_storage_dqdkdv,
-    )  # fmt: skip
+    )
     if log.isEnabledFor(logging.DEBUG):  # (the arguments cost host time on every call)
         b, mq, h, d = query.shape
-        log.debug("attention backward: %s (%s; B=%d Mq=%d Mk=%d H=%d D=%d mask %d)",
-                  choice, why, b, mq, key.shape[1], h, d, int(custom_mask_type))  # fmt: skip
+        log.debug(
+            "attention backward: %s (%s; B=%d Mq=%d Mk=%d H=%d D=%d mask %d)",
+            choice,
+            why,
+            b,
+            mq,
+            key.shape[1],
+            h,
+            d,
+            int(custom_mask_type),
+        )
     if choice == "sm90":
         return sm90.attention_backward_sm90(
-            grad_out, query, key, value, out, logsumexp, scale, int(custom_mask_type), int(window_size or 0),
-            deterministic=bool(deterministic), cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, bias=bias,
-            bias_requires_grad=bool(bias_requires_grad), dropout_p=float(dropout_p),
-            philox_seed=philox_seed, philox_offset=philox_offset,
-        )  # fmt: skip
+            grad_out,
+            query,
+            key,
+            value,
+            out,
+            logsumexp,
+            scale,
+            int(custom_mask_type),
+            int(window_size or 0),
+            deterministic=bool(deterministic),
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            bias=bias,
+            bias_requires_grad=bool(bias_requires_grad),
+            dropout_p=float(dropout_p),
+            philox_seed=philox_seed,
+            philox_offset=philox_offset,
+        )
     if deterministic:  # one key split: each query block's dQ is summed by one CTA, in order
         num_splits_key = 1
     return _mem_eff_impl(
-        grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,
-        custom_mask_type, scale, num_splits_key, window_size, shared_storage_dqdkdv,
-        bias, bias_requires_grad, dropout_p, philox_seed, philox_offset,
-    )  # fmt: skip
+        grad_out,
+        query,
+        key,
+        value,
+        out,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        logsumexp,
+        custom_mask_type,
+        scale,
+        num_splits_key,
+        window_size,
+        shared_storage_dqdkdv,
+        bias,
+        bias_requires_grad,
+        dropout_p,
+        philox_seed,
+        philox_offset,
+    )
 
 
 def _mem_eff_impl(
-    grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,
-    custom_mask_type, scale, num_splits_key, window_size, shared_storage_dqdkdv,
-    bias=None, bias_requires_grad=False, dropout_p=0.0, philox_seed=None, philox_offset=None,
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    logsumexp,
+    custom_mask_type,
+    scale,
+    num_splits_key,
+    window_size,
+    shared_storage_dqdkdv,
+    bias=None,
+    bias_requires_grad=False,
+    dropout_p=0.0,
+    philox_seed=None,
+    philox_offset=None,
 ):
     """The memory-efficient kernel (``AttentionBackwardKernel``)."""
     if key.shape[2] != query.shape[2]:
         return _mem_eff_grouped(
-            grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,
-            custom_mask_type, scale, num_splits_key, window_size, shared_storage_dqdkdv,
-            bias, bias_requires_grad, dropout_p, philox_seed, philox_offset,
-        )  # fmt: skip
+            grad_out,
+            query,
+            key,
+            value,
+            out,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            logsumexp,
+            custom_mask_type,
+            scale,
+            num_splits_key,
+            window_size,
+            shared_storage_dqdkdv,
+            bias,
+            bias_requires_grad,
+            dropout_p,
+            philox_seed,
+            philox_offset,
+        )
     b, mq, h, dqk = query.shape
     mk, dv = key.shape[1], value.shape[3]
     varlen = cu_seqlens_q is not None
@@ -476,8 +690,22 @@ def _mem_eff_impl(
     aligned = cc.max_vector_elems(128, *((t, t.shape[-1]) for t in tensors)) * elem_bits == 128
     dropout = float(dropout_p) > 0.0
     params = _plan(
-        elem_bits, dqk, dv, aligned, arch, seqs, h, rows_q, rows_k, int(custom_mask_type), int(window_size or 0),
-        varlen, num_splits_key, cc.num_sms(query.device.index), bias_mode, dropout,
+        elem_bits,
+        dqk,
+        dv,
+        aligned,
+        arch,
+        seqs,
+        h,
+        rows_q,
+        rows_k,
+        int(custom_mask_type),
+        int(window_size or 0),
+        varlen,
+        num_splits_key,
+        cc.num_sms(query.device.index),
+        bias_mode,
+        dropout,
     )
     cfg = params.cfg
 
@@ -515,16 +743,48 @@ def _mem_eff_impl(
     on_device = dropout and cc.rng_on_device(philox_seed, philox_offset)
     fn = compiled(cc.cute_dtype(query.dtype), cfg, varlen, computes_delta, arch, on_device)
     fn(
-        query, key, value, out, grad_out, logsumexp, delta, grad_q, grad_k, grad_v, workspace, workspace_kv,
-        cu_seqlens_q, cu_seqlens_k, bias, grad_bias,
-        float(scale), params.custom_mask_type, params.window_size, params.num_splits_key, *rng,
-    )  # fmt: skip
+        query,
+        key,
+        value,
+        out,
+        grad_out,
+        logsumexp,
+        delta,
+        grad_q,
+        grad_k,
+        grad_v,
+        workspace,
+        workspace_kv,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        bias,
+        grad_bias,
+        float(scale),
+        params.custom_mask_type,
+        params.window_size,
+        params.num_splits_key,
+        *rng,
+    )
     return grad_q, grad_k, grad_v, grad_bias
 
 
 def _mem_eff_grouped(
-    grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,
-    custom_mask_type, scale, num_splits_key, window_size, shared_storage_dqdkdv, *features,
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    logsumexp,
+    custom_mask_type,
+    scale,
+    num_splits_key,
+    window_size,
+    shared_storage_dqdkdv,
+    *features,
 ):
     """Grouped-query heads on the memory-efficient kernel (which has one key head per query
     head): key and value repeated per query head, dK and dV summed back over each group
@@ -535,36 +795,106 @@ def _mem_eff_grouped(
     group = query.shape[2] // hk
     key_x, value_x = (t.repeat_interleave(group, dim=2) for t in (key, value))
     grad_q, grad_k, grad_v, grad_bias = _mem_eff_impl(
-        grad_out, query, key_x, value_x, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,
-        custom_mask_type, scale, num_splits_key, window_size, shared_storage_dqdkdv, *features,
-    )  # fmt: skip
+        grad_out,
+        query,
+        key_x,
+        value_x,
+        out,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        logsumexp,
+        custom_mask_type,
+        scale,
+        num_splits_key,
+        window_size,
+        shared_storage_dqdkdv,
+        *features,
+    )
     grad_k, grad_v = (g.float().unflatten(2, (hk, group)).sum(3).to(g.dtype) for g in (grad_k, grad_v))
     return grad_q, grad_k, grad_v, grad_bias
 
 
 @torch.library.custom_op("cute_kernels::efficient_attention_backward", mutates_args=())
 def _op(
-    grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor,
-    cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: Optional[int],
-    max_seqlen_k: Optional[int], logsumexp: Tensor, custom_mask_type: int, scale: float,
-    num_splits_key: Optional[int], window_size: Optional[int], shared_storage_dqdkdv: bool,
-    bias: Optional[Tensor], bias_requires_grad: bool, dropout_p: float,
-    philox_seed: Optional[Tensor], philox_offset: Optional[Tensor], backend: str, deterministic: bool = False,
+    grad_out: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    out: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    max_seqlen_q: Optional[int],
+    max_seqlen_k: Optional[int],
+    logsumexp: Tensor,
+    custom_mask_type: int,
+    scale: float,
+    num_splits_key: Optional[int],
+    window_size: Optional[int],
+    shared_storage_dqdkdv: bool,
+    bias: Optional[Tensor],
+    bias_requires_grad: bool,
+    dropout_p: float,
+    philox_seed: Optional[Tensor],
+    philox_offset: Optional[Tensor],
+    backend: str,
+    deterministic: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     # the backend is chosen here, at run time, on the real tensors (their device's arch)
     gq, gk, gv, gb = _impl(
-        grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,
-        custom_mask_type, scale, num_splits_key, window_size, shared_storage_dqdkdv,
-        bias, bias_requires_grad, dropout_p, philox_seed, philox_offset, backend, deterministic,
-    )  # fmt: skip
+        grad_out,
+        query,
+        key,
+        value,
+        out,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        logsumexp,
+        custom_mask_type,
+        scale,
+        num_splits_key,
+        window_size,
+        shared_storage_dqdkdv,
+        bias,
+        bias_requires_grad,
+        dropout_p,
+        philox_seed,
+        philox_offset,
+        backend,
+        deterministic,
+    )
     # an op returns tensors: no bias gradient is an empty one (the wrapper gives None)
     return gq, gk, gv, query.new_empty((0,)) if gb is None else gb
 
 
 @_op.register_fake
-def _(grad_out, query, key, value, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, logsumexp,
-      custom_mask_type, scale, num_splits_key, window_size, shared_storage_dqdkdv,
-      bias, bias_requires_grad, dropout_p, philox_seed, philox_offset, backend, deterministic=False):  # fmt: skip
+def _(
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    logsumexp,
+    custom_mask_type,
+    scale,
+    num_splits_key,
+    window_size,
+    shared_storage_dqdkdv,
+    bias,
+    bias_requires_grad,
+    dropout_p,
+    philox_seed,
+    philox_offset,
+    backend,
+    deterministic=False,
+):
     gb = query.new_empty((0,))
     if bias is not None and bias_requires_grad:
         b, mq, h, _ = query.shape
@@ -621,23 +951,70 @@ def efficient_attention_backward(
                 raise ValueError(f"dropout needs {name} as the forward returned it (an int64 scalar tensor), got {t!r}")
     # what depends on tensor metadata and flags only: once per signature
     validate_once(
-        ("eff_bwd", grad_out_, query, key, value, out, logsumexp, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-         max_seqlen_k, bias, bias_requires_grad, custom_mask_type, window_size, num_splits_key, deterministic),
-        lambda: _check_call(grad_out_, query, key, value, bias, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                            max_seqlen_k, logsumexp, custom_mask_type, bias_requires_grad, window_size,
-                            num_splits_key, deterministic),
-    )  # fmt: skip
+        (
+            "eff_bwd",
+            grad_out_,
+            query,
+            key,
+            value,
+            out,
+            logsumexp,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            bias,
+            bias_requires_grad,
+            custom_mask_type,
+            window_size,
+            num_splits_key,
+            deterministic,
+        ),
+        lambda: _check_call(
+            grad_out_,
+            query,
+            key,
+            value,
+            bias,
+            out,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            logsumexp,
+            custom_mask_type,
+            bias_requires_grad,
+            window_size,
+            num_splits_key,
+            deterministic,
+        ),
+    )
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     check_float("scale", scale)
     args = (
-        grad_out_, query, key, value, out, cu_seqlens_q, cu_seqlens_k,
-        None if max_seqlen_q is None else int(max_seqlen_q), None if max_seqlen_k is None else int(max_seqlen_k),
-        logsumexp, int(custom_mask_type), float(scale),
-        None if num_splits_key is None else int(num_splits_key), None if window_size is None else int(window_size),
-        bool(shared_storage_dqdkdv), bias, bool(bias_requires_grad), float(dropout_p),
-        philox_seed if float(dropout_p) > 0.0 else None, philox_offset if float(dropout_p) > 0.0 else None,
-        backend, deterministic,
+        grad_out_,
+        query,
+        key,
+        value,
+        out,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        None if max_seqlen_q is None else int(max_seqlen_q),
+        None if max_seqlen_k is None else int(max_seqlen_k),
+        logsumexp,
+        int(custom_mask_type),
+        float(scale),
+        None if num_splits_key is None else int(num_splits_key),
+        None if window_size is None else int(window_size),
+        bool(shared_storage_dqdkdv),
+        bias,
+        bool(bias_requires_grad),
+        float(dropout_p),
+        philox_seed if float(dropout_p) > 0.0 else None,
+        philox_offset if float(dropout_p) > 0.0 else None,
+        backend,
+        deterministic,
     )
     grad_q, grad_k, grad_v, grad_bias = _impl(*args) if cc.eager(query) else _op(*args)
     if bias is None or not bias_requires_grad:

@@ -117,7 +117,9 @@ def _validate_cached(grad_out, x, weight, mean, rstd, bias, is_rms):
         check_tensor(name, t)
     if not is_rms:
         check_tensor("mean", mean)
-    validate_once(("ln_bwd", grad_out, x, weight, mean, rstd, bias), lambda: _validate(grad_out, x, weight, mean, rstd, bias))
+    validate_once(
+        ("ln_bwd", grad_out, x, weight, mean, rstd, bias), lambda: _validate(grad_out, x, weight, mean, rstd, bias)
+    )
 
 
 class _Plan:
@@ -154,11 +156,20 @@ _plans = Memo()
 
 def _plan(grad_out, x, weight, bias, is_rms, dx) -> _Plan:
     key = (
-        x.shape, x.stride(), x.dtype, x.device, grad_out.stride(), grad_out.dtype, dx.stride(), is_rms,
+        x.shape,
+        x.stride(),
+        x.dtype,
+        x.device,
+        grad_out.stride(),
+        grad_out.dtype,
+        dx.stride(),
+        is_rms,
         None if weight is None else (weight.dtype, weight.data_ptr() & 15),
         None if bias is None else bias.dtype,
-        x.data_ptr() & 15, grad_out.data_ptr() & 15, dx.data_ptr() & 15,
-    )  # fmt: skip
+        x.data_ptr() & 15,
+        grad_out.data_ptr() & 15,
+        dx.data_ptr() & 15,
+    )
     plan = _plans.get(key)
     if plan is None:
         plan = _plans.put(key, _Plan(grad_out, x, weight, bias, is_rms, dx))
@@ -193,15 +204,29 @@ def _outputs(grad_out, x, weight, bias):
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     n = x.shape[-1]
     # absent gradients are returned as empty tensors by the custom op (None outside it)
-    dweight = torch.empty(n if weight is not None else 0, dtype=weight.dtype if weight is not None else x.dtype, device=x.device)
-    dbias = torch.empty(n if bias is not None else 0, dtype=bias.dtype if bias is not None else x.dtype, device=x.device)
+    dweight = torch.empty(
+        n if weight is not None else 0, dtype=weight.dtype if weight is not None else x.dtype, device=x.device
+    )
+    dbias = torch.empty(
+        n if bias is not None else 0, dtype=bias.dtype if bias is not None else x.dtype, device=x.device
+    )
     return dx, dweight, dbias
 
 
 def _norm_backward_impl(grad_out, x, weight, mean, rstd, bias, is_rms):
     dx, dweight, dbias = _outputs(grad_out, x, weight, bias)
-    launch(grad_out, x, weight, mean, rstd, bias, is_rms, dx,
-           dweight if weight is not None else None, dbias if bias is not None else None)  # fmt: skip
+    launch(
+        grad_out,
+        x,
+        weight,
+        mean,
+        rstd,
+        bias,
+        is_rms,
+        dx,
+        dweight if weight is not None else None,
+        dbias if bias is not None else None,
+    )
     return dx, dweight, dbias
 
 
@@ -334,7 +359,7 @@ torch.library.register_autograd("cute_kernels::norm_forward", _norm_autograd_bac
 def _flatten_normalized(x: Tensor, normalized_shape: Sequence[int], weight, bias):
     """x [..., *normalized_shape] -> [..., prod]; weight / bias flattened alike."""
     k = len(normalized_shape)
-    if tuple(x.shape[x.dim() - k:]) != tuple(normalized_shape) or x.dim() < k:
+    if tuple(x.shape[x.dim() - k :]) != tuple(normalized_shape) or x.dim() < k:
         raise ValueError(f"x of shape {tuple(x.shape)} does not end with normalized_shape {tuple(normalized_shape)}")
     n = math.prod(normalized_shape)
     for name, t in (("weight", weight), ("bias", bias)):
@@ -349,7 +374,9 @@ def _normalized_shape(x: Tensor, normalized_shape) -> Tuple[int, ...]:
     if normalized_shape is None:
         return (x.shape[-1],)
     dims = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
-    if not isinstance(dims, (tuple, list, torch.Size)) or not all(isinstance(d, (int, torch.SymInt)) and not isinstance(d, bool) for d in dims):
+    if not isinstance(dims, (tuple, list, torch.Size)) or not all(
+        isinstance(d, (int, torch.SymInt)) and not isinstance(d, bool) for d in dims
+    ):
         raise TypeError(f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}")
     if len(dims) == 0:
         raise ValueError("normalized_shape must have at least one dimension, got ()")

@@ -112,11 +112,16 @@ def convert_dq_ref(
     acc = acc.sum(0) * (softmax_scale / (1.0 - p_dropout))
     if cu_seqlens_q is None:
         return acc[:, :seqlen_q, :, :head_dim]
-    parts = [acc[start + VARLEN_ACCUM_PAD * b : start + VARLEN_ACCUM_PAD * b + n] for b, (start, n) in enumerate(_seq_bounds(cu_seqlens_q))]
+    parts = [
+        acc[start + VARLEN_ACCUM_PAD * b : start + VARLEN_ACCUM_PAD * b + n]
+        for b, (start, n) in enumerate(_seq_bounds(cu_seqlens_q))
+    ]
     return torch.cat(parts)[..., :head_dim]
 
 
-def convert_dq_torch(dq_accum: Tensor, softmax_scale: float, seqlen_q: int, head_dim: int, dtype=torch.bfloat16) -> Tensor:
+def convert_dq_torch(
+    dq_accum: Tensor, softmax_scale: float, seqlen_q: int, head_dim: int, dtype=torch.bfloat16
+) -> Tensor:
     """What a torch user writes for convert_dq ([nsplits, B, S_r, H, D_r] in): the benchmark peer."""
     return (dq_accum.sum(0)[:, :seqlen_q, :, :head_dim] * softmax_scale).to(dtype)
 
@@ -149,7 +154,9 @@ def convert_dkv_ref(
     return convert(dk_accum, softmax_scale * rp), convert(dv_accum, rp)
 
 
-def convert_dkv_torch(dk_accum: Tensor, dv_accum: Tensor, softmax_scale: float, seqlen_k: int, head_dim: int, dtype=torch.bfloat16):
+def convert_dkv_torch(
+    dk_accum: Tensor, dv_accum: Tensor, softmax_scale: float, seqlen_k: int, head_dim: int, dtype=torch.bfloat16
+):
     """What a torch user writes for convert_dkv (the benchmark peer)."""
     fmt = torch.contiguous_format  # [B, S, H, D] in memory, as ours
     dk = (dk_accum[:, :, :seqlen_k, :head_dim] * softmax_scale).transpose(1, 2).to(dtype, memory_format=fmt)
@@ -193,7 +200,9 @@ def norm_backward_ref(
 # has output 0 and zero gradients (its probabilities are 0, never NaN).
 
 
-def attention_mask_ref(num_queries: int, num_keys: int, custom_mask_type: int = 0, window_size: int = 0, device=None) -> Tensor:
+def attention_mask_ref(
+    num_queries: int, num_keys: int, custom_mask_type: int = 0, window_size: int = 0, device=None
+) -> Tensor:
     """[num_queries, num_keys] bool, True where query n may attend key m."""
     if custom_mask_type not in (0, 1, 2):
         raise ValueError(f"custom_mask_type must be 0, 1 or 2, got {custom_mask_type}")
@@ -279,7 +288,17 @@ def attention_forward_ref(
     group = _query_heads_per_key_head(query, key)
     key, value = (t.repeat_interleave(group, dim=2) for t in (key, value))
     out, lse, _ = _attention_forward_parts(
-        query, key, value, custom_mask_type, window_size, scale, cu_seqlens_q, cu_seqlens_k, bias, dropout_mask, dropout_p
+        query,
+        key,
+        value,
+        custom_mask_type,
+        window_size,
+        scale,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        bias,
+        dropout_mask,
+        dropout_p,
     )
     return out, _lse_layout(lse, query, cu_seqlens_q, empty_row_lse)
 
@@ -297,8 +316,19 @@ def _bias_and_dropout(query, key, cu_seqlens_q, bias, dropout_mask, dropout_p):
     return bias64, z
 
 
-def _attention_forward_parts(query, key, value, custom_mask_type, window_size, scale, cu_seqlens_q, cu_seqlens_k,
-                             bias=None, dropout_mask=None, dropout_p=0.0):  # fmt: skip
+def _attention_forward_parts(
+    query,
+    key,
+    value,
+    custom_mask_type,
+    window_size,
+    scale,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    bias=None,
+    dropout_mask=None,
+    dropout_p=0.0,
+):
     q, k, v = query.double(), key.double(), value.double()
     sc = _attention_scale(scale, query.shape[-1])
     bias64, z = _bias_and_dropout(query, key, cu_seqlens_q, bias, dropout_mask, dropout_p)
@@ -361,11 +391,21 @@ def attention_backward_ref(
     group = _query_heads_per_key_head(query, key)
     if group > 1:
         grads = attention_backward_ref(
-            query, key.repeat_interleave(group, dim=2), value.repeat_interleave(group, dim=2), grad_out,
-            custom_mask_type=custom_mask_type, window_size=window_size, scale=scale, cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_k=cu_seqlens_k, bias=bias, dropout_mask=dropout_mask, dropout_p=dropout_p,
-            return_grad_bias=return_grad_bias, out=out,
-        )  # fmt: skip
+            query,
+            key.repeat_interleave(group, dim=2),
+            value.repeat_interleave(group, dim=2),
+            grad_out,
+            custom_mask_type=custom_mask_type,
+            window_size=window_size,
+            scale=scale,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            bias=bias,
+            dropout_mask=dropout_mask,
+            dropout_p=dropout_p,
+            return_grad_bias=return_grad_bias,
+            out=out,
+        )
         dk, dv = (g.unflatten(2, (key.shape[2], group)).sum(3) for g in grads[1:3])
         return (grads[0], dk, dv) + tuple(grads[3:])
     q, k, v, do = query.double(), key.double(), value.double(), grad_out.double()
@@ -429,7 +469,9 @@ def curand_philox_words(seed: int, word_index):
     idx = np.asarray(word_index, dtype=np.uint64)
     ctr = idx >> np.uint64(2)
     zero = np.zeros_like(ctr)
-    words = philox4x32_10((ctr & np.uint64(0xFFFFFFFF), ctr >> np.uint64(32), zero, zero), (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF))
+    words = philox4x32_10(
+        (ctr & np.uint64(0xFFFFFFFF), ctr >> np.uint64(32), zero, zero), (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF)
+    )
     stacked = np.stack(words, axis=-1)
     return np.take_along_axis(stacked, (idx & np.uint64(3)).astype(np.int64)[..., None], axis=-1)[..., 0]
 
@@ -442,7 +484,9 @@ def curand_uniform(words):
     return np.asarray(words, dtype=np.uint32).astype(np.float32) * inv + inv / np.float32(2.0)
 
 
-def mem_eff_dropout_keep_mask(seed: int, offset: int, batches: int, heads: int, num_queries: int, num_keys: int, p: float):
+def mem_eff_dropout_keep_mask(
+    seed: int, offset: int, batches: int, heads: int, num_queries: int, num_keys: int, p: float
+):
     """The keep mask [B, H, Mq, Mk] (bool) of torch's memory-efficient attention for
     philox (seed, offset): element (b, h, n, m) is word offset + (b H + h) Mq Mk + n Mk + m,
     kept when its uniform is > p (float32 compare, as the kernels)."""

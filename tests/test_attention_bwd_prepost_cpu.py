@@ -32,7 +32,15 @@ PADDED_HEAD_DIMS = list(range(32, 257, 32))
 # dtype so that together they reach every padded head dim, vec 8/4/2/1 and both varlen.
 COMPILE_SUBSET = {
     "Float16": [(32, 8, False), (64, 1, True), (128, 4, False), (192, 8, True), (256, 1, False)],
-    "BFloat16": [(32, 1, True), (96, 8, False), (128, 8, True), (128, 2, False), (160, 8, False), (224, 8, True), (256, 8, True)],
+    "BFloat16": [
+        (32, 1, True),
+        (96, 8, False),
+        (128, 8, True),
+        (128, 2, False),
+        (160, 8, False),
+        (224, 8, True),
+        (256, 8, True),
+    ],
 }
 
 
@@ -86,8 +94,12 @@ def test_compiles_preprocess_with_lse_log2():
     with pytest.raises(ValueError, match="sm_90a"):
         A.compiled_preprocess(cutlass.BFloat16, 64, 8, False, True, "sm_80", True)
 
-    for dtype, hd, vec, varlen in [(cutlass.BFloat16, 64, 8, False), (cutlass.Float16, 128, 8, True),
-                                   (cutlass.BFloat16, 96, 8, True), (cutlass.BFloat16, 256, 8, False)]:  # fmt: skip
+    for dtype, hd, vec, varlen in [
+        (cutlass.BFloat16, 64, 8, False),
+        (cutlass.Float16, 128, 8, True),
+        (cutlass.BFloat16, 96, 8, True),
+        (cutlass.BFloat16, 256, 8, False),
+    ]:
         fn = A.compiled_preprocess(dtype, hd, vec, varlen, True, arch, True)
         assert callable(fn) and fn is not A.compiled_preprocess(dtype, hd, vec, varlen, True, arch)
 
@@ -100,8 +112,13 @@ def test_compiles_convert_dq_ready():
 
     with pytest.raises(ValueError, match="sm_90a"):
         A.compiled_convert_dq_ready(cutlass.BFloat16, 64, 8, False, "sm_80")
-    for dtype, hd, varlen in [(cutlass.BFloat16, 64, False), (cutlass.Float16, 128, True), (cutlass.BFloat16, 96, True),
-                              (cutlass.Float16, 192, False), (cutlass.BFloat16, 256, True)]:  # fmt: skip
+    for dtype, hd, varlen in [
+        (cutlass.BFloat16, 64, False),
+        (cutlass.Float16, 128, True),
+        (cutlass.BFloat16, 96, True),
+        (cutlass.Float16, 192, False),
+        (cutlass.BFloat16, 256, True),
+    ]:
         fn = A.compiled_convert_dq_ready(dtype, hd, 8, varlen, "sm_90a")
         assert callable(fn) and fn is not A.compiled_convert_dq(dtype, hd, 8, varlen, "sm_90a")
 
@@ -113,7 +130,13 @@ def test_compile_only_covers_configurations(monkeypatch):
     def recorder(name):
         return lambda *key: seen.setdefault(name, []).append(key)
 
-    for name in ("compiled_preprocess", "compiled_compute_delta", "compiled_convert_dq", "compiled_convert_dkv", "compiled_clear_dkv_accum"):
+    for name in (
+        "compiled_preprocess",
+        "compiled_compute_delta",
+        "compiled_convert_dq",
+        "compiled_convert_dkv",
+        "compiled_clear_dkv_accum",
+    ):
         monkeypatch.setattr(A, name, recorder(name))
     n_pre = pre_suite.compile_only("sm_80")
     n_post = post_suite.compile_only("sm_80")
@@ -372,68 +395,223 @@ BAD = [
     ("pre: cpu tensor", lambda: pre(out=torch.empty(2, 77, 3, 64)), ValueError, "out must be a CUDA tensor"),
     ("pre: int dtype", lambda: pre(out=fc(2, 77, 3, 64, dtype=torch.int32)), TypeError, "out must have dtype in"),
     ("pre: fp64", lambda: pre(out=fc(2, 77, 3, 64, dtype=torch.float64)), TypeError, "out must have dtype in"),
-    ("pre: dtype mismatch", lambda: pre(grad_out=fc(2, 77, 3, 64, dtype=torch.float16)), TypeError, "grad_out must have out's dtype"),
+    (
+        "pre: dtype mismatch",
+        lambda: pre(grad_out=fc(2, 77, 3, 64, dtype=torch.float16)),
+        TypeError,
+        "grad_out must have out's dtype",
+    ),
     ("pre: shape mismatch", lambda: pre(grad_out=fc(2, 78, 3, 64)), ValueError, "grad_out must have out's shape"),
-    ("pre: rank 3 without cu_seqlens", lambda: pre(out=fc(77, 3, 64)), ValueError, "out must be [batch, seqlen, heads, head_dim]"),
-    ("pre: rank 4 with cu_seqlens", lambda: pre(cu_seqlens_q=cu(10, 20), max_seqlen_q=20), ValueError, "with cu_seqlens_q, out must be [total, heads, head_dim]"),
-    ("pre: last dim not contiguous", lambda: pre(out=fc(2, 77, 64, 3).transpose(-1, -2)), ValueError, "out must be contiguous in its last dim"),
-    ("pre: grad_out last dim not contiguous", lambda: pre(grad_out=fc(2, 77, 64, 3).transpose(-1, -2)), ValueError, "grad_out must be contiguous in its last dim"),
+    (
+        "pre: rank 3 without cu_seqlens",
+        lambda: pre(out=fc(77, 3, 64)),
+        ValueError,
+        "out must be [batch, seqlen, heads, head_dim]",
+    ),
+    (
+        "pre: rank 4 with cu_seqlens",
+        lambda: pre(cu_seqlens_q=cu(10, 20), max_seqlen_q=20),
+        ValueError,
+        "with cu_seqlens_q, out must be [total, heads, head_dim]",
+    ),
+    (
+        "pre: last dim not contiguous",
+        lambda: pre(out=fc(2, 77, 64, 3).transpose(-1, -2)),
+        ValueError,
+        "out must be contiguous in its last dim",
+    ),
+    (
+        "pre: grad_out last dim not contiguous",
+        lambda: pre(grad_out=fc(2, 77, 64, 3).transpose(-1, -2)),
+        ValueError,
+        "grad_out must be contiguous in its last dim",
+    ),
     ("pre: head_dim 0", lambda: pre(out=fc(2, 77, 3, 0)), ValueError, "head_dim must be in [1, 256]"),
     ("pre: head_dim 300", lambda: pre(out=fc(2, 77, 3, 300)), ValueError, "head_dim must be in [1, 256], got 300"),
-    ("pre: cu_seqlens without max_seqlen", lambda: pre(out=fc(30, 3, 64), cu_seqlens_q=cu(10, 20)), ValueError, "cu_seqlens_q needs max_seqlen_q"),
-    ("pre: max_seqlen without cu_seqlens", lambda: pre(max_seqlen_q=77), ValueError, "max_seqlen_q is only used with cu_seqlens_q"),
-    ("pre: cu_seqlens int64", lambda: pre(out=fc(30, 3, 64), cu_seqlens_q=cu(10, 20, dtype=torch.int64), max_seqlen_q=20), ValueError, "cu_seqlens_q must be a 1-D int32 tensor"),
-    ("pre: cu_seqlens 2-D", lambda: pre(out=fc(30, 3, 64), cu_seqlens_q=cu(10, 20).view(1, 3), max_seqlen_q=20), ValueError, "cu_seqlens_q must be a 1-D int32 tensor"),
-    ("pre: cu_seqlens on cpu", lambda: pre(out=fc(30, 3, 64), cu_seqlens_q=torch.tensor([0, 10, 30], dtype=torch.int32), max_seqlen_q=20), ValueError, "cu_seqlens_q is on cpu"),
-    ("pre: negative max_seqlen", lambda: pre(out=fc(30, 3, 64), cu_seqlens_q=cu(10, 20), max_seqlen_q=-1), ValueError, "max_seqlen_q must be >= 0"),
+    (
+        "pre: cu_seqlens without max_seqlen",
+        lambda: pre(out=fc(30, 3, 64), cu_seqlens_q=cu(10, 20)),
+        ValueError,
+        "cu_seqlens_q needs max_seqlen_q",
+    ),
+    (
+        "pre: max_seqlen without cu_seqlens",
+        lambda: pre(max_seqlen_q=77),
+        ValueError,
+        "max_seqlen_q is only used with cu_seqlens_q",
+    ),
+    (
+        "pre: cu_seqlens int64",
+        lambda: pre(out=fc(30, 3, 64), cu_seqlens_q=cu(10, 20, dtype=torch.int64), max_seqlen_q=20),
+        ValueError,
+        "cu_seqlens_q must be a 1-D int32 tensor",
+    ),
+    (
+        "pre: cu_seqlens 2-D",
+        lambda: pre(out=fc(30, 3, 64), cu_seqlens_q=cu(10, 20).view(1, 3), max_seqlen_q=20),
+        ValueError,
+        "cu_seqlens_q must be a 1-D int32 tensor",
+    ),
+    (
+        "pre: cu_seqlens on cpu",
+        lambda: pre(out=fc(30, 3, 64), cu_seqlens_q=torch.tensor([0, 10, 30], dtype=torch.int32), max_seqlen_q=20),
+        ValueError,
+        "cu_seqlens_q is on cpu",
+    ),
+    (
+        "pre: negative max_seqlen",
+        lambda: pre(out=fc(30, 3, 64), cu_seqlens_q=cu(10, 20), max_seqlen_q=-1),
+        ValueError,
+        "max_seqlen_q must be >= 0",
+    ),
     ("pre: scale nan", lambda: pre(scale=float("nan")), TypeError, "scale must be a finite float"),
     ("pre: scale str", lambda: pre(scale="1"), TypeError, "scale must be a finite float"),
     ("pre: grad_out not a tensor", lambda: pre(grad_out=[1.0]), TypeError, "grad_out must be a torch.Tensor"),
     ("delta: fp64", lambda: delta_(fc(2, 77, 3, 64, dtype=torch.float64)), TypeError, "out must have dtype in"),
     ("delta: rank 5", lambda: delta_(fc(1, 2, 77, 3, 64)), ValueError, "out must be [batch, seqlen, heads, head_dim]"),
     ("delta: head_dim 257", lambda: delta_(fc(2, 77, 3, 257)), ValueError, "head_dim must be in [1, 256]"),
-    ("delta: cu_seqlens without max_seqlen", lambda: delta_(fc(30, 3, 64), cu_seqlens_q=cu(30)), ValueError, "cu_seqlens_q needs max_seqlen_q"),
-    ("delta: shape mismatch", lambda: delta_(fc(2, 77, 3, 64), fc(2, 77, 4, 64)), ValueError, "grad_out must have out's shape"),
+    (
+        "delta: cu_seqlens without max_seqlen",
+        lambda: delta_(fc(30, 3, 64), cu_seqlens_q=cu(30)),
+        ValueError,
+        "cu_seqlens_q needs max_seqlen_q",
+    ),
+    (
+        "delta: shape mismatch",
+        lambda: delta_(fc(2, 77, 3, 64), fc(2, 77, 4, 64)),
+        ValueError,
+        "grad_out must have out's shape",
+    ),
     ("dq: accumulator bf16", lambda: cdq(fc(2, 128, 3, 64)), TypeError, "dq_accum must be float32"),
     ("dq: accumulator rank 3", lambda: cdq(f32(128, 3, 64)), ValueError, "dq_accum must have 4 or 5 dims"),
-    ("dq: varlen accumulator rank 5", lambda: cdq(f32(1, 1, 300, 3, 64), cu_seqlens_q=cu(40), max_seqlen_q=40), ValueError, "dq_accum must have 3 or 4 dims"),
-    ("dq: wrong last dim", lambda: cdq(f32(2, 128, 3, 64), head_dim=72), ValueError, "head_dim rounded up to 32 = 96, got 64"),
-    ("dq: last dim = head_dim, not rounded", lambda: cdq(f32(2, 128, 3, 40), head_dim=40), ValueError, "head_dim rounded up to 32 = 64, got 40"),
+    (
+        "dq: varlen accumulator rank 5",
+        lambda: cdq(f32(1, 1, 300, 3, 64), cu_seqlens_q=cu(40), max_seqlen_q=40),
+        ValueError,
+        "dq_accum must have 3 or 4 dims",
+    ),
+    (
+        "dq: wrong last dim",
+        lambda: cdq(f32(2, 128, 3, 64), head_dim=72),
+        ValueError,
+        "head_dim rounded up to 32 = 96, got 64",
+    ),
+    (
+        "dq: last dim = head_dim, not rounded",
+        lambda: cdq(f32(2, 128, 3, 40), head_dim=40),
+        ValueError,
+        "head_dim rounded up to 32 = 64, got 40",
+    ),
     ("dq: head_dim 0", lambda: cdq(head_dim=0), ValueError, "head_dim must be >= 1"),
-    ("dq: head_dim 300", lambda: cdq(f32(2, 128, 3, 320), head_dim=300), ValueError, "head_dim must be in [1, 256], got 300"),
+    (
+        "dq: head_dim 300",
+        lambda: cdq(f32(2, 128, 3, 320), head_dim=300),
+        ValueError,
+        "head_dim must be in [1, 256], got 300",
+    ),
     ("dq: head_dim float", lambda: cdq(head_dim=64.0), TypeError, "head_dim must be an int"),
     ("dq: seqlen_q missing", lambda: cdq(seqlen_q=None), ValueError, "seqlen_q is required"),
-    ("dq: too few rows", lambda: cdq(seqlen_q=200), ValueError, "dq_accum needs round_up(seqlen_q, 128) = 256 rows, got 128"),
-    ("dq: varlen too few rows", lambda: cdq(f32(200, 3, 64), cu_seqlens_q=cu(40, 40), max_seqlen_q=40), ValueError, "dq_accum must have total_q + 128 * batch rows"),
-    ("dq: varlen with seqlen_q", lambda: cdq(f32(296, 3, 64), cu_seqlens_q=cu(40), max_seqlen_q=40, seqlen_q=40), ValueError, "drop seqlen_q"),
-    ("dq: varlen without max_seqlen_q", lambda: cdq(f32(296, 3, 64), cu_seqlens_q=cu(40)), ValueError, "cu_seqlens_q needs max_seqlen_q"),
-    ("dq: cu_seqlens int64", lambda: cdq(f32(296, 3, 64), cu_seqlens_q=cu(40, dtype=torch.int64), max_seqlen_q=40), ValueError, "cu_seqlens_q must be a 1-D int32 tensor"),
+    (
+        "dq: too few rows",
+        lambda: cdq(seqlen_q=200),
+        ValueError,
+        "dq_accum needs round_up(seqlen_q, 128) = 256 rows, got 128",
+    ),
+    (
+        "dq: varlen too few rows",
+        lambda: cdq(f32(200, 3, 64), cu_seqlens_q=cu(40, 40), max_seqlen_q=40),
+        ValueError,
+        "dq_accum must have total_q + 128 * batch rows",
+    ),
+    (
+        "dq: varlen with seqlen_q",
+        lambda: cdq(f32(296, 3, 64), cu_seqlens_q=cu(40), max_seqlen_q=40, seqlen_q=40),
+        ValueError,
+        "drop seqlen_q",
+    ),
+    (
+        "dq: varlen without max_seqlen_q",
+        lambda: cdq(f32(296, 3, 64), cu_seqlens_q=cu(40)),
+        ValueError,
+        "cu_seqlens_q needs max_seqlen_q",
+    ),
+    (
+        "dq: cu_seqlens int64",
+        lambda: cdq(f32(296, 3, 64), cu_seqlens_q=cu(40, dtype=torch.int64), max_seqlen_q=40),
+        ValueError,
+        "cu_seqlens_q must be a 1-D int32 tensor",
+    ),
     ("dq: p_dropout 1", lambda: cdq(p_dropout=1.0), ValueError, "p_dropout must be in [0, 1)"),
     ("dq: p_dropout negative", lambda: cdq(p_dropout=-0.1), ValueError, "p_dropout must be in [0, 1)"),
     ("dq: dtype float32", lambda: cdq(dtype=torch.float32), TypeError, "dtype must be float16 or bfloat16"),
     ("dq: softmax_scale inf", lambda: cdq(scale=float("inf")), TypeError, "softmax_scale must be a finite float"),
-    ("dq: row stride not a multiple of 4", lambda: cdq(torch.empty_strided((2, 128, 3, 64), (128 * 3 * 66, 3 * 66, 66, 1), device="cuda")), ValueError, "multiples of 4 elements"),
-    ("dq: last dim not contiguous", lambda: cdq(f32(2, 128, 64, 3).transpose(-1, -2)), ValueError, "dq_accum must be contiguous in its last dim"),
+    (
+        "dq: row stride not a multiple of 4",
+        lambda: cdq(torch.empty_strided((2, 128, 3, 64), (128 * 3 * 66, 3 * 66, 66, 1), device="cuda")),
+        ValueError,
+        "multiples of 4 elements",
+    ),
+    (
+        "dq: last dim not contiguous",
+        lambda: cdq(f32(2, 128, 64, 3).transpose(-1, -2)),
+        ValueError,
+        "dq_accum must be contiguous in its last dim",
+    ),
     ("dq: cpu accumulator", lambda: cdq(torch.empty(2, 128, 3, 64)), ValueError, "dq_accum must be a CUDA tensor"),
     ("dkv: dv shape mismatch", lambda: cdkv(dv=f32(2, 3, 256, 64)), ValueError, "dv_accum must have dk_accum's shape"),
     ("dkv: dv dtype", lambda: cdkv(dv=fc(2, 3, 128, 64, dtype=torch.float16)), TypeError, "dv_accum must be float32"),
-    ("dkv: dv last dim", lambda: cdkv(dv=f32(2, 3, 128, 96)), ValueError, "dv_accum's last dim must be head_dim rounded up to 32 = 64"),
+    (
+        "dkv: dv last dim",
+        lambda: cdkv(dv=f32(2, 3, 128, 96)),
+        ValueError,
+        "dv_accum's last dim must be head_dim rounded up to 32 = 64",
+    ),
     ("dkv: rank 3", lambda: cdkv(dk=f32(3, 128, 64)), ValueError, "dk_accum must have 4 dims"),
     ("dkv: head_dim 300", lambda: cdkv(head_dim=300), ValueError, "head_dim must be in [1, 256]"),
-    ("dkv: seqlen_k past the rows", lambda: cdkv(seqlen_k=129), ValueError, "dk_accum needs round_up(seqlen_k, 128) = 256 rows, got 128"),
+    (
+        "dkv: seqlen_k past the rows",
+        lambda: cdkv(seqlen_k=129),
+        ValueError,
+        "dk_accum needs round_up(seqlen_k, 128) = 256 rows, got 128",
+    ),
     ("dkv: seqlen_k negative", lambda: cdkv(seqlen_k=-1), ValueError, "seqlen_k must be >= 0"),
-    ("dkv: cu_seqlens_k batch mismatch", lambda: cdkv(cu_seqlens_k=cu(10, 20, 30), seqlen_k=60), ValueError, "cu_seqlens_k has 3 sequences, dk_accum 2"),
-    ("dkv: cu_seqlens_k int64", lambda: cdkv(cu_seqlens_k=cu(10, 20, dtype=torch.int64), seqlen_k=30), ValueError, "cu_seqlens_k must be a 1-D int32 tensor"),
+    (
+        "dkv: cu_seqlens_k batch mismatch",
+        lambda: cdkv(cu_seqlens_k=cu(10, 20, 30), seqlen_k=60),
+        ValueError,
+        "cu_seqlens_k has 3 sequences, dk_accum 2",
+    ),
+    (
+        "dkv: cu_seqlens_k int64",
+        lambda: cdkv(cu_seqlens_k=cu(10, 20, dtype=torch.int64), seqlen_k=30),
+        ValueError,
+        "cu_seqlens_k must be a 1-D int32 tensor",
+    ),
     ("dkv: dtype float32", lambda: cdkv(dtype=torch.float32), TypeError, "dtype must be float16 or bfloat16"),
     ("dkv: p_dropout 1", lambda: cdkv(p_dropout=1.0), ValueError, "p_dropout must be in [0, 1)"),
     ("dkv: softmax_scale bool", lambda: cdkv(scale=True), TypeError, "softmax_scale must be a finite float"),
-    ("clear: last dim 40", lambda: clr(f32(2, 3, 128, 40), f32(2, 3, 128, 40)), ValueError, "dk_accum's last dim must be a multiple of 32 in [32, 256], got 40"),
+    (
+        "clear: last dim 40",
+        lambda: clr(f32(2, 3, 128, 40), f32(2, 3, 128, 40)),
+        ValueError,
+        "dk_accum's last dim must be a multiple of 32 in [32, 256], got 40",
+    ),
     ("clear: last dim 288", lambda: clr(f32(2, 3, 128, 288), f32(2, 3, 128, 288)), ValueError, "got 288"),
     ("clear: not a tensor", lambda: clr(dk=3.0), TypeError, "dk_accum must be a torch.Tensor"),
     ("clear: dv shape mismatch", lambda: clr(dv=f32(2, 4, 128, 64)), ValueError, "dv_accum must have dk_accum's shape"),
-    ("clear: dv last dim", lambda: clr(dv=f32(2, 3, 128, 96)), ValueError, "dv_accum's last dim must be head_dim rounded up to 32 = 64"),
+    (
+        "clear: dv last dim",
+        lambda: clr(dv=f32(2, 3, 128, 96)),
+        ValueError,
+        "dv_accum's last dim must be head_dim rounded up to 32 = 64",
+    ),
     ("clear: dk bf16", lambda: clr(dk=fc(2, 3, 128, 64)), TypeError, "dk_accum must be float32"),
-    ("clear: rank 5", lambda: clr(f32(1, 2, 3, 128, 64), f32(1, 2, 3, 128, 64)), ValueError, "dk_accum must have 4 dims"),
+    (
+        "clear: rank 5",
+        lambda: clr(f32(1, 2, 3, 128, 64), f32(1, 2, 3, 128, 64)),
+        ValueError,
+        "dk_accum must have 4 dims",
+    ),
 ]
 
 
@@ -497,9 +675,13 @@ def test_fake_shapes_of_the_custom_ops():
         dq = ops.attention_bwd_convert_dq(f32(2, 884, 4, 64), 0.1, 33, None, c, 423, 0.0, torch.bfloat16)
         assert dq.shape == (500, 4, 33)
 
-        dk, dv = ops.attention_bwd_convert_dkv(f32(3, 2, 256, 96), f32(3, 2, 256, 96), 0.1, 72, 200, None, 0.0, torch.bfloat16)
+        dk, dv = ops.attention_bwd_convert_dkv(
+            f32(3, 2, 256, 96), f32(3, 2, 256, 96), 0.1, 72, 200, None, 0.0, torch.bfloat16
+        )
         assert dk.shape == dv.shape == (3, 200, 2, 72) and dk.dtype == dv.dtype == torch.bfloat16
-        dk, dv = ops.attention_bwd_convert_dkv(f32(3, 2, 512, 64), f32(3, 2, 512, 64), 0.1, 33, 500, c, 0.0, torch.float16)
+        dk, dv = ops.attention_bwd_convert_dkv(
+            f32(3, 2, 512, 64), f32(3, 2, 512, 64), 0.1, 33, 500, c, 0.0, torch.float16
+        )
         assert dk.shape == dv.shape == (500, 2, 33) and dk.dtype == torch.float16
 
         dk_acc, dv_acc = f32(3, 2, 256, 96), f32(3, 2, 256, 96)
@@ -536,8 +718,14 @@ def test_public_functions_trace_in_one_graph(name, monkeypatch):
     calls = {
         "preprocess": (lambda o: A.attention_bwd_preprocess(o, o, scale=0.9, zero_dq_accum=True)[0] * 2, o),
         "compute_delta": (lambda o: A.attention_bwd_compute_delta(o, o) + 1, o),
-        "convert_dq": (lambda a: A.attention_bwd_convert_dq(a, 0.1, head_dim=40, seqlen_q=77).float(), torch.zeros(2, 2, 128, 3, 64)),
-        "convert_dkv": (lambda a: A.attention_bwd_convert_dkv(a, a, 0.1, head_dim=40, seqlen_k=77)[0].float(), torch.zeros(2, 3, 128, 64)),
+        "convert_dq": (
+            lambda a: A.attention_bwd_convert_dq(a, 0.1, head_dim=40, seqlen_q=77).float(),
+            torch.zeros(2, 2, 128, 3, 64),
+        ),
+        "convert_dkv": (
+            lambda a: A.attention_bwd_convert_dkv(a, a, 0.1, head_dim=40, seqlen_k=77)[0].float(),
+            torch.zeros(2, 3, 128, 64),
+        ),
         "clear_dkv_accum": (lambda a: A.attention_bwd_clear_dkv_accum(a, a), torch.zeros(2, 3, 128, 64)),
     }
     fn, arg = calls[name]
@@ -625,14 +813,27 @@ def _blind_brute(sq, sk, mask_type, window):
     offset = sk - sq if mask_type == 2 else 0
     rows = []
     for q in range(sq):
-        sees = [k for k in range(sk) if (mask_type == 0 or k <= q + offset) and not (window > 0 and k <= q + offset - window)]
+        sees = [
+            k
+            for k in range(sk)
+            if (mask_type == 0 or k <= q + offset) and not (window > 0 and k <= q + offset - window)
+        ]
         rows.append(not sees)
     return torch.tensor(rows, dtype=torch.bool)
 
 
 BLIND_CASES = [  # (Sq, Sk, mask, window)
-    (300, 100, 2, 0), (100, 300, 2, 0), (64, 64, 2, 0), (300, 100, 1, 0), (300, 100, 1, 50), (300, 100, 2, 50),
-    (129, 129, 2, 1), (400, 260, 1, 300), (257, 300, 2, 70), (50, 80, 0, 0), (90, 10, 1, 1),
+    (300, 100, 2, 0),
+    (100, 300, 2, 0),
+    (64, 64, 2, 0),
+    (300, 100, 1, 0),
+    (300, 100, 1, 50),
+    (300, 100, 2, 50),
+    (129, 129, 2, 1),
+    (400, 260, 1, 300),
+    (257, 300, 2, 70),
+    (50, 80, 0, 0),
+    (90, 10, 1, 1),
 ]
 
 

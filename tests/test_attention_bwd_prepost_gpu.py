@@ -155,7 +155,11 @@ def test_preprocess_scale(scale):
     torch.testing.assert_close(delta, unscaled * scale, rtol=1e-6, atol=0)
 
 
-VARLEN_CASES = [(torch.bfloat16, d) for d in (33, 64, 128, 256)] + [(torch.float16, 40), (torch.float16, 100), (torch.float32, 64)]
+VARLEN_CASES = [(torch.bfloat16, d) for d in (33, 64, 128, 256)] + [
+    (torch.float16, 40),
+    (torch.float16, 100),
+    (torch.float32, 64),
+]
 
 
 @pytest.mark.parametrize("dtype,head_dim", VARLEN_CASES, ids=[f"{str(t)[6:]}-d{d}" for t, d in VARLEN_CASES])
@@ -201,14 +205,22 @@ def test_preprocess_odd_row_slice():
     assert out.data_ptr() % 16
     lengths = [100, 0, 1, 199]
     cu = cu_seqlens(lengths)
-    check_delta(A.attention_bwd_preprocess(out, grad_out, cu_seqlens_q=cu, max_seqlen_q=199), out, grad_out, 1.0, cu, 199)
+    check_delta(
+        A.attention_bwd_preprocess(out, grad_out, cu_seqlens_q=cu, max_seqlen_q=199), out, grad_out, 1.0, cu, 199
+    )
 
 
 @pytest.mark.parametrize(
     "dtype,head_dim,varlen",
-    [(torch.bfloat16, 40, False), (torch.bfloat16, 128, False), (torch.bfloat16, 256, False), (torch.float16, 100, False),
-     (torch.bfloat16, 33, True), (torch.bfloat16, 256, True)],
-)  # fmt: skip
+    [
+        (torch.bfloat16, 40, False),
+        (torch.bfloat16, 128, False),
+        (torch.bfloat16, 256, False),
+        (torch.float16, 100, False),
+        (torch.bfloat16, 33, True),
+        (torch.bfloat16, 256, True),
+    ],
+)
 def test_zero_dq_accum(dtype, head_dim, varlen):
     """The returned accumulator is all zeros even in memory the allocator filled with NaN."""
     h = 4
@@ -236,7 +248,9 @@ def test_zero_dq_accum(dtype, head_dim, varlen):
     assert (acc == 0).all(), f"{(acc != 0).sum().item()} accumulator elements not zeroed"
     check_delta(delta, out, grad_out, 1.0, cu, max_seqlen)
     # without the flag: Δ alone, the same values
-    torch.testing.assert_close(A.attention_bwd_preprocess(out, grad_out, cu_seqlens_q=cu, max_seqlen_q=max_seqlen), delta, rtol=0, atol=0)
+    torch.testing.assert_close(
+        A.attention_bwd_preprocess(out, grad_out, cu_seqlens_q=cu, max_seqlen_q=max_seqlen), delta, rtol=0, atol=0
+    )
 
 
 @pytest.mark.parametrize("varlen", [False, True])
@@ -297,7 +311,11 @@ def test_long_sequences():
     del out, grad_out
     s = 65535 * 64 + 1000  # and past 65535 blocks of 64 rows for the conversions
     acc = torch.randn(A.dq_accum_shape(1, s, 1, 32), device=DEV)
-    check_converted(A.attention_bwd_convert_dq(acc, 0.5, head_dim=32, seqlen_q=s), convert_dq_ref(acc, 0.5, head_dim=32, seqlen_q=s), torch.bfloat16)
+    check_converted(
+        A.attention_bwd_convert_dq(acc, 0.5, head_dim=32, seqlen_q=s),
+        convert_dq_ref(acc, 0.5, head_dim=32, seqlen_q=s),
+        torch.bfloat16,
+    )
     acc = acc.view(A.dkv_accum_shape(1, 1, s, 32))
     dk, dv = A.attention_bwd_convert_dkv(acc, acc, 0.5, head_dim=32, seqlen_k=s)
     ref_dk, ref_dv = convert_dkv_ref(acc, acc, 0.5, head_dim=32, seqlen_k=s)
@@ -326,7 +344,10 @@ def test_compute_delta(dtype, head_dim):
             check_delta(delta, out, grad_out, rounded=False)
 
 
-@pytest.mark.parametrize("dtype,head_dim,offset", [(torch.bfloat16, 64, 0), (torch.bfloat16, 255, 0), (torch.float16, 100, 0), (torch.bfloat16, 64, 2)])
+@pytest.mark.parametrize(
+    "dtype,head_dim,offset",
+    [(torch.bfloat16, 64, 0), (torch.bfloat16, 255, 0), (torch.float16, 100, 0), (torch.bfloat16, 64, 2)],
+)
 def test_compute_delta_varlen(dtype, head_dim, offset):
     gen = torch.Generator(DEV).manual_seed(300 + head_dim)
     h = 2
@@ -380,7 +401,9 @@ def test_convert_dq_p_dropout_and_strided_accumulator():
     torch.testing.assert_close(half.float(), (base.float() * 2).bfloat16().float(), rtol=8e-3, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 40), (torch.bfloat16, 128), (torch.bfloat16, 256), (torch.float16, 33)])
+@pytest.mark.parametrize(
+    "dtype,head_dim", [(torch.bfloat16, 40), (torch.bfloat16, 128), (torch.bfloat16, 256), (torch.float16, 33)]
+)
 def test_convert_dq_varlen(dtype, head_dim):
     """Rows of the per-sequence slack and columns past head_dim (NaN) never reach dQ."""
     gen = torch.Generator(DEV).manual_seed(500 + head_dim)
@@ -391,7 +414,9 @@ def test_convert_dq_varlen(dtype, head_dim):
             acc = nan_padded_dq_accum_varlen(lengths, h, head_dim, nsplits, gen)
             for max_seqlen in (max(lengths), max(lengths) + 200):
                 poison_allocator(sum(lengths) * h * head_dim * 2)
-                dq = A.attention_bwd_convert_dq(acc, 0.1, head_dim=head_dim, cu_seqlens_q=cu, max_seqlen_q=max_seqlen, p_dropout=0.2, dtype=dtype)
+                dq = A.attention_bwd_convert_dq(
+                    acc, 0.1, head_dim=head_dim, cu_seqlens_q=cu, max_seqlen_q=max_seqlen, p_dropout=0.2, dtype=dtype
+                )
                 ref = convert_dq_ref(acc, 0.1, head_dim=head_dim, cu_seqlens_q=cu, p_dropout=0.2)
                 assert dq.shape == (sum(lengths), h, head_dim)
                 check_converted(dq, ref, dtype)
@@ -399,7 +424,9 @@ def test_convert_dq_varlen(dtype, head_dim):
 
 # ------------------------------------------------------------------------ convert_dkv
 
-DKV_CASES = [(torch.bfloat16, d) for d in (1, 33, 64, 96, 100, 128, 160, 192, 256)] + [(torch.float16, d) for d in (40, 255)]
+DKV_CASES = [(torch.bfloat16, d) for d in (1, 33, 64, 96, 100, 128, 160, 192, 256)] + [
+    (torch.float16, d) for d in (40, 255)
+]
 
 
 @pytest.mark.parametrize("dtype,head_dim", DKV_CASES, ids=[f"{str(t)[6:]}-d{d}" for t, d in DKV_CASES])
@@ -411,7 +438,9 @@ def test_convert_dkv(dtype, head_dim):
         dk_acc = nan_padded_dkv_accum([s] * b, h, head_dim, s, gen)
         dv_acc = nan_padded_dkv_accum([s] * b, h, head_dim, s, gen)
         poison_allocator(*[b * s * h * head_dim * 2] * 2)
-        dk, dv = A.attention_bwd_convert_dkv(dk_acc, dv_acc, scale, head_dim=head_dim, seqlen_k=s, p_dropout=p, dtype=dtype)
+        dk, dv = A.attention_bwd_convert_dkv(
+            dk_acc, dv_acc, scale, head_dim=head_dim, seqlen_k=s, p_dropout=p, dtype=dtype
+        )
         ref_dk, ref_dv = convert_dkv_ref(dk_acc, dv_acc, scale, head_dim=head_dim, seqlen_k=s, p_dropout=p)
         check_converted(dk, ref_dk, dtype)
         check_converted(dv, ref_dv, dtype)
@@ -426,8 +455,12 @@ def test_convert_dkv_varlen(dtype, head_dim):
         dk_acc = nan_padded_dkv_accum(lengths, h, head_dim, max(lengths), gen)
         dv_acc = nan_padded_dkv_accum(lengths, h, head_dim, max(lengths), gen)
         total = sum(lengths)
-        dk, dv = A.attention_bwd_convert_dkv(dk_acc, dv_acc, 0.3, head_dim=head_dim, seqlen_k=total, cu_seqlens_k=cu, p_dropout=0.1, dtype=dtype)
-        ref_dk, ref_dv = convert_dkv_ref(dk_acc, dv_acc, 0.3, head_dim=head_dim, seqlen_k=total, cu_seqlens_k=cu, p_dropout=0.1)
+        dk, dv = A.attention_bwd_convert_dkv(
+            dk_acc, dv_acc, 0.3, head_dim=head_dim, seqlen_k=total, cu_seqlens_k=cu, p_dropout=0.1, dtype=dtype
+        )
+        ref_dk, ref_dv = convert_dkv_ref(
+            dk_acc, dv_acc, 0.3, head_dim=head_dim, seqlen_k=total, cu_seqlens_k=cu, p_dropout=0.1
+        )
         assert dk.shape == dv.shape == (total, h, head_dim)
         check_converted(dk, ref_dk, dtype)
         check_converted(dv, ref_dv, dtype)
@@ -498,9 +531,15 @@ def test_opcheck_fake_implementations():
     torch.library.opcheck(ops.attention_bwd_compute_delta, (out, out, None, None), test_utils=utils)
     torch.library.opcheck(ops.attention_bwd_compute_delta, (pk, pk, cu, 200), test_utils=utils)
     acc = torch.randn(A.dq_accum_shape(2, 77, 3, 40, nsplits=2), device=DEV)
-    torch.library.opcheck(ops.attention_bwd_convert_dq, (acc, 0.1, 40, 77, None, None, 0.0, torch.bfloat16), test_utils=utils)
+    torch.library.opcheck(
+        ops.attention_bwd_convert_dq, (acc, 0.1, 40, 77, None, None, 0.0, torch.bfloat16), test_utils=utils
+    )
     acc = torch.randn(A.dq_accum_shape(3, 277, 3, 40, varlen=True), device=DEV)
-    torch.library.opcheck(ops.attention_bwd_convert_dq, (acc, 0.1, 40, None, cu, 200, 0.0, torch.float16), test_utils=utils)
+    torch.library.opcheck(
+        ops.attention_bwd_convert_dq, (acc, 0.1, 40, None, cu, 200, 0.0, torch.float16), test_utils=utils
+    )
     dk, dv = torch.randn(2, 3, 128, 64, device=DEV), torch.randn(2, 3, 128, 64, device=DEV)
-    torch.library.opcheck(ops.attention_bwd_convert_dkv, (dk, dv, 0.1, 40, 77, None, 0.0, torch.bfloat16), test_utils=utils)
+    torch.library.opcheck(
+        ops.attention_bwd_convert_dkv, (dk, dv, 0.1, 40, 77, None, 0.0, torch.bfloat16), test_utils=utils
+    )
     torch.library.opcheck(ops.attention_bwd_clear_dkv_accum, (dk, dv), test_utils=utils)

@@ -30,7 +30,9 @@ CONFIGS = [(dt, d, mask) for dt in (cutlass.BFloat16, cutlass.Float16) for d in 
 # a compiled kernel's key: its fields by _build's parameter names
 KEY = {name: i for i, name in enumerate(inspect.signature(S._build).parameters)}
 # a sliding window comes with a causal mask only
-WINDOW_CONFIGS = [(dt, d, mask) for dt in (cutlass.BFloat16, cutlass.Float16) for d in tiling.HEAD_DIMS for mask in (1, 2)]
+WINDOW_CONFIGS = [
+    (dt, d, mask) for dt in (cutlass.BFloat16, cutlass.Float16) for d in tiling.HEAD_DIMS for mask in (1, 2)
+]
 
 
 # ------------------------------------------------------------------------- compile
@@ -52,8 +54,7 @@ def test_carry_dq_only_for_short_equal_tiles(monkeypatch):
     most = 8
     monkeypatch.setattr(tiling, "CARRY_DQ_MAX_STEPS", most)
 
-    def carries(tiles, mask, rows_q, group, window=False, deterministic=False, varlen=False, bias=False,
-                dropout=False):  # fmt: skip
+    def carries(tiles, mask, rows_q, group, window=False, deterministic=False, varlen=False, bias=False, dropout=False):
         schedule = AttentionBackwardSm90.tile_schedule(tiles, mask, window, deterministic, varlen, bias, dropout)
         return S._carries_dq(tiles, schedule, rows_q, group)
 
@@ -63,8 +64,13 @@ def test_carry_dq_only_for_short_equal_tiles(monkeypatch):
     assert not carries(t, 0, rows_q=rows(most) + 1, group=1)
     assert not carries(t, 0, rows_q=rows(most // 2) + 1, group=2)  # 2 heads x (most / 2 + 1) blocks
     assert carries(t, 0, rows_q=1, group=1)
-    for mask, kw in ((1, {}), (0, dict(varlen=True)), (0, dict(deterministic=True)), (0, dict(bias=True)),
-                     (0, dict(dropout=True))):  # fmt: skip
+    for mask, kw in (
+        (1, {}),
+        (0, dict(varlen=True)),
+        (0, dict(deterministic=True)),
+        (0, dict(bias=True)),
+        (0, dict(dropout=True)),
+    ):
         assert not carries(t, mask, rows_q=1, group=1, **kw), (mask, kw)
     for d in (96, 128, 192):
         assert not carries(tiling.attention_sm90_tiles(d), 0, rows_q=1, group=1)
@@ -73,32 +79,62 @@ def test_carry_dq_only_for_short_equal_tiles(monkeypatch):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("dtype,head_dim,mask_type", CONFIGS, ids=[f"{dt.__name__}-d{d}-mask{m}" for dt, d, m in CONFIGS])
+@pytest.mark.parametrize(
+    "dtype,head_dim,mask_type", CONFIGS, ids=[f"{dt.__name__}-d{d}-mask{m}" for dt, d, m in CONFIGS]
+)
 def test_compiles(dtype, head_dim, mask_type):
     assert callable(S._build(dtype, head_dim, head_dim, mask_type, False, "sm_90a"))
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("dtype,head_dim,mask_type", WINDOW_CONFIGS, ids=[f"{dt.__name__}-d{d}-mask{m}" for dt, d, m in WINDOW_CONFIGS])
+@pytest.mark.parametrize(
+    "dtype,head_dim,mask_type", WINDOW_CONFIGS, ids=[f"{dt.__name__}-d{d}-mask{m}" for dt, d, m in WINDOW_CONFIGS]
+)
 def test_compiles_with_window(dtype, head_dim, mask_type):
     assert callable(S._build(dtype, head_dim, head_dim, mask_type, True, "sm_90a"))
 
 
 # (mask, window, deterministic, tail_m): d128's partial last query block on narrower products
-TAIL_CONFIGS = [(0, False, False, 16), (0, False, False, 32), (1, False, False, 48), (2, False, False, 64),
-                (1, True, False, 16), (1, False, True, 32)]
+TAIL_CONFIGS = [
+    (0, False, False, 16),
+    (0, False, False, 32),
+    (1, False, False, 48),
+    (2, False, False, 64),
+    (1, True, False, 16),
+    (1, False, True, 32),
+]
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("mask_type,window,deterministic,tail_m", TAIL_CONFIGS)
 def test_compiles_partial_last_block(mask_type, window, deterministic, tail_m):
     first = not deterministic and not window
-    assert callable(S._build(cutlass.BFloat16, 128, 128, mask_type, window, "sm_90a", deterministic, False, False,
-                             False, False, False, mask_type == 0 and not deterministic, first, False, tail_m))
+    assert callable(
+        S._build(
+            cutlass.BFloat16,
+            128,
+            128,
+            mask_type,
+            window,
+            "sm_90a",
+            deterministic,
+            False,
+            False,
+            False,
+            False,
+            False,
+            mask_type == 0 and not deterministic,
+            first,
+            False,
+            tail_m,
+        )
+    )
 
 
-@pytest.mark.parametrize("rows_q,tail", [(4096, 16), (2048, 48), (8192, 32), (81, 16), (129, 64), (1, 16),
-                                         (4080, 0), (230, 0), (79, 0), (65, 0), (64, 64)])  # fmt: skip
+@pytest.mark.parametrize(
+    "rows_q,tail",
+    [(4096, 16), (2048, 48), (8192, 32), (81, 16), (129, 64), (1, 16), (4080, 0), (230, 0), (79, 0), (65, 0), (64, 64)],
+)
 def test_tail_rows(rows_q, tail):
     """The partial block's rows rounded up to 16, none where they would round to the whole 80."""
     t = tiling.attention_sm90_tiles(128)
@@ -112,8 +148,18 @@ def test_tail_m_only_where_the_kernel_takes_it(monkeypatch):
     from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
 
     def key(**kw):
-        args = dict(window=False, deterministic=False, varlen=False, bias=False, grad_bias=False, dropout=False,
-                    rows_q=4096, group=1, rows_k=4096, ctas=132)  # fmt: skip
+        args = dict(
+            window=False,
+            deterministic=False,
+            varlen=False,
+            bias=False,
+            grad_bias=False,
+            dropout=False,
+            rows_q=4096,
+            group=1,
+            rows_k=4096,
+            ctas=132,
+        )
         args.update(kw)
         return S._plan(cutlass.BFloat16, 128, 128, args.pop("mask_type", 0), "sm_90a", **args)[2]
 
@@ -133,8 +179,17 @@ def test_tail_m_only_where_the_kernel_takes_it(monkeypatch):
     assert AttentionBackwardSm90(cutlass.BFloat16, t, 1, tail_m=64).tail_m == 64
 
 
-DETERMINISTIC_CONFIGS = [(64, 0, False), (96, 0, False), (128, 1, False), (64, 2, True), (128, 1, True),
-                         (192, 0, False), (192, 2, True), (256, 0, False), (256, 1, True)]  # fmt: skip
+DETERMINISTIC_CONFIGS = [
+    (64, 0, False),
+    (96, 0, False),
+    (128, 1, False),
+    (64, 2, True),
+    (128, 1, True),
+    (192, 0, False),
+    (192, 2, True),
+    (256, 0, False),
+    (256, 1, True),
+]
 
 
 @pytest.mark.compile
@@ -144,9 +199,18 @@ def test_compiles_deterministic(head_dim, mask_type, window):
     assert callable(S._build(cutlass.BFloat16, head_dim, head_dim, mask_type, window, "sm_90a", True))
 
 
-VARLEN_CONFIGS = [(64, 0, False, False), (96, 2, False, False), (128, 1, False, False), (64, 1, True, False),
-                  (128, 2, True, True), (96, 0, False, True), (192, 1, False, False), (192, 2, True, True),
-                  (256, 0, False, True), (256, 2, True, False)]  # (head dim, mask, window, deterministic)
+VARLEN_CONFIGS = [
+    (64, 0, False, False),
+    (96, 2, False, False),
+    (128, 1, False, False),
+    (64, 1, True, False),
+    (128, 2, True, True),
+    (96, 0, False, True),
+    (192, 1, False, False),
+    (192, 2, True, True),
+    (256, 0, False, True),
+    (256, 2, True, False),
+]  # (head dim, mask, window, deterministic)
 
 
 @pytest.mark.compile
@@ -161,29 +225,44 @@ def test_compiles_varlen(head_dim, mask_type, window, deterministic):
 
 PAIRS = tiling.HEAD_DIM_PAIRS  # every supported (Dqk, Dv) with Dqk != Dv
 # each pair: bf16 without a mask and causal, fp16 bottom-right
-PAIR_CONFIGS = [(dt, dqk, dv, mask) for dqk, dv in PAIRS
-                for dt, mask in ((cutlass.BFloat16, 0), (cutlass.BFloat16, 1), (cutlass.Float16, 2))]  # fmt: skip
+PAIR_CONFIGS = [
+    (dt, dqk, dv, mask)
+    for dqk, dv in PAIRS
+    for dt, mask in ((cutlass.BFloat16, 0), (cutlass.BFloat16, 1), (cutlass.Float16, 2))
+]
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("dtype,head_dim,head_dim_v,mask_type", PAIR_CONFIGS,
-                         ids=[f"{dt.__name__}-d{a}-dv{b}-mask{m}" for dt, a, b, m in PAIR_CONFIGS])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype,head_dim,head_dim_v,mask_type",
+    PAIR_CONFIGS,
+    ids=[f"{dt.__name__}-d{a}-dv{b}-mask{m}" for dt, a, b, m in PAIR_CONFIGS],
+)
 def test_compiles_unequal_head_dims(dtype, head_dim, head_dim_v, mask_type):
     assert callable(S._build(dtype, head_dim, head_dim_v, mask_type, False, "sm_90a"))
 
 
 # (Dqk, Dv, mask, window, deterministic, varlen): the other features on a base and a wide pair
-PAIR_FEATURE_CONFIGS = [(dqk, dv, mask, window, det, varlen) for dqk, dv in ((128, 64), (192, 128))
-                        for mask, window, det, varlen in ((1, True, False, False), (2, True, False, False),
-                                                          (1, False, True, False), (0, False, False, True),
-                                                          (2, True, True, True))]  # fmt: skip
+PAIR_FEATURE_CONFIGS = [
+    (dqk, dv, mask, window, det, varlen)
+    for dqk, dv in ((128, 64), (192, 128))
+    for mask, window, det, varlen in (
+        (1, True, False, False),
+        (2, True, False, False),
+        (1, False, True, False),
+        (0, False, False, True),
+        (2, True, True, True),
+    )
+]
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("head_dim,head_dim_v,mask_type,window,deterministic,varlen", PAIR_FEATURE_CONFIGS)
 def test_compiles_unequal_head_dims_with_features(head_dim, head_dim_v, mask_type, window, deterministic, varlen):
     """Sliding window, deterministic dQ order and packed sequences with Dqk != Dv."""
-    assert callable(S._build(cutlass.BFloat16, head_dim, head_dim_v, mask_type, window, "sm_90a", deterministic, varlen))
+    assert callable(
+        S._build(cutlass.BFloat16, head_dim, head_dim_v, mask_type, window, "sm_90a", deterministic, varlen)
+    )
 
 
 def test_pairs_are_every_accepted_combination():
@@ -215,20 +294,36 @@ def test_build_picks_the_kernel_class_for_pairs(monkeypatch, head_dim, head_dim_
 
 # (head dim, mask, window, deterministic, varlen, bias, bias gradient, dropout)
 FEATURE_CONFIGS = [
-    (64, 0, False, False, False, True, True, True), (64, 1, False, False, False, False, False, True),
-    (64, 2, True, False, False, True, False, False), (96, 2, True, False, False, True, True, False),
-    (96, 0, False, False, True, False, False, True), (128, 1, False, False, False, True, True, True),
-    (128, 0, False, False, False, True, False, False), (128, 1, True, True, False, True, True, True),
-    (128, 2, False, False, True, False, False, True), (192, 1, False, False, False, True, True, True),
-    (192, 0, False, True, True, False, False, True), (256, 2, True, False, False, False, False, True),
+    (64, 0, False, False, False, True, True, True),
+    (64, 1, False, False, False, False, False, True),
+    (64, 2, True, False, False, True, False, False),
+    (96, 2, True, False, False, True, True, False),
+    (96, 0, False, False, True, False, False, True),
+    (128, 1, False, False, False, True, True, True),
+    (128, 0, False, False, False, True, False, False),
+    (128, 1, True, True, False, True, True, True),
+    (128, 2, False, False, True, False, False, True),
+    (192, 1, False, False, False, True, True, True),
+    (192, 0, False, True, True, False, False, True),
+    (256, 2, True, False, False, False, False, True),
     (256, 0, False, False, False, True, True, False),
-]  # fmt: skip
+]
 
 
 def _feature_id(c):
     d, mask, window, det, varlen, bias, grad_bias, dropout = c
-    flags = [n for n, on in (("window", window), ("det", det), ("varlen", varlen), ("bias", bias), ("dbias", grad_bias),
-                             ("dropout", dropout)) if on]  # fmt: skip
+    flags = [
+        n
+        for n, on in (
+            ("window", window),
+            ("det", det),
+            ("varlen", varlen),
+            ("bias", bias),
+            ("dbias", grad_bias),
+            ("dropout", dropout),
+        )
+        if on
+    ]
     return f"d{d}-mask{mask}-" + "-".join(flags)
 
 
@@ -243,7 +338,9 @@ def test_compiles_with_bias_and_dropout(config):
 @pytest.mark.compile
 @pytest.mark.parametrize("head_dim,head_dim_v", [(128, 64), (64, 128), (192, 128), (256, 96)])
 def test_compiles_unequal_head_dims_with_bias_and_dropout(head_dim, head_dim_v):
-    assert callable(S._build(cutlass.BFloat16, head_dim, head_dim_v, 1, False, "sm_90a", False, False, True, True, True))
+    assert callable(
+        S._build(cutlass.BFloat16, head_dim, head_dim_v, 1, False, "sm_90a", False, False, True, True, True)
+    )
 
 
 def test_feature_flags_are_checked():
@@ -277,13 +374,17 @@ def test_d96_compiles_without_dq_per_wg(monkeypatch):
     assert callable(S._build(cutlass.BFloat16, 96, 96, 1, False, "sm_90a"))
 
 
-@pytest.mark.parametrize("mask_type,deterministic,lpt", [(0, False, False), (1, False, True), (2, False, True), (1, True, False)])
+@pytest.mark.parametrize(
+    "mask_type,deterministic,lpt", [(0, False, False), (1, False, True), (2, False, True), (1, True, False)]
+)
 def test_heavy_first_order_only_where_it_applies(mask_type, deterministic, lpt):
     """Causal masks walk key blocks heavy-first; deterministic mode keeps the launch order
     its dQ turns rely on (a CTA must not wait for one that cannot launch)."""
     from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
 
-    kernel = AttentionBackwardSm90(cutlass.BFloat16, tiling.attention_sm90_tiles(64), mask_type, deterministic=deterministic)
+    kernel = AttentionBackwardSm90(
+        cutlass.BFloat16, tiling.attention_sm90_tiles(64), mask_type, deterministic=deterministic
+    )
     assert kernel.lpt is lpt
 
 
@@ -339,8 +440,10 @@ def test_kv_buffers_choose_the_persistent_kernel():
     # setmaxnreg.inc waits for registers the producer freed: the three warpgroups' counts must
     # fit the launch's 168 a thread slot (384 threads, 64 K registers), or the consumers hang
     launch_regs = 65536 // t.num_threads // 8 * 8
-    for producer, consumer in ((tiling.PRODUCER_REGS, tiling.CONSUMER_REGS),
-                               (tiling.PRODUCER_REGS_PERSISTENT, tiling.CONSUMER_REGS_PERSISTENT)):
+    for producer, consumer in (
+        (tiling.PRODUCER_REGS, tiling.CONSUMER_REGS),
+        (tiling.PRODUCER_REGS_PERSISTENT, tiling.CONSUMER_REGS_PERSISTENT),
+    ):
         assert producer + tiling.NUM_CONSUMER_WG * consumer <= (1 + tiling.NUM_CONSUMER_WG) * launch_regs
         assert producer % 8 == 0 == consumer % 8 and 24 <= producer <= consumer <= 256
     with pytest.raises(ValueError, match="kv_buffers"):
@@ -371,8 +474,9 @@ def test_makespan_is_list_scheduling():
     assert makespan([], 4) == 0.0
 
 
-@pytest.mark.parametrize("b,h,s,d,fit,chosen", [(2, 16, 4096, 128, 6, 4), (1, 16, 8192, 128, 3, 2),
-                                                 (4, 16, 2048, 128, 12, 8)])  # fmt: skip
+@pytest.mark.parametrize(
+    "b,h,s,d,fit,chosen", [(2, 16, 4096, 128, 6, 4), (1, 16, 8192, 128, 3, 2), (4, 16, 2048, 128, 12, 8)]
+)
 def test_lpt_chunk_by_the_model(b, h, s, d, fit, chosen):
     """The suite's causal d128 shapes on 132 SMs: the chunk that fits the L2 budget leaves the
     modelled makespan 13-15% over the ideal; the model's chunk (measured faster on the H100,
@@ -432,28 +536,67 @@ def test_config_key_follows_build_and_the_benchmark_precompiles_it(monkeypatch):
     keys the op's calls will (causal top-left, features as flags, carry_dq by the steps a tile)."""
     monkeypatch.setattr(tiling, "CARRY_DQ_MAX_STEPS", 8)
     params = list(inspect.signature(S._build).parameters)
-    key = S._config("dt", 128, 64, 2, "sm_90a", window=True, deterministic=True, varlen=True, bias=True,
-                    grad_bias=True, dropout=True, carry_dq=True, dq_ready=True, store_first=True,
-                    zero_ahead=True, tail_m=32, rng_on_device=True)  # fmt: skip
+    key = S._config(
+        "dt",
+        128,
+        64,
+        2,
+        "sm_90a",
+        window=True,
+        deterministic=True,
+        varlen=True,
+        bias=True,
+        grad_bias=True,
+        dropout=True,
+        carry_dq=True,
+        dq_ready=True,
+        store_first=True,
+        zero_ahead=True,
+        tail_m=32,
+        rng_on_device=True,
+    )
     assert len(key) == len(params) and dict(zip(params, key)) == dict(
-        dtype="dt", head_dim=128, head_dim_v=64, mask_type=2, has_window=True, arch="sm_90a", deterministic=True,
-        varlen=True, has_bias=True, grad_bias=True, dropout=True, carry_dq=True, dq_ready=True,
-        store_first=True, zero_ahead=True, tail_m=32, rng_on_device=True)  # fmt: skip
+        dtype="dt",
+        head_dim=128,
+        head_dim_v=64,
+        mask_type=2,
+        has_window=True,
+        arch="sm_90a",
+        deterministic=True,
+        varlen=True,
+        has_bias=True,
+        grad_bias=True,
+        dropout=True,
+        carry_dq=True,
+        dq_ready=True,
+        store_first=True,
+        zero_ahead=True,
+        tail_m=32,
+        rng_on_device=True,
+    )
     # the seed on the device only means something with dropout
     assert S._config("dt", 128, 64, 2, "sm_90a", rng_on_device=True)[-1] is False
     seen = []
     monkeypatch.setattr(S, "compiled", lambda *k: seen.append(k))
-    cases = [((2, 16, 4096, 128), "bfloat16", True), ((2, 16, 4096, 128), "bfloat16", False, "bias_grad"),
-             ((2, 16, 4096, 64), "float16", False, "dropout"), ((2, 16, 4096, 80), "bfloat16", False),
-             ((8, 16, 1024, 64), "bfloat16", False), ((2, 16, 4096, 64), "bfloat16", False)]
+    cases = [
+        ((2, 16, 4096, 128), "bfloat16", True),
+        ((2, 16, 4096, 128), "bfloat16", False, "bias_grad"),
+        ((2, 16, 4096, 64), "float16", False, "dropout"),
+        ((2, 16, 4096, 80), "bfloat16", False),
+        ((8, 16, 1024, 64), "bfloat16", False),
+        ((2, 16, 4096, 64), "bfloat16", False),
+    ]
     assert S.compile_for_benchmark_cases(cases, "sm_90a") == 5 and S.compile_for_benchmark_cases(cases, "sm_80") == 0
-    assert sorted(seen, key=str) == sorted([
-        S._config(cutlass.BFloat16, 128, 128, 1, "sm_90a", store_first=True, tail_m=16),  # 4096 = 51 x 80 + 16
-        S._config(cutlass.BFloat16, 128, 128, 0, "sm_90a", bias=True, grad_bias=True, dq_ready=True),
-        S._config(cutlass.Float16, 64, 64, 0, "sm_90a", dropout=True, dq_ready=True),
-        S._config(cutlass.BFloat16, 64, 64, 0, "sm_90a", carry_dq=True, zero_ahead=True),  # 8 steps a tile
-        S._config(cutlass.BFloat16, 64, 64, 0, "sm_90a"),  # 32 (over ZERO_AHEAD_MAX_STEPS)
-    ], key=str)  # fmt: skip
+    assert sorted(seen, key=str) == sorted(
+        [
+            S._config(cutlass.BFloat16, 128, 128, 1, "sm_90a", store_first=True, tail_m=16),  # 4096 = 51 x 80 + 16
+            S._config(cutlass.BFloat16, 128, 128, 0, "sm_90a", bias=True, grad_bias=True, dq_ready=True),
+            S._config(cutlass.Float16, 64, 64, 0, "sm_90a", dropout=True, dq_ready=True),
+            S._config(cutlass.BFloat16, 64, 64, 0, "sm_90a", carry_dq=True, zero_ahead=True),  # 8 steps a tile
+            S._config(cutlass.BFloat16, 64, 64, 0, "sm_90a"),  # 32 (over ZERO_AHEAD_MAX_STEPS)
+        ],
+        key=str,
+    )
 
 
 def test_window_needs_a_causal_mask():
@@ -491,8 +634,14 @@ def _table():
         if line.lstrip().startswith("|") and cells[0].isdigit():
             d, tile_m, tile_n, stages, ds_stages, consumers, smem = cells
             wgs, threads = (int(x) for x in consumers.split("x"))
-            rows[int(d)] = dict(tile_m=int(tile_m), tile_n=int(tile_n), stages=int(stages), ds_stages=int(ds_stages),
-                                consumers=(wgs, threads), smem_kib=int(smem.split()[0]))  # fmt: skip
+            rows[int(d)] = dict(
+                tile_m=int(tile_m),
+                tile_n=int(tile_n),
+                stages=int(stages),
+                ds_stages=int(ds_stages),
+                consumers=(wgs, threads),
+                smem_kib=int(smem.split()[0]),
+            )
     return rows
 
 
@@ -504,7 +653,12 @@ def test_table_covers_the_head_dims():
 def test_tiles_match_the_table(head_dim):
     row = _table()[head_dim]
     t = tiling.attention_sm90_tiles(head_dim)
-    assert (t.tile_m, t.tile_n, t.stages, t.ds_stages) == (row["tile_m"], row["tile_n"], row["stages"], row["ds_stages"])
+    assert (t.tile_m, t.tile_n, t.stages, t.ds_stages) == (
+        row["tile_m"],
+        row["tile_n"],
+        row["stages"],
+        row["ds_stages"],
+    )
     assert row["consumers"] == (tiling.NUM_CONSUMER_WG, 128)
     assert t.num_threads == 128 * (tiling.NUM_CONSUMER_WG + 1) and t.num_mma_threads == 128 * tiling.NUM_CONSUMER_WG
     assert t.smem_bytes() <= tiling.SMEM_LIMIT and -(-t.smem_bytes() // 1024) == row["smem_kib"]
@@ -543,7 +697,11 @@ def test_swizzle_atoms(head_dim):
     """Every column slice a wgmma or a dQ reduce-add takes of a tile starts on a whole
     atom; d96's 192-byte rows get narrower atoms than the 128-byte ones."""
     t = tiling.attention_sm90_tiles(head_dim)
-    q, k, dq = (tiling.atom_cols(t.q_slice_cols, 16), tiling.atom_cols(t.k_slice_cols, 16), tiling.atom_cols(t.dq_slice_cols, 32))
+    q, k, dq = (
+        tiling.atom_cols(t.q_slice_cols, 16),
+        tiling.atom_cols(t.k_slice_cols, 16),
+        tiling.atom_cols(t.dq_slice_cols, 32),
+    )
     assert (q, k, dq) == ATOM_COLS[head_dim]
     assert t.q_slice_cols % q == 0 and t.k_slice_cols % k == 0 and t.dq_slice_cols % dq == 0
     # one warpgroup's dQ columns (wide tiles: of each of the two halves computed in turn)
@@ -558,8 +716,14 @@ def _pair_table():
         if line.lstrip().startswith("|") and re.fullmatch(r"\d+ / \d+", cells[0]):
             dqk, dv = (int(x) for x in cells[0].split(" / "))
             kernel, tile_m, tile_n, stages, regs, smem = cells[1:]
-            rows[dqk, dv] = dict(wide=kernel == "wide", tile_m=int(tile_m), tile_n=int(tile_n), stages=int(stages),
-                                 regs=int(regs), smem_kib=int(smem.split()[0]))  # fmt: skip
+            rows[dqk, dv] = dict(
+                wide=kernel == "wide",
+                tile_m=int(tile_m),
+                tile_n=int(tile_n),
+                stages=int(stages),
+                regs=int(regs),
+                smem_kib=int(smem.split()[0]),
+            )
     return rows
 
 
@@ -594,8 +758,13 @@ def test_swizzle_atoms_of_pairs(head_dim, head_dim_v):
     t = tiling.attention_sm90_tiles(head_dim, head_dim_v=head_dim_v)
     halves = 2 if isinstance(t, tiling.AttentionSm90WideTiles) else 1
     assert (t.q_slice_cols, t.do_slice_cols, t.v_slice_cols) == (head_dim // halves, head_dim_v // halves, head_dim_v)
-    for cols, bits in ((t.q_slice_cols, 16), (t.do_slice_cols, 16), (t.k_slice_cols, 16), (t.v_slice_cols, 16),
-                       (t.dq_slice_cols, 32)):  # fmt: skip
+    for cols, bits in (
+        (t.q_slice_cols, 16),
+        (t.do_slice_cols, 16),
+        (t.k_slice_cols, 16),
+        (t.v_slice_cols, 16),
+        (t.dq_slice_cols, 32),
+    ):
         assert cols % tiling.atom_cols(cols, bits) == 0
     assert tiling.atom_cols(t.v_slice_cols, 16) == max(c for c in (64, 32, 16) if head_dim_v % c == 0)
 
@@ -637,8 +806,10 @@ def test_tile_overrides_are_checked():
         tiling.attention_sm90_tiles(64, dkv_tma_store=False)
     with pytest.raises(ValueError, match="do not split evenly"):
         tiling.attention_sm90_tiles(96, dkv_vector_store=True)
-    assert [tiling.attention_sm90_tiles(d, head_dim_v=dv).dkv_vector_store
-            for d, dv in ((64, 64), (128, 128), (128, 64), (96, 96), (96, 128), (192, 192))] == [True] * 3 + [False] * 3
+    assert [
+        tiling.attention_sm90_tiles(d, head_dim_v=dv).dkv_vector_store
+        for d, dv in ((64, 64), (128, 128), (128, 64), (96, 96), (96, 128), (192, 192))
+    ] == [True] * 3 + [False] * 3
 
 
 def test_dq_defer_without_bias_or_dropout():
@@ -714,7 +885,10 @@ def test_supported_problems(dtype, d, mask_type):
 def test_supported_problems_with_unequal_head_dims(head_dim, head_dim_v):
     for mask_type in (0, 1, 2):
         assert S.unsupported(*_problem(d=head_dim, dv=head_dim_v), mask_type=mask_type, arch="sm_90a") is None
-    assert S.unsupported(*_problem(d=head_dim, dv=head_dim_v, dtype=F16), mask_type=1, window_size=16, arch="sm_90a") is None
+    assert (
+        S.unsupported(*_problem(d=head_dim, dv=head_dim_v, dtype=F16), mask_type=1, window_size=16, arch="sm_90a")
+        is None
+    )
     assert S.unsupported(*_problem(h=6, hk=2, d=head_dim, dv=head_dim_v), mask_type=2, arch="sm_90a") is None
 
 
@@ -827,8 +1001,27 @@ def test_host_sizes_gradients_by_their_head_dims(monkeypatch, head_dim, head_dim
     dq, dk, dv, db = S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 1)
     # (only d128's own tiles store each block's first dQ: none of these pairs; d64's persistent
     # causal CTAs zero the accumulator themselves)
-    assert keys == [(cutlass.BFloat16, head_dim, head_dim_v, 1, False, "sm_90a", False, False, False, False, False, False,
-                     False, False, head_dim == head_dim_v == 64, 0, False)]  # fmt: skip
+    assert keys == [
+        (
+            cutlass.BFloat16,
+            head_dim,
+            head_dim_v,
+            1,
+            False,
+            "sm_90a",
+            False,
+            False,
+            False,
+            False,
+            False,
+            False,
+            False,
+            False,
+            head_dim == head_dim_v == 64,
+            0,
+            False,
+        )
+    ]
     assert db is None
     ((q_, k_, v_, do_, lse, delta, acc, dk_, dv_, *_),) = launches
     # the LSE in log2 units from the preprocess launch, shaped as Δ
@@ -837,8 +1030,10 @@ def test_host_sizes_gradients_by_their_head_dims(monkeypatch, head_dim, head_dim
     assert converted == [((2, 128, 4, head_dim), head_dim)] and dq.shape == q.shape
 
 
-@pytest.mark.parametrize("mask_type,deterministic,overlaps", [(0, False, True), (0, True, True), (1, False, False),
-                                                              (1, True, True), (2, False, False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "mask_type,deterministic,overlaps",
+    [(0, False, True), (0, True, True), (1, False, False), (1, True, True), (2, False, False)],
+)
 def test_convert_overlaps_where_the_grid_has_an_idle_tail(monkeypatch, mask_type, deterministic, overlaps):
     """A CTA per tile in launch order (d128: schedule "grid"; causal only with determinism's
     launch order) counts each key block's dQ into a zeroed [sequences, Hk] int32, and
@@ -889,8 +1084,11 @@ def test_call_plans_follow_the_signature_and_the_settings(monkeypatch):
     monkeypatch.setattr(cc, "device_arch", lambda index: "sm_90a")
     monkeypatch.setattr(P, "launch_preprocess", lambda *a: None)
     monkeypatch.setattr(S, "compiled", lambda *key: keys.append(key) or (lambda *a: None))
-    monkeypatch.setattr(P, "_convert_dq_impl", lambda acc, scale, d, sq, *rest, ready=None: torch.zeros(
-        acc.shape[0], sq, acc.shape[2], d, dtype=BF16))  # fmt: skip
+    monkeypatch.setattr(
+        P,
+        "_convert_dq_impl",
+        lambda acc, scale, d, sq, *rest, ready=None: torch.zeros(acc.shape[0], sq, acc.shape[2], d, dtype=BF16),
+    )
     monkeypatch.setattr(S, "_call_plans", S.Memo())
     plan = S._plan
     monkeypatch.setattr(S, "_plan", lambda *a, **kw: plans.append(1) or plan(*a, **kw))
@@ -925,14 +1123,21 @@ def test_one_scratch_allocation_holds_the_launches_buffers(monkeypatch, determin
 
     keys, launches, pre = [], [], []
     monkeypatch.setattr(cc, "device_arch", lambda index: "sm_90a")
-    monkeypatch.setattr(P, "launch_preprocess", lambda out, do, delta, acc, scale, cu, mq, lse, lse2: pre.append(
-        (delta, acc, lse2)))  # fmt: skip
+    monkeypatch.setattr(
+        P, "launch_preprocess", lambda out, do, delta, acc, scale, cu, mq, lse, lse2: pre.append((delta, acc, lse2))
+    )
     monkeypatch.setattr(S, "compiled", lambda *key: keys.append(key) or (lambda *a: launches.append(a)))
-    monkeypatch.setattr(P, "_convert_dq_impl", lambda acc, scale, d, sq, *r, ready=None: torch.zeros(
-        acc.shape[0], sq, acc.shape[2], d, dtype=BF16))  # fmt: skip
+    monkeypatch.setattr(
+        P,
+        "_convert_dq_impl",
+        lambda acc, scale, d, sq, *r, ready=None: torch.zeros(acc.shape[0], sq, acc.shape[2], d, dtype=BF16),
+    )
     empty = torch.empty  # the scratch (the one 1-D fp32 allocation) filled with 7s
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: (lambda t: t.fill_(7.0) if t.dtype == F32 and t.dim() == 1
-                                                          else t)(empty(*a, **kw)))  # fmt: skip
+    monkeypatch.setattr(
+        torch,
+        "empty",
+        lambda *a, **kw: (lambda t: t.fill_(7.0) if t.dtype == F32 and t.dim() == 1 else t)(empty(*a, **kw)),
+    )
     q, k, v, do, o = _problem(h=4, hk=2, d=head_dim, dv=head_dim_v)
     S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0, deterministic=deterministic)
     (key,), (launch,), ((delta, fused, lse2),) = keys, launches, pre
@@ -966,15 +1171,23 @@ def test_dq_ready_needs_a_cta_per_tile():
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("config", [(128, 128, 0, False, False, False), (96, 96, 0, True, True, False),
-                                    (192, 128, 0, False, False, True), (64, 64, 0, False, False, True),
-                                    (128, 128, 1, True, False, False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "config",
+    [
+        (128, 128, 0, False, False, False),
+        (96, 96, 0, True, True, False),
+        (192, 128, 0, False, False, True),
+        (64, 64, 0, False, False, True),
+        (128, 128, 1, True, False, False),
+    ],
+)
 def test_compiles_dq_ready(config):
     """The counting kernel where the op takes it (schedule "grid"): d128 / d96 with determinism
     and varlen, a wide head dim, d64 with dropout (a CTA per tile), causal with determinism."""
     d, dv, mask, det, varlen, dropout = config
-    assert callable(S._build(cutlass.BFloat16, d, dv, mask, False, "sm_90a", det, varlen, False, False, dropout,
-                             False, True))  # fmt: skip
+    assert callable(
+        S._build(cutlass.BFloat16, d, dv, mask, False, "sm_90a", det, varlen, False, False, dropout, False, True)
+    )
 
 
 def test_store_first_where_every_query_block_is_seen():
@@ -985,8 +1198,15 @@ def test_store_first_where_every_query_block_is_seen():
     t = tiling.attention_sm90_tiles(128)
     assert t.store_first and not tiling.attention_sm90_tiles(64).store_first
     assert not tiling.attention_sm90_tiles(128, bias_or_dropout=True).store_first
-    first = lambda mask, sq, sk, **kw: S._stores_first(kw.get("tiles", t), mask, kw.get("window", False),  # noqa: E731
-                                                      kw.get("det", False), kw.get("varlen", False), sq, sk)
+    first = lambda mask, sq, sk, **kw: S._stores_first(
+        kw.get("tiles", t),
+        mask,
+        kw.get("window", False),  # noqa: E731
+        kw.get("det", False),
+        kw.get("varlen", False),
+        sq,
+        sk,
+    )
     assert first(0, 700, 300) and first(1, 900, 100) and first(1, 100, 900) and first(2, 500, 500)
     assert first(2, 400, 900)
     assert not first(2, 900, 400)  # bottom-right, Sq > Sk: the first query blocks see no key
@@ -1009,8 +1229,11 @@ def _record_unzeroed_calls(monkeypatch):
     monkeypatch.setattr(cc, "device_arch", lambda index: "sm_90a")
     monkeypatch.setattr(P, "launch_preprocess", lambda out, do, delta, acc, *a: zeroing.append(acc is not None))
     monkeypatch.setattr(S, "compiled", lambda *key: keys.append(key) or (lambda *a: launches.append(a)))
-    monkeypatch.setattr(P, "_convert_dq_impl", lambda acc, scale, d, sq, *r, ready=None: torch.zeros(
-        acc.shape[0], sq, acc.shape[2], d, dtype=BF16))  # fmt: skip
+    monkeypatch.setattr(
+        P,
+        "_convert_dq_impl",
+        lambda acc, scale, d, sq, *r, ready=None: torch.zeros(acc.shape[0], sq, acc.shape[2], d, dtype=BF16),
+    )
     return keys, launches, zeroing
 
 
@@ -1033,16 +1256,26 @@ def test_store_first_call_hands_over_flags_not_zeros(monkeypatch):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("config", [(64, 64, 0, False, True, False), (128, 128, 0, True, False, False),
-                                    (96, 96, 1, False, False, False), (64, 64, 2, False, False, False),
-                                    (192, 128, 0, True, False, False), (256, 256, 1, False, False, False),
-                                    (128, 128, 0, True, False, True), (64, 128, 1, False, False, False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "config",
+    [
+        (64, 64, 0, False, True, False),
+        (128, 128, 0, True, False, False),
+        (96, 96, 1, False, False, False),
+        (64, 64, 2, False, False, False),
+        (192, 128, 0, True, False, False),
+        (256, 256, 1, False, False, False),
+        (128, 128, 0, True, False, True),
+        (64, 128, 1, False, False, False),
+    ],
+)
 def test_compiles_store_first(config):
     """store_first where the op takes it: d64 persistent (with carry_dq), d128 with the counts,
     causal corners (dynamic tiles at d64), wide tiles, with bias and its gradient, Dqk != Dv."""
     d, dv, mask, ready, carry, bias = config
-    assert callable(S._build(cutlass.BFloat16, d, dv, mask, False, "sm_90a", False, False, bias, bias, False,
-                             carry, ready, True))  # fmt: skip
+    assert callable(
+        S._build(cutlass.BFloat16, d, dv, mask, False, "sm_90a", False, False, bias, bias, False, carry, ready, True)
+    )
 
 
 def test_zero_ahead_where_persistent_ctas_know_their_next_tile():
@@ -1063,8 +1296,13 @@ def test_zero_ahead_where_persistent_ctas_know_their_next_tile():
     t64, t128 = tiling.attention_sm90_tiles(64), tiling.attention_sm90_tiles(128)
     assert AttentionBackwardSm90(cutlass.BFloat16, t64, 0, zero_ahead=True).zero_ahead
     assert AttentionBackwardSm90(cutlass.BFloat16, t64, 1, zero_ahead=True).dynamic_tiles
-    for args, kw in (((t128, 0), {}), ((t64, 0), dict(store_first=True)), ((t64, 1), dict(has_window=True)),
-                     ((t64, 0), dict(varlen=True)), ((t64, 0), dict(deterministic=True))):  # fmt: skip
+    for args, kw in (
+        ((t128, 0), {}),
+        ((t64, 0), dict(store_first=True)),
+        ((t64, 1), dict(has_window=True)),
+        ((t64, 0), dict(varlen=True)),
+        ((t64, 0), dict(deterministic=True)),
+    ):
         with pytest.raises(ValueError, match="zero_ahead"):
             AttentionBackwardSm90(cutlass.BFloat16, *args, zero_ahead=True, **kw)
     # whole blocks of rows zeroed: a tile_m that does not divide the accumulator's row rounding is refused
@@ -1105,8 +1343,25 @@ def test_zero_ahead_call_hands_over_flags_not_zeros(monkeypatch):
 def test_compiles_zero_ahead(mask, carry):
     """zero_ahead where the op takes it: d64 persistent CTAs without a mask (with and without
     carry_dq) and causal ones (tiles and zeroing jobs from counters), both corners."""
-    assert callable(S._build(cutlass.BFloat16, 64, 64, mask, False, "sm_90a", False, False, False, False, False,
-                             carry, False, False, True))  # fmt: skip
+    assert callable(
+        S._build(
+            cutlass.BFloat16,
+            64,
+            64,
+            mask,
+            False,
+            "sm_90a",
+            False,
+            False,
+            False,
+            False,
+            False,
+            carry,
+            False,
+            False,
+            True,
+        )
+    )
 
 
 # ------------------------------------------------------------------------ dispatch
@@ -1144,9 +1399,18 @@ def backends(monkeypatch):
 def _eab(b=2, sq=100, sk=130, h=3, d=64, dv=None, hk=None, dtype=BF16, mask_type=0, **kw):
     """One efficient_attention_backward on CPU tensors (a problem the sm90 path takes by default)."""
     q, k, v, do, o = _problem(b=b, sq=sq, sk=sk, h=h, d=d, dv=dv, hk=hk, dtype=dtype)
-    args = dict(bias=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=sq, max_seqlen_k=sk, dropout_p=0.0,
-                philox_seed=None, philox_offset=None, bias_requires_grad=False,
-                logsumexp=torch.zeros(b, h, (sq + 31) // 32 * 32))  # fmt: skip
+    args = dict(
+        bias=None,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        max_seqlen_q=sq,
+        max_seqlen_k=sk,
+        dropout_p=0.0,
+        philox_seed=None,
+        philox_offset=None,
+        bias_requires_grad=False,
+        logsumexp=torch.zeros(b, h, (sq + 31) // 32 * 32),
+    )
     args.update(kw)
     return M.efficient_attention_backward(do, q, k, v, out=o, custom_mask_type=mask_type, **args)
 
@@ -1171,7 +1435,9 @@ def test_auto_takes_sm90_with_bias_and_dropout(backends):
     philox state; a broadcast bias's gradient comes back in the bias's shape."""
     bias = torch.zeros(3, 100, 130, dtype=BF16)
     seed, offset = torch.tensor(7, dtype=torch.int64), torch.tensor(12, dtype=torch.int64)
-    _, _, _, db = _eab(mask_type=1, bias=bias, bias_requires_grad=True, dropout_p=0.2, philox_seed=seed, philox_offset=offset)
+    _, _, _, db = _eab(
+        mask_type=1, bias=bias, bias_requires_grad=True, dropout_p=0.2, philox_seed=seed, philox_offset=offset
+    )
     ((name, _, kw),) = backends
     assert name == "sm90" and kw["bias"] is bias and kw["bias_requires_grad"] is True
     assert kw["dropout_p"] == 0.2 and kw["philox_seed"] is seed and kw["philox_offset"] is offset
@@ -1181,7 +1447,12 @@ def test_auto_takes_sm90_with_bias_and_dropout(backends):
 def test_bias_with_varlen_is_refused(backends):
     cu = torch.tensor([0, 100], dtype=torch.int32)
     with pytest.raises(NotImplementedError, match="bias with cu_seqlens"):
-        _eab(b=1, bias=torch.zeros(1, 3, 100, 130, dtype=BF16), cu_seqlens_q=cu, cu_seqlens_k=torch.tensor([0, 130], dtype=torch.int32))
+        _eab(
+            b=1,
+            bias=torch.zeros(1, 3, 100, 130, dtype=BF16),
+            cu_seqlens_q=cu,
+            cu_seqlens_k=torch.tensor([0, 130], dtype=torch.int32),
+        )
     assert backends == []
 
 
@@ -1189,18 +1460,32 @@ def test_bias_with_varlen_is_refused(backends):
 def test_auto_takes_sm90_with_grouped_heads(backends, hk):
     dq, dk, dv, _ = _eab(h=4, hk=hk, mask_type=1)
     ((name, _, _),) = backends
-    assert name == "sm90" and dk.shape == (2, 130, hk, 64) and dv.shape == (2, 130, hk, 64) and dq.shape == (2, 100, 4, 64)
+    assert (
+        name == "sm90" and dk.shape == (2, 130, hk, 64) and dv.shape == (2, 130, hk, 64) and dq.shape == (2, 100, 4, 64)
+    )
 
 
 @pytest.mark.parametrize("hk", [1, 3])
 def test_auto_takes_sm90_with_varlen(backends, hk):
     """Packed sequences go to the sm90 path with their offsets and bounds."""
     cu_q, cu_k = torch.tensor([0, 40, 100], dtype=torch.int32), torch.tensor([0, 30, 130], dtype=torch.int32)
-    dq, dk, dv, _ = _eab(b=1, hk=hk, mask_type=2, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=60,
-                         max_seqlen_k=100, logsumexp=torch.zeros(2, 3, 64))  # fmt: skip
+    dq, dk, dv, _ = _eab(
+        b=1,
+        hk=hk,
+        mask_type=2,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=60,
+        max_seqlen_k=100,
+        logsumexp=torch.zeros(2, 3, 64),
+    )
     ((name, _, kw),) = backends
     assert name == "sm90" and dq.shape == (1, 100, 3, 64) and dk.shape == (1, 130, hk, 64)
-    assert kw["cu_seqlens_q"] is cu_q and kw["cu_seqlens_k"] is cu_k and (kw["max_seqlen_q"], kw["max_seqlen_k"]) == (60, 100)
+    assert (
+        kw["cu_seqlens_q"] is cu_q
+        and kw["cu_seqlens_k"] is cu_k
+        and (kw["max_seqlen_q"], kw["max_seqlen_k"]) == (60, 100)
+    )
 
 
 @pytest.mark.parametrize("hk", [0, 3])
@@ -1224,7 +1509,9 @@ def test_mem_eff_sums_grouped_heads(monkeypatch):
     monkeypatch.setattr(M, "_mem_eff_impl", kernel)
     q, k, v, do, o = _problem(h=6, hk=2, dtype=F16)
     k.normal_()
-    dq, dk, dv, db = M._mem_eff_grouped(do, q, k, v, o, *([None] * 5), 0, 0.1, None, None, False, None, False, 0.0, None, None)
+    dq, dk, dv, db = M._mem_eff_grouped(
+        do, q, k, v, o, *([None] * 5), 0, 0.1, None, None, False, None, False, 0.0, None, None
+    )
     assert seen == [((2, 130, 6, 64), (2, 130, 6, 64), True)]
     # key head 0 serves query heads 0, 1, 2 (sum 3), key head 1 heads 3, 4, 5 (sum 12)
     assert dk.shape == k.shape and dk.dtype == F16 and (dk[:, :, 0] == 3).all() and (dk[:, :, 1] == 12).all()
@@ -1283,7 +1570,9 @@ def test_auto_takes_sm90_with_unequal_head_dims(backends, head_dim, head_dim_v):
     dq, dk, dv, db = _eab(h=4, hk=2, d=head_dim, dv=head_dim_v, mask_type=1)
     ((name, _, _),) = backends
     assert name == "sm90" and db is None
-    assert dq.shape == (2, 100, 4, head_dim) and dk.shape == (2, 130, 2, head_dim) and dv.shape == (2, 130, 2, head_dim_v)
+    assert (
+        dq.shape == (2, 100, 4, head_dim) and dk.shape == (2, 130, 2, head_dim) and dv.shape == (2, 130, 2, head_dim_v)
+    )
 
 
 @pytest.mark.parametrize("case", FALLS_BACK, ids=[c[0] for c in FALLS_BACK])
@@ -1299,7 +1588,9 @@ def test_auto_falls_back_to_mem_eff(backends, caplog, case):
 @pytest.mark.parametrize("case", FALLS_BACK, ids=[c[0] for c in FALLS_BACK])
 def test_sm90_refuses_what_it_cannot_take(backends, case):
     _, kw, fragment = case
-    with pytest.raises(NotImplementedError, match=r"backend='sm90' cannot take this attention backward: .*" + re.escape(fragment)):
+    with pytest.raises(
+        NotImplementedError, match=r"backend='sm90' cannot take this attention backward: .*" + re.escape(fragment)
+    ):
         _eab(backend="sm90", **kw)
     assert backends == []  # refused before either backend
 
@@ -1355,8 +1646,9 @@ def test_the_choice_is_made_at_run_time_under_fake_tensors(monkeypatch):
         q, k, v, do, o = _problem(d=96, dv=256, device="cuda")  # not an sm90 problem: decided later
         lse = torch.empty(2, 3, 128, device="cuda")
         for backend in ("auto", "sm90", "mem_eff"):
-            dq, dk, dv, db = M.efficient_attention_backward(do, q, k, v, None, o, None, None, 100, 130, lse, 0.0, None, None,
-                                                            1, False, backend=backend)  # fmt: skip
+            dq, dk, dv, db = M.efficient_attention_backward(
+                do, q, k, v, None, o, None, None, 100, 130, lse, 0.0, None, None, 1, False, backend=backend
+            )
             assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and db is None
             assert dk.is_contiguous() and dv.is_contiguous()
 
@@ -1378,7 +1670,11 @@ def test_graph_keeps_the_backend(monkeypatch, deterministic):
     monkeypatch.setattr(M, "check_cuda", lambda *a: None)
 
     def backend(gm, example_inputs):
-        args = [n.args for n in gm.graph.nodes if n.op == "call_function" and "efficient_attention_backward" in str(n.target)]
+        args = [
+            n.args
+            for n in gm.graph.nodes
+            if n.op == "call_function" and "efficient_attention_backward" in str(n.target)
+        ]
 
         def run(*a):
             raise _Captured(args)
@@ -1389,8 +1685,26 @@ def test_graph_keeps_the_backend(monkeypatch, deterministic):
     lse = torch.zeros(2, 3, 64)
 
     def fn(q, k, v, do, o, lse):
-        return M.efficient_attention_backward(do, q, k, v, None, o, None, None, 64, 64, lse, 0.0, None, None, 1, False,
-                                              backend="sm90", deterministic=deterministic)[0]  # fmt: skip
+        return M.efficient_attention_backward(
+            do,
+            q,
+            k,
+            v,
+            None,
+            o,
+            None,
+            None,
+            64,
+            64,
+            lse,
+            0.0,
+            None,
+            None,
+            1,
+            False,
+            backend="sm90",
+            deterministic=deterministic,
+        )[0]
 
     torch._dynamo.reset()
     with pytest.raises(_Captured) as info:
@@ -1403,7 +1717,9 @@ def test_graph_keeps_the_backend(monkeypatch, deterministic):
 def test_memory_efficient_attention_traces_with_backend(monkeypatch):
     monkeypatch.setattr(A, "check_cuda", lambda *a: None)
     q, k, v = torch.randn(1, 12, 2, 64), torch.randn(1, 12, 2, 64), torch.randn(1, 12, 2, 64)
-    found = trace_custom_ops(lambda q, k, v: ops.memory_efficient_attention(q, k, v, causal=True, backend="sm90") * 2, q, k, v)
+    found = trace_custom_ops(
+        lambda q, k, v: ops.memory_efficient_attention(q, k, v, causal=True, backend="sm90") * 2, q, k, v
+    )
     assert any("memory_efficient_attention" in f for f in found)
 
 
@@ -1429,12 +1745,54 @@ def test_suite_compile_only_covers_ours_sm90(monkeypatch):
     # narrower products, per Sq (2048 = 25 x 80 + 48, 4096 = 51 x 80 + 16, 8192 = 102 x 80 + 32)
     carry, first = tiling.CARRY_DQ_MAX_STEPS >= 8, S.STORE_FIRST and tiling.attention_sm90_tiles(128).store_first
     tail = tiling.attention_sm90_tiles(128).tail_rows if S.TAIL_BLOCK else (lambda rows: 0)
-    plain = {(bf16, 64, 64, m, False, "sm_90a", False, False, False, False, False, carry and m == 0, False, False,
-              S.ZERO_AHEAD and (m == 0 or S.ZERO_AHEAD_CAUSAL), 0, False) for m in (0, 1)}  # fmt: skip
-    plain |= {(bf16, 128, 128, m, False, "sm_90a", False, False, False, False, False, False, m == 0 and s <= 4096, first,
-               False, tail(s), False) for m, s in ((0, 2048), (0, 4096), (0, 8192), (1, 4096))}  # fmt: skip
-    features = {(bf16, 128, 128, 0, False, "sm_90a", False, False) + f + (False, True, False, False, 0, False)
-                for f in ((True, False, False), (True, True, False), (False, False, True))}  # fmt: skip
+    plain = {
+        (
+            bf16,
+            64,
+            64,
+            m,
+            False,
+            "sm_90a",
+            False,
+            False,
+            False,
+            False,
+            False,
+            carry and m == 0,
+            False,
+            False,
+            S.ZERO_AHEAD and (m == 0 or S.ZERO_AHEAD_CAUSAL),
+            0,
+            False,
+        )
+        for m in (0, 1)
+    }
+    plain |= {
+        (
+            bf16,
+            128,
+            128,
+            m,
+            False,
+            "sm_90a",
+            False,
+            False,
+            False,
+            False,
+            False,
+            False,
+            m == 0 and s <= 4096,
+            first,
+            False,
+            tail(s),
+            False,
+        )
+        for m, s in ((0, 2048), (0, 4096), (0, 8192), (1, 4096))
+    }
+    features = {
+        (bf16, 128, 128, 0, False, "sm_90a", False, False) + f + (False, True, False, False, 0, False)
+        for f in ((True, False, False), (True, True, False), (False, False, True))
+    }
     assert set(seen["sm90"]) == plain | features
     seen["sm90"].clear()
     attention_bwd.compile_only("sm_80")
@@ -1445,8 +1803,15 @@ def test_suite_ratios():
     from benchmarks.suites import attention_bwd as suite
 
     nan = float("nan")
-    tf = {"ours": 200.0, "ours_sm90": 400.0, "sdpa_efficient": 100.0, "sdpa_flash": 250.0, "sdpa_cudnn": 500.0,
-          "fa4": nan, "matmul": 800.0}  # fmt: skip
+    tf = {
+        "ours": 200.0,
+        "ours_sm90": 400.0,
+        "sdpa_efficient": 100.0,
+        "sdpa_flash": 250.0,
+        "sdpa_cudnn": 500.0,
+        "fa4": nan,
+        "matmul": 800.0,
+    }
     rows = [{"impl": impl, "tflops": t} for impl, t in tf.items()]
     suite._add_ratios(rows)
     by = {r["impl"]: r for r in rows}
@@ -1473,6 +1838,7 @@ def test_suite_times_in_interleaved_rounds():
         def run():
             if name == "bad":
                 raise RuntimeError("boom")
+
         run.name = name
         return run
 
@@ -1506,7 +1872,8 @@ def test_suite_sm90_row_runs_features(monkeypatch, feature):
 CATALOGUE_DIMS = [(d, d) for d in tiling.HEAD_DIMS] + [(128, 64), (64, 96), (192, 128), (256, 96)]
 # with a bias or dropout d64 / d128 take other tiles; the bias gradient a keys-contiguous dS
 CATALOGUE_OPTIONS = [(d, d, dict(bias_or_dropout=True)) for d in (64, 128)] + [
-    (64, 64, dict(bias_or_dropout=True, ds_keys_contiguous=True))]
+    (64, 64, dict(bias_or_dropout=True, ds_keys_contiguous=True))
+]
 
 
 @pytest.mark.compile
@@ -1530,7 +1897,10 @@ def test_catalogue_forms_match_the_kernel_layouts(d, dv, options):
         "smem_dq": lambda: cute.select(t.smem_layout_dq(), mode=[0, 1]),
     }
     if dv != d:
-        layouts.update(smem_do=lambda: cute.select(t.smem_layout_do(bf16), mode=[0, 1]), smem_v=lambda: cute.select(t.smem_layout_v(bf16), mode=[0, 1]))
+        layouts.update(
+            smem_do=lambda: cute.select(t.smem_layout_do(bf16), mode=[0, 1]),
+            smem_v=lambda: cute.select(t.smem_layout_v(bf16), mode=[0, 1]),
+        )
 
     @cute.jit
     def trace():

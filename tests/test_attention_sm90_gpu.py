@@ -128,9 +128,26 @@ def poison(out, lse, blind):
 def backward(backend, q, k, v, do, out, lse, mask_type, scale=None, **kw):
     empty = torch.empty((), dtype=torch.int64)
     dq, dk, dv, db = ops.efficient_attention_backward(
-        do, q, k, v, None, out, None, None, q.shape[1], k.shape[1], lse, 0.0, empty, empty, mask_type, False,
-        scale=scale, backend=backend, **kw,
-    )  # fmt: skip
+        do,
+        q,
+        k,
+        v,
+        None,
+        out,
+        None,
+        None,
+        q.shape[1],
+        k.shape[1],
+        lse,
+        0.0,
+        empty,
+        empty,
+        mask_type,
+        False,
+        scale=scale,
+        backend=backend,
+        **kw,
+    )
     assert db is None
     return dq, dk, dv
 
@@ -392,26 +409,56 @@ def test_auto_dispatch_of_features(caplog):
     runs = []  # (the call, its (q, k, v, dO, out), the reference's keywords)
     # attention bias
     bias = torch.randn(b, h, s, s, device=DEV, dtype=BF16, generator=gen)
-    out, lse, _, _, _, _ = torch.ops.aten._efficient_attention_forward(q, k, v, bias, None, None, None, None, 0.0, 0, True)
-    runs.append((lambda: ops.efficient_attention_backward(do, q, k, v, bias, out, None, None, s, s, lse, 0.0, empty, empty, 0, False),
-                 (q, k, v, do, out), dict(custom_mask_type=0, bias=bias)))  # fmt: skip
+    out, lse, _, _, _, _ = torch.ops.aten._efficient_attention_forward(
+        q, k, v, bias, None, None, None, None, 0.0, 0, True
+    )
+    runs.append(
+        (
+            lambda: ops.efficient_attention_backward(
+                do, q, k, v, bias, out, None, None, s, s, lse, 0.0, empty, empty, 0, False
+            ),
+            (q, k, v, do, out),
+            dict(custom_mask_type=0, bias=bias),
+        )
+    )
     # dropout (the forward's philox state)
-    out_d, lse_d, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(q, k, v, None, None, None, None, None, 0.2, 0, True)
+    out_d, lse_d, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
+        q, k, v, None, None, None, None, None, 0.2, 0, True
+    )
     keep = torch_keep_mask((b, h, s, s), 0.2, int(seed), int(offset))
-    runs.append((lambda: ops.efficient_attention_backward(do, q, k, v, None, out_d, None, None, s, s, lse_d, 0.2, seed, offset, 0, False),
-                 (q, k, v, do, out_d), dict(custom_mask_type=0, dropout_mask=keep, dropout_p=0.2)))  # fmt: skip
+    runs.append(
+        (
+            lambda: ops.efficient_attention_backward(
+                do, q, k, v, None, out_d, None, None, s, s, lse_d, 0.2, seed, offset, 0, False
+            ),
+            (q, k, v, do, out_d),
+            dict(custom_mask_type=0, dropout_mask=keep, dropout_p=0.2),
+        )
+    )
     # key splits
     out_c, lse_c = forward(q, k, v, 1)
-    runs.append((lambda: backward("auto", q, k, v, do, out_c, lse_c, 1, num_splits_key=2), (q, k, v, do, out_c),
-                 dict(custom_mask_type=1)))  # fmt: skip
+    runs.append(
+        (
+            lambda: backward("auto", q, k, v, do, out_c, lse_c, 1, num_splits_key=2),
+            (q, k, v, do, out_c),
+            dict(custom_mask_type=1),
+        )
+    )
     # an input 2 bytes past a 16-byte boundary (TMA cannot read it)
     q_off = torch.empty(q.numel() + 8, device=DEV, dtype=BF16)[1 : q.numel() + 1].view(q.shape).copy_(q)
-    runs.append((lambda: backward("auto", q_off, k, v, do, out_c, lse_c, 1), (q_off, k, v, do, out_c), dict(custom_mask_type=1)))
+    runs.append(
+        (lambda: backward("auto", q_off, k, v, do, out_c, lse_c, 1), (q_off, k, v, do, out_c), dict(custom_mask_type=1))
+    )
     # fp32
     q32, k32, v32, do32 = (t.float() for t in (q, k, v, do))
     out32, lse32 = forward(q32, k32, v32, 0)
-    runs.append((lambda: backward("auto", q32, k32, v32, do32, out32, lse32, 0), (q32, k32, v32, do32, out32),
-                 dict(custom_mask_type=0)))  # fmt: skip
+    runs.append(
+        (
+            lambda: backward("auto", q32, k32, v32, do32, out32, lse32, 0),
+            (q32, k32, v32, do32, out32),
+            dict(custom_mask_type=0),
+        )
+    )
     reasons = ["supported", "supported", "num_splits_key", "not TMA-aligned", "dtype"]
     with caplog.at_level(logging.DEBUG, logger=LOGGER):
         results = [run() for run, _, _ in runs]
@@ -419,7 +466,9 @@ def test_auto_dispatch_of_features(caplog):
     msgs = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     for msg, reason in zip(msgs, reasons):
         assert reason in msg, (reason, msg)
-    for (_, (qi, ki, vi, doi, outi), ref_kw), grads, what in zip(runs, results, ("bias", "dropout", "key splits", "unaligned", "fp32")):
+    for (_, (qi, ki, vi, doi, outi), ref_kw), grads, what in zip(
+        runs, results, ("bias", "dropout", "key splits", "unaligned", "fp32")
+    ):
         ref = attention_backward_ref(qi, ki, vi, doi, **ref_kw)
         floors = rounding_floors(qi, ki, doi, outi, qi.dtype)
         for name, g, r, like, floor in zip(("dq", "dk", "dv"), grads[:3], ref, (qi, ki, vi), floors):
@@ -507,7 +556,9 @@ PERSISTENT_CASES = [
 
 
 def _persistent_id(c):
-    return f"{str(c[0])[6:]}-B{c[1]}H{c[2]}Hk{c[3]}q{c[4]}k{c[5]}d{dims_id(c[6])}m{c[7]}" + (f"w{c[8]}" if len(c) > 8 else "")
+    return f"{str(c[0])[6:]}-B{c[1]}H{c[2]}Hk{c[3]}q{c[4]}k{c[5]}d{dims_id(c[6])}m{c[7]}" + (
+        f"w{c[8]}" if len(c) > 8 else ""
+    )
 
 
 # without a mask: each case with carry_dq (a tile's last dQ in the next tile's step 0, which the op
@@ -516,8 +567,11 @@ PERSISTENT_RUNS = [(c, carry) for c in PERSISTENT_CASES for carry in ((True, Fal
 
 
 @pytest.mark.parametrize("ctas", [1, 3])
-@pytest.mark.parametrize("case,carry", PERSISTENT_RUNS,
-                         ids=[_persistent_id(c) + {True: "-carry", False: "-nocarry", None: ""}[k] for c, k in PERSISTENT_RUNS])  # fmt: skip
+@pytest.mark.parametrize(
+    "case,carry",
+    PERSISTENT_RUNS,
+    ids=[_persistent_id(c) + {True: "-carry", False: "-nocarry", None: ""}[k] for c, k in PERSISTENT_RUNS],
+)
 def test_persistent_ctas_walk_several_tiles(case, carry, ctas, monkeypatch, caplog):
     from ops import attention_sm90 as sm90_ops
 
@@ -607,9 +661,23 @@ def test_partial_last_block_on_narrow_products(case, monkeypatch):
 
     dtype, b, h, hk, sq, sk, mask_type, window, det, tail_m = case
     d = 128
-    plan = S._plan(cc.cute_dtype(dtype), d, d, mask_type, "sm_90a", window=window > 0, deterministic=det,
-                   varlen=False, bias=False, grad_bias=False, dropout=False, rows_q=sq, group=h // hk, rows_k=sk,
-                   ctas=132)  # fmt: skip
+    plan = S._plan(
+        cc.cute_dtype(dtype),
+        d,
+        d,
+        mask_type,
+        "sm_90a",
+        window=window > 0,
+        deterministic=det,
+        varlen=False,
+        bias=False,
+        grad_bias=False,
+        dropout=False,
+        rows_q=sq,
+        group=h // hk,
+        rows_k=sk,
+        ctas=132,
+    )
     assert plan[2][list(inspect.signature(S._build).parameters).index("tail_m")] == tail_m
     q, _, _, do = make_inputs(b, h, sq, sk, d, dtype, seed=sq + 11 * h)
     _, k, v, _ = make_inputs(b, hk, sq, sk, d, dtype, seed=sk + 11 * hk)
@@ -738,8 +806,15 @@ def test_store_first_needs_no_zeroed_accumulator(case, monkeypatch):
     tiles = S._tiles
     monkeypatch.setattr(S, "_tiles", lambda *a: dataclasses.replace(tiles(*a), store_first=True))
     # (the zeroed run: the preprocess zeroes the accumulator, not the kernel's zero_ahead either)
-    _unzeroed_accumulator_runs(S, monkeypatch, (dtype, b, h, hk, sq, sk, d), mask_type, 7,
-                               "store_first was not taken", ("STORE_FIRST", "ZERO_AHEAD"))  # fmt: skip
+    _unzeroed_accumulator_runs(
+        S,
+        monkeypatch,
+        (dtype, b, h, hk, sq, sk, d),
+        mask_type,
+        7,
+        "store_first was not taken",
+        ("STORE_FIRST", "ZERO_AHEAD"),
+    )
 
 
 # (dtype, B, H, Hk, Sq, Sk, D, persistent CTAs or None, mask): d64 (persistent CTAs; without a mask
@@ -776,10 +851,16 @@ def test_zero_ahead_needs_no_zeroed_accumulator(case, monkeypatch):
     if ctas is not None:
         monkeypatch.setattr(S, "PERSISTENT_CTAS", ctas)
         ahead = S._zeroes_ahead
-        monkeypatch.setattr(S, "_zeroes_ahead", lambda schedule, first, blocks, n, steps, reached=True: ahead(
-            schedule, first, min(blocks, n), n, steps, reached))  # fmt: skip
-    _unzeroed_accumulator_runs(S, monkeypatch, (dtype, b, h, hk, sq, sk, d), mask_type, 3,
-                               "zero_ahead was not taken", ("ZERO_AHEAD",))  # fmt: skip
+        monkeypatch.setattr(
+            S,
+            "_zeroes_ahead",
+            lambda schedule, first, blocks, n, steps, reached=True: ahead(
+                schedule, first, min(blocks, n), n, steps, reached
+            ),
+        )
+    _unzeroed_accumulator_runs(
+        S, monkeypatch, (dtype, b, h, hk, sq, sk, d), mask_type, 3, "zero_ahead was not taken", ("ZERO_AHEAD",)
+    )
 
 
 def test_deterministic_follows_torch_flag():
@@ -799,8 +880,11 @@ def test_deterministic_follows_torch_flag():
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "packed"])
-@pytest.mark.parametrize("dtype,d", [(BF16, 64), (BF16, 96), (F16, 128), (F16, 192), (BF16, 256)],
-                         ids=["bf16-d64", "bf16-d96", "fp16-d128", "fp16-d192", "bf16-d256"])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype,d",
+    [(BF16, 64), (BF16, 96), (F16, 128), (F16, 192), (BF16, 256)],
+    ids=["bf16-d64", "bf16-d96", "fp16-d128", "fp16-d192", "bf16-d256"],
+)
 def test_strided_inputs(layout, dtype, d, caplog):
     """[B, H, S, D] tensors seen as [B, S, H, D] (SDPA's layout, dO too) and a packed QKV:
     the sm90 path takes them (TMA-aligned strides) and writes fresh [B, S, H, D] gradients."""
@@ -845,8 +929,10 @@ def _cu(lengths):
 
 
 def _varlen_id(c):
-    return f"{str(c[0])[6:]}-H{c[1]}Hk{c[2]}d{dims_id(c[3])}m{c[4]}w{c[5]}-q{'_'.join(map(str, c[6]))}-k{'_'.join(map(str, c[7]))}" + (
-        "-det" if c[8] else "")  # fmt: skip
+    return (
+        f"{str(c[0])[6:]}-H{c[1]}Hk{c[2]}d{dims_id(c[3])}m{c[4]}w{c[5]}-q{'_'.join(map(str, c[6]))}-k{'_'.join(map(str, c[7]))}"
+        + ("-det" if c[8] else "")
+    )
 
 
 def _varlen_floors(q, k, do, out, dtype, lengths_q, lengths_k):
@@ -855,7 +941,9 @@ def _varlen_floors(q, k, do, out, dtype, lengths_q, lengths_k):
     dk_floor = torch.zeros(k.shape[:3] + (1,), dtype=torch.float64, device=DEV)
     for (q0, nq), (k0, nk) in zip(_bounds(lengths_q), _bounds(lengths_k)):
         if nq and nk:
-            fq, fk, _ = rounding_floors(*(t[:, a : a + n] for t, a, n in ((q, q0, nq), (k, k0, nk), (do, q0, nq), (out, q0, nq))), dtype)
+            fq, fk, _ = rounding_floors(
+                *(t[:, a : a + n] for t, a, n in ((q, q0, nq), (k, k0, nk), (do, q0, nq), (out, q0, nq))), dtype
+            )
             dq_floor[:, q0 : q0 + nq] = fq
             dk_floor[:, k0 : k0 + nk] = fk
     return dq_floor, dk_floor, None
@@ -879,8 +967,9 @@ def test_varlen(case, caplog):
     _, k, v, _ = make_inputs(1, hk, total_q, total_k, d, dtype, seed=total_k + h)
     cu_q, cu_k = _cu(lengths_q), _cu(lengths_k)
     max_q, max_k = max(lengths_q), max(lengths_k)
-    out, lse = attention_forward_ref(q, k, v, custom_mask_type=mask_type, window_size=window, cu_seqlens_q=cu_q,
-                                     cu_seqlens_k=cu_k)  # fmt: skip
+    out, lse = attention_forward_ref(
+        q, k, v, custom_mask_type=mask_type, window_size=window, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k
+    )
     padded = torch.full((lse.shape[0], h, (max_q + 31) // 32 * 32), float("inf"), device=DEV)
     padded[..., : lse.shape[2]] = lse.float()
     out = out.to(dtype)
@@ -890,17 +979,35 @@ def test_varlen(case, caplog):
 
     def run(backend):
         dq, dk, dv, _ = ops.efficient_attention_backward(
-            do, q, k, v, None, out, cu_q, cu_k, max_q, max_k, padded, 0.0, empty, empty, mask_type, False,
-            window_size=window or None, backend=backend, deterministic=deterministic,
-        )  # fmt: skip
+            do,
+            q,
+            k,
+            v,
+            None,
+            out,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            padded,
+            0.0,
+            empty,
+            empty,
+            mask_type,
+            False,
+            window_size=window or None,
+            backend=backend,
+            deterministic=deterministic,
+        )
         return dq, dk, dv
 
     with caplog.at_level(logging.DEBUG, logger=LOGGER):
         ours = run("auto")
         theirs = run("mem_eff")
     assert chosen(caplog) == ["sm90", "mem_eff"]
-    ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type, window_size=window, cu_seqlens_q=cu_q,
-                                 cu_seqlens_k=cu_k)  # fmt: skip
+    ref = attention_backward_ref(
+        q, k, v, do, custom_mask_type=mask_type, window_size=window, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k
+    )
     floors = _varlen_floors(q, k, do, out, dtype, lengths_q, lengths_k)
     for name, g, r, like, floor in zip(("dq", "dk", "dv"), ours, ref, (q, k, v), floors):
         check(f"{name} [{_varlen_id(case)}]", g, r, like, dtype, floor)
@@ -967,8 +1074,19 @@ def test_dropout_varlen():
     from .test_mem_eff_attention_features_gpu import run_feature_case
 
     for mask_type, d in ((1, 64), (0, 128), (2, 192)):
-        run_feature_case(F16, 1, 0, 0, 2, d, d, dropout_p=0.25, lengths=([70, 0, 129, 5], [90, 3, 200, 0]),
-                         mask_type=mask_type, backend="sm90")  # fmt: skip
+        run_feature_case(
+            F16,
+            1,
+            0,
+            0,
+            2,
+            d,
+            d,
+            dropout_p=0.25,
+            lengths=([70, 0, 129, 5], [90, 3, 200, 0]),
+            mask_type=mask_type,
+            backend="sm90",
+        )
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
@@ -978,8 +1096,20 @@ def test_bias_and_dropout_vs_torch_backward(dtype):
 
     run_feature_case(dtype, 2, 128, 256, 4, 64, 64, dropout_p=0.1, compare_torch=True, backend="sm90")
     run_feature_case(dtype, 2, 128, 256, 4, 128, 128, dropout_p=0.3, mask_type=1, compare_torch=True, backend="sm90")
-    run_feature_case(dtype, 2, 128, 256, 4, 64, 64, bias_shape=(2, 1, 128, 256), bias_grad=True, dropout_p=0.1,
-                     compare_torch=True, backend="sm90")  # fmt: skip
+    run_feature_case(
+        dtype,
+        2,
+        128,
+        256,
+        4,
+        64,
+        64,
+        bias_shape=(2, 1, 128, 256),
+        bias_grad=True,
+        dropout_p=0.1,
+        compare_torch=True,
+        backend="sm90",
+    )
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -1000,12 +1130,31 @@ def test_grouped_heads_with_bias_and_dropout(deterministic):
     lse_t = torch.full((b, h, -(-mq // 32) * 32), float("inf"), device=DEV)
     lse_t[..., :mq] = lse.float()
     out = out.to(dtype)
-    ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type, bias=bias, dropout_mask=mask, dropout_p=p,
-                                 return_grad_bias=True)  # fmt: skip
+    ref = attention_backward_ref(
+        q, k, v, do, custom_mask_type=mask_type, bias=bias, dropout_mask=mask, dropout_p=p, return_grad_bias=True
+    )
 
     def run(backend):
-        return ops.efficient_attention_backward(do, q, k, v, bias, out, None, None, mq, mk, lse_t, p, seed, offset, mask_type,
-                                                True, backend=backend, deterministic=deterministic)  # fmt: skip
+        return ops.efficient_attention_backward(
+            do,
+            q,
+            k,
+            v,
+            bias,
+            out,
+            None,
+            None,
+            mq,
+            mk,
+            lse_t,
+            p,
+            seed,
+            offset,
+            mask_type,
+            True,
+            backend=backend,
+            deterministic=deterministic,
+        )
 
     ours, theirs = run("sm90"), run("mem_eff")
     if deterministic:
@@ -1019,6 +1168,7 @@ def test_grouped_heads_with_bias_and_dropout(deterministic):
     for backend, grads in (("sm90", ours), ("mem_eff", theirs)):
         err = (grads[3].double() - ref[3]).abs().max().item()
         assert err <= TOL[dtype] * mag, f"dbias {backend}: {err:.3g} > {TOL[dtype]} * {mag:.3g}"
+
 
 # ------------------------------------------------------------------------ Dqk != Dv
 

@@ -24,29 +24,39 @@ RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # ------------------------------------------------------------------- results folders
 
 
-@pytest.mark.parametrize("name,slug", [
-    ("NVIDIA H100 80GB HBM3", "h100"),
-    ("NVIDIA H200", "h200"),
-    ("NVIDIA A100-SXM4-80GB", "a100"),
-    ("NVIDIA H100 PCIe", "h100-pcie"),
-    ("NVIDIA H100 NVL", "h100-nvl"),
-    ("NVIDIA H200 NVL", "h200-nvl"),
-    ("NVIDIA A100 80GB PCIe", "a100-pcie"),
-    ("NVIDIA A100-PCIE-40GB", "a100-pcie-40gb"),  # 1.6 TB/s against the 80 GB boards' 2.0
-    ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
-    ("NVIDIA GH200 480GB", "gh200-480gb"),
-    ("NVIDIA L40S", "l40s"),
-    ("NVIDIA RTX A6000", "a6000"),
-    ("NVIDIA GeForce RTX 4090", "nvidia-geforce-rtx-4090"),  # no model token: the whole name
-    ("", "gpu"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,slug",
+    [
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA A100-SXM4-80GB", "a100"),
+        ("NVIDIA H100 PCIe", "h100-pcie"),
+        ("NVIDIA H100 NVL", "h100-nvl"),
+        ("NVIDIA H200 NVL", "h200-nvl"),
+        ("NVIDIA A100 80GB PCIe", "a100-pcie"),
+        ("NVIDIA A100-PCIE-40GB", "a100-pcie-40gb"),  # 1.6 TB/s against the 80 GB boards' 2.0
+        ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+        ("NVIDIA GH200 480GB", "gh200-480gb"),
+        ("NVIDIA L40S", "l40s"),
+        ("NVIDIA RTX A6000", "a6000"),
+        ("NVIDIA GeForce RTX 4090", "nvidia-geforce-rtx-4090"),  # no model token: the whole name
+        ("", "gpu"),
+    ],
+)
 def test_gpu_slug(name, slug):
     assert gpu_slug(name) == slug
 
 
 def test_variants_of_one_model_do_not_collide():
-    names = ["NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA A100-SXM4-80GB",
-             "NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB", "NVIDIA A100 80GB PCIe"]  # fmt: skip
+    names = [
+        "NVIDIA H100 80GB HBM3",
+        "NVIDIA H100 PCIe",
+        "NVIDIA H100 NVL",
+        "NVIDIA A100-SXM4-80GB",
+        "NVIDIA A100-SXM4-40GB",
+        "NVIDIA A100-PCIE-40GB",
+        "NVIDIA A100 80GB PCIe",
+    ]
     assert len({gpu_slug(n) for n in names}) == len(names)
 
 
@@ -153,8 +163,10 @@ def _fake_cache(monkeypatch):
 
 def test_compile_suites_compiles_each_listed_configuration_once(monkeypatch):
     seen = _fake_cache(monkeypatch)
-    listed = {"sm_80": [CC.Config("fake_ops:compiled", (i, "sm_80")) for i in range(3)],
-              "sm_90a": [CC.Config("fake_ops:compiled", (i, "sm_90a")) for i in range(4)]}  # fmt: skip
+    listed = {
+        "sm_80": [CC.Config("fake_ops:compiled", (i, "sm_80")) for i in range(3)],
+        "sm_90a": [CC.Config("fake_ops:compiled", (i, "sm_90a")) for i in range(4)],
+    }
     monkeypatch.setattr(CC, "suite_configs", lambda suite, quick, arches: listed)
     out = io.StringIO()
     assert CC.compile_suites(["a", "b"], True, out) == 14
@@ -171,8 +183,10 @@ class _Tty(io.StringIO):
 
 def test_progress_lines_without_a_terminal(monkeypatch):
     _fake_cache(monkeypatch)
-    listed = {"sm_80": [CC.Config("fake_ops:compiled", (i, "sm_80")) for i in range(2)],
-              "sm_90a": [CC.Config("fake_ops:compiled", (i, "sm_90a")) for i in range(3)]}  # fmt: skip
+    listed = {
+        "sm_80": [CC.Config("fake_ops:compiled", (i, "sm_80")) for i in range(2)],
+        "sm_90a": [CC.Config("fake_ops:compiled", (i, "sm_90a")) for i in range(3)],
+    }
     monkeypatch.setattr(CC, "suite_configs", lambda suite, quick, arches: listed)
     out = io.StringIO()
     CC.compile_suites(["attention_bwd"], True, out, every=2)

@@ -59,8 +59,9 @@ def _fake_smi(tmp_path, monkeypatch, line="700.5, 1515", instant="701.25"):
     return calls
 
 
-@pytest.mark.parametrize("instant,field", [("701.25", "power.draw.instant"), ("[N/A]", "power.draw"),
-                                           (None, "power.draw")])  # fmt: skip
+@pytest.mark.parametrize(
+    "instant,field", [("701.25", "power.draw.instant"), ("[N/A]", "power.draw"), (None, "power.draw")]
+)
 def test_sampler_prefers_the_instantaneous_power(tmp_path, monkeypatch, instant, field):
     """power.draw is a one-second average on Ampere and newer: the stream asks for
     power.draw.instant where the probe gets a number for it, else for power.draw."""
@@ -110,8 +111,10 @@ def test_no_sampler_without_nvidia_smi(tmp_path, monkeypatch):
 def test_results_table_shows_the_board_where_recorded():
     from benchmarks.__main__ import _table
 
-    rows = [dict(suite="attention_bwd", case="c", impl="ours", ms=1.0, tflops=100.0, power_w=695.4, sm_clock_mhz=1500.0),
-            dict(suite="attention_bwd", case="c", impl="fa4", ms=1.1, tflops=90.0)]
+    rows = [
+        dict(suite="attention_bwd", case="c", impl="ours", ms=1.0, tflops=100.0, power_w=695.4, sm_clock_mhz=1500.0),
+        dict(suite="attention_bwd", case="c", impl="fa4", ms=1.1, tflops=90.0),
+    ]
     head, ours, fa4 = _table(rows).splitlines()
     assert head.split()[-2:] == ["W", "MHz"] and ours.split()[-2:] == ["695", "1500"]
     assert fa4.split()[-1] == "1.10"  # no board fields: blank columns

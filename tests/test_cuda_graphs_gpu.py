@@ -66,15 +66,35 @@ B, S, H, D = 2, 256, 4, 64
 
 def _lse_inputs(seed, dtype=torch.bfloat16, causal=1):
     q, k, v = (randn(seed + i, B, S, H, D, dtype=dtype) for i in range(3))
-    out, lse, _, _, _, _ = torch.ops.aten._efficient_attention_forward(q, k, v, None, None, None, None, None, 0.0, causal, True)
+    out, lse, _, _, _, _ = torch.ops.aten._efficient_attention_forward(
+        q, k, v, None, None, None, None, None, 0.0, causal, True
+    )
     return q, k, v, out, lse, randn(seed + 7, B, S, H, D, dtype=dtype)
 
 
 @pytest.mark.parametrize("backend", ["auto", "mem_eff"])
 def test_efficient_attention_backward_captured(backend):
     def fn(q, k, v, out, lse, do):
-        return M.efficient_attention_backward(do, q, k, v, None, out, None, None, None, None, lse, 0.0, None, None, 1,
-                                              False, backend=backend, deterministic=True)[:3]  # fmt: skip
+        return M.efficient_attention_backward(
+            do,
+            q,
+            k,
+            v,
+            None,
+            out,
+            None,
+            None,
+            None,
+            None,
+            lse,
+            0.0,
+            None,
+            None,
+            1,
+            False,
+            backend=backend,
+            deterministic=True,
+        )[:3]
 
     replay_matches_eager(fn, _lse_inputs)
 
@@ -88,9 +108,28 @@ def test_dropout_backward_reads_the_seed_on_the_device(backend):
 
     def fn(q, k, v, do):
         out, lse, seed, offset = torch.ops.cute_kernels.memory_efficient_attention(
-            q, k, v, None, None, S, S, 1, 0, None, None, p, backend, True)  # fmt: skip
-        grads = M.efficient_attention_backward(do, q, k, v, None, out, None, None, None, None, lse, p, seed, offset, 1,
-                                               False, backend=backend, deterministic=True)[:3]  # fmt: skip
+            q, k, v, None, None, S, S, 1, 0, None, None, p, backend, True
+        )
+        grads = M.efficient_attention_backward(
+            do,
+            q,
+            k,
+            v,
+            None,
+            out,
+            None,
+            None,
+            None,
+            None,
+            lse,
+            p,
+            seed,
+            offset,
+            1,
+            False,
+            backend=backend,
+            deterministic=True,
+        )[:3]
         return out, lse, seed, offset, grads
 
     static = [randn(i, B, S, H, D) for i in range(4)]
@@ -102,8 +141,26 @@ def test_dropout_backward_reads_the_seed_on_the_device(backend):
         torch.cuda.synchronize()
         host_seed, host_offset = seed.cpu(), offset.cpu()
         q, k, v, do = static
-        want = M.efficient_attention_backward(do, q, k, v, None, out, None, None, None, None, lse, p, host_seed,
-                                              host_offset, 1, False, backend=backend, deterministic=True)[:3]  # fmt: skip
+        want = M.efficient_attention_backward(
+            do,
+            q,
+            k,
+            v,
+            None,
+            out,
+            None,
+            None,
+            None,
+            None,
+            lse,
+            p,
+            host_seed,
+            host_offset,
+            1,
+            False,
+            backend=backend,
+            deterministic=True,
+        )[:3]
         for name, g, w in zip(("dq", "dk", "dv"), grads, want):
             assert torch.equal(g, w), f"{name}: device-read seed differs from the host path"
         masks.append((int(host_seed), int(host_offset)))
@@ -122,8 +179,15 @@ def test_attention_module_path_captured():
 
     def fn(q, k, v, do):
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        out = ops.memory_efficient_attention(*leaves, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=155,
-                                             max_seqlen_k=155, deterministic=True)  # fmt: skip
+        out = ops.memory_efficient_attention(
+            *leaves,
+            causal=True,
+            cu_seqlens_q=cu,
+            cu_seqlens_k=cu,
+            max_seqlen_q=155,
+            max_seqlen_k=155,
+            deterministic=True,
+        )
         out.backward(do)
         return (out.detach(), *[t.grad for t in leaves])
 

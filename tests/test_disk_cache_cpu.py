@@ -43,7 +43,7 @@ def loader(monkeypatch):
             data = open(path, "rb").read()
             if not data.startswith(b"object code"):
                 raise RuntimeError("not an object file")
-            self.name = data[len(b"object code"):].decode()
+            self.name = data[len(b"object code") :].decode()
 
         def __getattr__(self, name):
             if name != self.name:

@@ -97,21 +97,116 @@ def fake_cuda(*shape, dtype=torch.bfloat16):
 
 BAD = [
     # (description, kwargs builder, error type, message fragment)
-    ("cpu tensor", lambda: dict(grad_out=torch.zeros(4, 8), mask=torch.ones(4, 8, dtype=torch.bool), p=0.1), ValueError, "grad_out must be a CUDA"),
-    ("int dtype", lambda: dict(grad_out=fake_cuda(4, 8, dtype=torch.int32), mask=fake_cuda(4, 8, dtype=torch.bool), p=0.1), TypeError, "grad_out must have dtype"),
-    ("mask shape", lambda: dict(grad_out=fake_cuda(4, 8), mask=fake_cuda(4, 7, dtype=torch.bool), p=0.1), ValueError, "mask must have shape"),
-    ("mask dtype", lambda: dict(grad_out=fake_cuda(4, 8), mask=fake_cuda(4, 8, dtype=torch.float32), p=0.1), TypeError, "mask must have dtype"),
-    ("p = 1", lambda: dict(grad_out=fake_cuda(4, 8), mask=fake_cuda(4, 8, dtype=torch.bool), p=1.0), ValueError, "p must be in [0, 1)"),
-    ("p < 0", lambda: dict(grad_out=fake_cuda(4, 8), mask=fake_cuda(4, 8, dtype=torch.bool), p=-0.1), ValueError, "p must be in [0, 1)"),
-    ("p not a number", lambda: dict(grad_out=fake_cuda(4, 8), mask=fake_cuda(4, 8, dtype=torch.bool), p="0.1"), TypeError, "p must be a float"),
-    ("scalar", lambda: dict(grad_out=fake_cuda(), mask=fake_cuda(dtype=torch.bool), p=0.1), ValueError, "at least one dimension"),
-    ("unknown activation", lambda: dict(grad_out=fake_cuda(4, 8), mask=fake_cuda(4, 8, dtype=torch.bool), p=0.1, activation="tanh"), ValueError, "activation must be"),
-    ("activation without x", lambda: dict(grad_out=fake_cuda(4, 8), mask=fake_cuda(4, 8, dtype=torch.bool), p=0.1, bias=fake_cuda(8), activation="relu"), ValueError, "needs the pre-activation input"),
-    ("x without activation", lambda: dict(grad_out=fake_cuda(4, 8), mask=fake_cuda(4, 8, dtype=torch.bool), p=0.1, x=fake_cuda(4, 8)), ValueError, "only used with an activation"),
-    ("x dtype", lambda: dict(grad_out=fake_cuda(4, 8), mask=fake_cuda(4, 8, dtype=torch.bool), p=0.1, x=fake_cuda(4, 8, dtype=torch.float16), bias=fake_cuda(8), activation="gelu"), TypeError, "x must have grad_out's dtype"),
-    ("bias shape", lambda: dict(grad_out=fake_cuda(4, 8), mask=fake_cuda(4, 8, dtype=torch.bool), p=0.1, bias=fake_cuda(9)), ValueError, "bias must have shape"),
-    ("bias dtype with activation", lambda: dict(grad_out=fake_cuda(4, 8), mask=fake_cuda(4, 8, dtype=torch.bool), p=0.1, x=fake_cuda(4, 8), bias=fake_cuda(8, dtype=torch.float32), activation="relu"), TypeError, "bias must have grad_out's dtype"),
-    ("not a tensor", lambda: dict(grad_out=fake_cuda(4, 8), mask=[1, 0], p=0.1), TypeError, "mask must be a torch.Tensor"),
+    (
+        "cpu tensor",
+        lambda: dict(grad_out=torch.zeros(4, 8), mask=torch.ones(4, 8, dtype=torch.bool), p=0.1),
+        ValueError,
+        "grad_out must be a CUDA",
+    ),
+    (
+        "int dtype",
+        lambda: dict(grad_out=fake_cuda(4, 8, dtype=torch.int32), mask=fake_cuda(4, 8, dtype=torch.bool), p=0.1),
+        TypeError,
+        "grad_out must have dtype",
+    ),
+    (
+        "mask shape",
+        lambda: dict(grad_out=fake_cuda(4, 8), mask=fake_cuda(4, 7, dtype=torch.bool), p=0.1),
+        ValueError,
+        "mask must have shape",
+    ),
+    (
+        "mask dtype",
+        lambda: dict(grad_out=fake_cuda(4, 8), mask=fake_cuda(4, 8, dtype=torch.float32), p=0.1),
+        TypeError,
+        "mask must have dtype",
+    ),
+    (
+        "p = 1",
+        lambda: dict(grad_out=fake_cuda(4, 8), mask=fake_cuda(4, 8, dtype=torch.bool), p=1.0),
+        ValueError,
+        "p must be in [0, 1)",
+    ),
+    (
+        "p < 0",
+        lambda: dict(grad_out=fake_cuda(4, 8), mask=fake_cuda(4, 8, dtype=torch.bool), p=-0.1),
+        ValueError,
+        "p must be in [0, 1)",
+    ),
+    (
+        "p not a number",
+        lambda: dict(grad_out=fake_cuda(4, 8), mask=fake_cuda(4, 8, dtype=torch.bool), p="0.1"),
+        TypeError,
+        "p must be a float",
+    ),
+    (
+        "scalar",
+        lambda: dict(grad_out=fake_cuda(), mask=fake_cuda(dtype=torch.bool), p=0.1),
+        ValueError,
+        "at least one dimension",
+    ),
+    (
+        "unknown activation",
+        lambda: dict(grad_out=fake_cuda(4, 8), mask=fake_cuda(4, 8, dtype=torch.bool), p=0.1, activation="tanh"),
+        ValueError,
+        "activation must be",
+    ),
+    (
+        "activation without x",
+        lambda: dict(
+            grad_out=fake_cuda(4, 8),
+            mask=fake_cuda(4, 8, dtype=torch.bool),
+            p=0.1,
+            bias=fake_cuda(8),
+            activation="relu",
+        ),
+        ValueError,
+        "needs the pre-activation input",
+    ),
+    (
+        "x without activation",
+        lambda: dict(grad_out=fake_cuda(4, 8), mask=fake_cuda(4, 8, dtype=torch.bool), p=0.1, x=fake_cuda(4, 8)),
+        ValueError,
+        "only used with an activation",
+    ),
+    (
+        "x dtype",
+        lambda: dict(
+            grad_out=fake_cuda(4, 8),
+            mask=fake_cuda(4, 8, dtype=torch.bool),
+            p=0.1,
+            x=fake_cuda(4, 8, dtype=torch.float16),
+            bias=fake_cuda(8),
+            activation="gelu",
+        ),
+        TypeError,
+        "x must have grad_out's dtype",
+    ),
+    (
+        "bias shape",
+        lambda: dict(grad_out=fake_cuda(4, 8), mask=fake_cuda(4, 8, dtype=torch.bool), p=0.1, bias=fake_cuda(9)),
+        ValueError,
+        "bias must have shape",
+    ),
+    (
+        "bias dtype with activation",
+        lambda: dict(
+            grad_out=fake_cuda(4, 8),
+            mask=fake_cuda(4, 8, dtype=torch.bool),
+            p=0.1,
+            x=fake_cuda(4, 8),
+            bias=fake_cuda(8, dtype=torch.float32),
+            activation="relu",
+        ),
+        TypeError,
+        "bias must have grad_out's dtype",
+    ),
+    (
+        "not a tensor",
+        lambda: dict(grad_out=fake_cuda(4, 8), mask=[1, 0], p=0.1),
+        TypeError,
+        "mask must be a torch.Tensor",
+    ),
 ]
 
 
@@ -134,7 +229,9 @@ def test_non_flattenable_layout_is_a_clear_error():
 def test_fake_implementation_shapes():
     with FakeTensorMode():
         g = fake_cuda(2, 3, 40)
-        gi, gb = ops.dropout_bias_backward(g, fake_cuda(2, 3, 40, dtype=torch.bool), 0.1, bias=fake_cuda(40, dtype=torch.float32))
+        gi, gb = ops.dropout_bias_backward(
+            g, fake_cuda(2, 3, 40, dtype=torch.bool), 0.1, bias=fake_cuda(40, dtype=torch.float32)
+        )
         assert gi.shape == (2, 3, 40) and gi.dtype == torch.bfloat16
         assert gb.shape == (40,) and gb.dtype == torch.float32
 

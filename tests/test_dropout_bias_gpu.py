@@ -15,7 +15,19 @@ pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ACTIVATIONS = [None, "relu", "gelu", "gelu_erf"]
-SHAPES = [(1, 1), (1, 7), (3, 1), (5, 13), (17, 8), (33, 100), (257, 1000), (1000, 1024), (4097, 4096), (70001, 24), (3, 12288)]
+SHAPES = [
+    (1, 1),
+    (1, 7),
+    (3, 1),
+    (5, 13),
+    (17, 8),
+    (33, 100),
+    (257, 1000),
+    (1000, 1024),
+    (4097, 4096),
+    (70001, 24),
+    (3, 12288),
+]
 # dX is computed in fp32 and rounded once: within one rounding of the fp64 value.
 DX_TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
@@ -171,7 +183,9 @@ def test_autograd_matches_torch(activation, dtype):
     bound = (4 if dtype == torch.bfloat16 else 16) * UNIT_ROUNDOFF[dtype] * (want.abs() + 1.2 * z.abs() / (1 - p))
     kept = out != 0
     err = (out.double() - want).abs()
-    assert (err[kept] <= bound[kept]).all(), f"kept elements are not act(x + bias) / (1 - p): max |y - want| {err[kept].max().item():.3g}"
+    assert (err[kept] <= bound[kept]).all(), (
+        f"kept elements are not act(x + bias) / (1 - p): max |y - want| {err[kept].max().item():.3g}"
+    )
     visible = want.abs() > 1e-3  # nonzero before dropout whatever the roundings: y == 0 exactly when dropped
     frac = kept[visible].double().mean().item()
     assert abs(frac - (1 - p)) < 0.02, f"{frac:.4f} of the elements kept, not about {1 - p}"

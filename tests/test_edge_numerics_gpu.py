@@ -74,15 +74,48 @@ F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 FP32_EXP_OVERFLOW = math.log(torch.finfo(torch.float32).max)  # ~88.7
 
 
-def _ours(q, k, v, do, out, lse, mask_type, window=0, scale=None, splits=None, cq=None, ck=None, max_q=None, max_k=None,
-          shared=False):  # fmt: skip
+def _ours(
+    q,
+    k,
+    v,
+    do,
+    out,
+    lse,
+    mask_type,
+    window=0,
+    scale=None,
+    splits=None,
+    cq=None,
+    ck=None,
+    max_q=None,
+    max_k=None,
+    shared=False,
+):
     max_q = q.shape[1] if max_q is None else max_q
     max_k = k.shape[1] if max_k is None else max_k
     empty = torch.empty((), dtype=torch.int64)
     dq, dk, dv, _ = _backward()(
-        do, q, k, v, None, out, cq, ck, max_q, max_k, lse, 0.0, empty, empty, mask_type, False,
-        scale=scale, num_splits_key=splits, window_size=window or None, shared_storage_dqdkdv=shared,
-    )  # fmt: skip
+        do,
+        q,
+        k,
+        v,
+        None,
+        out,
+        cq,
+        ck,
+        max_q,
+        max_k,
+        lse,
+        0.0,
+        empty,
+        empty,
+        mask_type,
+        False,
+        scale=scale,
+        num_splits_key=splits,
+        window_size=window or None,
+        shared_storage_dqdkdv=shared,
+    )
     return dq, dk, dv
 
 
@@ -138,8 +171,12 @@ def test_attention_empty_rows_with_infinite_lse(fill):
         base = _ours(q, k, v, do, out, lse, mask_type, window, splits=1)
         got = _ours(q, k, v, do, out, lse_inf, mask_type, window, splits=1)
         for name, a, c in zip(("dq", "dk", "dv"), got, base):
-            assert torch.isfinite(a).all(), f"{name}: NaN / inf with logsumexp {fill} on empty rows (mask{mask_type} w{window})"
-            assert torch.equal(a, c), f"{name}: logsumexp {fill} on empty rows changes the gradients (mask{mask_type} w{window})"
+            assert torch.isfinite(a).all(), (
+                f"{name}: NaN / inf with logsumexp {fill} on empty rows (mask{mask_type} w{window})"
+            )
+            assert torch.equal(a, c), (
+                f"{name}: logsumexp {fill} on empty rows changes the gradients (mask{mask_type} w{window})"
+            )
 
 
 # ======================================================= attention: very large logits
@@ -153,7 +190,9 @@ def _check_vs_torch(name, got, ref, theirs, dtype):
     ours_err = (got.double() - ref).abs().max().item()
     torch_err = (theirs.double() - ref).abs().max().item()
     bound = 2 * torch_err + FLOOR[dtype] * mag
-    assert ours_err <= bound, f"{name}: ours {ours_err:.3g} vs torch {torch_err:.3g} (bound {bound:.3g}, max |ref| {mag:.3g})"
+    assert ours_err <= bound, (
+        f"{name}: ours {ours_err:.3g} vs torch {torch_err:.3g} (bound {bound:.3g}, max |ref| {mag:.3g})"
+    )
 
 
 def _torch_forward(q, k, v, mask_type, scale):
@@ -513,8 +552,14 @@ def test_attention_batch_offsets_over_2_31(splits, free_gpu_memory):
     assert (b - 1) * q.stride(0) > 2 * INT32_LIMIT  # inputs: batch offsets past 2^32
     lse = torch.full((b, h, m), ATT_UNCHECKED_LSE, device=DEV)
     # the gradients' rows (shared_storage_dqdkdv: [B, M, 3, H, D]) are 3 H D elements apart
-    checked = _checked_slices(b, (q.stride(1), 3 * h * ATT_D), lambda row: row // m, b * m,
-                              [(0, 0), (b // 2, 1), (b - 1, h - 1), (b - 1, 0)], seed=22 + splits)  # fmt: skip
+    checked = _checked_slices(
+        b,
+        (q.stride(1), 3 * h * ATT_D),
+        lambda row: row // m,
+        b * m,
+        [(0, 0), (b // 2, 1), (b - 1, h - 1), (b - 1, 0)],
+        seed=22 + splits,
+    )
     for bi, hi in checked:
         _consistent_forward(*(t[bi : bi + 1] for t in (q, k, v, out)), slice(None), hi, lse[bi, hi])
     poison_allocator(3 * slot_elems * 2)
@@ -524,8 +569,13 @@ def test_attention_batch_offsets_over_2_31(splits, free_gpu_memory):
     assert grads[0].stride(1) == 3 * h * ATT_D and grads[0].storage_offset() == 0, "the gradients' layout changed"
     _all_finite(grads, 0, f"splits {splits}")
     for bi, hi in checked:
-        _check_attention_slice(f"batch {bi} head {hi} splits {splits}", [g[bi : bi + 1] for g in grads],
-                               *(t[bi : bi + 1] for t in (q, k, v, do)), slice(None), hi)  # fmt: skip
+        _check_attention_slice(
+            f"batch {bi} head {hi} splits {splits}",
+            [g[bi : bi + 1] for g in grads],
+            *(t[bi : bi + 1] for t in (q, k, v, do)),
+            slice(None),
+            hi,
+        )
 
 
 @pytest.mark.large
@@ -544,8 +594,14 @@ def test_attention_packed_offsets_over_2_31(free_gpu_memory):
     max_len = max(lengths)
     lse = torch.full((nseq, h, max_len), ATT_UNCHECKED_LSE, device=DEV)
     # a packed row's sequence: the last start at or before it
-    checked = _checked_slices(nseq, (q.stride(1), 3 * h * ATT_D), lambda row: bisect.bisect_right(starts, row) - 1,
-                              total, [(0, 0), (nseq // 2, 2), (nseq - 1, h - 1), (nseq - 2, 1)], seed=23)  # fmt: skip
+    checked = _checked_slices(
+        nseq,
+        (q.stride(1), 3 * h * ATT_D),
+        lambda row: bisect.bisect_right(starts, row) - 1,
+        total,
+        [(0, 0), (nseq // 2, 2), (nseq - 1, h - 1), (nseq - 2, 1)],
+        seed=23,
+    )
     for si, hi in checked:
         _consistent_forward(q, k, v, out, slice(starts[si], starts[si + 1]), hi, lse[si, hi, : lengths[si]])
     poison_allocator(3 * slot_elems * 2)

@@ -138,7 +138,12 @@ def test_documented_table_matches_the_rule():
     assert len(rows) >= 6
     for n, vec, ldgs, tpr, cpr, rpc in rows:
         t = tiling.ln_bwd_tiles(int(n), 16, 16, 32, int(vec))
-        assert (t.ldgs, t.threads_per_row, t.ctas_per_row, t.rows_per_cta) == (int(ldgs), int(tpr), int(cpr), int(rpc)), n
+        assert (t.ldgs, t.threads_per_row, t.ctas_per_row, t.rows_per_cta) == (
+            int(ldgs),
+            int(tpr),
+            int(cpr),
+            int(rpc),
+        ), n
 
 
 def test_grid_is_persistent_and_covers_rows():
@@ -165,8 +170,13 @@ def fake_cuda(*shape, dtype=torch.bfloat16):
 
 
 def _ln(**kw):
-    args = dict(grad_out=fake_cuda(4, 8), x=fake_cuda(4, 8), weight=fake_cuda(8, dtype=torch.float32),
-                mean=fake_cuda(4, dtype=torch.float32), rstd=fake_cuda(4, dtype=torch.float32))  # fmt: skip
+    args = dict(
+        grad_out=fake_cuda(4, 8),
+        x=fake_cuda(4, 8),
+        weight=fake_cuda(8, dtype=torch.float32),
+        mean=fake_cuda(4, dtype=torch.float32),
+        rstd=fake_cuda(4, dtype=torch.float32),
+    )
     args.update(kw)
     return args
 
@@ -222,7 +232,9 @@ def test_fake_implementation_shapes():
     with FakeTensorMode():
         x = fake_cuda(2, 3, 40)
         stats = fake_cuda(2, 3, 1, dtype=torch.float32)
-        dx, dw, db = ops.layer_norm_backward(x, x, fake_cuda(40, dtype=torch.float32), stats, stats, fake_cuda(40, dtype=torch.float16))
+        dx, dw, db = ops.layer_norm_backward(
+            x, x, fake_cuda(40, dtype=torch.float32), stats, stats, fake_cuda(40, dtype=torch.float16)
+        )
         assert dx.shape == (2, 3, 40) and dx.dtype == torch.bfloat16
         assert dw.shape == (40,) and dw.dtype == torch.float32
         assert db.shape == (40,) and db.dtype == torch.float16

@@ -105,8 +105,9 @@ def test_64_bit_pairs_are_served_by_half_warps():
 
 def test_report_names_its_access_and_swizzle():
     r = report(wgmma("wgmma A read of K", "K-major", 64, 16), SWIZZLED_64)
-    assert r.summary().startswith("wgmma A read of K (K-major, 64x16 a wgmma, 128B swizzle): "
-                                  "4 instructions x 16 phases")
+    assert r.summary().startswith(
+        "wgmma A read of K (K-major, 64x16 a wgmma, 128B swizzle): 4 instructions x 16 phases"
+    )
     assert report(matrix_x4("ldmatrix"), ROW_MAJOR_64).summary().startswith("ldmatrix (no swizzle):")
 
 
@@ -115,8 +116,14 @@ def test_report_names_its_access_and_swizzle():
 
 def test_every_kernel_has_entries():
     kernels = {n.split(".")[0] for n in layouts.names()}
-    assert {"layer_norm_bwd", "layer_norm_bwd_finalize", "attention_bwd_prepost", "attention_bwd_sm90",
-            "mem_eff_attention_bwd", "dropout_bias_bwd"} <= kernels
+    assert {
+        "layer_norm_bwd",
+        "layer_norm_bwd_finalize",
+        "attention_bwd_prepost",
+        "attention_bwd_sm90",
+        "mem_eff_attention_bwd",
+        "dropout_bias_bwd",
+    } <= kernels
     assert len(layouts.names()) >= 145
 
 
@@ -139,11 +146,19 @@ def test_sm90_tiles_are_conflict_free_but_two(figures):
     staged dK / dV: a 64-column row is two 64-byte-swizzle atoms 8 KiB apart, on the same banks."""
     sm90 = {n: reps for n, reps in figures.items() if n.startswith("attention_bwd_sm90.")}
     assert len(sm90) == 4 * 8
-    conflicted = {(n.split(".")[3], n.split(".")[4], label): r.max_degree for n, reps in sm90.items()
-                  for label, r in reps.items() if not r.conflict_free}
-    pairs = {(c, "smem_dq", "dQ accumulator store (value pairs)"): 2
-             for c in ("d64", "d96", "d192", "d256", "d64_bias_or_dropout", "d128_bias_or_dropout", "d64_grad_bias")}
-    rows = {(c, "smem_k", "128-bit read of staged dK / dV (to global)"): 2 for c in ("d64_bias_or_dropout", "d64_grad_bias")}
+    conflicted = {
+        (n.split(".")[3], n.split(".")[4], label): r.max_degree
+        for n, reps in sm90.items()
+        for label, r in reps.items()
+        if not r.conflict_free
+    }
+    pairs = {
+        (c, "smem_dq", "dQ accumulator store (value pairs)"): 2
+        for c in ("d64", "d96", "d192", "d256", "d64_bias_or_dropout", "d128_bias_or_dropout", "d64_grad_bias")
+    }
+    rows = {
+        (c, "smem_k", "128-bit read of staged dK / dV (to global)"): 2 for c in ("d64_bias_or_dropout", "d64_grad_bias")
+    }
     assert conflicted == {**pairs, **rows}
     k128 = figures["attention_bwd_sm90.sm90.bf16.d128.smem_k"]
     assert "wgmma A read of K by dQ^T = K^T dS^T" in k128 and "128-bit read of staged dK / dV (to global)" in k128
@@ -154,8 +169,12 @@ def test_sm90_tiles_are_conflict_free_but_two(figures):
 
 
 def test_other_kernels_figures(figures):
-    conflicted = {(n, label): r.max_degree for n, reps in figures.items() for label, r in reps.items()
-                  if not r.conflict_free and not n.startswith(("reference", "attention_bwd_sm90"))}
+    conflicted = {
+        (n, label): r.max_degree
+        for n, reps in figures.items()
+        for label, r in reps.items()
+        if not r.conflict_free and not n.startswith(("reference", "attention_bwd_sm90"))
+    }
     fp32 = "mem_eff_attention_bwd.sm90.fp32.k64"
     assert conflicted == {
         # Zij: a row's 4 drawing threads 32 bytes apart, rows 144 bytes apart

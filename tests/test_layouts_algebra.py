@@ -264,8 +264,9 @@ def _record_dsl():
     rec["ordered"] = str(cute.make_ordered_layout((16, 32), order=(1, 0)))
     rec["ordered3"] = str(cute.make_ordered_layout((2, 3, 4), order=(2, 0, 1)))
     rec["coalesce"] = str(cute.coalesce(cute.make_layout(((2, 4), 8), stride=((32, 8), 1))))
-    rec["composition"] = str(cute.composition(cute.make_layout((8, 8), stride=(8, 1)),
-                                              cute.make_layout((4, 2), stride=(2, 16))))
+    rec["composition"] = str(
+        cute.composition(cute.make_layout((8, 8), stride=(8, 1)), cute.make_layout((4, 2), stride=(2, 16)))
+    )
     rec["right_inverse"] = str(cute.right_inverse(cute.make_layout((4, (2, 8)), stride=(2, (1, 8)))))
     rec["left_inverse"] = str(cute.left_inverse(cute.make_layout((4, 8), stride=(8, 1))))
     rec["complement"] = str(cute.complement(cute.make_layout((4, 2), stride=(1, 8)), 64))
@@ -296,8 +297,9 @@ def _record_dsl():
             rec[f"s2g_copy_dkv.d{d}"] = str(t.s2g_copy_dkv(cutlass.BFloat16, d).layout_tv_tiled)
     for thr_shape, order, val_shape in [((4, 8), (0, 1), (2, 2)), ((8, 4), (1, 0), (4, 1)), ((2, 16), (0, 1), (1, 4))]:
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass_dtype(), num_bits_per_copy=16)
-        tc = cute.make_tiled_copy_tv(atom, cute.make_ordered_layout(thr_shape, order=order),
-                                     cute.make_layout(val_shape))
+        tc = cute.make_tiled_copy_tv(
+            atom, cute.make_ordered_layout(thr_shape, order=order), cute.make_layout(val_shape)
+        )
         rec[("tv", thr_shape, order, val_shape)] = str(tc.layout_tv_tiled)
 
 

@@ -167,9 +167,15 @@ def test_big_grids_are_cropped_to_read():
         assert 700 <= w <= 100 * draw.MAX_WIDTH + 100 and h <= 3500, (name, w, h)
 
 
-@pytest.mark.parametrize("name", ["attention_bwd_sm90.sm90.bf16.d128.smem_k", "dropout_bias_bwd.sm90.bf16.gmem_dy",
-                                  "attention_bwd_prepost.sm90.bf16.d64.postprocess.mma",
-                                  "mem_eff_attention_bwd.sm90.bf16.k64.smem_bias"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "attention_bwd_sm90.sm90.bf16.d128.smem_k",
+        "dropout_bias_bwd.sm90.bf16.gmem_dy",
+        "attention_bwd_prepost.sm90.bf16.d64.postprocess.mma",
+        "mem_eff_attention_bwd.sm90.bf16.k64.smem_bias",
+    ],
+)
 def test_no_text_is_clipped(name):
     """Every title and number inside the figure, no panel title over a grid."""
     import matplotlib.pyplot as plt

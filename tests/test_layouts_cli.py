@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run(*args, ok=True, timeout=300):
     env = dict(os.environ, MPLBACKEND="Agg")
-    p = subprocess.run([sys.executable, "-m", "layouts", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=timeout)
+    p = subprocess.run(
+        [sys.executable, "-m", "layouts", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
     if ok:
         assert p.returncode == 0, p.stderr
     return p
@@ -34,9 +35,15 @@ def test_list():
     out = run("list").stdout
     listed = [line.split()[0] for line in out.splitlines()]
     assert listed == layouts.names()
-    for name in ("dropout_bias_bwd.sm90.bf16.gmem_dy", "dropout_bias_bwd.sm80.fp32.gmem_mask",
-                 "reference.rowmajor_8x8", "reference.sm80.mma_16x8x16.f16", "reference.sm80.ldmatrix_x4",
-                 "reference.smem.fp16_64x64.swizzle333", "reference.smem.fp16_64x64.unswizzled"):
+    for name in (
+        "dropout_bias_bwd.sm90.bf16.gmem_dy",
+        "dropout_bias_bwd.sm80.fp32.gmem_mask",
+        "reference.rowmajor_8x8",
+        "reference.sm80.mma_16x8x16.f16",
+        "reference.sm80.ldmatrix_x4",
+        "reference.smem.fp16_64x64.swizzle333",
+        "reference.smem.fp16_64x64.unswizzled",
+    ):
         assert name in listed
     assert run("list", "reference.smem").stdout.count("\n") == 2
     assert "layer_norm_bwd.sm90.bf16.n4096.smem_ring" in run("list", "layer_norm").stdout
@@ -124,8 +131,9 @@ def test_a_closed_pipe_ends_quietly():
         os.dup2(saved_fd, 1)
         os.close(saved_fd)
     assert code == 141
-    p = subprocess.run(f"{sys.executable} -m layouts list | head -1", shell=True, cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
+    p = subprocess.run(
+        f"{sys.executable} -m layouts list | head -1", shell=True, cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert p.stdout.count("\n") == 1 and "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr
 
 

@@ -13,8 +13,19 @@ from ops import mem_eff_attention as M
 
 # (head_dim, head_dim_value, aligned): every max_k class, Dqk != Dv, the unaligned path;
 # above 256 (dK / dV accumulated in the workspace, column loops of 128 and of 64)
-CONFIGS = [(32, 32, True), (64, 64, True), (96, 64, True), (128, 128, True), (160, 160, True), (256, 256, True), (72, 40, False),
-           (512, 512, True), (320, 288, True), (512, 320, True), (300, 270, False)]  # fmt: skip
+CONFIGS = [
+    (32, 32, True),
+    (64, 64, True),
+    (96, 64, True),
+    (128, 128, True),
+    (160, 160, True),
+    (256, 256, True),
+    (72, 40, False),
+    (512, 512, True),
+    (320, 288, True),
+    (512, 320, True),
+    (300, 270, False),
+]
 
 
 @pytest.mark.compile
@@ -123,7 +134,9 @@ def test_shared_storage_matches_layouts(d):
     sizes = cfg.shared_storage_sizes()
     # the struct is the table plus alignment padding, and the parts overlap (a union)
     assert sizes["total"] <= storage.__sizeof__() <= cfg.smem_bytes()
-    assert sizes["total"] < sum(sizes["persistent"].values()) + sum(sizes["part1"].values()) + sum(sizes["part2"].values())
+    assert sizes["total"] < sum(sizes["persistent"].values()) + sum(sizes["part1"].values()) + sum(
+        sizes["part2"].values()
+    )
     text = print_size(cfg, cutlass.BFloat16)
     assert "part1" in text and "tmp_shared_storage" in text and str(storage.__sizeof__()) in text
 
@@ -193,7 +206,9 @@ def test_op_refuses_before_launch():
     with pytest.raises(ValueError, match="custom_mask_type"):
         M.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.0, None, None, 5, False)
     with pytest.raises(ValueError, match="window_size"):
-        M.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.0, None, None, 0, False, window_size=3)
+        M.efficient_attention_backward(
+            q, q, q, q, None, q, None, None, 8, 8, lse, 0.0, None, None, 0, False, window_size=3
+        )
     with pytest.raises(ValueError, match="CUDA"):  # meta tensors are no CUDA tensors
         M.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.0, None, None, 0, False)
 

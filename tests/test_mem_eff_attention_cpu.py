@@ -25,7 +25,10 @@ from ops.reference import (
 from tests.helpers import trace_custom_ops
 
 F64 = torch.float64
-FORWARD_SEED, FORWARD_OFFSET = 0x9234_5678_9ABC_DEF0 - (1 << 64), 37  # a seed with both key halves set (int64 as torch keeps it)
+FORWARD_SEED, FORWARD_OFFSET = (
+    0x9234_5678_9ABC_DEF0 - (1 << 64),
+    37,
+)  # a seed with both key halves set (int64 as torch keeps it)
 
 
 # ------------------------------------------------------------- naive implementation
@@ -66,7 +69,10 @@ def naive_attention(q, k, v, mask_type=0, window=0, scale=None, cu_q=None, cu_k=
     """(out, per-sequence lse list) in fp64 with autograd; [B, M, H, D] or packed (B == 1)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if cu_q is None:
-        parts = [naive_segment(q[b], k[b], v[b], scale, naive_keep(q.shape[1], k.shape[1], mask_type, window)) for b in range(q.shape[0])]
+        parts = [
+            naive_segment(q[b], k[b], v[b], scale, naive_keep(q.shape[1], k.shape[1], mask_type, window))
+            for b in range(q.shape[0])
+        ]
         return torch.stack([p[0] for p in parts]), [p[1] for p in parts]
     cq, ck = cu_q.tolist(), cu_k.tolist()
     outs, lses = [], []
@@ -109,7 +115,9 @@ def test_mask_matches_kernel_comments():
     keep = attention_mask_ref(3, 5, 2, 2)
     expected = torch.tensor([[0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]], dtype=torch.bool)
     assert torch.equal(keep, expected)
-    assert torch.equal(attention_mask_ref(3, 5, 1), torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]], dtype=torch.bool))
+    assert torch.equal(
+        attention_mask_ref(3, 5, 1), torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]], dtype=torch.bool)
+    )
     assert attention_mask_ref(4, 2, 0).all()
     for nq, nk in ((5, 5), (4, 9), (9, 4), (1, 1), (0, 3), (3, 0)):
         for mt in (0, 1, 2):
@@ -155,9 +163,16 @@ def test_reference_grouped_heads_against_naive(h, hk):
     """Key / value with Hk heads serve H / Hk consecutive query heads each: the reference
     equals autograd through key / value repeated per query head."""
     gen = torch.Generator().manual_seed(h * 10 + hk)
-    q, k, v, do = rand(2, 6, h, 8, gen=gen), rand(2, 9, hk, 8, gen=gen), rand(2, 9, hk, 5, gen=gen), rand(2, 6, h, 5, gen=gen)
+    q, k, v, do = (
+        rand(2, 6, h, 8, gen=gen),
+        rand(2, 9, hk, 8, gen=gen),
+        rand(2, 9, hk, 5, gen=gen),
+        rand(2, 6, h, 5, gen=gen),
+    )
     kx, vx = (t.detach().requires_grad_() for t in (k, v))
-    out_n, lses = naive_attention(q, kx.repeat_interleave(h // hk, 2), vx.repeat_interleave(h // hk, 2), mask_type=2, window=4)
+    out_n, lses = naive_attention(
+        q, kx.repeat_interleave(h // hk, 2), vx.repeat_interleave(h // hk, 2), mask_type=2, window=4
+    )
     dk_n, dv_n = torch.autograd.grad(out_n, (kx, vx), do)
     out, lse = attention_forward_ref(q, k, v, custom_mask_type=2, window_size=4)
     assert_close(out, out_n)
@@ -183,7 +198,11 @@ def test_reference_varlen_against_naive(lengths):
     gen = torch.Generator().manual_seed(sum(lq))
     h, kd, kv = 2, 8, 6
     extra = 2  # packed rows past the last sequence stay untouched (zero grads)
-    q, k, v = rand(1, sum(lq) + extra, h, kd, gen=gen), rand(1, sum(lk), h, kd, gen=gen), rand(1, sum(lk), h, kv, gen=gen)
+    q, k, v = (
+        rand(1, sum(lq) + extra, h, kd, gen=gen),
+        rand(1, sum(lk), h, kd, gen=gen),
+        rand(1, sum(lk), h, kv, gen=gen),
+    )
     do = rand(1, sum(lq) + extra, h, kv, gen=gen)
     cq, ck = cu(lq), cu(lk)
     for mt, w in MASKS:
@@ -249,17 +268,49 @@ BAD = [
     ("cpu key", lambda: _mea(key=torch.zeros(1, 48, 2, 64, dtype=torch.bfloat16)), ValueError, "key is on cpu"),
     ("int query", lambda: _mea(query=fake_cuda(1, 40, 2, 64, dtype=torch.int32)), TypeError, "query must have dtype"),
     ("fp64 query", lambda: _mea(query=fake_cuda(1, 40, 2, 64, dtype=F64)), TypeError, "query must have dtype"),
-    ("key dtype", lambda: _mea(key=fake_cuda(1, 48, 2, 64, dtype=torch.float16)), TypeError, "key must have query's dtype"),
-    ("value dtype", lambda: _mea(value=fake_cuda(1, 48, 2, 32, dtype=torch.float32)), TypeError, "value must have query's dtype"),
+    (
+        "key dtype",
+        lambda: _mea(key=fake_cuda(1, 48, 2, 64, dtype=torch.float16)),
+        TypeError,
+        "key must have query's dtype",
+    ),
+    (
+        "value dtype",
+        lambda: _mea(value=fake_cuda(1, 48, 2, 32, dtype=torch.float32)),
+        TypeError,
+        "value must have query's dtype",
+    ),
     ("3-D query", lambda: _mea(query=fake_cuda(40, 2, 64)), ValueError, "query must be 4-D"),
     ("5-D value", lambda: _mea(value=fake_cuda(1, 48, 2, 1, 32)), ValueError, "value must be 4-D"),
     ("key heads", lambda: _mea(key=fake_cuda(1, 48, 3, 64)), ValueError, "Hk heads dividing query's 2"),
     ("key head_dim", lambda: _mea(key=fake_cuda(1, 48, 2, 32)), ValueError, "key must have shape (1, Mk, Hk, 64)"),
     ("key batch", lambda: _mea(key=fake_cuda(2, 48, 2, 64)), ValueError, "key must have shape"),
-    ("value seqlen", lambda: _mea(value=fake_cuda(1, 47, 2, 32)), ValueError, "value must have key's batch, seqlen and heads"),
-    ("empty head_dim", lambda: _mea(query=fake_cuda(1, 40, 2, 0), key=fake_cuda(1, 48, 2, 0)), ValueError, "query must have head_dim >= 1"),
-    ("strided head_dim", lambda: _mea(query=torch.empty_strided((1, 40, 2, 64), (10240, 256, 128, 2), device="cuda", dtype=torch.bfloat16)), ValueError, "query must be contiguous in its last dim"),
-    ("causal typo", lambda: _mea(causal="bottom-right"), ValueError, "causal must be False, True, 'top_left' or 'bottom_right'"),
+    (
+        "value seqlen",
+        lambda: _mea(value=fake_cuda(1, 47, 2, 32)),
+        ValueError,
+        "value must have key's batch, seqlen and heads",
+    ),
+    (
+        "empty head_dim",
+        lambda: _mea(query=fake_cuda(1, 40, 2, 0), key=fake_cuda(1, 48, 2, 0)),
+        ValueError,
+        "query must have head_dim >= 1",
+    ),
+    (
+        "strided head_dim",
+        lambda: _mea(
+            query=torch.empty_strided((1, 40, 2, 64), (10240, 256, 128, 2), device="cuda", dtype=torch.bfloat16)
+        ),
+        ValueError,
+        "query must be contiguous in its last dim",
+    ),
+    (
+        "causal typo",
+        lambda: _mea(causal="bottom-right"),
+        ValueError,
+        "causal must be False, True, 'top_left' or 'bottom_right'",
+    ),
     ("causal int", lambda: _mea(causal=1), ValueError, "causal must be"),
     ("window without causal", lambda: _mea(window_size=8), ValueError, "window_size needs causal"),
     ("negative window", lambda: _mea(causal=True, window_size=-1), ValueError, "window_size must be >= 0"),
@@ -268,31 +319,91 @@ BAD = [
     ("string scale", lambda: _mea(scale="0.1"), TypeError, "scale must be a finite float"),
     ("cu_seqlens_q alone", lambda: _mea(cu_seqlens_q=_cu()), ValueError, "cu_seqlens_k is required"),
     ("cu_seqlens_k alone", lambda: _mea(cu_seqlens_k=_cu()), ValueError, "cu_seqlens_q is required"),
-    ("int64 cu_seqlens", lambda: _mea(cu_seqlens_q=_cu(dtype=torch.int64), cu_seqlens_k=_cu(), max_seqlen_q=8, max_seqlen_k=8),
-     TypeError, "cu_seqlens_q must be int32"),
-    ("2-D cu_seqlens", lambda: _mea(cu_seqlens_q=_cu(), cu_seqlens_k=fake_cuda(3, 1, dtype=torch.int32), max_seqlen_q=8, max_seqlen_k=8),
-     ValueError, "cu_seqlens_k must be a 1-D tensor"),
-    ("short cu_seqlens", lambda: _mea(cu_seqlens_q=_cu(1), cu_seqlens_k=_cu(1), max_seqlen_q=8, max_seqlen_k=8),
-     ValueError, "cu_seqlens_q must be a 1-D tensor [num_seqs + 1] with at least 2 entries"),
-    ("cu_seqlens lengths differ", lambda: _mea(cu_seqlens_q=_cu(3), cu_seqlens_k=_cu(4), max_seqlen_q=8, max_seqlen_k=8),
-     ValueError, "cu_seqlens_k must have cu_seqlens_q's shape"),
-    ("cpu cu_seqlens", lambda: _mea(cu_seqlens_q=torch.zeros(3, dtype=torch.int32), cu_seqlens_k=_cu(), max_seqlen_q=8, max_seqlen_k=8),
-     ValueError, "cu_seqlens_q is on cpu"),
-    ("varlen batch 2", lambda: _mea(query=fake_cuda(2, 40, 2, 64), key=fake_cuda(2, 48, 2, 64), value=fake_cuda(2, 48, 2, 32),
-                                    cu_seqlens_q=_cu(), cu_seqlens_k=_cu(), max_seqlen_q=8, max_seqlen_k=8),
-     ValueError, "query must have batch 1 with cu_seqlens_q"),
-    ("max_seqlen without cu_seqlens", lambda: _mea(max_seqlen_q=40), ValueError, "max_seqlen_q is only used with cu_seqlens"),
-    ("zero max_seqlen", lambda: _mea(cu_seqlens_q=_cu(), cu_seqlens_k=_cu(), max_seqlen_q=8, max_seqlen_k=0),
-     ValueError, "max_seqlen_k must be >= 1"),
-    ("float max_seqlen", lambda: _mea(cu_seqlens_q=_cu(), cu_seqlens_k=_cu(), max_seqlen_q=8.0, max_seqlen_k=8),
-     TypeError, "max_seqlen_q must be an int"),
-    ("max_seqlen past M", lambda: _mea(cu_seqlens_q=_cu(), cu_seqlens_k=_cu(), max_seqlen_q=41, max_seqlen_k=8),
-     ValueError, "max_seqlen_q (41) is longer than query's packed length 40"),
-    ("varlen max_seqlen missing when tracing", lambda: _mea(cu_seqlens_q=_cu(), cu_seqlens_k=_cu(), max_seqlen_q=8),
-     ValueError, "max_seqlen_q and max_seqlen_k are required"),
-    ("bottom_right more queries", lambda: _mea(query=fake_cuda(1, 60, 2, 64), causal="bottom_right"),
-     NotImplementedError, "causal='bottom_right' with more queries than keys (60 > 48)"),
-]  # fmt: skip
+    (
+        "int64 cu_seqlens",
+        lambda: _mea(cu_seqlens_q=_cu(dtype=torch.int64), cu_seqlens_k=_cu(), max_seqlen_q=8, max_seqlen_k=8),
+        TypeError,
+        "cu_seqlens_q must be int32",
+    ),
+    (
+        "2-D cu_seqlens",
+        lambda: _mea(
+            cu_seqlens_q=_cu(), cu_seqlens_k=fake_cuda(3, 1, dtype=torch.int32), max_seqlen_q=8, max_seqlen_k=8
+        ),
+        ValueError,
+        "cu_seqlens_k must be a 1-D tensor",
+    ),
+    (
+        "short cu_seqlens",
+        lambda: _mea(cu_seqlens_q=_cu(1), cu_seqlens_k=_cu(1), max_seqlen_q=8, max_seqlen_k=8),
+        ValueError,
+        "cu_seqlens_q must be a 1-D tensor [num_seqs + 1] with at least 2 entries",
+    ),
+    (
+        "cu_seqlens lengths differ",
+        lambda: _mea(cu_seqlens_q=_cu(3), cu_seqlens_k=_cu(4), max_seqlen_q=8, max_seqlen_k=8),
+        ValueError,
+        "cu_seqlens_k must have cu_seqlens_q's shape",
+    ),
+    (
+        "cpu cu_seqlens",
+        lambda: _mea(
+            cu_seqlens_q=torch.zeros(3, dtype=torch.int32), cu_seqlens_k=_cu(), max_seqlen_q=8, max_seqlen_k=8
+        ),
+        ValueError,
+        "cu_seqlens_q is on cpu",
+    ),
+    (
+        "varlen batch 2",
+        lambda: _mea(
+            query=fake_cuda(2, 40, 2, 64),
+            key=fake_cuda(2, 48, 2, 64),
+            value=fake_cuda(2, 48, 2, 32),
+            cu_seqlens_q=_cu(),
+            cu_seqlens_k=_cu(),
+            max_seqlen_q=8,
+            max_seqlen_k=8,
+        ),
+        ValueError,
+        "query must have batch 1 with cu_seqlens_q",
+    ),
+    (
+        "max_seqlen without cu_seqlens",
+        lambda: _mea(max_seqlen_q=40),
+        ValueError,
+        "max_seqlen_q is only used with cu_seqlens",
+    ),
+    (
+        "zero max_seqlen",
+        lambda: _mea(cu_seqlens_q=_cu(), cu_seqlens_k=_cu(), max_seqlen_q=8, max_seqlen_k=0),
+        ValueError,
+        "max_seqlen_k must be >= 1",
+    ),
+    (
+        "float max_seqlen",
+        lambda: _mea(cu_seqlens_q=_cu(), cu_seqlens_k=_cu(), max_seqlen_q=8.0, max_seqlen_k=8),
+        TypeError,
+        "max_seqlen_q must be an int",
+    ),
+    (
+        "max_seqlen past M",
+        lambda: _mea(cu_seqlens_q=_cu(), cu_seqlens_k=_cu(), max_seqlen_q=41, max_seqlen_k=8),
+        ValueError,
+        "max_seqlen_q (41) is longer than query's packed length 40",
+    ),
+    (
+        "varlen max_seqlen missing when tracing",
+        lambda: _mea(cu_seqlens_q=_cu(), cu_seqlens_k=_cu(), max_seqlen_q=8),
+        ValueError,
+        "max_seqlen_q and max_seqlen_k are required",
+    ),
+    (
+        "bottom_right more queries",
+        lambda: _mea(query=fake_cuda(1, 60, 2, 64), causal="bottom_right"),
+        NotImplementedError,
+        "causal='bottom_right' with more queries than keys (60 > 48)",
+    ),
+]
 
 
 @pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
@@ -312,7 +423,9 @@ CU_VALUES = [
 ]
 
 
-@pytest.mark.parametrize("values,total,max_seqlen,fragment", CU_VALUES, ids=["start", "decreasing", "past-end", "max-short"])
+@pytest.mark.parametrize(
+    "values,total,max_seqlen,fragment", CU_VALUES, ids=["start", "decreasing", "past-end", "max-short"]
+)
 def test_cu_seqlens_values_are_checked(values, total, max_seqlen, fragment):
     with pytest.raises(ValueError, match=re.escape(fragment)):
         A._check_cu_values("cu_seqlens_q", torch.tensor(values, dtype=torch.int32), total, max_seqlen, "max_seqlen_q")
@@ -331,8 +444,9 @@ def test_fake_implementation_shapes():
         cq, ck = fake_cuda(5, dtype=torch.int32), fake_cuda(5, dtype=torch.int32)
         out, lse, _, _ = A._mea_forward(q, k, v, cq, ck, 33, 40, 2, 8, 0.5)
         assert out.shape == (1, 90, 2, 32) and lse.shape == (4, 2, 64)  # [num_seqs, H, round_up(max_seqlen_q, 32)]
-        out = ops.memory_efficient_attention(q, k, v, causal=True, window_size=4, cu_seqlens_q=cq, cu_seqlens_k=ck,
-                                             max_seqlen_q=33, max_seqlen_k=40)  # fmt: skip
+        out = ops.memory_efficient_attention(
+            q, k, v, causal=True, window_size=4, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=33, max_seqlen_k=40
+        )
         assert out.shape == (1, 90, 2, 32)
 
 
@@ -340,13 +454,20 @@ def test_traces_in_one_graph(monkeypatch):
     """torch.compile(fullgraph=True) sees the forward as our op, validation included."""
     monkeypatch.setattr(A, "check_cuda", lambda *a: None)  # CPU tensors stand in for CUDA ones
     q, k, v = torch.randn(1, 12, 2, 16), torch.randn(1, 12, 2, 16), torch.randn(1, 12, 2, 8)
-    found = trace_custom_ops(lambda q, k, v: ops.memory_efficient_attention(q, k, v, causal="bottom_right", scale=0.2) * 2, q, k, v)
+    found = trace_custom_ops(
+        lambda q, k, v: ops.memory_efficient_attention(q, k, v, causal="bottom_right", scale=0.2) * 2, q, k, v
+    )
     assert any("memory_efficient_attention" in f for f in found)
     cq = cu([5, 7])
     found = trace_custom_ops(
-        lambda q, k, v, c: ops.memory_efficient_attention(q, k, v, causal=True, cu_seqlens_q=c, cu_seqlens_k=c, max_seqlen_q=7, max_seqlen_k=7),
-        q, k, v, cq,
-    )  # fmt: skip
+        lambda q, k, v, c: ops.memory_efficient_attention(
+            q, k, v, causal=True, cu_seqlens_q=c, cu_seqlens_k=c, max_seqlen_q=7, max_seqlen_k=7
+        ),
+        q,
+        k,
+        v,
+        cq,
+    )
     assert any("memory_efficient_attention" in f for f in found)
 
 
@@ -368,13 +489,45 @@ class BackwardStandIn:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, grad_out_, query, key, value, bias, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                 logsumexp, dropout_p, philox_seed, philox_offset, custom_mask_type, bias_requires_grad, *,
-                 scale=None, num_splits_key=None, window_size=None, shared_storage_dqdkdv=False, backend="auto",
-                 deterministic=None):  # fmt: skip
-        self.calls.append(dict(mask=custom_mask_type, window=window_size, scale=scale, max=(max_seqlen_q, max_seqlen_k),
-                               bias=bias, dropout_p=dropout_p, bias_requires_grad=bias_requires_grad, backend=backend,
-                               deterministic=deterministic))  # fmt: skip
+    def __call__(
+        self,
+        grad_out_,
+        query,
+        key,
+        value,
+        bias,
+        out,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        logsumexp,
+        dropout_p,
+        philox_seed,
+        philox_offset,
+        custom_mask_type,
+        bias_requires_grad,
+        *,
+        scale=None,
+        num_splits_key=None,
+        window_size=None,
+        shared_storage_dqdkdv=False,
+        backend="auto",
+        deterministic=None,
+    ):
+        self.calls.append(
+            dict(
+                mask=custom_mask_type,
+                window=window_size,
+                scale=scale,
+                max=(max_seqlen_q, max_seqlen_k),
+                bias=bias,
+                dropout_p=dropout_p,
+                bias_requires_grad=bias_requires_grad,
+                backend=backend,
+                deterministic=deterministic,
+            )
+        )
         assert philox_seed.dtype == philox_offset.dtype == torch.int64
         assert isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)
         b, mq, h, kv = out.shape
@@ -387,10 +540,20 @@ class BackwardStandIn:
         if bias is not None:
             assert bias.shape == (b, h, mq, key.shape[1])
         dq, dk, dv, db = attention_backward_ref(
-            query, key, value, grad_out_, custom_mask_type=custom_mask_type, window_size=window_size or 0,
-            scale=scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, bias=bias, dropout_mask=mask,
-            dropout_p=dropout_p, return_grad_bias=True,
-        )  # fmt: skip
+            query,
+            key,
+            value,
+            grad_out_,
+            custom_mask_type=custom_mask_type,
+            window_size=window_size or 0,
+            scale=scale,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k,
+            bias=bias,
+            dropout_mask=mask,
+            dropout_p=dropout_p,
+            return_grad_bias=True,
+        )
         # fresh [B, M, H, K] tensors, as torch's at::empty(query.sizes())
         grads = tuple(g.to(t.dtype).contiguous() for g, t in ((dq, query), (dk, key), (dv, value)))
         return grads + (db.to(bias.dtype) if bias_requires_grad else None,)
@@ -402,16 +565,40 @@ def cpu_attention(monkeypatch):
     the CPU key, the backward stand-in, CUDA checks off. Yields the stand-in."""
     lib = torch.library.Library("cute_kernels", "IMPL")
 
-    def forward(query, key, value, cq, ck, max_q, max_k, mask_type, window, scale, attn_bias=None, dropout_p=0.0,
-                backend="auto", deterministic=False):  # fmt: skip
+    def forward(
+        query,
+        key,
+        value,
+        cq,
+        ck,
+        max_q,
+        max_k,
+        mask_type,
+        window,
+        scale,
+        attn_bias=None,
+        dropout_p=0.0,
+        backend="auto",
+        deterministic=False,
+    ):
         mask = None
         seed, offset = torch.tensor(FORWARD_SEED), torch.tensor(FORWARD_OFFSET)
         if dropout_p > 0.0:  # torch's forward's mask for its philox state: the twin's
             b, mq, h, _ = query.shape
             mask = mem_eff_dropout_keep_mask(FORWARD_SEED, FORWARD_OFFSET, b, h, mq, key.shape[1], dropout_p)
-        out, lse = attention_forward_ref(query, key, value, custom_mask_type=mask_type, window_size=window, scale=scale,
-                                         cu_seqlens_q=cq, cu_seqlens_k=ck, bias=attn_bias, dropout_mask=mask,
-                                         dropout_p=dropout_p)  # fmt: skip
+        out, lse = attention_forward_ref(
+            query,
+            key,
+            value,
+            custom_mask_type=mask_type,
+            window_size=window,
+            scale=scale,
+            cu_seqlens_q=cq,
+            cu_seqlens_k=ck,
+            bias=attn_bias,
+            dropout_mask=mask,
+            dropout_p=dropout_p,
+        )
         if cq is not None:
             assert lse.shape[-1] <= max_q
         return out.to(query.dtype), _lse_padded(lse, max_q), seed, offset
@@ -436,7 +623,9 @@ WIRING = [
 ]
 
 
-@pytest.mark.parametrize("case", WIRING, ids=["plain", "bottom-right-window", "top-left-window", "varlen", "varlen-bottom-right"])
+@pytest.mark.parametrize(
+    "case", WIRING, ids=["plain", "bottom-right-window", "top-left-window", "varlen", "varlen-bottom-right"]
+)
 def test_autograd_wiring(cpu_attention, case):
     mq, mk, causal, window, scale, lengths = case
     gen = torch.Generator().manual_seed(mq + mk)
@@ -449,8 +638,17 @@ def test_autograd_wiring(cpu_attention, case):
     out = ops.memory_efficient_attention(q, k, v, causal=causal, window_size=window, scale=scale, **kw)
     out.backward(do)
     mask_type = {False: 0, True: 1, "bottom_right": 2}[causal]
-    _, _, want = naive_grads(q, k, v, do, mask_type=mask_type, window=window or 0, scale=scale,
-                             cu_q=kw.get("cu_seqlens_q"), cu_k=kw.get("cu_seqlens_k"))  # fmt: skip
+    _, _, want = naive_grads(
+        q,
+        k,
+        v,
+        do,
+        mask_type=mask_type,
+        window=window or 0,
+        scale=scale,
+        cu_q=kw.get("cu_seqlens_q"),
+        cu_k=kw.get("cu_seqlens_k"),
+    )
     for got, ref in zip((q.grad, k.grad, v.grad), want):
         torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
     (call,) = cpu_attention.calls
@@ -464,7 +662,9 @@ def test_autograd_wiring(cpu_attention, case):
 def test_autograd_wiring_keeps_given_max_seqlens(cpu_attention):
     q, k, v = (torch.randn(1, 10, 2, 8, requires_grad=True) for _ in range(3))
     c = cu([4, 6])
-    ops.memory_efficient_attention(q, k, v, cu_seqlens_q=c, cu_seqlens_k=c, max_seqlen_q=8, max_seqlen_k=9).sum().backward()
+    ops.memory_efficient_attention(
+        q, k, v, cu_seqlens_q=c, cu_seqlens_k=c, max_seqlen_q=8, max_seqlen_k=9
+    ).sum().backward()
     assert cpu_attention.calls[0]["max"] == (8, 9)
 
 
@@ -623,7 +823,11 @@ def test_sdpa_override_falls_through_like_torch(sdpa_on_cpu, caplog, monkeypatch
     assert not stand_in.calls and len(fallen) == 1
     args, kwargs = fallen[0]
     g, qt, kt, vt, b, o, cq, ck, mq, mk, l, dp, s, off, mt, brg = args
-    assert torch.equal(qt, q.transpose(1, 2)) and torch.equal(g, do.transpose(1, 2)) and torch.equal(o, out.transpose(1, 2))
+    assert (
+        torch.equal(qt, q.transpose(1, 2))
+        and torch.equal(g, do.transpose(1, 2))
+        and torch.equal(o, out.transpose(1, 2))
+    )
     assert b is bias and cq is None and ck is None and (mq, mk) == (10, 14) and l is lse and dp == p
     assert s is seed and off is offset and mt == 1 and brg == (bias is not None)
     assert kwargs == dict(scale=0.5, num_splits_key=None)
@@ -696,11 +900,22 @@ def test_reference_with_bias_and_dropout_matches_autograd(mask_type, window):
     leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
     out = naive_attention_bias_dropout(*leaves[:3], leaves[3], z, mask_type, window)
     want = torch.autograd.grad(out, leaves, do)
-    got_out, _ = attention_forward_ref(q, k, v, custom_mask_type=mask_type, window_size=window, bias=bias,
-                                       dropout_mask=mask, dropout_p=p)  # fmt: skip
+    got_out, _ = attention_forward_ref(
+        q, k, v, custom_mask_type=mask_type, window_size=window, bias=bias, dropout_mask=mask, dropout_p=p
+    )
     assert_close(got_out, out.detach())
-    got = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type, window_size=window, bias=bias,
-                                 dropout_mask=mask, dropout_p=p, return_grad_bias=True)  # fmt: skip
+    got = attention_backward_ref(
+        q,
+        k,
+        v,
+        do,
+        custom_mask_type=mask_type,
+        window_size=window,
+        bias=bias,
+        dropout_mask=mask,
+        dropout_p=p,
+        return_grad_bias=True,
+    )
     for g, w in zip(got, want):
         assert_close(g, w)
 
@@ -709,7 +924,11 @@ def test_reference_with_bias_and_dropout_matches_autograd(mask_type, window):
 PHILOX_KAT = [
     ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
     ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0), (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    (
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+        (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+    ),
 ]
 
 
@@ -751,7 +970,9 @@ class CurandPhiloxState:
         return curand_uniform(words)
 
 
-@pytest.mark.parametrize("seed,offset,elem", [(0, 0, 0), (2**63 + 5, 3, 1), (123456789, 6, 10**6 + 2), (2**40 + 7, 2**33 + 1, 5)])
+@pytest.mark.parametrize(
+    "seed,offset,elem", [(0, 0, 0), (2**63 + 5, 3, 1), (123456789, 6, 10**6 + 2), (2**40 + 7, 2**33 + 1, 5)]
+)
 def test_curand_skipahead_and_uniform4_match_word_indexing(seed, offset, elem):
     """curand_init(seed, 0, offset) + skipahead(elem) + curand_uniform4 (PyTorch's pattern)
     reads words offset + elem .. + 3: what the twin (and the DSL) index directly."""
@@ -808,7 +1029,11 @@ def test_autograd_wiring_bias_dropout(cpu_attention, case):
     (call,) = cpu_attention.calls
     assert call["dropout_p"] == p and call["bias_requires_grad"] == bias_grad
     mask_type = {False: 0, True: 1, "bottom_right": 2}[causal]
-    mask = mem_eff_dropout_keep_mask(FORWARD_SEED, FORWARD_OFFSET, b, h, mq, mk, p) if p > 0 else torch.ones(b, h, mq, mk, dtype=torch.bool)
+    mask = (
+        mem_eff_dropout_keep_mask(FORWARD_SEED, FORWARD_OFFSET, b, h, mq, mk, p)
+        if p > 0
+        else torch.ones(b, h, mq, mk, dtype=torch.bool)
+    )
     z = mask.double() / (1 - p)
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     full_bias = torch.zeros(b, h, mq, mk, dtype=F64) if bias is None else bias.detach().double().requires_grad_()
@@ -824,22 +1049,38 @@ def test_autograd_wiring_bias_dropout(cpu_attention, case):
         assert bias.grad is None
 
 
-
-@pytest.mark.parametrize("mask_type,window,want", [
-    (0, None, (0, 0)), (1, 0, (1, 0)), (1, 7, (1, 7)), (2, 3, (2, 3)),
-    (0, (-1, -1), (0, 0)), (1, (-1, -1), (1, 0)), (0, (-1, 0), (2, 0)),  # FlashAttention's (left, right)
-    (0, (5, 0), (2, 6)), (1, (5, 0), (1, 6)), (2, (0, 0), (2, 1)), (1, (5, -1), (1, 6)),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "mask_type,window,want",
+    [
+        (0, None, (0, 0)),
+        (1, 0, (1, 0)),
+        (1, 7, (1, 7)),
+        (2, 3, (2, 3)),
+        (0, (-1, -1), (0, 0)),
+        (1, (-1, -1), (1, 0)),
+        (0, (-1, 0), (2, 0)),  # FlashAttention's (left, right)
+        (0, (5, 0), (2, 6)),
+        (1, (5, 0), (1, 6)),
+        (2, (0, 0), (2, 1)),
+        (1, (5, -1), (1, 6)),
+    ],
+)
 def test_window_forms(mask_type, window, want):
     """An int w keeps the w keys up to the diagonal; (left, 0) is w = left + 1, bottom-right
     without causal (FlashAttention aligns its windows there); -1 is unbounded."""
     assert A._window(mask_type, window) == want
 
 
-@pytest.mark.parametrize("window,exc,fragment", [
-    ((-5, -5), ValueError, "-1 for unbounded"), ((3, 2), NotImplementedError, "past the diagonal"),
-    ((3, -1), NotImplementedError, "any key after"), ((1.5, 0), TypeError, "two ints"), (-2, ValueError, ">= 0"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "window,exc,fragment",
+    [
+        ((-5, -5), ValueError, "-1 for unbounded"),
+        ((3, 2), NotImplementedError, "past the diagonal"),
+        ((3, -1), NotImplementedError, "any key after"),
+        ((1.5, 0), TypeError, "two ints"),
+        (-2, ValueError, ">= 0"),
+    ],
+)
 def test_window_forms_refused(window, exc, fragment):
     with pytest.raises(exc, match=re.escape(fragment)):
         A._window(0, window)

@@ -51,18 +51,23 @@ def philox_state(b, h, mq, mk, p):
     """A real (seed, offset) pair: what torch's forward returns for a dropout call."""
     q = torch.zeros(b, mq, h, 8, device=DEV, dtype=F16)
     k = torch.zeros(b, mk, h, 8, device=DEV, dtype=F16)
-    _, _, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(q, k, k, None, None, None, None, None, p, 0, False)
+    _, _, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
+        q, k, k, None, None, None, None, None, p, 0, False
+    )
     return seed, offset
 
 
 # ------------------------------------------------------------------ the mask, bit for bit
 
 
-@pytest.mark.parametrize("shape,p,seed,offset", [
-    ((2, 3, 64, 128), 0.1, 1234, 0),
-    ((1, 2, 77, 45), 0.5, 2**63 + 17, 6),  # a seed with the top bit set, an offset inside a quad
-    ((3, 1, 5, 1001), 0.25, 42, 2**33 + 3),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "shape,p,seed,offset",
+    [
+        ((2, 3, 64, 128), 0.1, 1234, 0),
+        ((1, 2, 77, 45), 0.5, 2**63 + 17, 6),  # a seed with the top bit set, an offset inside a quad
+        ((3, 1, 5, 1001), 0.25, 42, 2**33 + 3),
+    ],
+)
 def test_dropout_mask_matches_torch_and_twin(shape, p, seed, offset):
     seed_i64 = seed - 2**64 if seed >= 2**63 else seed
     ours = M.mem_eff_dropout_mask(shape, p, seed_i64, offset)
@@ -85,10 +90,30 @@ def check_mask_through_dv(dtype, mask_type, backend, splits=None, d=64):
     q = 0.1 * torch.randn(b, mq, h, d, device=DEV, dtype=dtype, generator=gen)
     k = 0.1 * torch.randn(b, mk, h, d, device=DEV, dtype=dtype, generator=gen)
     v = torch.randn(b, mk, h, d, device=DEV, dtype=dtype, generator=gen)
-    out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(q, k, v, None, None, None, None, None, p, mask_type, True)
+    out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
+        q, k, v, None, None, None, None, None, p, mask_type, True
+    )
     do = torch.eye(mq, d, device=DEV, dtype=dtype).view(1, mq, 1, d).expand(b, mq, h, d).contiguous()
-    _, _, dv, _ = M.efficient_attention_backward(do, q, k, v, None, out, None, None, mq, mk, lse, p, seed, offset, mask_type, False,
-                                                 num_splits_key=splits, backend=backend)  # fmt: skip
+    _, _, dv, _ = M.efficient_attention_backward(
+        do,
+        q,
+        k,
+        v,
+        None,
+        out,
+        None,
+        None,
+        mq,
+        mk,
+        lse,
+        p,
+        seed,
+        offset,
+        mask_type,
+        False,
+        num_splits_key=splits,
+        backend=backend,
+    )
     keep = torch_keep_mask((b, h, mq, mk), p, int(seed), int(offset))
     seen = dv.permute(0, 2, 3, 1) != 0  # dV[b, j, h, i] -> [B, H, Mq (= head dim), Mk]
     visible = attention_mask_ref(mq, mk, mask_type, 0, device=DEV)  # either causal corner
@@ -98,9 +123,30 @@ def check_mask_through_dv(dtype, mask_type, backend, splits=None, d=64):
 # ------------------------------------------------------------- against the fp64 reference
 
 
-def run_feature_case(dtype, b, mq, mk, h, kd, kv, *, bias_shape=None, bias_layout="dense", bias_grad=False,
-                     dropout_p=0.0, mask_type=0, window=0, scale=None, lengths=None, splits=None, seed=0,
-                     compare_torch=False, backend="mem_eff", kv_heads=None, deterministic=False):  # fmt: skip
+def run_feature_case(
+    dtype,
+    b,
+    mq,
+    mk,
+    h,
+    kd,
+    kv,
+    *,
+    bias_shape=None,
+    bias_layout="dense",
+    bias_grad=False,
+    dropout_p=0.0,
+    mask_type=0,
+    window=0,
+    scale=None,
+    lengths=None,
+    splits=None,
+    seed=0,
+    compare_torch=False,
+    backend="mem_eff",
+    kv_heads=None,
+    deterministic=False,
+):
     """One backward with bias / dropout: ours (``backend``) vs the fp64 reference (torch's
     mask) and, with ``compare_torch``, vs torch's backward on the same inputs. ``kv_heads``:
     key / value heads (grouped-query heads; default ``h``)."""
@@ -128,13 +174,35 @@ def run_feature_case(dtype, b, mq, mk, h, kd, kv, *, bias_shape=None, bias_layou
     if dropout_p > 0 and lengths is None:
         mask = torch_keep_mask((b, h, mq, mk), dropout_p, int(seed_t), int(offset_t))
     if lengths is None:
-        out, lse = attention_forward_ref(q, k, v, custom_mask_type=mask_type, window_size=window, scale=scale,
-                                         bias=bias, dropout_mask=mask, dropout_p=dropout_p)  # fmt: skip
-        ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type, window_size=window, scale=scale, bias=bias,
-                                     dropout_mask=mask, dropout_p=dropout_p, return_grad_bias=True,
-                                     out=out.to(dtype))  # fmt: skip
+        out, lse = attention_forward_ref(
+            q,
+            k,
+            v,
+            custom_mask_type=mask_type,
+            window_size=window,
+            scale=scale,
+            bias=bias,
+            dropout_mask=mask,
+            dropout_p=dropout_p,
+        )
+        ref = attention_backward_ref(
+            q,
+            k,
+            v,
+            do,
+            custom_mask_type=mask_type,
+            window_size=window,
+            scale=scale,
+            bias=bias,
+            dropout_mask=mask,
+            dropout_p=dropout_p,
+            return_grad_bias=True,
+            out=out.to(dtype),
+        )
     else:  # varlen: per sequence, each with its own batch-head offsets (max seqlens)
-        ref, out, lse = _varlen_dropout_ref(q, k, v, do, lengths, max_q, max_k, dropout_p, seed_t, offset_t, mask_type, window, scale)
+        ref, out, lse = _varlen_dropout_ref(
+            q, k, v, do, lengths, max_q, max_k, dropout_p, seed_t, offset_t, mask_type, window, scale
+        )
     rows = lse.shape[0]
     lse_t = torch.full((rows, h, (max_q + LSE_ALIGN - 1) // LSE_ALIGN * LSE_ALIGN), float("inf"), device=DEV)
     lse_t[..., : lse.shape[-1]] = lse.float()
@@ -199,14 +267,33 @@ def _varlen_dropout_ref(q, k, v, do, lengths, max_q, max_k, p, seed_t, offset_t,
         mask = None
         if p > 0 and nk > 0:
             # the sequence's (batch i, head) stream, rows of nk keys: the twin of torch's draw
-            full = mem_eff_dropout_keep_mask(int(seed_t), int(offset_t) + i * h * words_per_bh, 1, h, 1, words_per_bh, p)
+            full = mem_eff_dropout_keep_mask(
+                int(seed_t), int(offset_t) + i * h * words_per_bh, 1, h, 1, words_per_bh, p
+            )
             mask = full.view(1, h, words_per_bh)[..., : nq * nk].reshape(1, h, nq, nk).to(DEV)
         one = lambda x, s: x[:, s]  # noqa: E731
-        o, l_ = attention_forward_ref(one(q, sq), one(k, sk), one(v, sk), custom_mask_type=mask_type, window_size=window,
-                                      scale=scale, dropout_mask=mask, dropout_p=p)  # fmt: skip
-        g = attention_backward_ref(one(q, sq), one(k, sk), one(v, sk), one(do, sq), custom_mask_type=mask_type,
-                                   window_size=window, scale=scale, dropout_mask=mask, dropout_p=p,
-                                   out=o.to(q.dtype))  # fmt: skip
+        o, l_ = attention_forward_ref(
+            one(q, sq),
+            one(k, sk),
+            one(v, sk),
+            custom_mask_type=mask_type,
+            window_size=window,
+            scale=scale,
+            dropout_mask=mask,
+            dropout_p=p,
+        )
+        g = attention_backward_ref(
+            one(q, sq),
+            one(k, sk),
+            one(v, sk),
+            one(do, sq),
+            custom_mask_type=mask_type,
+            window_size=window,
+            scale=scale,
+            dropout_mask=mask,
+            dropout_p=p,
+            out=o.to(q.dtype),
+        )
         out[:, sq], lse[i, :, :nq] = o, l_[0]
         dq[:, sq], dk[:, sk], dv[:, sk] = g
     return (dq, dk, dv), out, lse
@@ -228,7 +315,9 @@ BIAS_KINDS = [
 @pytest.mark.parametrize("shape,layout", BIAS_KINDS, ids=[f"{'x'.join(map(str, s))}-{lay}" for s, lay in BIAS_KINDS])
 def test_bias_and_grad_vs_reference(dtype, shape, layout):
     for grad in (False, True):
-        run_feature_case(dtype, 2, 100, 140, 3, 64, 64, bias_shape=shape, bias_layout=layout, bias_grad=grad, mask_type=int(grad))
+        run_feature_case(
+            dtype, 2, 100, 140, 3, 64, 64, bias_shape=shape, bias_layout=layout, bias_grad=grad, mask_type=int(grad)
+        )
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16, F32], ids=["fp16", "bf16", "fp32"])
@@ -241,13 +330,37 @@ def test_dropout_vs_reference(dtype):
 def test_bias_grad_and_dropout_head_dims(head_dim):
     if torch.cuda.get_device_capability()[0] < 9 and head_dim > 384:
         pytest.skip("head dims above 384 need sm_90's shared memory")
-    run_feature_case(BF16, 2, 90, 150, 2, head_dim, head_dim, bias_shape=(2, 1, 90, 150), bias_grad=True, dropout_p=0.2,
-                     mask_type=1, splits=2)  # fmt: skip
+    run_feature_case(
+        BF16,
+        2,
+        90,
+        150,
+        2,
+        head_dim,
+        head_dim,
+        bias_shape=(2, 1, 90, 150),
+        bias_grad=True,
+        dropout_p=0.2,
+        mask_type=1,
+        splits=2,
+    )
 
 
 def test_dropout_varlen():
     for splits in (1, 3):
-        run_feature_case(F16, 1, 0, 0, 2, 64, 64, dropout_p=0.25, lengths=([70, 0, 129, 5], [90, 3, 200, 0]), mask_type=1, splits=splits)
+        run_feature_case(
+            F16,
+            1,
+            0,
+            0,
+            2,
+            64,
+            64,
+            dropout_p=0.25,
+            lengths=([70, 0, 129, 5], [90, 3, 200, 0]),
+            mask_type=1,
+            splits=splits,
+        )
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
@@ -257,7 +370,9 @@ def test_vs_torch_backward(dtype):
     run_feature_case(dtype, 2, 128, 256, 4, 128, 128, dropout_p=0.3, mask_type=1, compare_torch=True)
     # bias requiring grad, broadcast over batch and over heads (torch gives the full shape: summed)
     run_feature_case(dtype, 2, 128, 256, 4, 64, 64, bias_shape=(1, 4, 128, 256), bias_grad=True, compare_torch=True)
-    run_feature_case(dtype, 2, 128, 256, 4, 64, 64, bias_shape=(2, 1, 128, 256), bias_grad=True, dropout_p=0.1, compare_torch=True)
+    run_feature_case(
+        dtype, 2, 128, 256, 4, 64, 64, bias_shape=(2, 1, 128, 256), bias_grad=True, dropout_p=0.1, compare_torch=True
+    )
 
 
 # ------------------------------------------------------------------------- torch faces
@@ -278,8 +393,15 @@ def test_memory_efficient_attention_bias_dropout_autograd(dtype):
     torch.manual_seed(7)
     seed_t, offset_t = philox_state(b, h, mq, mk, p)
     mask = torch_keep_mask((b, h, mq, mk), p, int(seed_t), int(offset_t))
-    ref = attention_backward_ref(q, k, v, do, custom_mask_type=1, bias=bias, dropout_mask=mask, dropout_p=p, return_grad_bias=True)
-    for name, got, want in (("dq", q.grad, ref[0]), ("dk", k.grad, ref[1]), ("dv", v.grad, ref[2]), ("dbias", bias.grad, ref[3].sum(0))):
+    ref = attention_backward_ref(
+        q, k, v, do, custom_mask_type=1, bias=bias, dropout_mask=mask, dropout_p=p, return_grad_bias=True
+    )
+    for name, got, want in (
+        ("dq", q.grad, ref[0]),
+        ("dk", k.grad, ref[1]),
+        ("dv", v.grad, ref[2]),
+        ("dbias", bias.grad, ref[3].sum(0)),
+    ):
         check_grad(name, got, want, dtype)
 
 

@@ -105,8 +105,9 @@ def torch_backward_ok(mask_type, window, segs):
 def ref_forward(q, k, v, mask_type, window, scale, cq, ck, max_q):
     """(out, lse) in torch's layout from the fp64 reference: out in q's dtype, lse fp32
     [rows, H, round_up(max_q, 32)] padded with +inf, 0 on rows without keys."""
-    out, lse = attention_forward_ref(q, k, v, custom_mask_type=mask_type, window_size=window, scale=scale,
-                                     cu_seqlens_q=cq, cu_seqlens_k=ck)  # fmt: skip
+    out, lse = attention_forward_ref(
+        q, k, v, custom_mask_type=mask_type, window_size=window, scale=scale, cu_seqlens_q=cq, cu_seqlens_k=ck
+    )
     rows, h, n = lse.shape
     padded = torch.full((rows, h, (max_q + LSE_ALIGN - 1) // LSE_ALIGN * LSE_ALIGN), float("inf"), device=DEV)
     padded[..., :n] = lse.float()
@@ -139,7 +140,9 @@ def check_grad(name, got, ref, dtype, theirs=None, rows=None, floor=None):
     if floor is not None:
         diff = (diff - floor).clamp_min(0.0)
     err = diff.max().item()
-    assert err <= REF_TOL[dtype] * mag, f"{name}: max |ours - ref| (beyond the floor) {err:.3g} > {REF_TOL[dtype]} * {mag:.3g}"
+    assert err <= REF_TOL[dtype] * mag, (
+        f"{name}: max |ours - ref| (beyond the floor) {err:.3g} > {REF_TOL[dtype]} * {mag:.3g}"
+    )
     tiles = tile_error(got, ref, floor=floor)
     TILE_ERRORS.append((name, dtype, tiles, None if theirs is None else tile_error(theirs, ref)))
     assert tiles <= TILE_TOL[dtype], f"{name}: a tile of 64 rows errs by {tiles:.3g} of its norm (> {TILE_TOL[dtype]})"
@@ -148,11 +151,30 @@ def check_grad(name, got, ref, dtype, theirs=None, rows=None, floor=None):
         ours_err = (sel(got).double() - sel(ref)).abs().max().item() if sel(ref).numel() else 0.0
         torch_err = (sel(theirs).double() - sel(ref)).abs().max().item() if sel(ref).numel() else 0.0
         bound = 2 * torch_err + FLOOR[dtype] * mag
-        assert ours_err <= bound, f"{name}: ours {ours_err:.3g} vs torch {torch_err:.3g} (bound {bound:.3g}, max |ref| {mag:.3g})"
+        assert ours_err <= bound, (
+            f"{name}: ours {ours_err:.3g} vs torch {torch_err:.3g} (bound {bound:.3g}, max |ref| {mag:.3g})"
+        )
 
 
-def run_case(dtype, b, mq, mk, h, kd, kv, *, mask_type=0, window=0, scale=None, lengths=None, splits=None,
-             layout="bmhk", seed=0, compare_torch=True, torch_forward=True):  # fmt: skip
+def run_case(
+    dtype,
+    b,
+    mq,
+    mk,
+    h,
+    kd,
+    kv,
+    *,
+    mask_type=0,
+    window=0,
+    scale=None,
+    lengths=None,
+    splits=None,
+    layout="bmhk",
+    seed=0,
+    compare_torch=True,
+    torch_forward=True,
+):
     """One backward: ours vs the reference and vs torch's on the same out / lse."""
     gen = torch.Generator(DEV).manual_seed(seed)
     if lengths is not None:
@@ -163,17 +185,38 @@ def run_case(dtype, b, mq, mk, h, kd, kv, *, mask_type=0, window=0, scale=None, 
     win = window or None
     if torch_forward and torch_forward_ok(mask_type, segs):
         out, lse, seed_t, offset_t, _, _ = torch.ops.aten._efficient_attention_forward(
-            q, k, v, None, cq, ck, max_q if cq is not None else None, max_k if cq is not None else None,
-            0.0, mask_type, True, scale=scale, window_size=win,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            None,
+            cq,
+            ck,
+            max_q if cq is not None else None,
+            max_k if cq is not None else None,
+            0.0,
+            mask_type,
+            True,
+            scale=scale,
+            window_size=win,
+        )
     else:
         out, lse = ref_forward(q, k, v, mask_type, window, scale, cq, ck, max_q)
         seed_t = offset_t = torch.empty((), dtype=torch.int64)
     args = (do, q, k, v, None, out, cq, ck, max_q, max_k, lse, 0.0, seed_t, offset_t, mask_type, False)
     kw = dict(scale=scale, num_splits_key=splits, window_size=win)
     dq, dk, dv, _ = _backward()(*args, **kw)
-    ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type, window_size=window, scale=scale,
-                                 cu_seqlens_q=cq, cu_seqlens_k=ck, out=out)  # fmt: skip
+    ref = attention_backward_ref(
+        q,
+        k,
+        v,
+        do,
+        custom_mask_type=mask_type,
+        window_size=window,
+        scale=scale,
+        cu_seqlens_q=cq,
+        cu_seqlens_k=ck,
+        out=out,
+    )
     theirs = [None] * 3
     if compare_torch and torch_backward_ok(mask_type, window, segs):
         theirs = torch.ops.aten._efficient_attention_backward(*args, **kw)[:3]
@@ -202,9 +245,15 @@ def test_head_dims(head_dim, dtype):
 # (Dqk, Dv, dtype): max_k 320 (column tile 64, two Q / dO stages), 384 and 512 (tile 128),
 # Dqk != Dv both ways (chunks past the smaller head dim are skipped).
 BIG_HEAD_CASES = [
-    (288, 288, F16), (288, 288, BF16), (384, 384, F16), (384, 384, BF16),
-    (512, 512, F16), (512, 512, BF16), (512, 320, BF16), (320, 512, F16),
-]  # fmt: skip
+    (288, 288, F16),
+    (288, 288, BF16),
+    (384, 384, F16),
+    (384, 384, BF16),
+    (512, 512, F16),
+    (512, 512, BF16),
+    (512, 320, BF16),
+    (320, 512, F16),
+]
 # (B, Mq, Mk, H): Mq < Mk leaves key blocks no causal query sees (zfill_grad_kv); Mq > Mk
 # walks several query blocks per key block (workspace load / add / store)
 BIG_SHAPES = [(2, 100, 257, 2), (1, 300, 130, 2)]
@@ -265,7 +314,11 @@ FP32_CASES = [  # (Dqk, Dv, mask, window, splits, lengths): the SIMT path, every
 ]
 
 
-@pytest.mark.parametrize("case", FP32_CASES, ids=[f"k{c[0]}-v{c[1]}-m{c[2]}-w{c[3]}-s{c[4]}-{'varlen' if c[5] else 'dense'}" for c in FP32_CASES])
+@pytest.mark.parametrize(
+    "case",
+    FP32_CASES,
+    ids=[f"k{c[0]}-v{c[1]}-m{c[2]}-w{c[3]}-s{c[4]}-{'varlen' if c[5] else 'dense'}" for c in FP32_CASES],
+)
 def test_fp32(case):
     """fp32 inputs run the SIMT FMA matmuls (no tensor cores): fp32 accuracy."""
     kd, kv, mask_type, window, splits, lengths = case
@@ -317,7 +370,9 @@ VARLEN = [
 ]
 
 
-@pytest.mark.parametrize("dtype,head_dim", [(F16, 64), (BF16, 64), (BF16, 128)], ids=["fp16-d64", "bf16-d64", "bf16-d128"])
+@pytest.mark.parametrize(
+    "dtype,head_dim", [(F16, 64), (BF16, 64), (BF16, 128)], ids=["fp16-d64", "bf16-d64", "bf16-d128"]
+)
 def test_varlen(dtype, head_dim):
     for i, lengths in enumerate(VARLEN):
         for mask_type, window in ((0, 0), (1, 0), (2, 0), (1, 8), (2, 8)):
@@ -356,15 +411,19 @@ def _op_case(dtype, q, k, v, do, causal, window, scale, lengths):
     if lengths is not None:
         kw = dict(cu_seqlens_q=cu_seqlens(lengths[0]), cu_seqlens_k=cu_seqlens(lengths[1]))
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out = ops.memory_efficient_attention(q, k, v, causal=causal, window_size=window, scale=scale, backend="mem_eff", **kw)
+    out = ops.memory_efficient_attention(
+        q, k, v, causal=causal, window_size=window, scale=scale, backend="mem_eff", **kw
+    )
     out.backward(do)
     mask_type = {False: 0, True: 1, "top_left": 1, "bottom_right": 2}[causal]
     cq, ck = kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k")
-    ref_out, _ = attention_forward_ref(q, k, v, custom_mask_type=mask_type, window_size=window or 0, scale=scale,
-                                       cu_seqlens_q=cq, cu_seqlens_k=ck)  # fmt: skip
+    ref_out, _ = attention_forward_ref(
+        q, k, v, custom_mask_type=mask_type, window_size=window or 0, scale=scale, cu_seqlens_q=cq, cu_seqlens_k=ck
+    )
     assert (out.double() - ref_out).abs().max().item() <= REF_TOL[dtype] * ref_out.abs().max().item()
-    ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type, window_size=window or 0, scale=scale,
-                                 cu_seqlens_q=cq, cu_seqlens_k=ck)  # fmt: skip
+    ref = attention_backward_ref(
+        q, k, v, do, custom_mask_type=mask_type, window_size=window or 0, scale=scale, cu_seqlens_q=cq, cu_seqlens_k=ck
+    )
     for name, got, want in zip("qkv", (q.grad, k.grad, v.grad), ref):
         check_grad(f"d{name} (memory_efficient_attention {causal} w{window})", got, want, dtype)
 
@@ -480,7 +539,9 @@ def test_use_for_sdpa_training(dtype, causal, counted_backward):
         mag = ref[name].abs().max().item()
         e_ours = (ours[name].double() - ref[name]).abs().max().item()
         e_theirs = (theirs[name].double() - ref[name]).abs().max().item()
-        assert e_ours <= 2 * e_theirs + floor * mag, f"{name}: ours {e_ours:.3g} vs torch {e_theirs:.3g} (max |ref| {mag:.3g})"
+        assert e_ours <= 2 * e_theirs + floor * mag, (
+            f"{name}: ours {e_ours:.3g} vs torch {e_theirs:.3g} (max |ref| {mag:.3g})"
+        )
     # a few SGD steps with each: the losses stay together
     losses = {}
     for label, model, on in (("torch", theirs_model, False), ("ours", ours_model, True)):

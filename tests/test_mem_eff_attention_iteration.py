@@ -156,9 +156,15 @@ def _reference_row(row, bi, bj):
     p = IterationParams(nq, nk, cmt, window, ns, split, bi, bj)
     nxt_q, nxt_k = incr_iteration(p, q, k)
     return [
-        nxt_q, nxt_k, get_query_start(p, k), it.get_smallest_query_for_key(p, k),
-        get_num_parallel_blocks_for_query(p, q), int(is_last_key_for_query(p, q, k)),
-        get_query_start_shift(p), get_query_end(p), it._cdiv_trunc(q - k, bj),
+        nxt_q,
+        nxt_k,
+        get_query_start(p, k),
+        it.get_smallest_query_for_key(p, k),
+        get_num_parallel_blocks_for_query(p, q),
+        int(is_last_key_for_query(p, q, k)),
+        get_query_start_shift(p),
+        get_query_end(p),
+        it._cdiv_trunc(q - k, bj),
     ]
 
 
@@ -189,9 +195,7 @@ def test_dsl_matches_python(bi, bj):
     @cute.jit
     def run(mIn: cute.Tensor, mOut: cute.Tensor):
         for r in cutlass.range(mIn.shape[0]):
-            p = IterationParams(
-                mIn[r, 0], mIn[r, 1], mIn[r, 2], mIn[r, 3], mIn[r, 4], mIn[r, 5], bi, bj
-            )
+            p = IterationParams(mIn[r, 0], mIn[r, 1], mIn[r, 2], mIn[r, 3], mIn[r, 4], mIn[r, 5], bi, bj)
             q = mIn[r, 6]
             k = mIn[r, 7]
             nxt_q, nxt_k = incr_iteration(p, q, k)

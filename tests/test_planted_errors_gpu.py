@@ -32,19 +32,32 @@ def _case(backend, dropout_p=0.0, bias=False, seed=0):
     if dropout_p:
         seed_t, offset_t = philox_state(B, H, M_, M_, dropout_p)
         mask = torch_keep_mask((B, H, M_, M_), dropout_p, int(seed_t), int(offset_t))
-    out, lse = attention_forward_ref(q, k, v, custom_mask_type=1, bias=attn_bias, dropout_mask=mask, dropout_p=dropout_p)
+    out, lse = attention_forward_ref(
+        q, k, v, custom_mask_type=1, bias=attn_bias, dropout_mask=mask, dropout_p=dropout_p
+    )
     lse_t = torch.full((B, H, M_ + (-M_) % LSE_ALIGN), float("inf"), device=DEV)
     lse_t[..., :M_] = lse.float()
     out = out.to(BF16)
-    grads = M.efficient_attention_backward(do, q, k, v, attn_bias, out, None, None, M_, M_, lse_t, dropout_p,
-                                           seed_t, offset_t, 1, bias, backend=backend)  # fmt: skip
+    grads = M.efficient_attention_backward(
+        do, q, k, v, attn_bias, out, None, None, M_, M_, lse_t, dropout_p, seed_t, offset_t, 1, bias, backend=backend
+    )
     return (q, k, v, do, attn_bias, out), grads, mask, delta_rounding_floors(q, k, do, out, BF16)
 
 
 def _ref(inputs, mask=None, dropout_p=0.0):
     q, k, v, do, attn_bias, out = inputs
-    return attention_backward_ref(q, k, v, do, custom_mask_type=1, bias=attn_bias, dropout_mask=mask,
-                                  dropout_p=dropout_p, return_grad_bias=attn_bias is not None, out=out)  # fmt: skip
+    return attention_backward_ref(
+        q,
+        k,
+        v,
+        do,
+        custom_mask_type=1,
+        bias=attn_bias,
+        dropout_mask=mask,
+        dropout_p=dropout_p,
+        return_grad_bias=attn_bias is not None,
+        out=out,
+    )
 
 
 def _fails(check, *args):

@@ -84,10 +84,23 @@ def compile_key(c, rows_q: int, rows_k: int, group: int) -> tuple:
     """The sm90 kernel a call of class ``c`` with these sizes compiles (ops.attention_sm90._plan)."""
     d, dv = c["dims"]
     ctas = S._persistent_ctas(torch.empty(0, device="cuda"))
-    return S._plan(cc.cute_dtype(c["dtype"]), d, dv, c["mask_type"], "sm_90a", window=c["window"],
-                   deterministic=c["deterministic"], varlen=c["varlen"], bias=c["bias"] is not None,
-                   grad_bias=c["bias"] == "bias_grad", dropout=c["dropout"], rows_q=rows_q, group=group,
-                   rows_k=rows_k, ctas=ctas)[2]  # fmt: skip
+    return S._plan(
+        cc.cute_dtype(c["dtype"]),
+        d,
+        dv,
+        c["mask_type"],
+        "sm_90a",
+        window=c["window"],
+        deterministic=c["deterministic"],
+        varlen=c["varlen"],
+        bias=c["bias"] is not None,
+        grad_bias=c["bias"] == "bias_grad",
+        dropout=c["dropout"],
+        rows_q=rows_q,
+        group=group,
+        rows_k=rows_k,
+        ctas=ctas,
+    )[2]
 
 
 _sizes: dict = {}
@@ -99,8 +112,7 @@ def class_sizes(ci: int) -> list:
     if ci not in _sizes:
         c = CLASSES[ci]
         grid = [1, 2, 17, 64, 65, 100, 127, 128, 129, 200, 255, 256, 257, 300, MAX_ROWS]
-        triples = [(q, k, g) for q in grid for k in grid for g in (1, 2, 4)
-                   if c["mask_type"] != 2 or q <= k]  # fmt: skip
+        triples = [(q, k, g) for q in grid for k in grid for g in (1, 2, 4) if c["mask_type"] != 2 or q <= k]
         anchor = compile_key(c, 256, 256, 1)
         _sizes[ci] = [t for t in triples if compile_key(c, *t) == anchor]
     return _sizes[ci]
@@ -111,11 +123,18 @@ def case_specs(draw, ci):
     c = CLASSES[ci]
     rows_q, rows_k, group = draw(st.sampled_from(class_sizes(ci)))
     kv_heads = draw(st.integers(1, 2))
-    spec = dict(kv_heads=kv_heads, h=kv_heads * group, scale=draw(st.sampled_from([None, None, 0.05, 0.3])),
-                seed=draw(st.integers(0, 2**31 - 1)), lengths=None)  # fmt: skip
+    spec = dict(
+        kv_heads=kv_heads,
+        h=kv_heads * group,
+        scale=draw(st.sampled_from([None, None, 0.05, 0.3])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+        lengths=None,
+    )
     if c["varlen"]:  # sequences no longer than the class's rows, one of them that long
         n = draw(st.integers(1, 4))
-        lq = draw(st.lists(st.sampled_from([x for x in (0, 1, 2, 33) if x <= rows_q] + [rows_q]), min_size=n, max_size=n))
+        lq = draw(
+            st.lists(st.sampled_from([x for x in (0, 1, 2, 33) if x <= rows_q] + [rows_q]), min_size=n, max_size=n)
+        )
         lk = [draw(st.integers(min(q, rows_k) if c["mask_type"] == 2 else 0, rows_k)) for q in lq]
         i = draw(st.integers(0, n - 1))
         lq[i], lk[i] = rows_q, rows_k
@@ -128,7 +147,9 @@ def case_specs(draw, ci):
     spec["bias_shape"] = None
     if c["bias"]:
         b, h, mq, mk = spec["b"], spec["h"], spec["mq"], spec["mk"]
-        spec["bias_shape"] = draw(st.sampled_from([(b, h, mq, mk), (1, h, mq, mk), (b, 1, mq, mk), (mq, mk), (b, h, 1, mk)]))
+        spec["bias_shape"] = draw(
+            st.sampled_from([(b, h, mq, mk), (1, h, mq, mk), (b, 1, mq, mk), (mq, mk), (b, h, 1, mk)])
+        )
         spec["bias_layout"] = draw(st.sampled_from(["dense", "padded", "transposed"]))
     return spec
 
@@ -137,11 +158,27 @@ def _run(ci, s):
     c = CLASSES[ci]
     d, dv = c["dims"]
     note(f"class {class_id(c)}, case {s} (CUTE_KERNELS_RANDOM_SEED={SEED})")
-    run_feature_case(c["dtype"], s["b"], s["mq"], s["mk"], s["h"], d, dv, kv_heads=s["kv_heads"],
-                     bias_shape=s["bias_shape"], bias_layout=s.get("bias_layout", "dense"),
-                     bias_grad=c["bias"] == "bias_grad", dropout_p=s["dropout_p"], mask_type=c["mask_type"],
-                     window=s["window"], scale=s["scale"], lengths=s["lengths"], seed=s["seed"],
-                     deterministic=c["deterministic"], backend="auto")  # fmt: skip
+    run_feature_case(
+        c["dtype"],
+        s["b"],
+        s["mq"],
+        s["mk"],
+        s["h"],
+        d,
+        dv,
+        kv_heads=s["kv_heads"],
+        bias_shape=s["bias_shape"],
+        bias_layout=s.get("bias_layout", "dense"),
+        bias_grad=c["bias"] == "bias_grad",
+        dropout_p=s["dropout_p"],
+        mask_type=c["mask_type"],
+        window=s["window"],
+        scale=s["scale"],
+        lengths=s["lengths"],
+        seed=s["seed"],
+        deterministic=c["deterministic"],
+        backend="auto",
+    )
 
 
 def test_classes_cover_every_feature():
@@ -171,8 +208,14 @@ def test_attention_auto_randomized(ci, monkeypatch):
     monkeypatch.setattr(S, "attention_backward_sm90", lambda *a, **k: sm90_calls.append(1) or real(*a, **k))
 
     @seed(SEED + ci)
-    @settings(max_examples=CASES_PER_CLASS, deadline=None, database=None, phases=(Phase.explicit, Phase.generate),
-              suppress_health_check=list(HealthCheck), print_blob=False)  # fmt: skip
+    @settings(
+        max_examples=CASES_PER_CLASS,
+        deadline=None,
+        database=None,
+        phases=(Phase.explicit, Phase.generate),
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
     @given(data=st.data())
     def run(data):
         _run(ci, data.draw(case_specs(ci), label="case"))

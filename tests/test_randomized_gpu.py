@@ -242,11 +242,16 @@ def dropout_bias_specs(draw, ci):
         st.none(), st.tuples(st.integers(1, 4), st.integers(0, 4)).map(lambda t: (vec * t[0], vec * min(t[0], t[1])))
     )
     return dict(
-        dtype=dtype, activation=activation, bias_dtype=bias_dtype, vec=vec, shape=lead + (rows, n), p=p,
+        dtype=dtype,
+        activation=activation,
+        bias_dtype=bias_dtype,
+        vec=vec,
+        shape=lead + (rows, n),
+        p=p,
         mask_dtype=draw(st.sampled_from(["bool", "uint8"])),
         layouts={name: draw(row_layout) for name in ("grad_out", "mask", "x")},
         seed=draw(st.integers(0, 2**31 - 1)),
-    )  # fmt: skip
+    )
 
 
 def _row_strided(t, layout):
@@ -291,7 +296,9 @@ def _dropout_bias_case(s):
 _dropout_bias_family = _family("dropout_bias", DB_CLASSES, dropout_bias_specs, _dropout_bias_case)
 
 
-@pytest.mark.parametrize("ci", range(len(DB_CLASSES)), ids=[f"{_dt(c[0])}-{c[1]}-dbias_{_dt(c[2])}-vec{c[3]}" for c in DB_CLASSES])
+@pytest.mark.parametrize(
+    "ci", range(len(DB_CLASSES)), ids=[f"{_dt(c[0])}-{c[1]}-dbias_{_dt(c[2])}-vec{c[3]}" for c in DB_CLASSES]
+)
 def test_dropout_bias_randomized(ci):
     _dropout_bias_family(ci)
 
@@ -335,7 +342,9 @@ def norm_key(combo, n):
     in_bits, out_bits = 8 * dt.itemsize, 8 * (dz_dt or dt).itemsize
     w_bits = 8 * (w_dt if has_w else dt).itemsize
     vec = _vec_of_len(n, 128 // max(in_bits, out_bits))
-    tiles = ln_tiling.ln_bwd_tiles(n, in_bits, out_bits, w_bits, vec, NORM_ARCH, num_partials=max(1, int(has_w) + int(has_b)))
+    tiles = ln_tiling.ln_bwd_tiles(
+        n, in_bits, out_bits, w_bits, vec, NORM_ARCH, num_partials=max(1, int(has_w) + int(has_b))
+    )
     fin = ln_tiling.finalize_tiles(n).vec if (has_w or has_b) else None
     return vec, tiles, fin
 
@@ -435,8 +444,15 @@ def preprocess_specs(draw, ci):
     dtype, hd, vec = PP_CLASSES[ci]
     d = draw(st.sampled_from(pp_head_dims(dtype, hd, vec)))
     varlen = draw(st.booleans())
-    spec = dict(dtype=dtype, head_dim=d, vec=vec, varlen=varlen, heads=draw(st.integers(1, 4)),
-                zero_dq_accum=draw(st.booleans()), scale=draw(st.sampled_from([1.0, 0.9, 0.5, 0.0])))  # fmt: skip
+    spec = dict(
+        dtype=dtype,
+        head_dim=d,
+        vec=vec,
+        varlen=varlen,
+        heads=draw(st.integers(1, 4)),
+        zero_dq_accum=draw(st.booleans()),
+        scale=draw(st.sampled_from([1.0, 0.9, 0.5, 0.0])),
+    )
     if varlen:
         spec["lengths"] = draw(_lengths(600))
         spec["max_seqlen"] = max(spec["lengths"]) + draw(st.sampled_from([0, 0, 3, 130]))
@@ -466,8 +482,9 @@ def _preprocess_case(s):
     max_seqlen = s["max_seqlen"] if varlen else None
     b = len(s["lengths"]) if varlen else s["batch"]
     poison_allocator(b * h * A.seqlen_rounded(max_seqlen if varlen else s["seqlen"]) * 4)
-    res = A.attention_bwd_preprocess(out, grad_out, scale=s["scale"], cu_seqlens_q=cu, max_seqlen_q=max_seqlen,
-                                     zero_dq_accum=s["zero_dq_accum"])  # fmt: skip
+    res = A.attention_bwd_preprocess(
+        out, grad_out, scale=s["scale"], cu_seqlens_q=cu, max_seqlen_q=max_seqlen, zero_dq_accum=s["zero_dq_accum"]
+    )
     delta = res[0] if s["zero_dq_accum"] else res
     check_delta(delta, out, grad_out, s["scale"], cu, max_seqlen)
     if s["zero_dq_accum"]:
@@ -491,9 +508,15 @@ def test_attention_bwd_preprocess_randomized(ci):
 def _convert_common(draw, ci):
     dtype, hd, vec = PP_CONVERT_CLASSES[ci]
     varlen = draw(st.booleans())
-    spec = dict(dtype=dtype, head_dim=draw(st.sampled_from(pp_head_dims(dtype, hd, vec))), vec=vec, varlen=varlen,
-                heads=draw(st.integers(1, 4)), p_dropout=draw(st.sampled_from([0.0, 0.1, 0.5])),
-                scale=draw(st.sampled_from([1.0, 0.125, 0.0625, 0.3])))  # fmt: skip
+    spec = dict(
+        dtype=dtype,
+        head_dim=draw(st.sampled_from(pp_head_dims(dtype, hd, vec))),
+        vec=vec,
+        varlen=varlen,
+        heads=draw(st.integers(1, 4)),
+        p_dropout=draw(st.sampled_from([0.0, 0.1, 0.5])),
+        scale=draw(st.sampled_from([1.0, 0.125, 0.0625, 0.3])),
+    )
     if varlen:
         spec["lengths"] = draw(_lengths(600))
         spec["extra"] = draw(st.sampled_from([0, 0, 5, 200]))
@@ -533,7 +556,9 @@ def _convert_dq_case(s):
         cu = cu_seqlens(s["lengths"])
         max_seqlen = max(s["lengths"]) + s["extra"]
         poison_allocator(sum(s["lengths"]) * h * d * 2)
-        dq = A.attention_bwd_convert_dq(acc, scale, head_dim=d, cu_seqlens_q=cu, max_seqlen_q=max_seqlen, p_dropout=p, dtype=dtype)
+        dq = A.attention_bwd_convert_dq(
+            acc, scale, head_dim=d, cu_seqlens_q=cu, max_seqlen_q=max_seqlen, p_dropout=p, dtype=dtype
+        )
         ref = convert_dq_ref(acc, scale, head_dim=d, cu_seqlens_q=cu, p_dropout=p)
     else:
         sq = s["seqlen"]
@@ -640,10 +665,20 @@ def mem_eff_specs(draw, ci):
     if misalign == "dv" and dv % 2 == 0:
         dv -= 1
     bj = me_block_j(max_k)
-    spec = dict(cls=ci, dtype=dtype, max_k=max_k, aligned=aligned, varlen=varlen, split=split, misalign=misalign,
-                dqk=dqk, dv=dv, heads=draw(st.integers(1, 3)),
-                mask_type=draw(st.sampled_from([0, 1, 2])),
-                scale=draw(st.sampled_from([None, None, 0.05, 0.3, 1.0])))  # fmt: skip
+    spec = dict(
+        cls=ci,
+        dtype=dtype,
+        max_k=max_k,
+        aligned=aligned,
+        varlen=varlen,
+        split=split,
+        misalign=misalign,
+        dqk=dqk,
+        dv=dv,
+        heads=draw(st.integers(1, 3)),
+        mask_type=draw(st.sampled_from([0, 1, 2])),
+        scale=draw(st.sampled_from([None, None, 0.05, 0.3, 1.0])),
+    )
     if varlen:
         lq = draw(_lengths(200))
         lk = draw(st.lists(st.integers(0, 200), min_size=len(lq), max_size=len(lq)).filter(lambda ls: sum(ls) > 0))
@@ -690,9 +725,20 @@ def mem_eff_inputs(s, device=None):
 
 def _torch_forward(q, k, v, cq, ck, max_q, max_k, mask_type, scale, win):
     out, lse, seed_t, offset_t, _, _ = torch.ops.aten._efficient_attention_forward(
-        q, k, v, None, cq, ck, max_q if cq is not None else None, max_k if cq is not None else None,
-        0.0, mask_type, True, scale=scale, window_size=win,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        None,
+        cq,
+        ck,
+        max_q if cq is not None else None,
+        max_k if cq is not None else None,
+        0.0,
+        mask_type,
+        True,
+        scale=scale,
+        window_size=win,
+    )
     return out, lse, seed_t, offset_t
 
 
@@ -703,7 +749,15 @@ def _torch_backward(*args, **kw):
 def _mem_eff_case(s):
     t = mem_eff_inputs(s)
     q, k, v, do = t["q"], t["k"], t["v"], t["grad_out"]
-    b, mq, mk, dtype, mask_type, window, scale = s["batch"], s["mq"], s["mk"], s["dtype"], s["mask_type"], s["window"], s["scale"]
+    b, mq, mk, dtype, mask_type, window, scale = (
+        s["batch"],
+        s["mq"],
+        s["mk"],
+        s["dtype"],
+        s["mask_type"],
+        s["window"],
+        s["scale"],
+    )
     lengths = s["lengths"]
     cq, ck, max_q, max_k = seq_args(mq, mk, lengths)
     segs = segments(b, mq, mk, lengths)
@@ -720,8 +774,9 @@ def _mem_eff_case(s):
     args = (do, q, k, v, None, out, cq, ck, max_q, max_k, lse_v, 0.0, seed_t, offset_t, mask_type, False)
     poison_allocator(*(2 * math.prod(x.shape) for x in (q, k, v)))  # unwritten gradients show as NaN
     dq, dk, dv, _ = _backward()(*args, scale=scale, num_splits_key=s["num_splits_key"], window_size=win)
-    ref = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type, window_size=window, scale=scale,
-                                 cu_seqlens_q=cq, cu_seqlens_k=ck)  # fmt: skip
+    ref = attention_backward_ref(
+        q, k, v, do, custom_mask_type=mask_type, window_size=window, scale=scale, cu_seqlens_q=cq, cu_seqlens_k=ck
+    )
     theirs = [None] * 3
     if usable and torch_backward_ok(mask_type, window, segs):
         targs = (doc, qc, kc, vc, None, out_c, cq, ck, max_q, max_k, lse, 0.0, seed_t, offset_t, mask_type, False)
@@ -734,8 +789,10 @@ def _mem_eff_case(s):
 
 
 _mem_eff_family = _family("efficient_attention_backward", ME_CLASSES, mem_eff_specs, _mem_eff_case)
-_ME_IDS = [f"{_dt(c[0])}-k{c[1]}-{'aligned' if c[2] else 'unaligned'}-{'varlen' if c[3] else 'dense'}-{'split' if c[4] else 'nosplit'}"
-           for c in ME_CLASSES]  # fmt: skip
+_ME_IDS = [
+    f"{_dt(c[0])}-k{c[1]}-{'aligned' if c[2] else 'unaligned'}-{'varlen' if c[3] else 'dense'}-{'split' if c[4] else 'nosplit'}"
+    for c in ME_CLASSES
+]
 
 
 @pytest.mark.parametrize("ci", range(len(ME_CLASSES)), ids=_ME_IDS)
@@ -765,9 +822,18 @@ def bias_dropout_specs(draw, ci):
     dqk = draw(st.sampled_from([d for d in range(max_k - 31, max_k + 1) if d % 8 == 0]))
     dv = draw(st.sampled_from([dqk, draw(st.sampled_from(list(range(8, dqk + 1, 8))))]))
     dqk, dv = (dqk, dv) if draw(st.booleans()) else (dv, dqk)
-    spec = dict(cls=ci, dtype=dtype, kd=dqk, kv=dv, h=draw(st.integers(1, 3)), mask_type=draw(st.sampled_from([0, 1, 2])),
-                scale=draw(st.sampled_from([None, None, 0.3])), splits=draw(st.sampled_from([None, 1, 2, 3])),
-                dropout_p=draw(st.sampled_from([0.05, 0.1, 0.3, 0.6])) if dropout else 0.0, seed=draw(st.integers(0, 2**31 - 1)))  # fmt: skip
+    spec = dict(
+        cls=ci,
+        dtype=dtype,
+        kd=dqk,
+        kv=dv,
+        h=draw(st.integers(1, 3)),
+        mask_type=draw(st.sampled_from([0, 1, 2])),
+        scale=draw(st.sampled_from([None, None, 0.3])),
+        splits=draw(st.sampled_from([None, 1, 2, 3])),
+        dropout_p=draw(st.sampled_from([0.05, 0.1, 0.3, 0.6])) if dropout else 0.0,
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
     if varlen:
         lq = draw(st.lists(st.integers(0, 150), min_size=1, max_size=4).filter(lambda ls: sum(ls) > 0))
         lk = draw(st.lists(st.integers(0, 200), min_size=len(lq), max_size=len(lq)).filter(lambda ls: sum(ls) > 0))
@@ -782,9 +848,21 @@ def bias_dropout_specs(draw, ci):
     spec["window"] = 0 if spec["mask_type"] == 0 else draw(st.one_of(st.just(0), st.integers(1, spec["keys"] + 16)))
     if bias is not None:
         b, h, mq, mk = spec["b"], spec["h"], spec["mq"], spec["mk"]
-        keep = draw(st.sampled_from(["full", "batch", "heads", "both", "queries", "keys"] if bias == "unaligned" else ["full", "batch", "heads", "both", "queries"]))
-        shape = {"full": (b, h, mq, mk), "batch": (1, h, mq, mk), "heads": (b, 1, mq, mk), "both": (mq, mk),
-                 "queries": (b, h, 1, mk), "keys": (b, h, mq, 1)}[keep]  # fmt: skip
+        keep = draw(
+            st.sampled_from(
+                ["full", "batch", "heads", "both", "queries", "keys"]
+                if bias == "unaligned"
+                else ["full", "batch", "heads", "both", "queries"]
+            )
+        )
+        shape = {
+            "full": (b, h, mq, mk),
+            "batch": (1, h, mq, mk),
+            "heads": (b, 1, mq, mk),
+            "both": (mq, mk),
+            "queries": (b, h, 1, mk),
+            "keys": (b, h, mq, 1),
+        }[keep]
         layout = "dense"
         if bias == "aligned":
             spec["mk"] = mk = -(-mk // 8) * 8  # rows a whole number of 128-bit vectors
@@ -800,15 +878,34 @@ def bias_dropout_specs(draw, ci):
 def _bias_dropout_case(s):
     from .test_mem_eff_attention_features_gpu import run_feature_case
 
-    run_feature_case(s["dtype"], s["b"], s["mq"], s["mk"], s["h"], s["kd"], s["kv"], bias_shape=s["bias_shape"],
-                     bias_layout=s["bias_layout"], bias_grad=s["bias_grad"], dropout_p=s["dropout_p"],
-                     mask_type=s["mask_type"], window=s["window"], scale=s["scale"], lengths=s["lengths"],
-                     splits=s["splits"], seed=s["seed"])  # fmt: skip
+    run_feature_case(
+        s["dtype"],
+        s["b"],
+        s["mq"],
+        s["mk"],
+        s["h"],
+        s["kd"],
+        s["kv"],
+        bias_shape=s["bias_shape"],
+        bias_layout=s["bias_layout"],
+        bias_grad=s["bias_grad"],
+        dropout_p=s["dropout_p"],
+        mask_type=s["mask_type"],
+        window=s["window"],
+        scale=s["scale"],
+        lengths=s["lengths"],
+        splits=s["splits"],
+        seed=s["seed"],
+    )
 
 
-_bias_dropout_family = _family("efficient_attention_backward_bias_dropout", BD_CLASSES, bias_dropout_specs, _bias_dropout_case)
-_BD_IDS = [f"{_dt(c[0])}-k{c[1]}-bias_{c[2]}{'_grad' if c[3] else ''}-{'dropout' if c[4] else 'nodropout'}-{'varlen' if c[5] else 'dense'}"
-           for c in BD_CLASSES]  # fmt: skip
+_bias_dropout_family = _family(
+    "efficient_attention_backward_bias_dropout", BD_CLASSES, bias_dropout_specs, _bias_dropout_case
+)
+_BD_IDS = [
+    f"{_dt(c[0])}-k{c[1]}-bias_{c[2]}{'_grad' if c[3] else ''}-{'dropout' if c[4] else 'nodropout'}-{'varlen' if c[5] else 'dense'}"
+    for c in BD_CLASSES
+]
 
 
 @pytest.mark.parametrize("ci", range(len(BD_CLASSES)), ids=_BD_IDS)
@@ -832,7 +929,9 @@ def test_randomized_case_count(request):
         pytest.skip("only part of the randomized families / classes was selected")
     unfinished = sorted(expected - _DONE)
     if unfinished:
-        pytest.skip(f"(family, class) runs that failed or did not run: {unfinished} (their failures are reported above)")
+        pytest.skip(
+            f"(family, class) runs that failed or did not run: {unfinished} (their failures are reported above)"
+        )
     total = sum(_COUNTS.values())
     summary = ", ".join(f"{f}: {_COUNTS[f]}" for f in _CLASSES)
     assert total >= MIN_TOTAL_CASES, f"only {total} randomized cases ran ({summary}), seed {SEED}"

@@ -21,8 +21,9 @@ FAKE_OK = [c for c in CONFIGS if not c.gpu_only]
 
 
 def cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "benchmarks.sanitize", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.sanitize", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 # --------------------------------------------------------------------- configurations
@@ -53,16 +54,55 @@ def test_configurations_reach_the_important_variants():
     for part in ("x7", "x1000", "x4096", "x65536", "ln-bf16", "ln-fp32", "rms-", "no-bias", "cluster8", "misaligned"):
         assert part in norm, part
     pre = names("attn_prepost")
-    for part in ("preprocess-", "zero-dq", "preprocess-varlen", "d33", "compute_delta", "convert_dq", "nsplits",
-                 "convert_dkv", "clear_dkv_accum"):  # fmt: skip
+    for part in (
+        "preprocess-",
+        "zero-dq",
+        "preprocess-varlen",
+        "d33",
+        "compute_delta",
+        "convert_dq",
+        "nsplits",
+        "convert_dkv",
+        "clear_dkv_accum",
+    ):
         assert part in pre, part
     mea = names("mem_eff_attention")
-    for part in ("-d64-", "-d128-", "-d256-", "k128v64", "causal_tl", "causal_br", "window", "varlen", "splits2",
-                 "fp16-", "bf16-", "packed", "bhmk"):  # fmt: skip
+    for part in (
+        "-d64-",
+        "-d128-",
+        "-d256-",
+        "k128v64",
+        "causal_tl",
+        "causal_br",
+        "window",
+        "varlen",
+        "splits2",
+        "fp16-",
+        "bf16-",
+        "packed",
+        "bhmk",
+    ):
         assert part in mea, part
     sm90 = names("attention_sm90")
-    for part in ("-d64-", "-d128-", "-d96-", "-d192-", "-d256-", "k128v64", "causal_tl", "causal_br", "window", "varlen",
-                 "gqa", "deterministic", "bias_grad-dropout", "overlap", "carry", "fp16-", "bf16-"):  # fmt: skip
+    for part in (
+        "-d64-",
+        "-d128-",
+        "-d96-",
+        "-d192-",
+        "-d256-",
+        "k128v64",
+        "causal_tl",
+        "causal_br",
+        "window",
+        "varlen",
+        "gqa",
+        "deterministic",
+        "bias_grad-dropout",
+        "overlap",
+        "carry",
+        "fp16-",
+        "bf16-",
+    ):
         assert part in sm90, part
     canaries = [c for c in CONFIGS if c.expect_errors]
     assert {t for c in canaries for t in c.tools} == {"memcheck", "racecheck"}
@@ -188,7 +228,9 @@ def test_parse_startup_exit_api_and_target_errors():
     p = S.parse_output(text)
     assert p.buckets[S.STARTUP].api_errors == 1 and p.buckets[S.STARTUP].errors == 0
     assert p.buckets["canary/x"].api_errors == 1
-    assert p.ended["canary/x"]["status"] == "exception" and "unspecified launch failure" in p.ended["canary/x"]["detail"]
+    assert (
+        p.ended["canary/x"]["status"] == "exception" and "unspecified launch failure" in p.ended["canary/x"]["detail"]
+    )
     assert p.buckets[S.EXIT].errors == 1 and p.target_error
     assert p.unaccounted_errors == 0  # 1 + 1 API errors, 1 error, the exit status
     job = S.Job("synccheck", "g", [], parsed=p)
@@ -263,9 +305,15 @@ def test_sanitizer_command_lines():
     race = S.sanitizer_command("/x/compute-sanitizer", "racecheck", names, port=49168, launch_timeout=300)
     assert race[:3] == ["/x/compute-sanitizer", "--tool", "racecheck"]
     joined = " ".join(race)
-    for part in ("--error-exitcode 99", "--kernel-name kns=kernel_cutlass_", "--racecheck-report analysis",
-                 "--port 49168", "--launch-timeout 300", "--destroy-on-device-error kernel",
-                 "-m benchmarks.sanitize --worker norm/a,norm/b"):  # fmt: skip
+    for part in (
+        "--error-exitcode 99",
+        "--kernel-name kns=kernel_cutlass_",
+        "--racecheck-report analysis",
+        "--port 49168",
+        "--launch-timeout 300",
+        "--destroy-on-device-error kernel",
+        "-m benchmarks.sanitize --worker norm/a,norm/b",
+    ):
         assert part in joined, part
     assert "--padding" not in joined
     mem = " ".join(S.sanitizer_command("cs", "memcheck", names, port=1, launch_timeout=1, all_kernels=True))
@@ -359,8 +407,9 @@ def test_canary_compiles(kind):
     from benchmarks.sanitize_canary import Canary
     from ops import _compile as cc
 
-    fn = cc.compile_kernel(Canary(kind), cc.fake_tensor(cutlass.Float32, (cute.sym_int(),), 1), cc.fake_stream(),
-                           arch="sm_90a")  # fmt: skip
+    fn = cc.compile_kernel(
+        Canary(kind), cc.fake_tensor(cutlass.Float32, (cute.sym_int(),), 1), cc.fake_stream(), arch="sm_90a"
+    )
     assert callable(fn)
 
 
@@ -376,8 +425,18 @@ def _needs_sanitizer():
 def test_memcheck_one_configuration(tmp_path):
     _needs_sanitizer()
     out = tmp_path / "sanitize.json"
-    p = cli("--tools", "memcheck", "--only", "dropout_bias/fp32-1x1", "--no-canary", "--json", str(out),
-            "--log-dir", str(tmp_path / "logs"), timeout=600)  # fmt: skip
+    p = cli(
+        "--tools",
+        "memcheck",
+        "--only",
+        "dropout_bias/fp32-1x1",
+        "--no-canary",
+        "--json",
+        str(out),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        timeout=600,
+    )
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["ok"] and [(r["config"], r["tool"], r["status"]) for r in report["results"]] == [
@@ -446,8 +505,23 @@ def test_driver_end_to_end_with_a_stand_in_sanitizer(tmp_path, monkeypatch, caps
     _pretend_gpu(monkeypatch)
     out = tmp_path / "report.json"
     only = "dropout_bias/fp32-1x1,dropout_bias/bf16-3x12288,norm/rms-bf16-301x1000,norm/ln-bf16-301x7"
-    rc = S.main(["--sanitizer", str(tool), "--only", only, "--no-canary", "--jobs", "3", "--settle", "0",
-                 "--json", str(out), "--log-dir", str(tmp_path / "logs")])  # fmt: skip
+    rc = S.main(
+        [
+            "--sanitizer",
+            str(tool),
+            "--only",
+            only,
+            "--no-canary",
+            "--jobs",
+            "3",
+            "--settle",
+            "0",
+            "--json",
+            str(out),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ]
+    )
     printed = capsys.readouterr().out
     report = json.loads(out.read_text())
     assert rc == 1 and not report["ok"] and "FAILED" in printed
@@ -461,8 +535,26 @@ def test_driver_end_to_end_with_a_stand_in_sanitizer(tmp_path, monkeypatch, caps
     assert "FAIL norm/rms-bf16-301x1000 [memcheck]: errors (1 errors)" in printed
     # the clean ones alone pass; --warm runs the worker without a sanitizer first (here under fake tensors)
     command = S.sanitizer_command
-    monkeypatch.setattr(S, "sanitizer_command", lambda san, t, *a, **k: command(san, t, *a, **k) + ["--fake"] * (t == S.PLAIN))
-    rc = S.main(["--sanitizer", str(tool), "--only", "dropout_bias/fp32-1x1", "--no-canary", "--tools", "synccheck",
-                 "--settle", "0", "--json", str(out), "--warm", "--log-dir", str(tmp_path / "logs2")])  # fmt: skip
+    monkeypatch.setattr(
+        S, "sanitizer_command", lambda san, t, *a, **k: command(san, t, *a, **k) + ["--fake"] * (t == S.PLAIN)
+    )
+    rc = S.main(
+        [
+            "--sanitizer",
+            str(tool),
+            "--only",
+            "dropout_bias/fp32-1x1",
+            "--no-canary",
+            "--tools",
+            "synccheck",
+            "--settle",
+            "0",
+            "--json",
+            str(out),
+            "--warm",
+            "--log-dir",
+            str(tmp_path / "logs2"),
+        ]
+    )
     report = json.loads(out.read_text())
     assert rc == 0 and report["ok"] and report["tools"] == ["plain", "synccheck"]

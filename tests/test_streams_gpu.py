@@ -78,7 +78,9 @@ def assert_bitwise(name, runs, want):
             assert g.shape == w.shape and g.dtype == w.dtype, (name, i, g.shape, w.shape, g.dtype, w.dtype)
             if not torch.equal(g, w):
                 diff = (g.double() - w.double()).abs().nan_to_num(float("inf")).max().item()
-                pytest.fail(f"{name}: output {i} of concurrent run {r} differs from the one-at-a-time result (max |diff| {diff:.3g})")
+                pytest.fail(
+                    f"{name}: output {i} of concurrent run {r} differs from the one-at-a-time result (max |diff| {diff:.3g})"
+                )
 
 
 def _two_stream_check(name_a, fn_a, args_a, name_b, fn_b, args_b):
@@ -153,8 +155,9 @@ def _prepost_a(out, grad_out, acc):
 def _prepost_b(total_k):
     def fn(out, grad_out, cu, dk_acc, dv_acc, cu_k):  # no host sync inside: total_k is a Python int
         delta = A.attention_bwd_compute_delta(out, grad_out, cu_seqlens_q=cu, max_seqlen_q=1500)
-        dk, dv = A.attention_bwd_convert_dkv(dk_acc, dv_acc, 0.1, head_dim=100, seqlen_k=total_k, cu_seqlens_k=cu_k,
-                                             dtype=F16)  # fmt: skip
+        dk, dv = A.attention_bwd_convert_dkv(
+            dk_acc, dv_acc, 0.1, head_dim=100, seqlen_k=total_k, cu_seqlens_k=cu_k, dtype=F16
+        )
         return delta, dk, dv
 
     return fn
@@ -170,8 +173,14 @@ def test_attention_bwd_prepost_two_streams():
     total = sum(lengths)
     acc_shape = A.dkv_accum_shape(len(lengths), 4, 1500, 100)
     args_b = [r(total, 6, 100, dtype=F16), r(total, 6, 100, dtype=F16), cu, r(*acc_shape), r(*acc_shape), cu]
-    _two_stream_check("prepost A (preprocess, convert_dq)", _prepost_a, args_a,
-                      "prepost B (compute_delta, convert_dkv)", _prepost_b(total), args_b)  # fmt: skip
+    _two_stream_check(
+        "prepost A (preprocess, convert_dq)",
+        _prepost_a,
+        args_a,
+        "prepost B (compute_delta, convert_dkv)",
+        _prepost_b(total),
+        args_b,
+    )
 
 
 # ====================================================== memory-efficient attention
@@ -212,8 +221,13 @@ def test_mem_eff_attention_two_streams(splits):
             got, ref = run[0], want[0]
             assert torch.isfinite(got).all(), f"{name} dq of concurrent run {r}: NaN / inf"
             eps = torch.finfo(ref.dtype).eps
-            torch.testing.assert_close(got, ref, rtol=2 * eps, atol=1e-4 * ref.abs().max().item(),
-                                       msg=lambda m: f"{name} dq of concurrent run {r}: {m}")  # fmt: skip
+            torch.testing.assert_close(
+                got,
+                ref,
+                rtol=2 * eps,
+                atol=1e-4 * ref.abs().max().item(),
+                msg=lambda m: f"{name} dq of concurrent run {r}: {m}",
+            )
 
 
 # ============================================================= several ops at once
@@ -233,5 +247,6 @@ def test_mixed_ops_two_streams():
     def fn_b(do, q, k, v, out, lse):
         return attention(do, q, k, v, out, lse), A.attention_bwd_preprocess(out, do)
 
-    _two_stream_check("dropout_bias + layer_norm", fn_a, drop + [dz, x, w, mean, rstd, b],
-                      "attention + preprocess", fn_b, att)  # fmt: skip
+    _two_stream_check(
+        "dropout_bias + layer_norm", fn_a, drop + [dz, x, w, mean, rstd, b], "attention + preprocess", fn_b, att
+    )

@@ -77,7 +77,12 @@ WARMUP_MS = 300
 
 
 def _case_name(shape, dtype, causal, feature=None):
-    return "x".join(map(str, shape)) + f":{SHORT[dtype]}" + (":causal" if causal else "") + (f":{feature}" if feature else "")
+    return (
+        "x".join(map(str, shape))
+        + f":{SHORT[dtype]}"
+        + (":causal" if causal else "")
+        + (f":{feature}" if feature else "")
+    )
 
 
 def _unpack(spec):
@@ -223,7 +228,9 @@ def _setup_cudnn_fwd_bwd(q, k, v, dout, causal, feature=None, bias=None):
 
     def fwd():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=b, dropout_p=p, is_causal=causal)
+            return torch.nn.functional.scaled_dot_product_attention(
+                qt, kt, vt, attn_mask=b, dropout_p=p, is_causal=causal
+            )
 
     def fwd_bwd():
         return torch.autograd.grad(fwd(), (qt, kt, vt), do)
@@ -313,7 +320,15 @@ def _run_case(spec, fa4, fa4_missing, matmul, board=None):
 
     def row(impl, ms=NAN, **extra):
         tflops = flops / ms / 1e9 if ms > 0 else NAN  # NaN: not timed (or a fwd+bwd - fwd <= 0)
-        r = {"suite": NAME, "case": case, "impl": impl, "ms": ms, "tflops": tflops, "causal": causal, "feature": feature}
+        r = {
+            "suite": NAME,
+            "case": case,
+            "impl": impl,
+            "ms": ms,
+            "tflops": tflops,
+            "causal": causal,
+            "feature": feature,
+        }
         r.update(extra)
         rows.append(r)
 
@@ -344,7 +359,13 @@ def _run_case(spec, fa4, fa4_missing, matmul, board=None):
                 if check["ok"]:
                     timed(impl, fn, info, check)
                 else:
-                    row(impl, status="wrong", check=check, error=f"max rel err {check['max_rel_err']} >= {TOL}: not timed", **info)
+                    row(
+                        impl,
+                        status="wrong",
+                        check=check,
+                        error=f"max rel err {check['max_rel_err']} >= {TOL}: not timed",
+                        **info,
+                    )
         except NotImplementedError as e:  # a feature the sm90 path does not take
             row(impl, status="unavailable", error=_err(e))
         except Exception as e:
@@ -389,8 +410,9 @@ def _run_case(spec, fa4, fa4_missing, matmul, board=None):
         samples.setdefault(id(fn), []).extend(w.samples)
         return ms
 
-    timings = bench_rounds([(fn, fwd) for _, fn, _, _, fwd in pending], ROUNDS,
-                           bench=bench if board is None else bench_sampled)  # fmt: skip
+    timings = bench_rounds(
+        [(fn, fwd) for _, fn, _, _, fwd in pending], ROUNDS, bench=bench if board is None else bench_sampled
+    )
     for (impl, fn, info, check, _), (ms, error) in zip(pending, timings):
         if error is None:
             median = statistics.median(ms)
@@ -438,7 +460,9 @@ def compile_configs(arch: str, quick: bool):
     tables = settings(arch).ATTENTION_BWD
     cases = tables["quick"] if quick else list(dict.fromkeys(tables["full"] + tables["quick"]))
     mods = (mem_eff_attention, attention_sm90)
-    return [Config(f"{mod.__name__}:compiled", key) for mod in mods for key in mod.benchmark_configurations(cases, arch)]
+    return [
+        Config(f"{mod.__name__}:compiled", key) for mod in mods for key in mod.benchmark_configurations(cases, arch)
+    ]
 
 
 def compile_only(arch: str, quick: bool = False):

@@ -29,10 +29,7 @@ def configurations():
 
     pairs = [(d, 8) for d in HEAD_DIMS] + list(NARROW)
     return [
-        (dtype, head_dim_rounded(d), vec, varlen)
-        for dtype in DTYPES
-        for d, vec in pairs
-        for varlen in (False, True)
+        (dtype, head_dim_rounded(d), vec, varlen) for dtype in DTYPES for d, vec in pairs for varlen in (False, True)
     ]
 
 
@@ -105,7 +102,9 @@ def run(settings, quick: bool):
         _check(f"{case} dV", dv, ref_dv)
         del dk, dv, ref_dk, ref_dv
         impls = {
-            "ours:convert_dkv": lambda: attention_bwd_convert_dkv(dk_acc, dv_acc, scale, head_dim=d, seqlen_k=s, dtype=dtype),
+            "ours:convert_dkv": lambda: attention_bwd_convert_dkv(
+                dk_acc, dv_acc, scale, head_dim=d, seqlen_k=s, dtype=dtype
+            ),
             "torch": lambda: convert_dkv_torch(dk_acc, dv_acc, scale, s, d, dtype),
         }
         rows_out += time_case(NAME, case, impls, nbytes)

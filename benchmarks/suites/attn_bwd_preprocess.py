@@ -30,10 +30,7 @@ def configurations():
 
     pairs = [(d, 8) for d in HEAD_DIMS] + list(NARROW)
     return [
-        (dtype, head_dim_rounded(d), vec, varlen)
-        for dtype in DTYPES
-        for d, vec in pairs
-        for varlen in (False, True)
+        (dtype, head_dim_rounded(d), vec, varlen) for dtype in DTYPES for d, vec in pairs for varlen in (False, True)
     ]
 
 
@@ -98,9 +95,11 @@ def run(settings, quick: bool):
 def _keys(dtype, head_dim: int, vec: int, varlen: bool, arch: str):
     """compute_dot_do_o with and without the dQ-accumulator clear, and compute_delta, as
     compile keys ((cache, arguments)); ``head_dim`` padded."""
-    return [("compiled_preprocess", (dtype, head_dim, vec, varlen, False, arch)),
-            ("compiled_preprocess", (dtype, head_dim, vec, varlen, True, arch)),
-            ("compiled_compute_delta", (dtype, head_dim, vec, varlen, arch))]  # fmt: skip
+    return [
+        ("compiled_preprocess", (dtype, head_dim, vec, varlen, False, arch)),
+        ("compiled_preprocess", (dtype, head_dim, vec, varlen, True, arch)),
+        ("compiled_compute_delta", (dtype, head_dim, vec, varlen, arch)),
+    ]
 
 
 def compile_configs(arch: str, quick: bool):

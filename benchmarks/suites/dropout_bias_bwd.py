@@ -42,7 +42,9 @@ def run(settings, quick: bool):
         err_dx = ((gi.double() - ref_dx).norm() / ref_dx.norm()).item()
         err_db = ((gb.double() - ref_db).norm() / ref_db.norm()).item()
         if not (err_dx < 1e-2 and err_db < 1e-2):
-            raise RuntimeError(f"{_case_name(shape, dtype_name, act)}: wrong result, rel err dX {err_dx} dBias {err_db}")
+            raise RuntimeError(
+                f"{_case_name(shape, dtype_name, act)}: wrong result, rel err dX {err_dx} dBias {err_db}"
+            )
 
         torch._dynamo.reset()  # a fresh graph per case: no recompile limit, no guards shared
         compiled_torch = torch.compile(dropout_bias_backward_torch, dynamic=False)

@@ -47,7 +47,10 @@ def run(settings, quick: bool):
         rdx, _, _ = norm_backward_ref(dz[:k], x[:k], w, mean[:k], rstd[:k], True)
         rdw = (dz.float() * ((x.float() - mean[:, None]) * rstd[:, None])).sum(0)
         rdb = dz.float().sum(0)
-        errs = [((a.double() - r.double()).norm() / r.double().norm()).item() for a, r in ((dx[:k], rdx), (dw, rdw), (db, rdb))]
+        errs = [
+            ((a.double() - r.double()).norm() / r.double().norm()).item()
+            for a, r in ((dx[:k], rdx), (dw, rdw), (db, rdb))
+        ]
         if not all(e < 1e-2 for e in errs):
             raise RuntimeError(f"{_case_name(shape, dtype_name)}: wrong result, rel err dX/dW/dB {errs}")
 

@@ -9,4 +9,12 @@ from .convert_dkv import ConvertDKV
 from .convert_dq import ConvertDQ
 from .convert_dq_ready import ConvertDQReady
 
-__all__ = ["ClearDKVAccum", "ComputeDelta", "ComputeDotDoO", "ConvertDKV", "ConvertDQ", "ConvertDQReady", "compute_delta"]
+__all__ = [
+    "ClearDKVAccum",
+    "ComputeDelta",
+    "ComputeDotDoO",
+    "ConvertDKV",
+    "ConvertDQ",
+    "ConvertDQReady",
+    "compute_delta",
+]

@@ -21,7 +21,9 @@ class ClearDKVAccum:
     def __call__(self, mdKaccum: cute.Tensor, mdVaccum: cute.Tensor, stream: cuda.CUstream):
         copy = self.tiles.gmem_tiled_copy_dq_accum().build(Float32)
         self.kernel(mdKaccum, mdVaccum, copy).launch(
-            grid=self.tiles.grid(cute.ceil_div(mdKaccum.shape[2], self.tiles.block_m), mdKaccum.shape[0], mdKaccum.shape[1]),
+            grid=self.tiles.grid(
+                cute.ceil_div(mdKaccum.shape[2], self.tiles.block_m), mdKaccum.shape[0], mdKaccum.shape[1]
+            ),
             block=[self.tiles.num_threads, 1, 1],
             stream=stream,
         )

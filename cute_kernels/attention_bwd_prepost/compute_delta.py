@@ -23,7 +23,9 @@ from .seqlen import seq_rows
 
 
 @cute.jit
-def compute_delta(tiles: cutlass.Constexpr, copy, mGradOutput, mOutput, mDelta, query_start, num_queries, head_dim, thread_id):
+def compute_delta(
+    tiles: cutlass.Constexpr, copy, mGradOutput, mOutput, mDelta, query_start, num_queries, head_dim, thread_id
+):
     """Δ for queries ``query_start`` .. + kBlockSizeI of (queries, head_dim) row views.
 
     ``copy`` is ``tiles.gmem_load().build(dtype)``; ``mDelta`` is the (queries,) fp32 row.

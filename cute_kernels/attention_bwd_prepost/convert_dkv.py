@@ -84,10 +84,28 @@ class ConvertDKV:
             cute.copy(acc_copy, tVg, acc_dv)
             bits = self.tiles.smem_copy_atom_dq_bits()
             store_accumulator(
-                acc_dk, scale_k, self.dtype, tiled_mma, bits, sdK, gmem_copy,
-                cute.local_tile(mdK_b, tile, (n_block, 0)), seqlen - row0, mdK_b.shape[1], tidx,
-            )  # fmt: skip
+                acc_dk,
+                scale_k,
+                self.dtype,
+                tiled_mma,
+                bits,
+                sdK,
+                gmem_copy,
+                cute.local_tile(mdK_b, tile, (n_block, 0)),
+                seqlen - row0,
+                mdK_b.shape[1],
+                tidx,
+            )
             store_accumulator(
-                acc_dv, scale_v, self.dtype, tiled_mma, bits, sdV, gmem_copy,
-                cute.local_tile(mdV_b, tile, (n_block, 0)), seqlen - row0, mdV_b.shape[1], tidx,
-            )  # fmt: skip
+                acc_dv,
+                scale_v,
+                self.dtype,
+                tiled_mma,
+                bits,
+                sdV,
+                gmem_copy,
+                cute.local_tile(mdV_b, tile, (n_block, 0)),
+                seqlen - row0,
+                mdV_b.shape[1],
+                tidx,
+            )

@@ -74,7 +74,9 @@ class ConvertDQ:
             tiled_mma = self.tiles.tiled_mma().build(self.dtype)
             acc_copy = accum_copy(tiled_mma, self.tiles.accum_copy_bits())
             acc_thr = acc_copy.get_slice(tidx)
-            tAg0 = acc_thr.partition_S(cute.local_tile(self._split_rows(mdQaccum, mCuSeqlens, 0, bidb, bidh), tile, (m_block, 0)))
+            tAg0 = acc_thr.partition_S(
+                cute.local_tile(self._split_rows(mdQaccum, mCuSeqlens, 0, bidb, bidh), tile, (m_block, 0))
+            )
             acc = cute.make_rmem_tensor_like(tAg0, Float32)
             acc.fill(0.0)
             part = cute.make_rmem_tensor_like(tAg0, Float32)
@@ -86,9 +88,18 @@ class ConvertDQ:
                 cute.copy(acc_copy, tAg, part)
                 acc.store(acc.load() + part.load())
             store_accumulator(
-                acc, scale, self.dtype, tiled_mma, self.tiles.smem_copy_atom_dq_bits(), sdQ, gmem_copy,
-                cute.local_tile(mdQ_b, tile, (m_block, 0)), seqlen - row0, mdQ_b.shape[1], tidx,
-            )  # fmt: skip
+                acc,
+                scale,
+                self.dtype,
+                tiled_mma,
+                self.tiles.smem_copy_atom_dq_bits(),
+                sdQ,
+                gmem_copy,
+                cute.local_tile(mdQ_b, tile, (m_block, 0)),
+                seqlen - row0,
+                mdQ_b.shape[1],
+                tidx,
+            )
 
     def _split_rows(self, mdQaccum, mCuSeqlens, split, bidb, bidh):
         """(rows, kHeadDim) accumulator of one split, sequence and head."""

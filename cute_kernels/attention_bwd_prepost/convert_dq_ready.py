@@ -43,10 +43,14 @@ class ConvertDQReady(ConvertDQ):
     ):
         gmem_copy = self.tiles.gmem_tiled_copy_do().build(self.dtype)
         heads = mdQ.shape[1] if const_expr(self.varlen) else mdQ.shape[2]
-        self.kernel(mdQaccum, mdQ, mCuSeqlens, mTiles, mReady, scale, gmem_copy, batch, heads, num_m_blocks, group,
-                    expected).launch(
-            grid=[num_ctas, 1, 1], block=[self.tiles.num_threads, 1, 1], stream=stream, use_pdl=True,
-        )  # fmt: skip
+        self.kernel(
+            mdQaccum, mdQ, mCuSeqlens, mTiles, mReady, scale, gmem_copy, batch, heads, num_m_blocks, group, expected
+        ).launch(
+            grid=[num_ctas, 1, 1],
+            block=[self.tiles.num_threads, 1, 1],
+            stream=stream,
+            use_pdl=True,
+        )
 
     @cute.kernel
     def kernel(

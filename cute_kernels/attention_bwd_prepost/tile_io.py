@@ -50,7 +50,19 @@ def accum_copy(tiled_mma, bits: int):
 
 
 @cute.jit
-def store_accumulator(acc, scale, dtype: cutlass.Constexpr, tiled_mma, smem_bits: cutlass.Constexpr, sX, gmem_copy, gX, rows_left, cols, tidx):
+def store_accumulator(
+    acc,
+    scale,
+    dtype: cutlass.Constexpr,
+    tiled_mma,
+    smem_bits: cutlass.Constexpr,
+    sX,
+    gmem_copy,
+    gX,
+    rows_left,
+    cols,
+    tidx,
+):
     """acc (fp32, MMA fragment) * scale -> ``dtype`` -> smem (SmemCopyAtom) -> gmem (128-bit).
 
     The shared tile turns the fragment's scattered pairs into whole row vectors, so the

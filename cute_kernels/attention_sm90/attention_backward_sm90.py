@@ -229,11 +229,23 @@ class AttentionBackwardSm90:
     start, taking them from a second counter in the order the heavy-first walk reaches their
     heads (``zero_jobs``); the dQ-store warps' takeover is the same."""
 
-    def __init__(self, dtype, tiles: AttentionSm90Tiles, mask_type: int, has_window: bool = False,
-                 deterministic: bool = False, varlen: bool = False, has_bias: bool = False,
-                 grad_bias: bool = False, dropout: bool = False, carry_dq: bool = False,
-                 dq_ready: bool = False, store_first: bool = False, zero_ahead: bool = False,
-                 tail_m: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        dtype,
+        tiles: AttentionSm90Tiles,
+        mask_type: int,
+        has_window: bool = False,
+        deterministic: bool = False,
+        varlen: bool = False,
+        has_bias: bool = False,
+        grad_bias: bool = False,
+        dropout: bool = False,
+        carry_dq: bool = False,
+        dq_ready: bool = False,
+        store_first: bool = False,
+        zero_ahead: bool = False,
+        tail_m: int = 0,
+    ):
         if has_window and mask_type == 0:
             raise ValueError("a sliding window needs a causal mask (mask_type 1 or 2)")
         if grad_bias and not has_bias:
@@ -289,33 +301,50 @@ class AttentionBackwardSm90:
             raise ValueError(f"zero_ahead needs persistent CTAs (schedule {schedule!r}), no window, not store_first")
         if zero_ahead and SEQLEN_ROUND % tiles.tile_m:
             # zero_block writes whole tile_m blocks of rows: they must end within the accumulator's rounded rows
-            raise ValueError(f"zero_ahead zeroes whole blocks of {tiles.tile_m} rows: the accumulator's rows are "
-                             f"rounded to {SEQLEN_ROUND}")  # fmt: skip
+            raise ValueError(
+                f"zero_ahead zeroes whole blocks of {tiles.tile_m} rows: the accumulator's rows are "
+                f"rounded to {SEQLEN_ROUND}"
+            )
         self.zero_ahead = zero_ahead
         if varlen and tiles.tile_m > VARLEN_ACCUM_PAD:
             raise ValueError(f"tile_m {tiles.tile_m} overruns the dQ accumulator's {VARLEN_ACCUM_PAD} rows of slack")
         if tail_m and not (tiles.tail_block and tail_m % TAIL_ROWS_ALIGN == 0 and 0 < tail_m < tiles.tile_m):
-            raise ValueError(f"tail_m {tail_m}: tiles.tail_block and a multiple of {TAIL_ROWS_ALIGN} below tile_m "
-                             f"{tiles.tile_m} (tiles.tail_rows)")  # fmt: skip
+            raise ValueError(
+                f"tail_m {tail_m}: tiles.tail_block and a multiple of {TAIL_ROWS_ALIGN} below tile_m "
+                f"{tiles.tile_m} (tiles.tail_rows)"
+            )
         if tail_m and not self.takes_tail(tiles, schedule, varlen, has_bias, dropout):
             raise ValueError("tail_m is built for a CTA per tile without varlen, bias, dropout, overlap or dq_defer")
         # the partial last query block's products are tail_m queries wide (tail_operands)
         self.tail_m = tail_m
 
     @staticmethod
-    def takes_tail(tiles: AttentionSm90Tiles, schedule: str, varlen: bool = False, has_bias: bool = False,
-                   dropout: bool = False) -> bool:  # fmt: skip
+    def takes_tail(
+        tiles: AttentionSm90Tiles, schedule: str, varlen: bool = False, has_bias: bool = False, dropout: bool = False
+    ) -> bool:
         """Whether a partial last query block can run on narrower products (``tail_m``): tiles
         that ask for it (``tiles.tail_block``), a CTA per tile ("grid"), one partial block a
         sequence end known to the host (not varlen's per packed sequence), every wgmma of a step
         inside the step (no overlap or dq_defer: the partial block's step sits between loops of
         whole blocks), no bias or dropout (their tiles are tile_m wide)."""
-        return (tiles.tail_block and schedule == "grid" and not (varlen or has_bias or dropout)
-                and tiles.overlap == "none" and not tiles.dq_defer)  # fmt: skip
+        return (
+            tiles.tail_block
+            and schedule == "grid"
+            and not (varlen or has_bias or dropout)
+            and tiles.overlap == "none"
+            and not tiles.dq_defer
+        )
 
     @staticmethod
-    def tile_schedule(tiles: AttentionSm90Tiles, mask_type: int, has_window: bool = False, deterministic: bool = False,
-                      varlen: bool = False, has_bias: bool = False, dropout: bool = False) -> str:  # fmt: skip
+    def tile_schedule(
+        tiles: AttentionSm90Tiles,
+        mask_type: int,
+        has_window: bool = False,
+        deterministic: bool = False,
+        varlen: bool = False,
+        has_bias: bool = False,
+        dropout: bool = False,
+    ) -> str:
         """How CTAs meet tiles: "grid" (a CTA a tile, placed by the hardware), "persistent" (a CTA
         per multiprocessor walking tiles c, c + grid, ...: equal tiles, no mask) or "dynamic"
         (persistent, each next tile taken from a zeroed counter in the heavy-first order: causal
@@ -363,7 +392,9 @@ class AttentionBackwardSm90:
         t = self.tiles
         d, dv = t.head_dim, t.head_dim_v
         # (seq, d, heads, batch) and (seq, heads, batch): TMA tiles the first modes
-        mQ, mK, mV, mdO, mdQaccum, mdK, mdV = [select_modes(x, (1, 3, 2, 0)) for x in (mQ, mK, mV, mdO, mdQaccum, mdK, mdV)]
+        mQ, mK, mV, mdO, mdQaccum, mdK, mdV = [
+            select_modes(x, (1, 3, 2, 0)) for x in (mQ, mK, mV, mdO, mdQaccum, mdK, mdV)
+        ]
         mLSE, mDelta = [select_modes(x, (2, 1, 0)) for x in (mLSE, mDelta)]
         if const_expr(self.deterministic):
             mSemaphore = select_modes(mSemaphore, (2, 1, 0))  # (query blocks, heads, batch)
@@ -379,21 +410,28 @@ class AttentionBackwardSm90:
         sStat_layout = cute.make_layout((t.tile_m, t.stages), stride=(1, t.stats_stage_stride))
 
         tma_Q, gQ_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mQ, cute.select(sQ_layout, mode=[0, 1]), (t.tile_m, d))
+            cpasync.CopyBulkTensorTileG2SOp(), mQ, cute.select(sQ_layout, mode=[0, 1]), (t.tile_m, d)
+        )
         tma_dO, gdO_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mdO, cute.select(sdO_layout, mode=[0, 1]), (t.tile_m, dv))
+            cpasync.CopyBulkTensorTileG2SOp(), mdO, cute.select(sdO_layout, mode=[0, 1]), (t.tile_m, dv)
+        )
         sK_one, sV_one = sK_layout, sV_layout  # one K / V buffer
         if const_expr(t.kv_buffers > 1):
             sK_one, sV_one = cute.select(sK_layout, mode=[0, 1]), cute.select(sV_layout, mode=[0, 1])
         tma_K, gK_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mK, sK_one, (t.tile_n, d))
         tma_V, gV_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mV, sV_one, (t.tile_n, dv))
         tma_LSE, gLSE_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mLSE, cute.make_layout(t.tile_m), (t.tile_m,))
+            cpasync.CopyBulkTensorTileG2SOp(), mLSE, cute.make_layout(t.tile_m), (t.tile_m,)
+        )
         tma_Delta, gDelta_tma = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mDelta, cute.make_layout(t.tile_m), (t.tile_m,))
+            cpasync.CopyBulkTensorTileG2SOp(), mDelta, cute.make_layout(t.tile_m), (t.tile_m,)
+        )
         # the reduce-add of a block's dQ, and with store_first the plain store of its first one
-        dq_box = (t.smem_layout_dq_sub(), t.dq_sub_tile) if const_expr(t.dq_per_wg) else (
-            cute.select(sdQ_layout, mode=[0, 1]), (t.tile_m, d))
+        dq_box = (
+            (t.smem_layout_dq_sub(), t.dq_sub_tile)
+            if const_expr(t.dq_per_wg)
+            else (cute.select(sdQ_layout, mode=[0, 1]), (t.tile_m, d))
+        )
         tma_dQ, gdQ_tma = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, *dq_box)
         tma_dQ_store = None
         if const_expr(self.store_first):
@@ -401,15 +439,22 @@ class AttentionBackwardSm90:
 
         dkv_tma = None  # (the vector stores read sK / sV and write mdK / mdV directly)
         if const_expr(t.dkv_by_tma):
-            tma_dK, gdK_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mdK, sK_layout, (t.tile_n, d))
-            tma_dV, gdV_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mdV, sV_layout, (t.tile_n, dv))
+            tma_dK, gdK_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mdK, sK_layout, (t.tile_n, d)
+            )
+            tma_dV, gdV_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mdV, sV_layout, (t.tile_n, dv)
+            )
             dkv_tma = (tma_dK, gdK_tma, tma_dV, gdV_tma)
 
         tma_dB = gdB_tma = None
         if const_expr(self.grad_bias):  # (queries, keys, heads, batch): boxes of the keys-contiguous dS tile
             tma_dB, gdB_tma = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), select_modes(mdBias, (2, 3, 1, 0)),
-                t.smem_layout_grad_bias_box(self.dtype), (t.tile_m, GRAD_BIAS_BOX_KEYS))  # fmt: skip
+                cpasync.CopyBulkTensorTileS2GOp(),
+                select_modes(mdBias, (2, 3, 1, 0)),
+                t.smem_layout_grad_bias_box(self.dtype),
+                (t.tile_m, GRAD_BIAS_BOX_KEYS),
+            )
 
         elem = self.dtype.width // 8
         self.q_bytes = t.tile_m * d * elem + t.tile_m * 4  # Q + LSE
@@ -433,7 +478,9 @@ class AttentionBackwardSm90:
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], SMEM_ALIGN]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], SMEM_ALIGN]
             if const_expr(self.dropout):  # no placeholder without it: a byte there rounds the struct up by 1 KiB
-                sKeep: cute.struct.Align[cute.struct.MemRange[Uint8, KEEP_FLAG_BUFFERS * t.keep_flag_bytes], STATS_ALIGN]
+                sKeep: cute.struct.Align[
+                    cute.struct.MemRange[Uint8, KEEP_FLAG_BUFFERS * t.keep_flag_bytes], STATS_ALIGN
+                ]
 
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
@@ -454,33 +501,101 @@ class AttentionBackwardSm90:
         if const_expr(self.dropout):
             rng = (philox_seed, philox_offset, dropout_p, dropout_scale, dropout_bh_elems)
         self.kernel(
-            gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, gdQ_tma, mdK, mdV, mSemaphore, mTileCounter,
-            mDqReady, (mDqFirst, tma_dQ_store, mdQaccum), mCuSeqlensQ, mCuSeqlensK, mBias, (tma_dB, gdB_tma), dkv_tma, tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ,
-            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, sStat_layout,
-            t.tiled_mma_sdp(self.dtype), t.tiled_mma_dkv(self.dtype), t.tiled_mma_dkv(self.dtype, dv),
+            gQ_tma,
+            gdO_tma,
+            gK_tma,
+            gV_tma,
+            gLSE_tma,
+            gDelta_tma,
+            gdQ_tma,
+            mdK,
+            mdV,
+            mSemaphore,
+            mTileCounter,
+            mDqReady,
+            (mDqFirst, tma_dQ_store, mdQaccum),
+            mCuSeqlensQ,
+            mCuSeqlensK,
+            mBias,
+            (tma_dB, gdB_tma),
+            dkv_tma,
+            tma_Q,
+            tma_dO,
+            tma_K,
+            tma_V,
+            tma_LSE,
+            tma_Delta,
+            tma_dQ,
+            sQ_layout,
+            sdO_layout,
+            sK_layout,
+            sV_layout,
+            sdS_layout,
+            sdQ_layout,
+            sStat_layout,
+            t.tiled_mma_sdp(self.dtype),
+            t.tiled_mma_dkv(self.dtype),
+            t.tiled_mma_dkv(self.dtype, dv),
             t.tiled_mma_dq(self.dtype),
-            seqlen_q, seqlen_k, group, softmax_scale, window_size, sched, rng, SharedStorage,
-        ).launch(grid=grid, block=[t.num_threads, 1, 1], min_blocks_per_mp=1, stream=stream,
-                 use_pdl=True)  # fmt: skip
+            seqlen_q,
+            seqlen_k,
+            group,
+            softmax_scale,
+            window_size,
+            sched,
+            rng,
+            SharedStorage,
+        ).launch(grid=grid, block=[t.num_threads, 1, 1], min_blocks_per_mp=1, stream=stream, use_pdl=True)
 
     # ------------------------------------------------------------------------------ kernel
     @cute.kernel
     def kernel(
         self,
-        gQ_tma: cute.Tensor, gdO_tma: cute.Tensor, gK_tma: cute.Tensor, gV_tma: cute.Tensor,
-        gLSE_tma: cute.Tensor, gDelta_tma: cute.Tensor, gdQ_tma: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
-        mSemaphore: Optional[cute.Tensor], mTileCounter: Optional[cute.Tensor], mDqReady: Optional[cute.Tensor],
-        dq_first: tuple, mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
-        mBias: Optional[cute.Tensor], grad_bias_tma: tuple, dkv_tma: Optional[tuple], tma_Q: cute.CopyAtom, tma_dO: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom,
-        tma_LSE: cute.CopyAtom, tma_Delta: cute.CopyAtom, tma_dQ: cute.CopyAtom,
-        sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
+        gQ_tma: cute.Tensor,
+        gdO_tma: cute.Tensor,
+        gK_tma: cute.Tensor,
+        gV_tma: cute.Tensor,
+        gLSE_tma: cute.Tensor,
+        gDelta_tma: cute.Tensor,
+        gdQ_tma: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mSemaphore: Optional[cute.Tensor],
+        mTileCounter: Optional[cute.Tensor],
+        mDqReady: Optional[cute.Tensor],
+        dq_first: tuple,
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
+        mBias: Optional[cute.Tensor],
+        grad_bias_tma: tuple,
+        dkv_tma: Optional[tuple],
+        tma_Q: cute.CopyAtom,
+        tma_dO: cute.CopyAtom,
+        tma_K: cute.CopyAtom,
+        tma_V: cute.CopyAtom,
+        tma_LSE: cute.CopyAtom,
+        tma_Delta: cute.CopyAtom,
+        tma_dQ: cute.CopyAtom,
+        sQ_layout: cute.ComposedLayout,
+        sdO_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout,
+        sdQ_layout: cute.ComposedLayout,
         sStat_layout: cute.Layout,
-        tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma, tiled_mma_dv: cute.TiledMma,
+        tiled_mma_sdp: cute.TiledMma,
+        tiled_mma_dkv: cute.TiledMma,
+        tiled_mma_dv: cute.TiledMma,
         tiled_mma_dq: cute.TiledMma,
-        seqlen_q: Int32, seqlen_k: Int32, group: Int32, softmax_scale: Float32, window_size: Int32,
-        sched: tuple, rng: Optional[tuple], SharedStorage: cutlass.Constexpr,
-    ):  # fmt: skip
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        group: Int32,
+        softmax_scale: Float32,
+        window_size: Int32,
+        sched: tuple,
+        rng: Optional[tuple],
+        SharedStorage: cutlass.Constexpr,
+    ):
         t = self.tiles
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -529,10 +644,13 @@ class AttentionBackwardSm90:
             # K / V double-buffered across the CTA's tiles; a buffer is free once the dK / dV
             # store warps have read the tile's dK / dV staged there
             pipe_kv = pipeline.PipelineTmaAsync.create(
-                barrier_storage=mbar_kv, num_stages=t.kv_buffers, producer_group=producer,
+                barrier_storage=mbar_kv,
+                num_stages=t.kv_buffers,
+                producer_group=producer,
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, len(DKV_STORE_WARPS)),
-                tx_count=self.kv_bytes, defer_sync=True,
-            )  # fmt: skip
+                tx_count=self.kv_bytes,
+                defer_sync=True,
+            )
         else:
             if warp_idx == 0:
                 with cute.arch.elect_one():
@@ -543,19 +661,29 @@ class AttentionBackwardSm90:
         if const_expr(self.dynamic_tiles):
             # the producer warp takes tiles from the counter and hands them to the other warps
             pipe_tile = pipeline.PipelineAsync.create(
-                barrier_storage=storage.mbar_tile.data_ptr(), num_stages=t.tile_ring,
+                barrier_storage=storage.mbar_tile.data_ptr(),
+                num_stages=t.tile_ring,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.num_threads - 32), defer_sync=True,
-            )  # fmt: skip
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.num_threads - 32),
+                defer_sync=True,
+            )
             tiles_args = (pipe_tile, storage.sTile.get_tensor(cute.make_layout(t.tile_ring)), mTileCounter)
         pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=t.stages,
-            producer_group=producer, consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True,
-        )  # fmt: skip
+            barrier_storage=storage.mbar_q.data_ptr(),
+            num_stages=t.stages,
+            producer_group=producer,
+            consumer_group=consumers,
+            tx_count=self.q_bytes,
+            defer_sync=True,
+        )
         pipe_do = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_do.data_ptr(), num_stages=t.stages,
-            producer_group=producer, consumer_group=consumers, tx_count=self.do_bytes, defer_sync=True,
-        )  # fmt: skip
+            barrier_storage=storage.mbar_do.data_ptr(),
+            num_stages=t.stages,
+            producer_group=producer,
+            consumer_group=consumers,
+            tx_count=self.do_bytes,
+            defer_sync=True,
+        )
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -572,34 +700,141 @@ class AttentionBackwardSm90:
 
         if const_expr(self.persistent):
             self.persistent_roles(
-                warp_idx, tidx, sched, group, seqlen_q, seqlen_k, window_size, softmax_scale, tiles_args,
-                (gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, sQ, sdO, sK, sV, sLSE, sDelta,
-                 tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, pipe_q, pipe_do, pipe_kv),
+                warp_idx,
+                tidx,
+                sched,
+                group,
+                seqlen_q,
+                seqlen_k,
+                window_size,
+                softmax_scale,
+                tiles_args,
+                (
+                    gQ_tma,
+                    gdO_tma,
+                    gK_tma,
+                    gV_tma,
+                    gLSE_tma,
+                    gDelta_tma,
+                    sQ,
+                    sdO,
+                    sK,
+                    sV,
+                    sLSE,
+                    sDelta,
+                    tma_Q,
+                    tma_dO,
+                    tma_K,
+                    tma_V,
+                    tma_LSE,
+                    tma_Delta,
+                    pipe_q,
+                    pipe_do,
+                    pipe_kv,
+                ),
                 (gdQ_tma, sdQ, tma_dQ, mSemaphore, dq_first),
-                (sQ, sdO, sdS, sdQ, sLSE, sDelta, (mdK, mdV, dkv_tma), tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dv,
-                 tiled_mma_dq, pipe_q, pipe_do, mbar_kv),
+                (
+                    sQ,
+                    sdO,
+                    sdS,
+                    sdQ,
+                    sLSE,
+                    sDelta,
+                    (mdK, mdV, dkv_tma),
+                    tiled_mma_sdp,
+                    tiled_mma_dkv,
+                    tiled_mma_dv,
+                    tiled_mma_dq,
+                    pipe_q,
+                    pipe_do,
+                    mbar_kv,
+                ),
                 sdK_carry,
-            )  # fmt: skip
+            )
         elif warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
-                self.load(gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, sQ, sdO, sK, sV, sLSE, sDelta,
-                          tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, pipe_q, pipe_do, mbar_kv,
-                          n_block, batch, work, rows)  # fmt: skip
+                self.load(
+                    gQ_tma,
+                    gdO_tma,
+                    gK_tma,
+                    gV_tma,
+                    gLSE_tma,
+                    gDelta_tma,
+                    sQ,
+                    sdO,
+                    sK,
+                    sV,
+                    sLSE,
+                    sDelta,
+                    tma_Q,
+                    tma_dO,
+                    tma_K,
+                    tma_V,
+                    tma_LSE,
+                    tma_Delta,
+                    pipe_q,
+                    pipe_do,
+                    mbar_kv,
+                    n_block,
+                    batch,
+                    work,
+                    rows,
+                )
             if warp_idx == 1:
-                self.store_dq(gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, work, rows, seqlen_q, seqlen_k,
-                              mDqReady, dq_first)  # fmt: skip
+                self.store_dq(
+                    gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, work, rows, seqlen_q, seqlen_k, mDqReady, dq_first
+                )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             feat = self.features(mBias, grad_bias_tma, sKeep, rng, batch, group * sched[1])  # query heads
             dkv_out = (mdK, mdV, dkv_tma)
-            self.mma(sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, dkv_out, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dv,
-                     tiled_mma_dq, pipe_q, pipe_do, mbar_kv, tidx - 128, n_block, batch, work, rows,
-                     seqlen_q, seqlen_k, softmax_scale, window_size, feat)  # fmt: skip
+            self.mma(
+                sQ,
+                sdO,
+                sK,
+                sV,
+                sdS,
+                sdQ,
+                sLSE,
+                sDelta,
+                dkv_out,
+                tiled_mma_sdp,
+                tiled_mma_dkv,
+                tiled_mma_dv,
+                tiled_mma_dq,
+                pipe_q,
+                pipe_do,
+                mbar_kv,
+                tidx - 128,
+                n_block,
+                batch,
+                work,
+                rows,
+                seqlen_q,
+                seqlen_k,
+                softmax_scale,
+                window_size,
+                feat,
+            )
 
     @cute.jit
-    def persistent_roles(self, warp_idx, tidx, sched, group, seqlen_q, seqlen_k, window_size, softmax_scale,
-                         tiles_args, load_args, store_args, mma_args, sdK_carry):  # fmt: skip
+    def persistent_roles(
+        self,
+        warp_idx,
+        tidx,
+        sched,
+        group,
+        seqlen_q,
+        seqlen_k,
+        window_size,
+        softmax_scale,
+        tiles_args,
+        load_args,
+        store_args,
+        mma_args,
+        sdK_carry,
+    ):
         """Persistent CTAs (``self.persistent``): CTA c runs tiles c, c + grid, ... in launch
         order (key blocks of a head side by side, as the hardware would place them), or with
         ``dynamic_tiles`` tile c, then whichever the tile counter hands out next (grid + k, in
@@ -626,8 +861,9 @@ class AttentionBackwardSm90:
                 while tile < total:
                     ring = self.publish_tile(tiles_args, tile, ring)
                     n_block, batch, work = self.tile_work(sched, tile, group, seqlen_q, seqlen_k, window_size)
-                    state, kv_state = self.load(*load_args[:-1], None, n_block, batch, work, rows,
-                                                kv=(load_args[-1], kv_state, state))  # fmt: skip
+                    state, kv_state = self.load(
+                        *load_args[:-1], None, n_block, batch, work, rows, kv=(load_args[-1], kv_state, state)
+                    )
                     tile = self.fetch_tile(tiles_args, tile, step)
                 ring = self.publish_tile(tiles_args, total, ring)  # the end, for the other warps
             if warp_idx == 1:
@@ -636,8 +872,21 @@ class AttentionBackwardSm90:
                 tile, ring = self.take_tile(tiles_args, first - step, step, ring)
                 while tile < total:
                     n_block, batch, work = self.tile_work(sched, tile, group, seqlen_q, seqlen_k, window_size)
-                    pending = self.store_dq(gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, work, rows, seqlen_q,
-                                            seqlen_k, None, dq_first, pending)  # fmt: skip
+                    pending = self.store_dq(
+                        gdQ_tma,
+                        sdQ,
+                        tma_dQ,
+                        mSemaphore,
+                        n_block,
+                        batch,
+                        work,
+                        rows,
+                        seqlen_q,
+                        seqlen_k,
+                        None,
+                        dq_first,
+                        pending,
+                    )
                     tile, ring = self.take_tile(tiles_args, tile, step, ring)
                 if const_expr(self.store_first):
                     self.publish_stored(dq_first[0], pending, cute.arch.lane_idx(), 0)
@@ -674,17 +923,46 @@ class AttentionBackwardSm90:
                     if const_expr(self.carry_dq):
                         # dK first: the consumers' next block writes its dS where dK is staged
                         done += work[1] * (work[3] - work[2])
-                        self.store_staged_tile(sdK_carry[None, None, done % t.ds_stages], mdK, store_tidx,
-                                               store_threads, n_block, head_kv, batch, Int32(0), seqlen_k)  # fmt: skip
+                        self.store_staged_tile(
+                            sdK_carry[None, None, done % t.ds_stages],
+                            mdK,
+                            store_tidx,
+                            store_threads,
+                            n_block,
+                            head_kv,
+                            batch,
+                            Int32(0),
+                            seqlen_k,
+                        )
                         if tile + step < total:
                             named_barrier(BAR_DS_FREE, t.dkv_handoff_threads, True)
-                        self.store_staged_tile(sV[None, None, b], mdV, store_tidx, store_threads, n_block, head_kv,
-                                               batch, Int32(0), seqlen_k)  # fmt: skip
+                        self.store_staged_tile(
+                            sV[None, None, b],
+                            mdV,
+                            store_tidx,
+                            store_threads,
+                            n_block,
+                            head_kv,
+                            batch,
+                            Int32(0),
+                            seqlen_k,
+                        )
                         # K stays until the consumers' product on it (the next tile's step 0) is done
                         named_barrier(BAR_K_FREE, t.dkv_handoff_threads, False)
                     else:
-                        self.store_staged_dkv(sK[None, None, b], sV[None, None, b], mdK, mdV, store_tidx,
-                                              store_threads, n_block, head_kv, batch, Int32(0), seqlen_k)  # fmt: skip
+                        self.store_staged_dkv(
+                            sK[None, None, b],
+                            sV[None, None, b],
+                            mdK,
+                            mdV,
+                            store_tidx,
+                            store_threads,
+                            n_block,
+                            head_kv,
+                            batch,
+                            Int32(0),
+                            seqlen_k,
+                        )
                     pipe_kv.consumer_release(kv_state)
                     kv_state.advance()
                     tile, ring = self.take_tile(tiles_args, tile, step, ring)
@@ -701,11 +979,35 @@ class AttentionBackwardSm90:
                 n_block, batch, work = self.tile_work(sched, tile, group, seqlen_q, seqlen_k, window_size)
                 b = kv_state.index
                 state, kv_state, done = self.mma(
-                    sQ, sdO, sK[None, None, b], sV[None, None, b], sdS, sdQ, sLSE, sDelta, dkv_out, mma_sdp, mma_dkv,
-                    mma_dv, mma_dq, pipe_q, pipe_do, None, tidx - 128, n_block, batch, work, rows, seqlen_q,
-                    seqlen_k, softmax_scale, window_size, None, kv=(pipe_kv, kv_state, state),
+                    sQ,
+                    sdO,
+                    sK[None, None, b],
+                    sV[None, None, b],
+                    sdS,
+                    sdQ,
+                    sLSE,
+                    sDelta,
+                    dkv_out,
+                    mma_sdp,
+                    mma_dkv,
+                    mma_dv,
+                    mma_dq,
+                    pipe_q,
+                    pipe_do,
+                    None,
+                    tidx - 128,
+                    n_block,
+                    batch,
+                    work,
+                    rows,
+                    seqlen_q,
+                    seqlen_k,
+                    softmax_scale,
+                    window_size,
+                    None,
+                    kv=(pipe_kv, kv_state, state),
                     carry=(done, sK, sdK_carry) if const_expr(self.carry_dq) else None,
-                )  # fmt: skip
+                )
                 tile, ring = self.take_tile(tiles_args, tile, step, ring)
             if const_expr(self.carry_dq):
                 self.carried_dq_tail(sK, sdS, sdQ, mma_dq, tidx - 128, done, kv_state, first < total)
@@ -871,9 +1173,35 @@ class AttentionBackwardSm90:
 
     # ---------------------------------------------------------------------------- producer
     @cute.jit
-    def load(self, gQ_tma, gdO_tma, gK_tma, gV_tma, gLSE_tma, gDelta_tma, sQ, sdO, sK, sV, sLSE, sDelta,
-             tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, pipe_q, pipe_do, mbar_kv, n_block, batch, work,
-             rows, kv=None):  # fmt: skip
+    def load(
+        self,
+        gQ_tma,
+        gdO_tma,
+        gK_tma,
+        gV_tma,
+        gLSE_tma,
+        gDelta_tma,
+        sQ,
+        sdO,
+        sK,
+        sV,
+        sLSE,
+        sDelta,
+        tma_Q,
+        tma_dO,
+        tma_K,
+        tma_V,
+        tma_LSE,
+        tma_Delta,
+        pipe_q,
+        pipe_do,
+        mbar_kv,
+        n_block,
+        batch,
+        work,
+        rows,
+        kv=None,
+    ):
         """K / V, then each step's Q / LSE and dO / Δ. ``kv``: persistent CTAs' (K / V pipeline,
         its state, the Q / dO pipelines' state), both states returned advanced past the tile."""
         t = self.tiles
@@ -881,7 +1209,9 @@ class AttentionBackwardSm90:
         offset_q, offset_k = rows
         one = cute.make_layout(1)
         gK = cute.local_tile(self.seq_tile_view(gK_tma, head_kv, batch, offset_k), (t.tile_n, t.head_dim), (n_block, 0))
-        gV = cute.local_tile(self.seq_tile_view(gV_tma, head_kv, batch, offset_k), (t.tile_n, t.head_dim_v), (n_block, 0))
+        gV = cute.local_tile(
+            self.seq_tile_view(gV_tma, head_kv, batch, offset_k), (t.tile_n, t.head_dim_v), (n_block, 0)
+        )
         tKs, tKg = cpasync.tma_partition(tma_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVs, tVg = cpasync.tma_partition(tma_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
@@ -895,8 +1225,27 @@ class AttentionBackwardSm90:
             cute.arch.griddepcontrol_wait()  # (the first tile's: the preprocess may still run)
             for i in cutlass.range(group * (m_max - m_min), unroll=1):
                 head, m_block = self.work_item(work, i)
-                self.load_step(gQ_tma, gdO_tma, gLSE_tma, gDelta_tma, sQ, sdO, sLSE, sDelta, tma_Q, tma_dO, tma_LSE,
-                               tma_Delta, pipe_q, pipe_do, q_state, head, batch, offset_q, m_block)  # fmt: skip
+                self.load_step(
+                    gQ_tma,
+                    gdO_tma,
+                    gLSE_tma,
+                    gDelta_tma,
+                    sQ,
+                    sdO,
+                    sLSE,
+                    sDelta,
+                    tma_Q,
+                    tma_dO,
+                    tma_LSE,
+                    tma_Delta,
+                    pipe_q,
+                    pipe_do,
+                    q_state,
+                    head,
+                    batch,
+                    offset_q,
+                    m_block,
+                )
                 q_state.advance()
             return q_state, kv_state
         if m_min < m_max:
@@ -909,13 +1258,52 @@ class AttentionBackwardSm90:
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, t.stages)
             for i in cutlass.range(group * (m_max - m_min), unroll=1):
                 head, m_block = self.work_item(work, i)
-                self.load_step(gQ_tma, gdO_tma, gLSE_tma, gDelta_tma, sQ, sdO, sLSE, sDelta, tma_Q, tma_dO, tma_LSE,
-                               tma_Delta, pipe_q, pipe_do, state, head, batch, offset_q, m_block)  # fmt: skip
+                self.load_step(
+                    gQ_tma,
+                    gdO_tma,
+                    gLSE_tma,
+                    gDelta_tma,
+                    sQ,
+                    sdO,
+                    sLSE,
+                    sDelta,
+                    tma_Q,
+                    tma_dO,
+                    tma_LSE,
+                    tma_Delta,
+                    pipe_q,
+                    pipe_do,
+                    state,
+                    head,
+                    batch,
+                    offset_q,
+                    m_block,
+                )
                 state.advance()
 
     @cute.jit
-    def load_step(self, gQ_tma, gdO_tma, gLSE_tma, gDelta_tma, sQ, sdO, sLSE, sDelta, tma_Q, tma_dO, tma_LSE, tma_Delta,
-                  pipe_q, pipe_do, state, head, batch, offset_q, m_block):  # fmt: skip
+    def load_step(
+        self,
+        gQ_tma,
+        gdO_tma,
+        gLSE_tma,
+        gDelta_tma,
+        sQ,
+        sdO,
+        sLSE,
+        sDelta,
+        tma_Q,
+        tma_dO,
+        tma_LSE,
+        tma_Delta,
+        pipe_q,
+        pipe_do,
+        state,
+        head,
+        batch,
+        offset_q,
+        m_block,
+    ):
         """One step's Q / LSE and dO / Δ (query block ``m_block`` of ``head``) into the stage of ``state``."""
         pipe_q.producer_acquire(state)
         bar = pipe_q.producer_get_barrier(state)
@@ -934,15 +1322,33 @@ class AttentionBackwardSm90:
         if const_expr(cute.rank(s) == 3):  # (rows, d, stages): Q's d is Dqk, dO's Dv
             tile = (t.tile_m, cute.size(s, mode=[1]))
             g = cute.local_tile(self.seq_tile_view(g_tma, head, batch, offset_q), tile, (m_block, 0))
-            ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
+            ts, tg = cpasync.tma_partition(
+                atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
+            )
         else:  # (rows, stages)
             g = cute.local_tile(g_tma[None, head, batch], (t.tile_m,), (m_block,))
-            ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 1), cute.group_modes(g, 0, 1))
+            ts, tg = cpasync.tma_partition(
+                atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 1), cute.group_modes(g, 0, 1)
+            )
         cute.copy(atom, tg, ts[None, stage], tma_bar_ptr=bar)
 
     @cute.jit
-    def store_dq(self, gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, work, rows, seqlen_q, seqlen_k,
-                 mDqReady=None, dq_first=(None, None), pending=None):  # fmt: skip
+    def store_dq(
+        self,
+        gdQ_tma,
+        sdQ,
+        tma_dQ,
+        mSemaphore,
+        n_block,
+        batch,
+        work,
+        rows,
+        seqlen_q,
+        seqlen_k,
+        mDqReady=None,
+        dq_first=(None, None),
+        pending=None,
+    ):
         """Add each query block's dQ (staged in sdQ by the consumers) into the fp32 accumulator
         (``store_first``: store it where this CTA claimed the block); with ``dq_ready`` then
         count the key block into its (sequence, key head)'s counter. ``pending`` (persistent
@@ -977,14 +1383,18 @@ class AttentionBackwardSm90:
                 flag = Int32(cute.crd2idx((m_block, head, batch), mDqFirst.layout))
             if const_expr(t.dq_per_wg):
                 # each warpgroup's part of a block's dQ is its own reduce-add and handoff
-                gdQ = cute.local_tile(self.seq_tile_view(gdQ_tma, head, batch, acc_row0), sub, (None, None))  # (rows, cols, m, n)
+                gdQ = cute.local_tile(
+                    self.seq_tile_view(gdQ_tma, head, batch, acc_row0), sub, (None, None)
+                )  # (rows, cols, m, n)
                 if const_expr(t.dq_empty_early):
                     # both buffers free before waiting for either: a warpgroup never waits for
                     # the other's handoff (the reduce-add of w's buffer dq_stages blocks back
                     # was committed 2 dq_stages - 1 - w groups ago)
                     for w in cutlass.range_constexpr(2):
                         cute.arch.cp_async_bulk_wait_group(2 * t.dq_stages - 1 - w, read=True)
-                        cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY if w == 0 else BAR_DQ_EMPTY_WG1, number_of_threads=handoff)
+                        cute.arch.barrier_arrive(
+                            barrier_id=BAR_DQ_EMPTY if w == 0 else BAR_DQ_EMPTY_WG1, number_of_threads=handoff
+                        )
                     if const_expr(self.store_first):
                         claim = self.claim_block(mDqFirst.iterator + flag, lane)
                     seen = self.wait_zeroed(dq_first, work, batch, i, seen, lane)
@@ -992,11 +1402,14 @@ class AttentionBackwardSm90:
                     wm, wn = (w, 0) if am == 2 else (0, w)
                     sdQ_w = cute.local_tile(sdQ[None, None, i % t.dq_stages], sub, (wm, wn))
                     tdQs, tdQg = cpasync.tma_partition(
-                        tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_w, 0, 2), cute.group_modes(gdQ, 0, 2))
+                        tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_w, 0, 2), cute.group_modes(gdQ, 0, 2)
+                    )
                     if const_expr(not t.dq_empty_early):
                         # this part's reduce-add dq_stages blocks back has read it (two groups a block)
                         cute.arch.cp_async_bulk_wait_group(2 * t.dq_stages - 1, read=True)
-                        cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY if w == 0 else BAR_DQ_EMPTY_WG1, number_of_threads=handoff)
+                        cute.arch.barrier_arrive(
+                            barrier_id=BAR_DQ_EMPTY if w == 0 else BAR_DQ_EMPTY_WG1, number_of_threads=handoff
+                        )
                         if const_expr(self.store_first and w == 0):
                             claim = self.claim_block(mDqFirst.iterator + flag, lane)
                         if const_expr(w == 0):
@@ -1009,9 +1422,12 @@ class AttentionBackwardSm90:
                     self.copy_dq(tma_dQ, tma_dQ_store, tdQs, tdQg[None, m_block * am + wm, wn], claim)
                     cute.arch.cp_async_bulk_commit_group()
             else:
-                gdQ = cute.local_tile(self.seq_tile_view(gdQ_tma, head, batch, acc_row0), (t.tile_m, t.head_dim), (m_block, 0))
+                gdQ = cute.local_tile(
+                    self.seq_tile_view(gdQ_tma, head, batch, acc_row0), (t.tile_m, t.head_dim), (m_block, 0)
+                )
                 tdQs, tdQg = cpasync.tma_partition(
-                    tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2))
+                    tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2)
+                )
                 # the buffer of this block is free once the reduce-add dq_stages blocks back has read it
                 cute.arch.cp_async_bulk_wait_group(t.dq_stages - 1, read=True)
                 cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY, number_of_threads=handoff)
@@ -1066,8 +1482,9 @@ class AttentionBackwardSm90:
                 j = i + lane
                 ok = Int32(1)
                 if j < work[1] * (work[3] - work[2]):
-                    ok = Int32(cute.arch.load(self.zero_flag(mFlags, work, batch, j), Int32, sem="acquire",
-                                              scope="gpu") == 2)  # fmt: skip
+                    ok = Int32(
+                        cute.arch.load(self.zero_flag(mFlags, work, batch, j), Int32, sem="acquire", scope="gpu") == 2
+                    )
                 seen = cute.arch.vote_ballot_sync(ok != 0)
                 cute.arch.fence_proxy("async.global")
             if (seen >> w) & 1 == 0:
@@ -1156,7 +1573,8 @@ class AttentionBackwardSm90:
         if mine:
             zero_copy = t.dq_accum_zero_copy()
             tG = zero_copy.get_slice(lane).partition_D(
-                cute.local_tile(mAcc[None, None, head, batch], (t.tile_m, t.head_dim), (m_block, 0)))
+                cute.local_tile(mAcc[None, None, head, batch], (t.tile_m, t.head_dim), (m_block, 0))
+            )
             zeros = cute.make_fragment_like(tG[None, 0, None])
             zeros.fill(0.0)
             for r in cutlass.range(cute.size(tG, mode=[1]), unroll=1):
@@ -1263,9 +1681,37 @@ class AttentionBackwardSm90:
 
     # --------------------------------------------------------------------------- consumers
     @cute.jit
-    def mma(self, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, dkv_out, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dv,
-            tiled_mma_dq, pipe_q, pipe_do, mbar_kv, tidx, n_block, batch, work, rows, seqlen_q, seqlen_k, softmax_scale,
-            window_size, feat, kv=None, carry=None):  # fmt: skip
+    def mma(
+        self,
+        sQ,
+        sdO,
+        sK,
+        sV,
+        sdS,
+        sdQ,
+        sLSE,
+        sDelta,
+        dkv_out,
+        tiled_mma_sdp,
+        tiled_mma_dkv,
+        tiled_mma_dv,
+        tiled_mma_dq,
+        pipe_q,
+        pipe_do,
+        mbar_kv,
+        tidx,
+        n_block,
+        batch,
+        work,
+        rows,
+        seqlen_q,
+        seqlen_k,
+        softmax_scale,
+        window_size,
+        feat,
+        kv=None,
+        carry=None,
+    ):
         """The consumers' steps of one tile, then its dK / dV. ``kv``: persistent CTAs' (K / V
         pipeline, its state, the Q / dO pipelines' state), both returned advanced past the tile
         with the steps done so far; sK / sV are then the tile's buffer. ``carry`` (carry_dq):
@@ -1284,11 +1730,30 @@ class AttentionBackwardSm90:
         sK_both = None
         if const_expr(carry is not None):
             done, sK_both, sdK_both = carry
-        full_ops = self.step_operands(tiled_mma_sdp, tiled_mma_dq, tiled_mma_dkv, tiled_mma_dv, tidx, wg, sQ, sdO, sK,
-                                      sV, sdS, sdQ, sK_both=sK_both)  # fmt: skip
+        full_ops = self.step_operands(
+            tiled_mma_sdp,
+            tiled_mma_dq,
+            tiled_mma_dkv,
+            tiled_mma_dv,
+            tidx,
+            wg,
+            sQ,
+            sdO,
+            sK,
+            sV,
+            sdS,
+            sdQ,
+            sK_both=sK_both,
+        )
         acc_dV, acc_dK = self.dkv_accumulators(tiled_mma_dkv, tiled_mma_dv, tidx)
-        tSrK, tSrQ, tPrV, tPrdO, acc_S, acc_dP = (full_ops.tSrK, full_ops.tSrQ, full_ops.tPrV, full_ops.tPrdO,
-                                                  full_ops.acc_S, full_ops.acc_dP)  # fmt: skip
+        tSrK, tSrQ, tPrV, tPrdO, acc_S, acc_dP = (
+            full_ops.tSrK,
+            full_ops.tSrQ,
+            full_ops.tPrV,
+            full_ops.tPrdO,
+            full_ops.acc_S,
+            full_ops.acc_dP,
+        )
 
         offset = self.causal_offset(seqlen_q, seqlen_k)
         key0 = n_block * t.tile_n
@@ -1314,12 +1779,31 @@ class AttentionBackwardSm90:
                     self.issue_dp(pipe_do, state_next, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
                 state_next.advance()
         env = StepEnv(
-            pipe_q=pipe_q, pipe_do=pipe_do, state_next=state_next, sLSE=sLSE, sDelta=sDelta, sdS=sdS, feat=feat,
-            tiled_mma_dkv=tiled_mma_dkv, tiled_mma_dv=tiled_mma_dv, acc_dV=acc_dV, acc_dK=acc_dK, wg=wg, tidx=tidx,
-            n_block=n_block, key0=key0, offset=offset, seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_size=window_size,
-            scale_log2=scale_log2, steps=steps, carry=carry, kv_state=kv_state if const_expr(self.persistent) else None,
+            pipe_q=pipe_q,
+            pipe_do=pipe_do,
+            state_next=state_next,
+            sLSE=sLSE,
+            sDelta=sDelta,
+            sdS=sdS,
+            feat=feat,
+            tiled_mma_dkv=tiled_mma_dkv,
+            tiled_mma_dv=tiled_mma_dv,
+            acc_dV=acc_dV,
+            acc_dK=acc_dK,
+            wg=wg,
+            tidx=tidx,
+            n_block=n_block,
+            key0=key0,
+            offset=offset,
+            seqlen_q=seqlen_q,
+            seqlen_k=seqlen_k,
+            window_size=window_size,
+            scale_log2=scale_log2,
+            steps=steps,
+            carry=carry,
+            kv_state=kv_state if const_expr(self.persistent) else None,
             done=done,
-        )  # fmt: skip
+        )
         # the loop stays outside that if (it runs 0 steps without work): nested in it, ptxas
         # spilled 384 bytes in d64 and the kernel ran ~10% slower (docs/attention_sm90.md)
         head, m_block = self.work_item(work, 0)
@@ -1329,8 +1813,16 @@ class AttentionBackwardSm90:
             # the partial last query block on products tail_m queries wide, its step peeled out of
             # the loops of whole blocks (one loop taking either kind of step made ptxas rebuild the
             # whole blocks' wgmma descriptors every step: ~40 instructions a step more)
-            self.steps_with_tail(full_ops, env, work, state, head, m_block, seqlen_q,
-                                 (tidx, wg, sQ, sdO, sK, sV, sdS, sdQ, tiled_mma_dkv, tiled_mma_dv))  # fmt: skip
+            self.steps_with_tail(
+                full_ops,
+                env,
+                work,
+                state,
+                head,
+                m_block,
+                seqlen_q,
+                (tidx, wg, sQ, sdO, sK, sV, sdS, sdQ, tiled_mma_dkv, tiled_mma_dv),
+            )
         else:
             for i in cutlass.range(first_step, first_step + steps, unroll=1):
                 self.block_step(full_ops, env, i, state, head, m_block)
@@ -1342,8 +1834,9 @@ class AttentionBackwardSm90:
             last = steps - 1
             if steps > 0:
                 self.ds_half_barrier(1 - wg, last, False)
-            acc_dQ = self.issue_dq(tiled_mma_dq, full_ops.shape_dq, full_ops.tQrdS, full_ops.tQrK,
-                                   (last + t.ds_stages) % t.ds_stages)  # fmt: skip
+            acc_dQ = self.issue_dq(
+                tiled_mma_dq, full_ops.shape_dq, full_ops.tQrdS, full_ops.tQrK, (last + t.ds_stages) % t.ds_stages
+            )
             warpgroup.wait_group(0)
             if steps > 0:
                 self.stage_dq(acc_dQ, full_ops.r2s_dq, full_ops.thr_r2s_dq, full_ops.tdQs, last % t.dq_stages, wg)
@@ -1353,15 +1846,30 @@ class AttentionBackwardSm90:
             if const_expr(carry is not None):
                 # K stays for the next step 0: dK goes to the dS buffer the last block left free
                 done += steps
-                self.stage_dkv(acc_dK, acc_dV, sdK_both[None, None, done % t.ds_stages], sV, tiled_mma_dkv,
-                               tiled_mma_dv, tidx)  # fmt: skip
+                self.stage_dkv(
+                    acc_dK, acc_dV, sdK_both[None, None, done % t.ds_stages], sV, tiled_mma_dkv, tiled_mma_dv, tidx
+                )
             else:
                 self.stage_dkv(acc_dK, acc_dV, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx)
             self.dkv_staged_barrier(kv_state.index, True)
             kv_state.advance()
             return state, kv_state, done
-        self.epilogue(acc_dK, acc_dV, dkv_out, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch,
-                      rows, seqlen_k, softmax_scale)  # fmt: skip
+        self.epilogue(
+            acc_dK,
+            acc_dV,
+            dkv_out,
+            sK,
+            sV,
+            tiled_mma_dkv,
+            tiled_mma_dv,
+            tidx,
+            n_block,
+            head_kv,
+            batch,
+            rows,
+            seqlen_k,
+            softmax_scale,
+        )
 
     @cute.jit
     def steps_with_tail(self, full_ops, env, work, state, head, m_block, seqlen_q, tail_args):
@@ -1406,10 +1914,56 @@ class AttentionBackwardSm90:
         for a partial last block; ``env``: ``StepEnv``, what every step shares (both unpacked in
         their fields' order)."""
         t = self.tiles
-        (tiled_mma_sdp, acc_S, acc_dP, tSrK, tSrQ, tPrV, tPrdO, shape_sdp, cS_mn, tVrdO, tKrQ, tiled_mma_dq, tQrdS,
-         tQrK, tQrK_both, shape_dq, r2s_ds, thr_r2s_ds, tdSs, r2s_dq, thr_r2s_dq, tdQs) = ops
-        (pipe_q, pipe_do, state_next, sLSE, sDelta, sdS, feat, tiled_mma_dkv, tiled_mma_dv, acc_dV, acc_dK, wg, tidx,
-         n_block, key0, offset, seqlen_q, seqlen_k, window_size, scale_log2, steps, carry, kv_state, done) = env
+        (
+            tiled_mma_sdp,
+            acc_S,
+            acc_dP,
+            tSrK,
+            tSrQ,
+            tPrV,
+            tPrdO,
+            shape_sdp,
+            cS_mn,
+            tVrdO,
+            tKrQ,
+            tiled_mma_dq,
+            tQrdS,
+            tQrK,
+            tQrK_both,
+            shape_dq,
+            r2s_ds,
+            thr_r2s_ds,
+            tdSs,
+            r2s_dq,
+            thr_r2s_dq,
+            tdQs,
+        ) = ops
+        (
+            pipe_q,
+            pipe_do,
+            state_next,
+            sLSE,
+            sDelta,
+            sdS,
+            feat,
+            tiled_mma_dkv,
+            tiled_mma_dv,
+            acc_dV,
+            acc_dK,
+            wg,
+            tidx,
+            n_block,
+            key0,
+            offset,
+            seqlen_q,
+            seqlen_k,
+            window_size,
+            scale_log2,
+            steps,
+            carry,
+            kv_state,
+            done,
+        ) = env
         prefetch = const_expr(t.overlap != "none")
         stage = state.index
         ds_stage = i % t.ds_stages
@@ -1424,8 +1978,7 @@ class AttentionBackwardSm90:
         rBias, keep = self.block_features(feat, head, i, q0, key0, seqlen_q, seqlen_k, cS_mn, shape_sdp, wg, tidx)
 
         warpgroup.wait_group(1)
-        self.probs(acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2, rBias,
-                   lse)  # fmt: skip
+        self.probs(acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2, rBias, lse)
         delta = self.read_stats(sDelta, stage, cS_mn) if const_expr(t.stats_early) else None
         warpgroup.wait_group(0)
         self.grad_scores(acc_dP, acc_S, cS_mn, sDelta, stage, keep, feat, delta)
@@ -1442,8 +1995,13 @@ class AttentionBackwardSm90:
             if const_expr(t.ds_before_dv):
                 rdS.store(acc_dP.load().to(self.dtype))
                 cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_stage])
-            wgmma(tiled_mma_dv, acc_dV, cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout)),
-                  tVrdO[None, None, None, stage], zero_init=False)  # fmt: skip
+            wgmma(
+                tiled_mma_dv,
+                acc_dV,
+                cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout)),
+                tVrdO[None, None, None, stage],
+                zero_init=False,
+            )
             if const_expr(not t.ds_before_dv):
                 rdS.store(acc_dP.load().to(self.dtype))
                 cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_stage])
@@ -1457,14 +2015,36 @@ class AttentionBackwardSm90:
                 kb = kv_state.index
                 tQrK_step = tQrK_both[None, None, None, cutlass.select_(i > done, kb, 1 - kb)]
                 carry_in = (i, done)
-            self.deferred_step(i, wg, stage, tiled_mma_dq, tiled_mma_dv, tiled_mma_dkv, acc_dV, acc_dK, rP, rdS,
-                               tVrdO, tKrQ, tQrdS, tQrK_step, shape_dq, r2s_ds, thr_r2s_ds, tdSs, r2s_dq,
-                               thr_r2s_dq, tdQs, carry_in)  # fmt: skip
+            self.deferred_step(
+                i,
+                wg,
+                stage,
+                tiled_mma_dq,
+                tiled_mma_dv,
+                tiled_mma_dkv,
+                acc_dV,
+                acc_dK,
+                rP,
+                rdS,
+                tVrdO,
+                tKrQ,
+                tQrdS,
+                tQrK_step,
+                shape_dq,
+                r2s_ds,
+                thr_r2s_ds,
+                tdSs,
+                r2s_dq,
+                thr_r2s_dq,
+                tdQs,
+                carry_in,
+            )
             pipe_do.consumer_release(state)
             pipe_q.consumer_release(state)
         elif const_expr(t.pds_split):
-            acc_dQ = self.dq_dk_split(wg, stage, ds_stage, tiled_mma_dq, tiled_mma_dkv, acc_dK, rdS, tKrQ,
-                                      tQrdS, tQrK, shape_dq, tidx, dbias)  # fmt: skip
+            acc_dQ = self.dq_dk_split(
+                wg, stage, ds_stage, tiled_mma_dq, tiled_mma_dkv, acc_dK, rdS, tKrQ, tQrdS, tQrK, shape_dq, tidx, dbias
+            )
             pipe_do.consumer_release(state)
             pipe_q.consumer_release(state)
             if const_expr(prefetch):
@@ -1477,11 +2057,17 @@ class AttentionBackwardSm90:
             cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
             if const_expr(self.grad_bias):
                 if tidx == 0:  # both halves are written
-                    self.store_grad_bias(feat, sdS, ds_stage, list(range(t.tile_n // GRAD_BIAS_BOX_KEYS)), head,
-                                         m_block, n_block)  # fmt: skip
+                    self.store_grad_bias(
+                        feat, sdS, ds_stage, list(range(t.tile_n // GRAD_BIAS_BOX_KEYS)), head, m_block, n_block
+                    )
             acc_dQ = self.issue_dq(tiled_mma_dq, shape_dq, tQrdS, tQrK, ds_stage)
-            wgmma(tiled_mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
-                  tKrQ[None, None, None, stage], zero_init=False)  # fmt: skip
+            wgmma(
+                tiled_mma_dkv,
+                acc_dK,
+                cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
+                tKrQ[None, None, None, stage],
+                zero_init=False,
+            )
             warpgroup.wait_group(1)  # dV and dQ done
             pipe_do.consumer_release(state)
 
@@ -1504,8 +2090,23 @@ class AttentionBackwardSm90:
             pipe_q.consumer_release(state)
 
     @cute.jit
-    def epilogue(self, acc_dK, acc_dV, dkv_out, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch,
-                 rows, seqlen_k, softmax_scale):  # fmt: skip
+    def epilogue(
+        self,
+        acc_dK,
+        acc_dV,
+        dkv_out,
+        sK,
+        sV,
+        tiled_mma_dkv,
+        tiled_mma_dv,
+        tidx,
+        n_block,
+        head_kv,
+        batch,
+        rows,
+        seqlen_k,
+        softmax_scale,
+    ):
         """After the last block: the bias-gradient stores have read shared memory (a thread
         without any returns at once); dK scaled by the softmax scale (dS was not) and dK / dV
         stored, rows past seqlen_k dropped. ``dkv_out``: (mdK, mdV, their TMA atoms and
@@ -1514,14 +2115,40 @@ class AttentionBackwardSm90:
         mdK, mdV, dkv_tma = dkv_out
         self.grad_bias_wait(tidx % 128 == 0)
         acc_dK.store(acc_dK.load() * softmax_scale)
-        by_rows = (acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch, rows[1],
-                   seqlen_k)  # fmt: skip
+        by_rows = (
+            acc_dK,
+            acc_dV,
+            mdK,
+            mdV,
+            tiled_mma_dkv,
+            tiled_mma_dv,
+            tidx,
+            n_block,
+            head_kv,
+            batch,
+            rows[1],
+            seqlen_k,
+        )
         by_tma = (acc_dK, acc_dV, dkv_tma, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch, rows[1])
         if const_expr(not t.dkv_tma_store):
             self.store_dkv_rows(*by_rows)
         elif const_expr(t.dkv_vector_store):
-            self.store_tiles_vectors(acc_dK, acc_dV, mdK, mdV, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block,
-                                     head_kv, batch, rows[1], seqlen_k)  # fmt: skip
+            self.store_tiles_vectors(
+                acc_dK,
+                acc_dV,
+                mdK,
+                mdV,
+                sK,
+                sV,
+                tiled_mma_dkv,
+                tiled_mma_dv,
+                tidx,
+                n_block,
+                head_kv,
+                batch,
+                rows[1],
+                seqlen_k,
+            )
         elif const_expr(self.varlen):
             # TMA drops rows past the tensor's end, not past a packed sequence's: a block
             # reaching past seqlen_k takes the row-predicated stores
@@ -1533,8 +2160,9 @@ class AttentionBackwardSm90:
             self.store_tiles_tma(*by_tma)
 
     @cute.jit
-    def store_dkv_rows(self, acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch,
-                       offset_k, seqlen_k):  # fmt: skip
+    def store_dkv_rows(
+        self, acc_dK, acc_dV, mdK, mdV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch, offset_k, seqlen_k
+    ):
         """dK / dV straight from registers (``store_rows``)."""
         self.store_rows(acc_dK, mdK, tiled_mma_dkv, tidx, n_block, head_kv, batch, offset_k, seqlen_k)
         self.store_rows(acc_dV, mdV, tiled_mma_dv, tidx, n_block, head_kv, batch, offset_k, seqlen_k)
@@ -1553,8 +2181,9 @@ class AttentionBackwardSm90:
             cute.copy(r2s, thr.retile(rOut), thr.partition_D(s))
 
     @cute.jit
-    def store_tiles_tma(self, acc_dK, acc_dV, dkv_tma, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv,
-                        batch, offset_k):  # fmt: skip
+    def store_tiles_tma(
+        self, acc_dK, acc_dV, dkv_tma, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch, offset_k
+    ):
         """dK / dV (cast) into K's / V's shared memory, then one thread's TMA stores: the rows
         leave as whole 128-byte lines and the warps are done at once (H100, 8x16x1024x64: 0.246
         ms against 0.260 with 32-bit stores straight from registers, docs/attention_sm90.md)."""
@@ -1567,15 +2196,31 @@ class AttentionBackwardSm90:
             for atom, g_tma, s in ((tma_dK, gdK_tma, sK), (tma_dV, gdV_tma, sV)):
                 tile = (t.tile_n, cute.size(s, mode=[1]))
                 g = cute.local_tile(self.seq_tile_view(g_tma, head_kv, batch, offset_k), tile, (n_block, 0))
-                ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
-                                               cute.group_modes(g, 0, 2))  # fmt: skip
+                ts, tg = cpasync.tma_partition(
+                    atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
+                )
                 cute.copy(atom, ts, tg)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory stays until read
 
     @cute.jit
-    def store_tiles_vectors(self, acc_dK, acc_dV, mdK, mdV, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block,
-                            head_kv, batch, offset_k, seqlen_k):  # fmt: skip
+    def store_tiles_vectors(
+        self,
+        acc_dK,
+        acc_dV,
+        mdK,
+        mdV,
+        sK,
+        sV,
+        tiled_mma_dkv,
+        tiled_mma_dv,
+        tidx,
+        n_block,
+        head_kv,
+        batch,
+        offset_k,
+        seqlen_k,
+    ):
         """dK / dV (cast) into K's / V's shared memory as for the TMA store, then every consumer
         thread stores 16-byte vectors of whole rows (rows past seqlen_k dropped: also a packed
         sequence's partial block): nothing waits behind the dQ-store warp's reduce-adds in the
@@ -1586,16 +2231,16 @@ class AttentionBackwardSm90:
         self.store_staged_dkv(sK, sV, mdK, mdV, tidx, t.num_mma_threads, n_block, head_kv, batch, offset_k, seqlen_k)
 
     @cute.jit
-    def store_staged_dkv(self, sK, sV, mdK, mdV, tidx, threads: cutlass.Constexpr, n_block, head_kv, batch, offset_k,
-                         seqlen_k):  # fmt: skip
+    def store_staged_dkv(
+        self, sK, sV, mdK, mdV, tidx, threads: cutlass.Constexpr, n_block, head_kv, batch, offset_k, seqlen_k
+    ):
         """The staged dK / dV tiles from shared to global memory by ``threads`` threads (``tidx``
         among them), 16-byte row pieces, rows past seqlen_k dropped."""
         for s, mOut in ((sK, mdK), (sV, mdV)):
             self.store_staged_tile(s, mOut, tidx, threads, n_block, head_kv, batch, offset_k, seqlen_k)
 
     @cute.jit
-    def store_staged_tile(self, s, mOut, tidx, threads: cutlass.Constexpr, n_block, head_kv, batch, offset_k,
-                          seqlen_k):  # fmt: skip
+    def store_staged_tile(self, s, mOut, tidx, threads: cutlass.Constexpr, n_block, head_kv, batch, offset_k, seqlen_k):
         """One staged tile (``store_staged_dkv``)."""
         t = self.tiles
         cols = mOut.shape[1]
@@ -1615,8 +2260,22 @@ class AttentionBackwardSm90:
                     cute.copy(s2g, tS[None, r, None], tG[None, r, None])
 
     @cute.jit
-    def probs(self, acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2,
-              rBias=None, lse=None):  # fmt: skip
+    def probs(
+        self,
+        acc_S,
+        cS_mn,
+        sLSE,
+        stage,
+        q0,
+        key0,
+        seqlen_q,
+        seqlen_k,
+        offset,
+        window_size,
+        scale_log2,
+        rBias=None,
+        lse=None,
+    ):
         """P^T = exp(S^T * scale [+ B^T] - LSE) in place of S^T, zero where masked (after the exp:
         LSE may be +-inf there); computed as exp2 with sLSE in log2 units. ``cS_mn``: (key, query)
         in the block of each value, rows x columns. ``lse``: the columns' LSE already read
@@ -1731,7 +2390,9 @@ class AttentionBackwardSm90:
         per_block = t.tile_n // GRAD_BIAS_BOX_KEYS
         g = cute.local_tile(gdB[None, None, head], box, (None, None))  # (rows, keys, m, n)
         s = cute.local_tile(sdS[None, None, buf], box, (0, None))  # (rows, keys, box)
-        ts, tg = cpasync.tma_partition(tma_dB, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
+        ts, tg = cpasync.tma_partition(
+            tma_dB, 0, cute.make_layout(1), cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2)
+        )
         for b in boxes if isinstance(boxes, list) else [boxes]:
             cute.copy(tma_dB, ts[None, b], tg[None, m_block, n_block * per_block + b])
         cute.arch.cp_async_bulk_commit_group()
@@ -1775,7 +2436,9 @@ class AttentionBackwardSm90:
     def keep_flag_halves(self, sKeep):
         """The keep-flag buffers as (query, 16-key half-word, buffer) Uint16."""
         t = self.tiles
-        layout = cute.make_layout((t.tile_m, t.tile_n // 16, KEEP_FLAG_BUFFERS), stride=(t.tile_n // 16, 1, t.tile_m * t.tile_n // 16))
+        layout = cute.make_layout(
+            (t.tile_m, t.tile_n // 16, KEEP_FLAG_BUFFERS), stride=(t.tile_n // 16, 1, t.tile_m * t.tile_n // 16)
+        )
         return cute.make_tensor(cute.recast_ptr(sKeep.iterator, dtype=Uint16), layout)
 
     @cute.jit
@@ -1858,7 +2521,9 @@ class AttentionBackwardSm90:
     def dkv_accumulators(self, tiled_mma_dkv, tiled_mma_dv, tidx):
         """The thread's zeroed dV and dK accumulators."""
         t = self.tiles
-        acc_dV = cute.make_rmem_tensor(tiled_mma_dv.get_slice(tidx).partition_shape_C((t.tile_n, t.head_dim_v)), Float32)
+        acc_dV = cute.make_rmem_tensor(
+            tiled_mma_dv.get_slice(tidx).partition_shape_C((t.tile_n, t.head_dim_v)), Float32
+        )
         acc_dK = cute.make_rmem_tensor(tiled_mma_dkv.get_slice(tidx).partition_shape_C((t.tile_n, t.head_dim)), Float32)
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
@@ -1874,8 +2539,23 @@ class AttentionBackwardSm90:
         return tVrdO, tKrQ
 
     @cute.jit
-    def step_operands(self, tiled_mma_sdp, tiled_mma_dq, tiled_mma_dkv, tiled_mma_dv, tidx, wg, sQ, sdO, sK, sV, sdS,
-                      sdQ, tile_m: cutlass.Constexpr = None, sK_both=None):  # fmt: skip
+    def step_operands(
+        self,
+        tiled_mma_sdp,
+        tiled_mma_dq,
+        tiled_mma_dkv,
+        tiled_mma_dv,
+        tidx,
+        wg,
+        sQ,
+        sdO,
+        sK,
+        sV,
+        sdS,
+        sdQ,
+        tile_m: cutlass.Constexpr = None,
+        sK_both=None,
+    ):
         """``block_step``'s ``StepOperands`` over blocks of ``tile_m`` queries (the tiles' by
         default; a partial block's with its own S^T / dP^T / dQ^T tiled MMAs and the shared
         tiles' first rows, ``tail_operands``). ``sK_both``: carry_dq's two K buffers (dQ's K
@@ -1893,11 +2573,29 @@ class AttentionBackwardSm90:
         acc_S = cute.make_rmem_tensor(shape_sdp, Float32)
         acc_dP = cute.make_rmem_tensor(shape_sdp, Float32)
         return StepOperands(
-            tiled_mma_sdp=tiled_mma_sdp, acc_S=acc_S, acc_dP=acc_dP, tSrK=tSrK, tSrQ=tSrQ, tPrV=tPrV, tPrdO=tPrdO,
-            shape_sdp=shape_sdp, cS_mn=cS_mn, tVrdO=tVrdO, tKrQ=tKrQ, tiled_mma_dq=tiled_mma_dq, tQrdS=tQrdS,
-            tQrK=tQrK, tQrK_both=tQrK_both, shape_dq=shape_dq, r2s_ds=r2s_ds, thr_r2s_ds=thr_r2s_ds, tdSs=tdSs,
-            r2s_dq=r2s_dq, thr_r2s_dq=thr_r2s_dq, tdQs=tdQs,
-        )  # fmt: skip
+            tiled_mma_sdp=tiled_mma_sdp,
+            acc_S=acc_S,
+            acc_dP=acc_dP,
+            tSrK=tSrK,
+            tSrQ=tSrQ,
+            tPrV=tPrV,
+            tPrdO=tPrdO,
+            shape_sdp=shape_sdp,
+            cS_mn=cS_mn,
+            tVrdO=tVrdO,
+            tKrQ=tKrQ,
+            tiled_mma_dq=tiled_mma_dq,
+            tQrdS=tQrdS,
+            tQrK=tQrK,
+            tQrK_both=tQrK_both,
+            shape_dq=shape_dq,
+            r2s_ds=r2s_ds,
+            thr_r2s_ds=thr_r2s_ds,
+            tdSs=tdSs,
+            r2s_dq=r2s_dq,
+            thr_r2s_dq=thr_r2s_dq,
+            tdQs=tdQs,
+        )
 
     @cute.jit
     def tail_operands(self, tidx, wg, sQ, sdO, sK, sV, sdS, sdQ, tiled_mma_dkv, tiled_mma_dv):
@@ -1909,9 +2607,21 @@ class AttentionBackwardSm90:
         or past its end)."""
         tail_tiles = dataclasses.replace(self.tiles, tile_m=self.tail_m)
         sQ_t, sdO_t, sdS_t, sdQ_t = (rows_view(x, self.tail_m) for x in (sQ, sdO, sdS, sdQ))
-        return self.step_operands(tail_tiles.tiled_mma_sdp(self.dtype), tail_tiles.tiled_mma_dq(self.dtype),
-                                  tiled_mma_dkv, tiled_mma_dv, tidx, wg, sQ_t, sdO_t, sK, sV, sdS_t, sdQ_t,
-                                  self.tail_m)  # fmt: skip
+        return self.step_operands(
+            tail_tiles.tiled_mma_sdp(self.dtype),
+            tail_tiles.tiled_mma_dq(self.dtype),
+            tiled_mma_dkv,
+            tiled_mma_dv,
+            tidx,
+            wg,
+            sQ_t,
+            sdO_t,
+            sK,
+            sV,
+            sdS_t,
+            sdQ_t,
+            self.tail_m,
+        )
 
     @cute.jit
     def stage_dq(self, acc_dQ, r2s_dq, thr_r2s_dq, tdQs, buf, wg):
@@ -1936,8 +2646,9 @@ class AttentionBackwardSm90:
             cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=handoff)
 
     @cute.jit
-    def dq_dk_split(self, wg, stage, ds_stage, tiled_mma_dq, tiled_mma_dkv, acc_dK, rdS, tKrQ, tQrdS, tQrK, shape_dq,
-                    tidx, dbias):  # fmt: skip
+    def dq_dk_split(
+        self, wg, stage, ds_stage, tiled_mma_dq, tiled_mma_dkv, acc_dK, rdS, tKrQ, tQrdS, tQrK, shape_dq, tidx, dbias
+    ):
         """dS handoff by two one-way barriers: each warpgroup announces its half of dS, issues
         dK (registers only) and only then waits for the other half, so the wait overlaps dK.
         A warpgroup announces block i+1 after its dQ of block i completed (and, with the bias
@@ -1950,8 +2661,13 @@ class AttentionBackwardSm90:
             cute.arch.barrier_arrive(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
         else:
             cute.arch.barrier_arrive(barrier_id=BAR_PDS_WG1, number_of_threads=t.num_mma_threads)
-        wgmma(tiled_mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
-              tKrQ[None, None, None, stage], zero_init=False)  # fmt: skip
+        wgmma(
+            tiled_mma_dkv,
+            acc_dK,
+            cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
+            tKrQ[None, None, None, stage],
+            zero_init=False,
+        )
         if wg == 0:
             cute.arch.barrier(barrier_id=BAR_PDS_WG1, number_of_threads=t.num_mma_threads)
         else:
@@ -1967,9 +2683,31 @@ class AttentionBackwardSm90:
         return acc_dQ
 
     @cute.jit
-    def deferred_step(self, i, wg, stage, tiled_mma_dq, tiled_mma_dv, tiled_mma_dkv, acc_dV, acc_dK, rP, rdS, tVrdO,
-                      tKrQ, tQrdS, tQrK, shape_dq, r2s_ds, thr_r2s_ds, tdSs, r2s_dq, thr_r2s_dq, tdQs,
-                      carry_in=None):  # fmt: skip
+    def deferred_step(
+        self,
+        i,
+        wg,
+        stage,
+        tiled_mma_dq,
+        tiled_mma_dv,
+        tiled_mma_dkv,
+        acc_dV,
+        acc_dK,
+        rP,
+        rdS,
+        tVrdO,
+        tKrQ,
+        tQrdS,
+        tQrK,
+        shape_dq,
+        r2s_ds,
+        thr_r2s_ds,
+        tdSs,
+        r2s_dq,
+        thr_r2s_dq,
+        tdQs,
+        carry_in=None,
+    ):
         """The products of step ``i`` once its dS is in registers (``dq_defer``): this block's
         dS^T stored (after the other warpgroup announced block i - 1, a step ago as a rule: it
         announces a block only once its dQ of the block before has read the buffer written
@@ -1994,8 +2732,13 @@ class AttentionBackwardSm90:
                     named_barrier(BAR_DS_FREE, n_handoff, False)
         cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, cyclic(g, t.ds_stages)])
         acc_dQ = self.issue_dq(tiled_mma_dq, shape_dq, tQrdS, tQrK, cyclic(g + t.ds_stages - 1, t.ds_stages))
-        wgmma(tiled_mma_dv, acc_dV, cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout)),
-              tVrdO[None, None, None, stage], zero_init=False)  # fmt: skip
+        wgmma(
+            tiled_mma_dv,
+            acc_dV,
+            cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout)),
+            tVrdO[None, None, None, stage],
+            zero_init=False,
+        )
         warpgroup.wait_group(1)  # dQ of block i - 1 done: its dS buffer is read
         if const_expr(carry_in is not None):
             if g > 0:
@@ -2003,8 +2746,13 @@ class AttentionBackwardSm90:
                     named_barrier(BAR_K_FREE, n_handoff, True)
         cute.arch.fence_view_async_shared()
         self.ds_half_barrier(wg, g, True)
-        wgmma(tiled_mma_dkv, acc_dK, cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
-              tKrQ[None, None, None, stage], zero_init=False)  # fmt: skip
+        wgmma(
+            tiled_mma_dkv,
+            acc_dK,
+            cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
+            tKrQ[None, None, None, stage],
+            zero_init=False,
+        )
         if g > 0:
             self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, cyclic(prev, t.dq_stages), wg)
         warpgroup.wait_group(0)
@@ -2034,7 +2782,11 @@ class AttentionBackwardSm90:
         them (transposed with ``dq_swapab``)."""
         r2s_dq = self.tiles.r2s_copy_dq(tiled_mma_dq)
         thr_r2s_dq = r2s_dq.get_slice(tidx)
-        return r2s_dq, thr_r2s_dq, thr_r2s_dq.partition_D(transpose_view(sdQ) if const_expr(self.tiles.dq_swapab) else sdQ)
+        return (
+            r2s_dq,
+            thr_r2s_dq,
+            thr_r2s_dq.partition_D(transpose_view(sdQ) if const_expr(self.tiles.dq_swapab) else sdQ),
+        )
 
     @cute.jit
     def carried_dq_tail(self, sK, sdS, sdQ, tiled_mma_dq, tidx, done, kv_state, any_tile):
@@ -2049,8 +2801,13 @@ class AttentionBackwardSm90:
         last = done - 1
         if any_tile:
             self.ds_half_barrier(1 - wg, last, False)
-        acc_dQ = self.issue_dq(tiled_mma_dq, shape_dq, tQrdS, tQrK[None, None, None, 1 - kv_state.index],
-                               (last + t.ds_stages) % t.ds_stages)  # fmt: skip
+        acc_dQ = self.issue_dq(
+            tiled_mma_dq,
+            shape_dq,
+            tQrdS,
+            tQrK[None, None, None, 1 - kv_state.index],
+            (last + t.ds_stages) % t.ds_stages,
+        )
         warpgroup.wait_group(0)
         if any_tile:
             self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, last % t.dq_stages, wg)

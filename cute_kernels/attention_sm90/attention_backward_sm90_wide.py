@@ -40,9 +40,35 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
     same configuration (mask, window, deterministic) and arguments."""
 
     @cute.jit
-    def mma(self, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta, dkv_out, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dv,
-            tiled_mma_dq, pipe_q, pipe_do, mbar_kv, tidx, n_block, batch, work, rows, seqlen_q, seqlen_k, softmax_scale,
-            window_size, feat):  # fmt: skip
+    def mma(
+        self,
+        sQ,
+        sdO,
+        sK,
+        sV,
+        sdS,
+        sdQ,
+        sLSE,
+        sDelta,
+        dkv_out,
+        tiled_mma_sdp,
+        tiled_mma_dkv,
+        tiled_mma_dv,
+        tiled_mma_dq,
+        pipe_q,
+        pipe_do,
+        mbar_kv,
+        tidx,
+        n_block,
+        batch,
+        work,
+        rows,
+        seqlen_q,
+        seqlen_k,
+        softmax_scale,
+        window_size,
+        feat,
+    ):
         t = self.tiles
         d = t.head_dim
         head_kv, group, m_min, m_max, _ = work
@@ -121,12 +147,14 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
                 if tidx == 0:  # dB = dS: the whole block is one TMA box
                     self.store_grad_bias(feat, sdS, ds_buf, 0, head, m_block, n_block)
 
-            wgmma(tiled_mma_dv, acc_dV, tKVrPdS[None, None, None, p_buf], tVrdO[None, None, None, stage],
-                  zero_init=False)  # fmt: skip
+            wgmma(
+                tiled_mma_dv, acc_dV, tKVrPdS[None, None, None, p_buf], tVrdO[None, None, None, stage], zero_init=False
+            )
             acc_dQ = cute.make_rmem_tensor(shape_dq, Float32)
             wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_buf], tQrK0, zero_init=True)
-            wgmma(tiled_mma_dkv, acc_dK, tKVrPdS[None, None, None, ds_buf], tKrQ[None, None, None, stage],
-                  zero_init=False)  # fmt: skip
+            wgmma(
+                tiled_mma_dkv, acc_dK, tKVrPdS[None, None, None, ds_buf], tKrQ[None, None, None, stage], zero_init=False
+            )
             warpgroup.wait_group(1)  # dV and dQ's first half done
             pipe_do.consumer_release(state)
             # dQ -> sdQ for the store warp's reduce-add of the whole tile, one half at a
@@ -143,5 +171,19 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
             state.advance()
             head, m_block = self.next_work_item(work, head, m_block)
 
-        self.epilogue(acc_dK, acc_dV, dkv_out, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch,
-                      rows, seqlen_k, softmax_scale)  # fmt: skip
+        self.epilogue(
+            acc_dK,
+            acc_dV,
+            dkv_out,
+            sK,
+            sV,
+            tiled_mma_dkv,
+            tiled_mma_dv,
+            tidx,
+            n_block,
+            head_kv,
+            batch,
+            rows,
+            seqlen_k,
+            softmax_scale,
+        )

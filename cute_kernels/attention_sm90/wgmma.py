@@ -33,5 +33,9 @@ def acc_as_operand_a(acc_layout: cute.Layout) -> cute.Layout:
     next, ((2, 2, 2), MMA_M, (V / 2, MMA_N)): a 16-wide k-block is two 8-column groups."""
     lay = cute.logical_divide(acc_layout, ((None, None, 2), None, None))
     shape = ((lay.shape[0][0], lay.shape[0][1], lay.shape[0][2][0]), lay.shape[1], (lay.shape[0][2][1], lay.shape[2]))
-    stride = ((lay.stride[0][0], lay.stride[0][1], lay.stride[0][2][0]), lay.stride[1], (lay.stride[0][2][1], lay.stride[2]))
+    stride = (
+        (lay.stride[0][0], lay.stride[0][1], lay.stride[0][2][0]),
+        lay.stride[1],
+        (lay.stride[0][2][1], lay.stride[2]),
+    )
     return cute.make_layout(shape, stride=stride)

@@ -63,9 +63,7 @@ class ColumnPartials:
         cute.arch.fence_acq_rel_gpu()
         cute.arch.sync_threads()
         if tidx == 0:
-            ticket = cute.arch.atomic_add(
-                mCounter.iterator + col_tile, Int32(1), sem="acq_rel", scope="gpu"
-            )
+            ticket = cute.arch.atomic_add(mCounter.iterator + col_tile, Int32(1), sem="acq_rel", scope="gpu")
             sFlag[0] = Int32(0)
             if ticket == num_chunks - 1:
                 sFlag[0] = Int32(1)

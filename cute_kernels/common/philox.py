@@ -82,7 +82,11 @@ def keep_flags_quads(word_index: Uint64, k0: Uint32, k1: Uint32, dropout_p: Floa
         for j in cutlass.range_constexpr(4):
             # word state + j of the 8 words cur ++ nxt
             cand = [cur[j + s] if j + s < 4 else nxt[j + s - 4] for s in range(4)]
-            w = cutlass.select_(state == Uint32(0), cand[0], cutlass.select_(state == Uint32(1), cand[1], cutlass.select_(state == Uint32(2), cand[2], cand[3])))
+            w = cutlass.select_(
+                state == Uint32(0),
+                cand[0],
+                cutlass.select_(state == Uint32(1), cand[1], cutlass.select_(state == Uint32(2), cand[2], cand[3])),
+            )
             keep = uniform(Uint32(w)) > dropout_p
             packed = packed | (Uint32(cutlass.select_(keep, Uint32(1), Uint32(0))) << Uint32(8 * j))
         flags.append(packed)

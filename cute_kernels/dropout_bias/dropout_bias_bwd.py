@@ -60,9 +60,20 @@ class DropoutBiasBwd:
         copy_out = self.tiles.gmem_store().build(self.dtype)
         tile_n = self.tiles.tile[1]
         self.kernel(
-            mDY, mMask, mX, mBias, mDX, mPartial, mCounter, mDBias, scale, blocks_per_chunk,
-            copy, copy_mask, copy_out,
-        ).launch(  # fmt: skip
+            mDY,
+            mMask,
+            mX,
+            mBias,
+            mDX,
+            mPartial,
+            mCounter,
+            mDBias,
+            scale,
+            blocks_per_chunk,
+            copy,
+            copy_mask,
+            copy_out,
+        ).launch(
             grid=[cute.ceil_div(mDY.shape[1], tile_n), mPartial.shape[0], 1],
             block=[self.tiles.num_threads, 1, 1],
             stream=stream,

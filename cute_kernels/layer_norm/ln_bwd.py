@@ -77,7 +77,9 @@ class LnBwd:
         copy_x = t.gmem_copy(self.in_dtype.width, load=True).build(self.in_dtype)
         copy_dz = t.gmem_copy(self.out_dtype.width, load=True).build(self.out_dtype)
         copy_dx = t.gmem_copy(self.in_dtype.width, load=False).build(self.in_dtype)
-        kernel = self.kernel(mX, mDZ, mGamma, mMu, mRs, mDX, mDGammaPart, mDBetaPart, ctas_per_col, copy_x, copy_dz, copy_dx)
+        kernel = self.kernel(
+            mX, mDZ, mGamma, mMu, mRs, mDX, mDGammaPart, mDBetaPart, ctas_per_col, copy_x, copy_dz, copy_dx
+        )
         if const_expr(t.ctas_per_row > 1):
             kernel.launch(
                 grid=[ctas_per_col * t.ctas_per_row, 1, 1],
@@ -89,8 +91,11 @@ class LnBwd:
             )
         else:
             kernel.launch(
-                grid=[ctas_per_col, 1, 1], block=[t.num_threads, 1, 1], min_blocks_per_mp=t.ctas_per_sm,
-                preferred_smem_carveout=SMEM_CARVEOUT, stream=stream
+                grid=[ctas_per_col, 1, 1],
+                block=[t.num_threads, 1, 1],
+                min_blocks_per_mp=t.ctas_per_sm,
+                preferred_smem_carveout=SMEM_CARVEOUT,
+                stream=stream,
             )
 
     @cute.kernel
@@ -189,15 +194,43 @@ class LnBwd:
         # row blocks of this CTA: bidm, bidm + ctas_per_col, ... (all threads agree)
         my_blocks = cute.ceil_div(num_row_blocks - bidm, ctas_per_col)
         for k in cutlass.range_constexpr(stages - 1):
-            self.load_block(k, bidm, ctas_per_col, my_blocks, rows, row_in_cta, col_tile, col_ok,
-                            copy_x, copy_dz, tXg, tDZg, tXs, tDZs)  # fmt: skip
+            self.load_block(
+                k,
+                bidm,
+                ctas_per_col,
+                my_blocks,
+                rows,
+                row_in_cta,
+                col_tile,
+                col_ok,
+                copy_x,
+                copy_dz,
+                tXg,
+                tDZg,
+                tXs,
+                tDZs,
+            )
         parity = Int32(0)
         # The row statistics are loaded one row block ahead: loaded after the wait, their
         # latency was exposed once per row.
         mu, rs = self.row_stats(mMu, mRs, (bidm * rpc + row_in_cta), rows)
         for k in cutlass.range(my_blocks, unroll=1):
-            self.load_block(k + stages - 1, bidm, ctas_per_col, my_blocks, rows, row_in_cta, col_tile, col_ok,
-                            copy_x, copy_dz, tXg, tDZg, tXs, tDZs)  # fmt: skip
+            self.load_block(
+                k + stages - 1,
+                bidm,
+                ctas_per_col,
+                my_blocks,
+                rows,
+                row_in_cta,
+                col_tile,
+                col_ok,
+                copy_x,
+                copy_dz,
+                tXg,
+                tDZg,
+                tXs,
+                tDZs,
+            )
             mu_next, rs_next = self.row_stats(mMu, mRs, (bidm + (k + 1) * ctas_per_col) * rpc + row_in_cta, rows)
             cute.arch.cp_async_wait_group(stages - 1)  # block k has landed
             stage = k % stages
@@ -306,7 +339,9 @@ class LnBwd:
             cols = t.cols_per_cta
             fold = ColumnPartials(rpc, cols, t.num_threads)
             for acc, mPart in outs:
-                sAcc = smem.allocate_tensor(Float32, cute.make_ordered_layout((rpc, cols), order=(1, 0)), byte_alignment=16)
+                sAcc = smem.allocate_tensor(
+                    Float32, cute.make_ordered_layout((rpc, cols), order=(1, 0)), byte_alignment=16
+                )
                 for it in cutlass.range_constexpr(ldgs):
                     dst = cute.local_tile(sAcc[row_in_cta, None], (vec,), (it * tpr + tid_r,))
                     cute.autovec_copy(acc[it], cute.make_tensor(dst.iterator, acc[it].layout))
@@ -314,8 +349,23 @@ class LnBwd:
                 fold.store(sAcc, mPart, bidm, Int32(0), tidx)  # one CTA covers the row: column tile 0
 
     @cute.jit
-    def load_block(self, k, bidm, ctas_per_col, my_blocks, rows, row_in_cta, col_tile, col_ok,
-                   copy_x, copy_dz, tXg, tDZg, tXs, tDZs):  # fmt: skip
+    def load_block(
+        self,
+        k,
+        bidm,
+        ctas_per_col,
+        my_blocks,
+        rows,
+        row_in_cta,
+        col_tile,
+        col_ok,
+        copy_x,
+        copy_dz,
+        tXg,
+        tDZg,
+        tXs,
+        tDZs,
+    ):
         """Start copying this CTA's ``k``-th row block into ring stage k % stages; one commit group."""
         t = self.tiles
         rb = bidm + k * ctas_per_col

@@ -61,6 +61,7 @@ from .iteration import (
 from .shared_storage import make_shared_storage
 from .warp_mma import col_chunk, gemm_smem
 
+
 def _operands(thr_mma, s2r_a, s2r_b, sA, sB):
     """One matmul's register fragments and ldmatrix sources for shared A (M x K) and B
     (N x K); a third (stage) mode of either tile is kept in the sources, dropped in the
@@ -145,10 +146,31 @@ class AttentionBackwardKernel:
         SharedStorage = make_shared_storage(cfg, self.dtype)
         num_batches = mLogsumexp.shape[0]
         self.kernel(
-            mQuery, mKey, mValue, mOutput, mGradOutput, mLogsumexp, mDelta,
-            mGradQuery, mGradKey, mGradValue, mWorkspace, mWorkspaceGradKV, mCuSeqlensQ, mCuSeqlensK,
-            mBias, mGradBias, scale, custom_mask_type, window_size,
-            philox_seed, philox_offset, dropout_p, dropout_scale, dropout_bh_elems, SharedStorage,
+            mQuery,
+            mKey,
+            mValue,
+            mOutput,
+            mGradOutput,
+            mLogsumexp,
+            mDelta,
+            mGradQuery,
+            mGradKey,
+            mGradValue,
+            mWorkspace,
+            mWorkspaceGradKV,
+            mCuSeqlensQ,
+            mCuSeqlensK,
+            mBias,
+            mGradBias,
+            scale,
+            custom_mask_type,
+            window_size,
+            philox_seed,
+            philox_offset,
+            dropout_p,
+            dropout_scale,
+            dropout_bh_elems,
+            SharedStorage,
         ).launch(
             grid=[num_splits_key, mQuery.shape[2], num_batches],
             block=[cfg.num_threads, 1, 1],
@@ -229,10 +251,21 @@ class AttentionBackwardKernel:
         split_key, head, batch = cute.arch.block_idx()
         num_splits_key = cute.arch.grid_dim()[0]
         tensors = SimpleNamespace(
-            mQuery=mQuery, mKey=mKey, mValue=mValue, mOutput=mOutput, mGradOutput=mGradOutput,
-            mLogsumexp=mLogsumexp, mDelta=mDelta, mGradQuery=mGradQuery, mGradKey=mGradKey,
-            mGradValue=mGradValue, mWorkspace=mWorkspace, mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK,
-            mBias=mBias, mGradBias=mGradBias,
+            mQuery=mQuery,
+            mKey=mKey,
+            mValue=mValue,
+            mOutput=mOutput,
+            mGradOutput=mGradOutput,
+            mLogsumexp=mLogsumexp,
+            mDelta=mDelta,
+            mGradQuery=mGradQuery,
+            mGradKey=mGradKey,
+            mGradValue=mGradValue,
+            mWorkspace=mWorkspace,
+            mCuSeqlensQ=mCuSeqlensQ,
+            mCuSeqlensK=mCuSeqlensK,
+            mBias=mBias,
+            mGradBias=mGradBias,
         )
         p = self.advance_to_block(batch, head, tensors)
         if const_expr(not cfg.output_in_rf):
@@ -241,8 +274,14 @@ class AttentionBackwardKernel:
             p.workspace_gk = gkv.iterator
             p.workspace_gv = gkv.iterator + cfg.grad_kv_accum_words
         it = IterationParams(
-            p.num_queries, p.num_keys, custom_mask_type, window_size, num_splits_key, split_key,
-            cfg.block_size_i, cfg.block_size_j,
+            p.num_queries,
+            p.num_keys,
+            custom_mask_type,
+            window_size,
+            num_splits_key,
+            split_key,
+            cfg.block_size_i,
+            cfg.block_size_j,
         )
 
         # Shared memory: the phase unions of SharedStorage.
@@ -273,15 +312,19 @@ class AttentionBackwardKernel:
             s.zij = part1.zij.get_tensor(zij.build(cutlass.Uint8))
             words = (zij.shape[1] + zij.pad) // 4  # one Uint32 store per quad of flags
             s.zij32 = cute.make_tensor(
-                cute.recast_ptr(s.zij.iterator, dtype=Uint32), cute.make_layout((zij.shape[0], words), stride=(words, 1))
+                cute.recast_ptr(s.zij.iterator, dtype=Uint32),
+                cute.make_layout((zij.shape[0], words), stride=(words, 1)),
             )
             # curand_init(seed, 0, offset + batch_head_offset): the key and this
             # (batch, head)'s first word; each block skips ahead from there.
             seed = philox_scalar(philox_seed)
             rng = SimpleNamespace(
-                k0=Uint32(seed), k1=Uint32(seed >> Int64(32)),
-                base=philox_scalar(philox_offset) + (Int64(batch) * Int64(mQuery.shape[2]) + Int64(head)) * Int64(dropout_bh_elems),
-                p=Float32(dropout_p), scale=Float32(dropout_scale),
+                k0=Uint32(seed),
+                k1=Uint32(seed >> Int64(32)),
+                base=philox_scalar(philox_offset)
+                + (Int64(batch) * Int64(mQuery.shape[2]) + Int64(head)) * Int64(dropout_bh_elems),
+                p=Float32(dropout_p),
+                scale=Float32(dropout_scale),
             )
 
         # Computes (dO*out).sum(-1) and writes it to Δ (the C++: once per CTA).
@@ -289,8 +332,15 @@ class AttentionBackwardKernel:
             delta_copy = self.delta_tiles.gmem_load().build(self.dtype)
             for query_start in cutlass.range(0, p.num_queries, self.delta_rows, unroll=1):
                 compute_delta(
-                    self.delta_tiles, delta_copy, p.grad_output, p.output, p.delta,
-                    query_start, p.num_queries, p.head_dim_value, tidx,
+                    self.delta_tiles,
+                    delta_copy,
+                    p.grad_output,
+                    p.output,
+                    p.delta,
+                    query_start,
+                    p.num_queries,
+                    p.head_dim_value,
+                    tidx,
                 )
             cute.arch.barrier()
 
@@ -302,7 +352,9 @@ class AttentionBackwardKernel:
         scale_log2 = scale * LOG2_E
 
         stage = Int32(0)
-        for key_start in cutlass.range(split_key * cfg.block_size_j, p.num_keys, num_splits_key * cfg.block_size_j, unroll=1):
+        for key_start in cutlass.range(
+            split_key * cfg.block_size_j, p.num_keys, num_splits_key * cfg.block_size_j, unroll=1
+        ):
             if const_expr(cfg.output_in_rf):
                 acc_dk.fill(0.0)
                 acc_dv.fill(0.0)
@@ -312,8 +364,12 @@ class AttentionBackwardKernel:
             # bytes (racecheck found the overlap).
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()  # the previous key block's readers of K_j / V_j are done
-            self.load_tile(m.copy_k, cute.domain_offset((key_start, 0), p.key), s.k, num_keys_in_block, p.head_dim, tidx)
-            self.load_tile(m.copy_k, cute.domain_offset((key_start, 0), p.value), s.v, num_keys_in_block, p.head_dim_value, tidx)
+            self.load_tile(
+                m.copy_k, cute.domain_offset((key_start, 0), p.key), s.k, num_keys_in_block, p.head_dim, tidx
+            )
+            self.load_tile(
+                m.copy_k, cute.domain_offset((key_start, 0), p.value), s.v, num_keys_in_block, p.head_dim_value, tidx
+            )
             query_start = get_query_start(it, key_start)
             visited = query_start < p.num_queries
             if query_start < p.num_queries:
@@ -325,8 +381,23 @@ class AttentionBackwardKernel:
             next_key = key_start
             while (next_key == key_start) & (query_start < p.num_queries):
                 self.process_block_ij(
-                    _view(p), it, _view(s), _view(m), acc_dk, acc_dv, query_start, key_start, num_keys_in_block,
-                    scale, scale_log2, custom_mask_type, window_size, num_splits_key, split_key, stage, tidx,
+                    _view(p),
+                    it,
+                    _view(s),
+                    _view(m),
+                    acc_dk,
+                    acc_dv,
+                    query_start,
+                    key_start,
+                    num_keys_in_block,
+                    scale,
+                    scale_log2,
+                    custom_mask_type,
+                    window_size,
+                    num_splits_key,
+                    split_key,
+                    stage,
+                    tidx,
                     None if const_expr(rng is None) else _view(rng),
                 )
                 next_query, next_key = incr_iteration(it, query_start, key_start)
@@ -426,17 +497,32 @@ class AttentionBackwardKernel:
         """Q_i, dO_i (cp.async, zeros outside) and LSE_i, Δ_i (4-byte cp.async) into ``stage``."""
         cfg = self.cfg
         rows = cutlass.min(cfg.block_size_i, p.num_queries - query_start)
-        self.load_tile(m.copy_q, cute.domain_offset((query_start, 0), p.query), s.q[None, None, stage], rows, p.head_dim, tidx)
         self.load_tile(
-            m.copy_q, cute.domain_offset((query_start, 0), p.grad_output), s.do[None, None, stage], rows, p.head_dim_value, tidx
+            m.copy_q, cute.domain_offset((query_start, 0), p.query), s.q[None, None, stage], rows, p.head_dim, tidx
+        )
+        self.load_tile(
+            m.copy_q,
+            cute.domain_offset((query_start, 0), p.grad_output),
+            s.do[None, None, stage],
+            rows,
+            p.head_dim_value,
+            tidx,
         )
         if tidx < cfg.block_size_i:
             one = cute.make_layout(1)
             dst = tidx + stage * cfg.block_size_i
             if tidx < rows:
                 src = query_start + tidx
-                cute.copy(m.copy_row, cute.make_tensor(p.logsumexp.iterator + src, one), cute.make_tensor(s.lse.iterator + dst, one))
-                cute.copy(m.copy_row, cute.make_tensor(p.delta.iterator + src, one), cute.make_tensor(s.di.iterator + dst, one))
+                cute.copy(
+                    m.copy_row,
+                    cute.make_tensor(p.logsumexp.iterator + src, one),
+                    cute.make_tensor(s.lse.iterator + dst, one),
+                )
+                cute.copy(
+                    m.copy_row,
+                    cute.make_tensor(p.delta.iterator + src, one),
+                    cute.make_tensor(s.di.iterator + dst, one),
+                )
             else:
                 s.lse[tidx, stage] = Float32(0.0)
                 s.di[tidx, stage] = Float32(0.0)
@@ -493,8 +579,25 @@ class AttentionBackwardKernel:
 
     @cute.jit
     def process_block_ij(
-        self, p, it, s, m, acc_dk, acc_dv, query_start, key_start, num_keys_in_block,
-        scale, scale_log2, custom_mask_type, window_size, num_splits_key, split_key, stage, tidx, rng,
+        self,
+        p,
+        it,
+        s,
+        m,
+        acc_dk,
+        acc_dv,
+        query_start,
+        key_start,
+        num_keys_in_block,
+        scale,
+        scale_log2,
+        custom_mask_type,
+        window_size,
+        num_splits_key,
+        split_key,
+        stage,
+        tidx,
+        rng,
     ):
         cfg = self.cfg
         num_queries_in_block = cutlass.min(cfg.block_size_i, p.num_queries - query_start)
@@ -544,12 +647,16 @@ class AttentionBackwardKernel:
                 keep = (kk < num_keys_in_block) & (qq < num_queries_in_block)
                 keep = keep & ~(causal & (kk > qq + shift))
                 keep = keep & ~(windowed & (kk <= qq + shift - window_size))
-                prob = cute.math.exp2(self.logit_log2(s, acc_s[e], scale_log2, kk, qq) - s_lse[qq] * LOG2_E, fastmath=True)
+                prob = cute.math.exp2(
+                    self.logit_log2(s, acc_s[e], scale_log2, kk, qq) - s_lse[qq] * LOG2_E, fastmath=True
+                )
                 acc_s[e] = cutlass.select_(keep, prob, Float32(0.0))
         else:
             for e in cutlass.range_constexpr(cute.size(acc_s)):
                 kk, qq = m.coord_s[e]
-                acc_s[e] = cute.math.exp2(self.logit_log2(s, acc_s[e], scale_log2, kk, qq) - s_lse[qq] * LOG2_E, fastmath=True)
+                acc_s[e] = cute.math.exp2(
+                    self.logit_log2(s, acc_s[e], scale_log2, kk, qq) - s_lse[qq] * LOG2_E, fastmath=True
+                )
         r_p = cute.make_fragment_like(acc_s, self.dtype)
         keep_bits = None
         if const_expr(cfg.apply_dropout):
@@ -589,7 +696,16 @@ class AttentionBackwardKernel:
             gemm_smem(m.mma_dkv, acc_dv, m.gv_rA, m.gv_rB, m.gv_sA, gv_sB, m.s2r_a_dkv, m.s2r_b_dkv)
         else:
             self.accumulate_grad_kv(
-                _view(p), it, False, s.attn, s.do[None, None, stage], query_start, key_start, num_keys_in_block, _view(m), tidx
+                _view(p),
+                it,
+                False,
+                s.attn,
+                s.do[None, None, stage],
+                query_start,
+                key_start,
+                num_keys_in_block,
+                _view(m),
+                tidx,
             )
         if const_expr(not cfg.tmp_own_buffer):
             cute.arch.barrier()  # every warp is done with attn_T: tmp_T takes its bytes
@@ -607,7 +723,18 @@ class AttentionBackwardKernel:
 
         # ---- MatmulGradQ: dQ_i += dS K_j, accumulated in GradQTempStorage.
         if const_expr(cfg.output_in_rf):
-            self.grad_q(_view(p), it, _view(s), _view(m), query_start, key_start, num_queries_in_block, num_splits_key, split_key, tidx)
+            self.grad_q(
+                _view(p),
+                it,
+                _view(s),
+                _view(m),
+                query_start,
+                key_start,
+                num_queries_in_block,
+                num_splits_key,
+                split_key,
+                tidx,
+            )
         else:
             self.grad_q_columns(
                 _view(p), it, _view(s), _view(m), query_start, key_start, num_queries_in_block, num_splits_key, tidx
@@ -618,7 +745,16 @@ class AttentionBackwardKernel:
             gemm_smem(m.mma_dkv, acc_dk, m.gk_rA, m.gk_rB, m.gk_sA, gk_sB, m.s2r_a_dkv, m.s2r_b_dkv)
         else:
             self.accumulate_grad_kv(
-                _view(p), it, True, s.tmp, s.q[None, None, stage], query_start, key_start, num_keys_in_block, _view(m), tidx
+                _view(p),
+                it,
+                True,
+                s.tmp,
+                s.q[None, None, stage],
+                query_start,
+                key_start,
+                num_keys_in_block,
+                _view(m),
+                tidx,
             )
 
     def logit_log2(self, s, acc, scale_log2, kk, qq):
@@ -760,7 +896,9 @@ class AttentionBackwardKernel:
         return cute.make_tensor(ptr, layout)[None, tidx, None]
 
     @cute.jit
-    def accumulate_grad_kv(self, p, it, is_grad_k: cutlass.Constexpr, sA, sB_rows, query_start, key_start, num_keys_in_block, m, tidx):
+    def accumulate_grad_kv(
+        self, p, it, is_grad_k: cutlass.Constexpr, sA, sB_rows, query_start, key_start, num_keys_in_block, m, tidx
+    ):
         """MatmulGradV (dV_j += attn_T dO_i) or MatmulGradK (dK_j += tmp_T Q_i), one column
         chunk of the head dim at a time (not output_in_rf).
 
@@ -870,7 +1008,9 @@ class AttentionBackwardKernel:
                         acc = cute.make_rmem_tensor(m.thr_dq.partition_shape_C((cfg.block_size_i, cols)), Float32)
                         n = cute.size(acc)
                         gmem_tile = self.frag_gmem_tile(tiles + col_block * chunk_words, tidx, n)
-                        acc_view = cute.make_tensor(acc.iterator, cute.make_layout((GMEM_TILE_ACCESS, n // GMEM_TILE_ACCESS)))
+                        acc_view = cute.make_tensor(
+                            acc.iterator, cute.make_layout((GMEM_TILE_ACCESS, n // GMEM_TILE_ACCESS))
+                        )
                         cute.autovec_copy(gmem_tile, acc_view)
                         self.write_grad_q_chunk(_view(p), acc, coord, query_start, col, num_queries_in_block)
 

@@ -24,7 +24,9 @@ class DropoutMaskKernel:
         b, h, mq, mk = mMask.shape
         runs = (mk + 4 * QUADS - 1) // (4 * QUADS)
         blocks = (mq * runs + THREADS - 1) // THREADS
-        self.kernel(mMask, philox_seed, philox_offset, dropout_p).launch(grid=[blocks, h, b], block=[THREADS, 1, 1], stream=stream)
+        self.kernel(mMask, philox_seed, philox_offset, dropout_p).launch(
+            grid=[blocks, h, b], block=[THREADS, 1, 1], stream=stream
+        )
 
     @cute.kernel
     def kernel(self, mMask: cute.Tensor, philox_seed, philox_offset, dropout_p):

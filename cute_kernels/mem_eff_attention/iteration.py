@@ -156,12 +156,8 @@ def get_num_parallel_blocks_for_query(p: IterationParams, query_start):
     # overridden by the `< 0` test below, but keep C++ arithmetic anyway).
     last_kb = _cdiv_trunc(last_key_for_block, bj)
     masked_blocks = _select(no_window, last_kb + 1, last_kb - first_key_for_block // bj + 1)
-    masked_blocks = _select(
-        _or(last_key_for_block < 0, first_key_for_block >= p.num_keys), 0, masked_blocks
-    )
-    num_key_blocks = _select(
-        p.custom_mask_type == NO_CUSTOM_MASK, _ceil_div(p.num_keys, bj), masked_blocks
-    )
+    masked_blocks = _select(_or(last_key_for_block < 0, first_key_for_block >= p.num_keys), 0, masked_blocks)
+    num_key_blocks = _select(p.custom_mask_type == NO_CUSTOM_MASK, _ceil_div(p.num_keys, bj), masked_blocks)
     return _min(p.num_splits_key, num_key_blocks)
 
 
@@ -187,9 +183,7 @@ def incr_iteration(p: IterationParams, query_start, key_start):
     stay = _select(p.window_size > 0, stay_window, next_query < p.num_queries)
     go_next_key = _select(has_shift, shift_next_key, _not(stay))
 
-    same_key_query = _select(
-        _and(has_shift, wrap), get_smallest_query_for_key(p, key_start), next_query
-    )
+    same_key_query = _select(_and(has_shift, wrap), get_smallest_query_for_key(p, key_start), next_query)
     new_key = key_start + p.num_splits_key * p.block_size_j
     next_query = _select(go_next_key, get_query_start(p, new_key), same_key_query)
     next_key = _select(go_next_key, new_key, key_start)
@@ -221,8 +215,14 @@ def visited_blocks(
     visits them, split after split (pure Python)."""
     for split in range(num_splits_key):
         p = IterationParams(
-            num_queries, num_keys, custom_mask_type, window_size,
-            num_splits_key, split, block_size_i, block_size_j,
+            num_queries,
+            num_keys,
+            custom_mask_type,
+            window_size,
+            num_splits_key,
+            split,
+            block_size_i,
+            block_size_j,
         )
         key_start = split * block_size_j
         while key_start < num_keys:

@@ -83,7 +83,9 @@ class Params:
         if self.has_bias != self.cfg.has_bias:
             raise ValueError("the config's has_bias must match whether a bias is given")
         if self.has_bias and self.varlen:
-            raise NotImplementedError("CuSeqlen + bias not implemented yet (as the C++: torch's forward refuses it too)")
+            raise NotImplementedError(
+                "CuSeqlen + bias not implemented yet (as the C++: torch's forward refuses it too)"
+            )
         for name, v in (("head_dim", self.head_dim), ("head_dim_value", self.head_dim_value)):
             if v <= 0:
                 raise ValueError(f"Invalid value for `{name}`: {v}")

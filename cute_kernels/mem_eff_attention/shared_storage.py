@@ -48,7 +48,9 @@ def make_shared_storage(cfg: AttentionBackwardConfig, dtype):
         attn_shared_storage: _tile(dtype, cfg.smem_layout_attn())  # attn_T = P_ijᵀ
         if cfg.has_bias:  # only then: the no-bias struct keeps its offsets
             bias: cute.struct.Align[cute.struct.MemRange[dtype, bias_elems], ALIGN]  # B_ij / dB_ij (queries x keys)
-        zij: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, max(zij_bytes, 1)], ALIGN]  # ZijSharedStorage: keep flags
+        zij: cute.struct.Align[
+            cute.struct.MemRange[cutlass.Uint8, max(zij_bytes, 1)], ALIGN
+        ]  # ZijSharedStorage: keep flags
         tmp_own: cute.struct.Align[cute.struct.MemRange[dtype, max(tmp_own_elems, 1)], ALIGN]  # tmp_T (tmp_own_buffer)
 
     @cute.struct
