@@ -1,0 +1,544 @@
+"""Hopper-native attention forward: O = softmax(Q K^T * scale) V and its LSE, a query block per CTA.
+
+The decomposition (warpgroups, products, shared memory) is in ``layouts/attention_fwd_sm90.py``.
+The producer warp loads Q once and the key / value blocks through a TMA ring; each consumer
+warpgroup owns 64 query rows and walks the key blocks from the last one the mask lets its
+block see down to the first, overlapping within itself the next block's S = Q K^T with the
+previous block's O += P V (the softmax of block j runs while P V of block j - 1 is in flight)
+and, with two or more consumer warpgroups, taking turns with the others to issue products
+(named barriers), so one's softmax hides behind another's tensor-core work.
+
+The softmax is online and in log2 units: per row the running max m and sum l; each block's
+scores are exp2(S * scale * log2(e) - m * scale * log2(e)), O and l are rescaled when m grows;
+at the end O / l and LSE = (m * scale * log2(e) + log2(l)) * ln(2) (natural log, as torch's).
+A row that sees no key has O = 0 and LSE = +inf (the backward then finds P = 0 there).
+
+O leaves through shared memory (Q's buffer, which every product has read by then) by a TMA
+store; the LSE rows [B, H, lse_rows] are written by the threads that own them, +inf past the
+sequence (torch's padded rows).
+"""
+
+import enum
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from cute_kernels.common.log2_units import LOG2_E
+from cute_kernels.common.views import select_modes, transpose_view
+from layouts.attention_fwd_sm90 import SMEM_ALIGN, SMEM_LIMIT, AttentionFwdSm90Tiles
+
+from .forward_config import CONSUMER_REGS, PRODUCER_REGS, pingpong
+from .wgmma import acc_as_operand_a, acc_mn_layout, wgmma
+
+LN_2 = 0.6931471805599453
+
+
+class NamedBarrierFwd(enum.IntEnum):
+    """Named barriers of the forward (0 is __syncthreads)."""
+
+    EPILOGUE = 1  # the consumers: every product has read Q, then O is staged in its buffer
+    EPILOGUE_STAGED = 2  # the consumers: O is staged, one thread stores it
+    TURN_WG0 = 3  # ping-pong: consumer warpgroup 0 may issue its products (1: 4, 2: 5)
+
+
+class AttentionForwardSm90:
+    """Configuration: element type, tiles, mask (0 none, 1 causal from the top-left, 2 from the
+    bottom-right: key k sees query q when k <= q + offset, offset = Sk - Sq for 2) and, with a
+    causal mask, a sliding window (also k > q + offset - window_size; a runtime argument).
+    Key / value heads serve ``group`` consecutive query heads each (grouped-query attention)."""
+
+    def __init__(self, dtype, tiles: AttentionFwdSm90Tiles, mask_type: int, has_window: bool = False):
+        if has_window and mask_type == 0:
+            raise ValueError("a sliding window needs a causal mask (mask_type 1 or 2)")
+        if mask_type not in (0, 1, 2):
+            raise ValueError(f"mask type {mask_type}")
+        if tiles.smem_bytes(dtype.width // 8) > SMEM_LIMIT:
+            raise ValueError(f"tiles {tiles} need more shared memory than a CTA has")
+        self.dtype = dtype
+        self.tiles = tiles
+        self.mask_type = mask_type
+        self.has_window = has_window
+        self.pingpong = pingpong(tiles)
+
+    # ---------------------------------------------------------------------------- launch
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [B, Sq, H, Dqk]
+        mK: cute.Tensor,  # [B, Sk, Hk, Dqk]
+        mV: cute.Tensor,  # [B, Sk, Hk, Dv]
+        mO: cute.Tensor,  # [B, Sq, H, Dv]
+        mLSE: cute.Tensor,  # [B, H, lse_rows] fp32, lse_rows >= Sq
+        softmax_scale: Float32,
+        window_size: Int32,
+        stream: cuda.CUstream,
+    ):
+        t = self.tiles
+        # (seq, d, heads, batch): TMA tiles the first two modes
+        mQ, mK, mV, mO = [select_modes(x, (1, 3, 2, 0)) for x in (mQ, mK, mV, mO)]
+        sQ_layout = t.smem_layout_q(self.dtype)
+        sK_layout = t.smem_layout_k(self.dtype)
+        sV_layout = t.smem_layout_v(self.dtype)
+        sO_layout = t.smem_layout_o(self.dtype)
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_Q, gQ_tma = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (t.tile_m, t.head_dim))
+        tma_K, gK_tma = cpasync.make_tiled_tma_atom(
+            g2s, mK, cute.select(sK_layout, mode=[0, 1]), (t.tile_n, t.head_dim)
+        )
+        tma_V, gV_tma = cpasync.make_tiled_tma_atom(
+            g2s, mV, cute.select(sV_layout, mode=[0, 1]), (t.tile_n, t.head_dim_v)
+        )
+        tma_O, gO_tma = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (t.tile_m, t.head_dim_v)
+        )
+        elem = self.dtype.width // 8
+        self.q_bytes = t.tile_m * t.head_dim * elem
+        self.k_bytes = t.tile_n * t.head_dim * elem
+        self.v_bytes = t.tile_n * t.head_dim_v * elem
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 1]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * t.stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * t.stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], SMEM_ALIGN]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], SMEM_ALIGN]
+            if const_expr(not t.o_in_q):
+                sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], SMEM_ALIGN]
+
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        heads, batches = mQ.shape[2], mQ.shape[3]
+        m_blocks = cute.ceil_div(seqlen_q, t.tile_m)
+        # causal: the longest query blocks (the last) launch first; else a head's blocks are
+        # neighbours in launch order, so its K / V stay in L2 between them
+        grid = (heads, batches, m_blocks) if const_expr(self.mask_type != 0) else (m_blocks, heads, batches)
+        self.kernel(
+            gQ_tma,
+            gK_tma,
+            gV_tma,
+            gO_tma,
+            mLSE,
+            tma_Q,
+            tma_K,
+            tma_V,
+            tma_O,
+            sQ_layout,
+            sK_layout,
+            sV_layout,
+            sO_layout,
+            t.tiled_mma_qk(self.dtype),
+            t.tiled_mma_pv(self.dtype),
+            seqlen_q,
+            seqlen_k,
+            heads // mK.shape[2],
+            softmax_scale * LOG2_E,
+            window_size,
+            SharedStorage,
+        ).launch(grid=grid, block=[t.num_threads, 1, 1], min_blocks_per_mp=1, stream=stream)
+
+    # ---------------------------------------------------------------------------- kernel
+    @cute.kernel
+    def kernel(
+        self,
+        gQ_tma: cute.Tensor,
+        gK_tma: cute.Tensor,
+        gV_tma: cute.Tensor,
+        gO_tma: cute.Tensor,
+        mLSE: cute.Tensor,
+        tma_Q: cute.CopyAtom,
+        tma_K: cute.CopyAtom,
+        tma_V: cute.CopyAtom,
+        tma_O: cute.CopyAtom,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        group: Int32,
+        scale_log2: Float32,
+        window_size: Int32,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        t = self.tiles
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        m_block, head, batch = self.block_coords()
+        if warp_idx == 0:
+            for atom in (tma_Q, tma_K, tma_V, tma_O):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        if const_expr(t.o_in_q):
+            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        else:
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        mbar_q = storage.mbar_q.data_ptr()
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(mbar_q, 1)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, t.num_mma_threads // 32)
+        pipe_k, pipe_v = (
+            pipeline.PipelineTmaAsync.create(
+                barrier_storage=mbar.data_ptr(),
+                num_stages=t.stages,
+                producer_group=producer,
+                consumer_group=consumers,
+                tx_count=nbytes,
+                defer_sync=True,
+            )
+            for mbar, nbytes in ((storage.mbar_k, self.k_bytes), (storage.mbar_v, self.v_bytes))
+        )
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        n_min, n_max = self.n_block_range(m_block, seqlen_q, seqlen_k, window_size)
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS[t.consumer_wgs])
+            if warp_idx == 0:
+                q_tile = cute.local_tile(gQ_tma[None, None, head, batch], (t.tile_m, t.head_dim), (m_block, 0))
+                kv_head = head // group
+                self.load(
+                    q_tile,
+                    gK_tma[None, None, kv_head, batch],
+                    gV_tma[None, None, kv_head, batch],
+                    sQ,
+                    sK,
+                    sV,
+                    tma_Q,
+                    tma_K,
+                    tma_V,
+                    mbar_q,
+                    pipe_k,
+                    pipe_v,
+                    n_min,
+                    n_max,
+                )
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS[t.consumer_wgs])
+            acc_O, row_sum = self.mma(
+                sQ,
+                sK,
+                sV,
+                mbar_q,
+                pipe_k,
+                pipe_v,
+                tiled_mma_qk,
+                tiled_mma_pv,
+                m_block,
+                n_min,
+                n_max,
+                seqlen_q,
+                seqlen_k,
+                scale_log2,
+                window_size,
+            )
+            o_tile = cute.local_tile(gO_tma[None, None, head, batch], (t.tile_m, t.head_dim_v), (m_block, 0))
+            self.store_o(acc_O, sO, o_tile, tma_O, tiled_mma_pv)
+            self.store_lse(row_sum, mLSE, tiled_mma_qk, m_block, head, batch, seqlen_q)
+
+    @cute.jit
+    def block_coords(self):
+        """(query block, head, batch) of the CTA: causal grids walk the query blocks last to
+        first (the longest first), the others are (query block, head, batch)."""
+        bx, by, bz = cute.arch.block_idx()
+        gx, gy, gz = cute.arch.grid_dim()
+        if const_expr(self.mask_type != 0):
+            return gz - 1 - bz, bx, by
+        return bx, by, bz
+
+    # --------------------------------------------------------------------------- masking
+    @cute.jit
+    def causal_offset(self, seqlen_q, seqlen_k):
+        """Key k sees query q when k <= q + offset."""
+        offset = Int32(0)
+        if const_expr(self.mask_type == 2):
+            offset = seqlen_k - seqlen_q
+        return offset
+
+    @cute.jit
+    def n_block_range(self, m_block, seqlen_q, seqlen_k, window_size):
+        """Key blocks [n_min, n_max) that query block ``m_block`` sees."""
+        t = self.tiles
+        n_max = cute.ceil_div(seqlen_k, t.tile_n)
+        n_min = Int32(0)
+        if const_expr(self.mask_type != 0):
+            offset = self.causal_offset(seqlen_q, seqlen_k)
+            last_key = cutlass.min((m_block + 1) * t.tile_m, seqlen_q) - 1 + offset
+            n_last = Int32(0)
+            if last_key >= 0:
+                n_last = last_key // t.tile_n + 1
+            n_max = cutlass.min(n_max, n_last)
+            if const_expr(self.has_window):
+                first_key = m_block * t.tile_m + offset - window_size + 1
+                if first_key > 0:
+                    n_min = first_key // t.tile_n
+        return n_min, n_max
+
+    @cute.jit
+    def needs_mask(self, q0, key0, seqlen_q, seqlen_k, offset, window_size):
+        """Whether block (q0.., key0..) has a masked value (the interior blocks have none)."""
+        t = self.tiles
+        need = key0 + t.tile_n > seqlen_k
+        if const_expr(self.mask_type != 0):
+            need = need or key0 + t.tile_n - 1 > q0 + offset
+        if const_expr(self.has_window):
+            need = need or key0 <= q0 + t.tile_m - 1 + offset - window_size
+        return need
+
+    @cute.jit
+    def apply_mask(self, S, coords, q0, key0, seqlen_k, offset, window_size):
+        """-inf where key k may not be seen by query q (S rows x columns = queries x keys).
+        Columns are compared as thread 0's (compile-time constants) against limits moved by
+        the thread's column offset: no per-value coordinate stays live in a register."""
+        cS_mn, t0S_mn = coords
+        col_off = cS_mn[0, 0][1]
+        seqlen_limit = seqlen_k - key0 - col_off
+        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+            diagonal = q0 + cS_mn[r, 0][0] + offset - key0 - col_off  # the row's last key seen
+            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                col = t0S_mn[0, c][1]
+                masked = col >= seqlen_limit
+                if const_expr(self.mask_type != 0):
+                    masked = masked or col > diagonal
+                if const_expr(self.has_window):
+                    masked = masked or col <= diagonal - window_size
+                if masked:
+                    S[r, c] = -Float32.inf
+
+    # -------------------------------------------------------------------------- producer
+    @cute.jit
+    def load(self, q_tile, gK, gV, sQ, sK, sV, tma_Q, tma_K, tma_V, mbar_q, pipe_k, pipe_v, n_min, n_max):
+        """Q, then the key / value blocks n_max - 1 down to n_min through the rings."""
+        t = self.tiles
+        one = cute.make_layout(1)
+        tQs, tQg = cpasync.tma_partition(tma_Q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(q_tile, 0, 2))
+        gK_blocks = cute.local_tile(gK, (t.tile_n, t.head_dim), (None, 0))  # (tile_n, d, blocks)
+        gV_blocks = cute.local_tile(gV, (t.tile_n, t.head_dim_v), (None, 0))
+        tKs, tKg = cpasync.tma_partition(tma_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK_blocks, 0, 2))
+        tVs, tVg = cpasync.tma_partition(tma_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV_blocks, 0, 2))
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar_q, self.q_bytes)
+        cute.copy(tma_Q, tQg, tQs, tma_bar_ptr=mbar_q)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, t.stages)
+        for i in cutlass.range(n_max - n_min, unroll=1):
+            n_block = n_max - 1 - i
+            pipe_k.producer_acquire(state)
+            cute.copy(tma_K, tKg[None, n_block], tKs[None, state.index], tma_bar_ptr=pipe_k.producer_get_barrier(state))
+            pipe_v.producer_acquire(state)
+            cute.copy(tma_V, tVg[None, n_block], tVs[None, state.index], tma_bar_ptr=pipe_v.producer_get_barrier(state))
+            state.advance()
+
+    # -------------------------------------------------------------------------- consumers
+    @cute.jit
+    def mma(
+        self,
+        sQ,
+        sK,
+        sV,
+        mbar_q,
+        pipe_k,
+        pipe_v,
+        tiled_mma_qk,
+        tiled_mma_pv,
+        m_block,
+        n_min,
+        n_max,
+        seqlen_q,
+        seqlen_k,
+        scale_log2,
+        window_size,
+    ):
+        """The warpgroup's O (normalised) and its rows' LSE, over the key blocks the query block sees."""
+        t = self.tiles
+        tidx = cute.arch.thread_idx()[0] - 128
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wg_qk = tiled_mma_qk.get_slice(wg * 128)
+        wg_pv = tiled_mma_pv.get_slice(wg * 128)
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        tOrV = wg_pv.make_fragment_B(wg_pv.partition_B(transpose_view(sV)))
+        shape_S = thr_qk.partition_shape_C((t.tile_m, t.tile_n))
+        acc_S = cute.make_rmem_tensor(shape_S, Float32)
+        acc_O = cute.make_rmem_tensor(tiled_mma_pv.get_slice(tidx).partition_shape_C((t.tile_m, t.head_dim_v)), Float32)
+        acc_O.fill(0.0)
+        rP = cute.make_rmem_tensor(shape_S, self.dtype)
+        tOrP = cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout))
+        coords = tuple(
+            self.coords_mn(tiled_mma_qk.get_slice(thread), (t.tile_m, t.tile_n)) for thread in (tidx, 0)
+        )
+        S = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
+        rows = cute.size(S, mode=[0])
+        row_max = cute.make_rmem_tensor(rows, Float32)
+        row_sum = cute.make_rmem_tensor(rows, Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        row_scale = cute.make_rmem_tensor(rows, Float32)
+        q0 = m_block * t.tile_m
+        offset = self.causal_offset(seqlen_q, seqlen_k)
+
+        self.take_turn_init(wg)
+        cute.arch.mbarrier_wait(mbar_q, 0)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
+        if n_min < n_max:
+            # the last block the query block sees: always masked (sequence end, diagonal)
+            pipe_k.consumer_wait(state)
+            wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
+            warpgroup.wait_group(0)
+            pipe_k.consumer_release(state)
+            self.apply_mask(S, coords, q0, (n_max - 1) * t.tile_n, seqlen_k, offset, window_size)
+            self.online_softmax(S, row_max, row_sum, scale_log2, None)
+            rP.store(acc_S.load().to(self.dtype))
+            for i in cutlass.range(1, n_max - n_min, unroll=1):
+                key0 = (n_max - 1 - i) * t.tile_n
+                state_v = state.clone()
+                state.advance()
+                pipe_k.consumer_wait(state)
+                self.take_turn(wg)
+                wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
+                pipe_v.consumer_wait(state_v)
+                wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state_v.index], zero_init=False)
+                self.pass_turn(wg)
+                warpgroup.wait_group(1)  # S done, P V may still run
+                pipe_k.consumer_release(state)
+                if self.needs_mask(q0, key0, seqlen_q, seqlen_k, offset, window_size):
+                    self.apply_mask(S, coords, q0, key0, seqlen_k, offset, window_size)
+                self.online_softmax(S, row_max, row_sum, scale_log2, row_scale)
+                warpgroup.wait_group(0)  # P V has read P
+                pipe_v.consumer_release(state_v)
+                self.rescale_rows(acc_O, row_scale)
+                rP.store(acc_S.load().to(self.dtype))
+            pipe_v.consumer_wait(state)
+            wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state.index], zero_init=False)
+            warpgroup.wait_group(0)
+            pipe_v.consumer_release(state)
+        return acc_O, self.finalize(acc_O, row_max, row_sum, scale_log2)
+
+    @staticmethod
+    def coords_mn(thr_mma, shape):
+        """(row, column) in the block of each accumulator value of ``thr_mma``'s thread, rows x columns."""
+        c = thr_mma.partition_C(cute.make_identity_tensor(shape))
+        return cute.make_tensor(c.iterator, acc_mn_layout(c.layout))
+
+    @cute.jit
+    def online_softmax(self, S, row_max, row_sum, scale_log2, row_scale):
+        """S <- exp2(S * scale_log2 - m * scale_log2) per row with the running max m (over the
+        four threads of a row), the running sum kept per thread (summed over them at the end).
+        ``row_scale``: where O must be rescaled by exp2((m_old - m) * scale_log2) (None: the
+        first block, nothing to rescale)."""
+        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+            m = row_max[r]
+            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                m = cute.arch.fmax(m, S[r, c])
+            m = cute.arch.warp_reduction_max(m, threads_in_group=4)
+            m_old = row_max[r]
+            row_max[r] = m
+            m_safe = m
+            if m == -Float32.inf:  # a row with nothing seen yet
+                m_safe = Float32(0.0)
+            m_scaled = m_safe * scale_log2
+            total = Float32(0.0)
+            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                p = cute.math.exp2(S[r, c] * scale_log2 - m_scaled, fastmath=True)
+                S[r, c] = p
+                total = total + p
+            if const_expr(row_scale is None):
+                row_sum[r] = total
+            else:
+                scale = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
+                row_scale[r] = scale
+                row_sum[r] = row_sum[r] * scale + total
+
+    @cute.jit
+    def rescale_rows(self, acc, row_scale):
+        A = cute.make_tensor(acc.iterator, acc_mn_layout(acc.layout))
+        for r in cutlass.range_constexpr(cute.size(A, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(A, mode=[1])):
+                A[r, c] = A[r, c] * row_scale[r]
+
+    @cute.jit
+    def finalize(self, acc_O, row_max, row_sum, scale_log2):
+        """O / l in place and the rows' LSE (natural log; +inf where the row saw no key)."""
+        scale = cute.make_rmem_tensor(cute.size(row_sum), Float32)
+        lse = cute.make_rmem_tensor(cute.size(row_sum), Float32)
+        for r in cutlass.range_constexpr(cute.size(row_sum)):
+            total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
+            scale[r] = Float32(0.0)
+            lse[r] = Float32.inf
+            if total > 0.0:
+                scale[r] = cute.arch.rcp_approx(total)
+                lse[r] = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
+        self.rescale_rows(acc_O, scale)
+        return lse
+
+    # --------------------------------------------------------------------- ping-pong turns
+    @cute.jit
+    def take_turn_init(self, wg):
+        """Warpgroup 0 takes the first turn: its own barrier's other half is this arrival."""
+        if const_expr(self.pingpong):
+            if wg == 0:
+                cute.arch.barrier_arrive(barrier_id=int(NamedBarrierFwd.TURN_WG0), number_of_threads=256)
+
+    @cute.jit
+    def take_turn(self, wg):
+        """Wait until the previous warpgroup has issued its products."""
+        if const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=int(NamedBarrierFwd.TURN_WG0) + wg, number_of_threads=256)
+
+    @cute.jit
+    def pass_turn(self, wg):
+        """Let the next warpgroup issue its products."""
+        if const_expr(self.pingpong):
+            nxt = wg + 1
+            if nxt == self.tiles.consumer_wgs:
+                nxt = 0
+            cute.arch.barrier_arrive(barrier_id=int(NamedBarrierFwd.TURN_WG0) + nxt, number_of_threads=256)
+
+    # ------------------------------------------------------------------------- epilogue
+    @cute.jit
+    def store_o(self, acc_O, sO, o_tile, tma_O, tiled_mma_pv):
+        """O (cast) into its staging buffer once every product has read Q, then one TMA store
+        (rows past the sequence are clipped by the TMA unit)."""
+        t = self.tiles
+        tidx = cute.arch.thread_idx()[0] - 128
+        cute.arch.barrier(barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=t.num_mma_threads)
+        r2s = t.r2s_copy_o(self.dtype, tiled_mma_pv)
+        thr = r2s.get_slice(tidx)
+        rO = cute.make_rmem_tensor(acc_O.shape, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        cute.copy(r2s, thr.retile(rO), thr.partition_D(sO))
+        cute.arch.fence_view_async_shared()  # visible to the TMA unit
+        cute.arch.barrier(barrier_id=int(NamedBarrierFwd.EPILOGUE_STAGED), number_of_threads=t.num_mma_threads)
+        if tidx == 0:
+            ts, tg = cpasync.tma_partition(
+                tma_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(o_tile, 0, 2)
+            )
+            cute.copy(tma_O, ts, tg)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def store_lse(self, lse, mLSE, tiled_mma_qk, m_block, head, batch, seqlen_q):
+        """Each row's LSE by the first of its four threads; +inf on the padded rows past Sq."""
+        t = self.tiles
+        tidx = cute.arch.thread_idx()[0] - 128
+        cS_mn = self.coords_mn(tiled_mma_qk.get_slice(tidx), (t.tile_m, t.tile_n))
+        if tidx % 4 == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                q = m_block * t.tile_m + cS_mn[r, 0][0]
+                if q < mLSE.shape[2]:
+                    value = lse[r]
+                    if q >= seqlen_q:
+                        value = Float32.inf
+                    mLSE[batch, head, q] = value

@@ -1,0 +1,147 @@
+"""Layouts of the Hopper attention forward (``cute_kernels/attention_sm90/attention_forward_sm90.py``).
+
+One CTA computes O and the LSE of one query block (``tile_m`` queries of one head) over the
+key blocks it sees, ``tile_n`` keys at a time:
+
+    consumer warpgroup w (64 query rows each, ``consumer_wgs`` = tile_m / 64 of them):
+        S   = Q K^T     wgmma SS: A = Q rows w*64.. (K-major), B = K (K-major), fp32 in registers
+        P   = softmax   in registers, cast to the element type as the A operand of the next product
+        O  += P V       wgmma RS: A = P from registers, B = V (MN-major view: Dv contiguous)
+
+Shared memory::
+
+    sQ  [tile_m, Dqk]            one TMA load per CTA; O's staging for its TMA store when Dqk = Dv
+    sK  [tile_n, Dqk, stages]    TMA ring (mbarrier pipeline) of key blocks
+    sV  [tile_n, Dv, stages]     TMA ring of value blocks
+    sO  [tile_m, Dv]             only where Dqk != Dv
+
+Every buffer is row-major with the widest swizzle atom its columns allow (128 bytes for a
+64-element bf16 / fp16 row), the layout wgmma reads without bank conflicts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+SMEM_ALIGN = 1024  # bytes: a buffer starts on a whole 128-byte-swizzle period (8 rows of 128 bytes)
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory a CTA may use on H100 / H200
+MMA_ROWS = 64  # query rows of one consumer warpgroup (the wgmma M of an m64nNk16 atom)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionFwdSm90Tiles:
+    """The tile shapes of one forward configuration (``cute_kernels.attention_sm90.forward_config``
+    picks them per head dim)."""
+
+    head_dim: int  # Dqk
+    head_dim_v: int  # Dv
+    tile_m: int  # queries of a CTA: 64 per consumer warpgroup
+    tile_n: int  # keys of a block
+    stages: int  # K / V ring depth
+
+    def __post_init__(self):
+        if self.tile_m % MMA_ROWS:
+            raise ValueError(f"tile_m {self.tile_m}: a multiple of {MMA_ROWS} (a warpgroup's rows)")
+        if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
+            raise ValueError(f"tile_n {self.tile_n}: a multiple of 16 up to 256 (wgmma N and P V's k-blocks)")
+        for name in ("head_dim", "head_dim_v"):
+            if getattr(self, name) % 16:
+                raise ValueError(f"{name} {getattr(self, name)}: a multiple of 16")
+
+    @property
+    def consumer_wgs(self) -> int:
+        return self.tile_m // MMA_ROWS
+
+    @property
+    def num_mma_threads(self) -> int:
+        return 128 * self.consumer_wgs
+
+    @property
+    def num_threads(self) -> int:
+        """The producer warpgroup (its first warp issues the TMA loads) and the consumers."""
+        return 128 + self.num_mma_threads
+
+    @property
+    def o_in_q(self) -> bool:
+        """O is staged in Q's buffer (same shape), else in its own."""
+        return self.head_dim == self.head_dim_v
+
+    def smem_bytes(self, elem_bytes: int) -> int:
+        """Bytes of the kernel's shared-storage struct (barriers first, then the aligned buffers)."""
+
+        def place(off: int, size: int) -> int:
+            return -(-off // SMEM_ALIGN) * SMEM_ALIGN + size
+
+        off = 8 * (1 + 4 * self.stages)  # the Q barrier, the K and V rings' full / empty pairs
+        off = place(off, self.tile_m * self.head_dim * elem_bytes)
+        off = place(off, self.stages * self.tile_n * self.head_dim * elem_bytes)
+        off = place(off, self.stages * self.tile_n * self.head_dim_v * elem_bytes)
+        if not self.o_in_q:
+            off = place(off, self.tile_m * self.head_dim_v * elem_bytes)
+        return -(-off // SMEM_ALIGN) * SMEM_ALIGN
+
+    # ---- DSL objects (called while tracing) -------------------------------------------
+    @staticmethod
+    def smem_layout_rows(dtype, rows: int, cols: int, stages=None):
+        """(rows, cols[, stages]) row-major with the widest swizzle atom ``cols`` allows."""
+        import cutlass.cute as cute
+        from cutlass.cute.nvgpu import warpgroup
+        from cutlass.tensor_utils import LayoutEnum
+        from cutlass.utils import hopper_helpers as hh
+
+        atom = warpgroup.make_smem_layout_atom(hh.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
+        shape = (rows, cols) if stages is None else (rows, cols, stages)
+        return cute.tile_to_shape(atom, shape, order=(0, 1) if stages is None else (0, 1, 2))
+
+    def smem_layout_q(self, dtype):
+        return self.smem_layout_rows(dtype, self.tile_m, self.head_dim)
+
+    def smem_layout_k(self, dtype):
+        return self.smem_layout_rows(dtype, self.tile_n, self.head_dim, self.stages)
+
+    def smem_layout_v(self, dtype):
+        return self.smem_layout_rows(dtype, self.tile_n, self.head_dim_v, self.stages)
+
+    def smem_layout_o(self, dtype):
+        return self.smem_layout_rows(dtype, self.tile_m, self.head_dim_v)
+
+    def tiled_mma_qk(self, dtype):
+        """S = Q K^T: M = queries (64 per consumer warpgroup), N = keys, K = Dqk; both K-major."""
+        from cutlass import Float32
+        from cutlass.cute.nvgpu import OperandMajorMode
+        from cutlass.utils import hopper_helpers as hh
+
+        return hh.make_trivial_tiled_mma(
+            dtype,
+            dtype,
+            OperandMajorMode.K,
+            OperandMajorMode.K,
+            Float32,
+            atom_layout_mnk=(self.consumer_wgs, 1, 1),
+            tiler_mn=(MMA_ROWS, self.tile_n),
+        )
+
+    def tiled_mma_pv(self, dtype):
+        """O += P V: M = queries, N = Dv, K = keys; A (P) from registers, B V's MN-major view."""
+        from cutlass import Float32
+        from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+        from cutlass.utils import hopper_helpers as hh
+
+        return hh.make_trivial_tiled_mma(
+            dtype,
+            dtype,
+            OperandMajorMode.K,
+            OperandMajorMode.MN,
+            Float32,
+            atom_layout_mnk=(self.consumer_wgs, 1, 1),
+            tiler_mn=(MMA_ROWS, self.head_dim_v),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+
+    def r2s_copy_o(self, dtype, tiled_mma_pv):
+        """O (cast) from the accumulator into its staging buffer by stmatrix (rows of 8 values,
+        as the K-major swizzle keeps them)."""
+        import cutlass.cute as cute
+
+        op = cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4)
+        return cute.make_tiled_copy_C(cute.make_copy_atom(op, dtype), tiled_mma_pv)
