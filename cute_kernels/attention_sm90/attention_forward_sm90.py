@@ -375,9 +375,7 @@ class AttentionForwardSm90:
         acc_O.fill(0.0)
         rP = cute.make_rmem_tensor(shape_S, self.dtype)
         tOrP = cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout))
-        coords = tuple(
-            self.coords_mn(tiled_mma_qk.get_slice(thread), (t.tile_m, t.tile_n)) for thread in (tidx, 0)
-        )
+        coords = tuple(self.coords_mn(tiled_mma_qk.get_slice(thread), (t.tile_m, t.tile_n)) for thread in (tidx, 0))
         S = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
         rows = cute.size(S, mode=[0])
         row_max = cute.make_rmem_tensor(rows, Float32)

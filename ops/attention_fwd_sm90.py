@@ -1,0 +1,131 @@
+"""Torch face of the Hopper-native attention forward (``cute_kernels.attention_sm90.attention_forward_sm90``).
+
+``attention_forward_sm90(query, key, value, ...)`` returns O and the LSE in the layouts of
+``aten._efficient_attention_forward`` ([B, Mq, H, Dv] and fp32 [B, H, round_up(Mq, 32)], +inf
+on the padded rows), which the backwards read. ``unsupported`` says why the kernel cannot take a
+problem (None: it can); the attention ops then run torch's forward and log the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Tuple
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from torch import Tensor
+
+from cute_kernels.attention_sm90.attention_forward_sm90 import AttentionForwardSm90
+from cute_kernels.attention_sm90.forward_config import forward_tiles, forward_unsupported
+
+from . import _compile as cc
+
+DTYPES = (torch.float16, torch.bfloat16)
+LSE_ALIGN = 32  # torch's forward pads the LSE rows to a multiple of 32 (kAlignLSE)
+TMA_ALIGN_BYTES = 16  # TMA: global strides (but the last) and addresses
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+    """One compiled forward: element type, head dims, mask (0 none, 1 causal top-left, 2
+    bottom-right), whether a sliding window applies, the DSL target."""
+
+    dtype: type
+    head_dim: int
+    head_dim_v: int
+    mask_type: int
+    window: bool
+    arch: str
+
+
+def _build(config: ForwardConfig):
+    c = config
+    tiles = forward_tiles(c.head_dim, c.head_dim_v)
+    kernel = AttentionForwardSm90(c.dtype, tiles, c.mask_type, c.window)
+    b, h, hk, mq, mk, lse_rows = (cute.sym_int() for _ in range(6))
+    vec = TMA_ALIGN_BYTES * 8 // c.dtype.width
+    q = cc.fake_tensor(c.dtype, (b, mq, h, c.head_dim), vec)
+    k = cc.fake_tensor(c.dtype, (b, mk, hk, c.head_dim), vec)
+    v = cc.fake_tensor(c.dtype, (b, mk, hk, c.head_dim_v), vec)
+    o = cc.fake_tensor(c.dtype, (b, mq, h, c.head_dim_v), vec)
+    lse = cc.fake_tensor(cutlass.Float32, (b, h, lse_rows), 1)
+    return cc.compile_kernel(
+        kernel, q, k, v, o, lse, cutlass.Float32(1.0), cutlass.Int32(0), cc.fake_stream(), arch=c.arch
+    )
+
+
+compiled = cc.CompileCache("attention_fwd_sm90", _build)
+
+
+def unsupported(query, key, value, *, mask_type=0, bias=None, dropout_p=0.0, varlen=False, arch=None) -> Optional[str]:
+    """Why the forward kernel cannot take this problem (None: it can); no CUDA call for CPU,
+    meta or fake tensors (they get the reason of their missing arch unless ``arch`` is given)."""
+    arch = arch or cc.tensor_arch(query)
+    if arch != "sm_90a":
+        return f"needs sm_90a, the device is {arch or f'{query.device} (no CUDA arch known)'}"
+    if query.dtype not in DTYPES:
+        return f"dtype {query.dtype} (fp16 / bf16 only)"
+    why = forward_unsupported(query.shape[-1], value.shape[-1])
+    if why is not None:
+        return f"head dims {query.shape[-1]} / {value.shape[-1]} ({why})"
+    if bias is not None:
+        return "attention bias (not in the forward kernel yet)"
+    if dropout_p > 0.0:
+        return "dropout (not in the forward kernel yet)"
+    if varlen:
+        return "variable lengths (not in the forward kernel yet)"
+    if key.shape[2] == 0 or query.shape[2] % key.shape[2]:
+        return f"query heads {query.shape[2]} not a multiple of key heads {key.shape[2]}"
+    if mask_type not in (0, 1, 2):
+        return f"mask type {mask_type}"
+    vec = TMA_ALIGN_BYTES // query.element_size()
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        address = 0 if t.device.type == "meta" or cc.is_fake_tensor(t) else t.data_ptr()
+        if t.stride(-1) != 1 or address % TMA_ALIGN_BYTES or any(s % vec for s in t.stride()[:-1]):
+            return (
+                f"{name} is not TMA-aligned (last stride 1, other strides and address multiples of "
+                f"{TMA_ALIGN_BYTES} bytes)"
+            )
+    return None
+
+
+def lse_rows(max_seqlen_q: int) -> int:
+    return -(-max_seqlen_q // LSE_ALIGN) * LSE_ALIGN
+
+
+def attention_forward_sm90(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    scale: Optional[float] = None,
+    mask_type: int = 0,
+    window_size: int = 0,
+) -> Tuple[Tensor, Tensor]:
+    """O [B, Mq, H, Dv] and LSE [B, H, round_up(Mq, 32)] (natural log, fp32) of q [B, Mq, H, D],
+    k [B, Mk, Hk, D], v [B, Mk, Hk, Dv] (``unsupported`` first). ``window_size`` > 0 (with a
+    causal mask): key k also needs k > q + offset - window_size."""
+    b, mq, h, d = query.shape
+    out = torch.empty((b, mq, h, value.shape[3]), dtype=query.dtype, device=query.device)
+    lse = torch.empty((b, h, lse_rows(mq)), dtype=torch.float32, device=query.device)
+    if out.numel() == 0 or key.shape[1] == 0:  # no launch: nothing to compute, or no key to see
+        return out.zero_(), lse.fill_(math.inf)
+    config = ForwardConfig(
+        cc.cute_dtype(query.dtype), d, value.shape[3], int(mask_type), window_size > 0, cc.tensor_arch(query)
+    )
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
+    compiled(config)(query, key, value, out, lse, scale, int(window_size))
+    return out, lse
+
+
+def benchmark_configurations(cases, arch: str) -> list:
+    """The ``compiled`` keys of a suite's cases ((B, H, S, D), dtype name, causal): none off sm_90a."""
+    if arch != "sm_90a":
+        return []
+    keys = {
+        ForwardConfig(cc.cute_dtype(getattr(torch, dtype)), d, d, 1 if causal else 0, False, arch)
+        for (_, _, _, d), dtype, causal, *_ in cases
+        if forward_unsupported(d, d) is None
+    }
+    return sorted(keys, key=repr)
