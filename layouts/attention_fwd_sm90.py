@@ -138,6 +138,18 @@ class AttentionFwdSm90Tiles:
             a_source=warpgroup.OperandSource.RMEM,
         )
 
+    def s2g_copy_o(self, dtype):
+        """Staged O rows from shared to global memory by every consumer thread, 16 bytes a copy,
+        a row's copies on consecutive threads (variable lengths: a row past its sequence is
+        skipped, which a TMA store of the packed rows could not do)."""
+        import cutlass.cute as cute
+
+        vec = 128 // dtype.width
+        per_row = self.head_dim_v // vec
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+        thr = cute.make_layout((self.num_mma_threads // per_row, per_row), stride=(per_row, 1))
+        return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, vec)))
+
     def r2s_copy_o(self, dtype, tiled_mma_pv):
         """O (cast) from the accumulator into its staging buffer by stmatrix (rows of 8 values,
         as the K-major swizzle keeps them)."""

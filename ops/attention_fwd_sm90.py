@@ -30,36 +30,51 @@ TMA_ALIGN_BYTES = 16  # TMA: global strides (but the last) and addresses
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
     """One compiled forward: element type, head dims, mask (0 none, 1 causal top-left, 2
-    bottom-right), whether a sliding window applies, the DSL target."""
+    bottom-right), whether a sliding window applies, variable lengths, the DSL target."""
 
     dtype: type
     head_dim: int
     head_dim_v: int
     mask_type: int
     window: bool
+    varlen: bool
     arch: str
 
 
 def _build(config: ForwardConfig):
     c = config
     tiles = forward_tiles(c.head_dim, c.head_dim_v)
-    kernel = AttentionForwardSm90(c.dtype, tiles, c.mask_type, c.window)
+    kernel = AttentionForwardSm90(c.dtype, tiles, c.mask_type, c.window, c.varlen)
     b, h, hk, mq, mk, lse_rows = (cute.sym_int() for _ in range(6))
+    seqs = cute.sym_int() if c.varlen else b  # the LSE's rows: per sequence
     vec = TMA_ALIGN_BYTES * 8 // c.dtype.width
     q = cc.fake_tensor(c.dtype, (b, mq, h, c.head_dim), vec)
     k = cc.fake_tensor(c.dtype, (b, mk, hk, c.head_dim), vec)
     v = cc.fake_tensor(c.dtype, (b, mk, hk, c.head_dim_v), vec)
     o = cc.fake_tensor(c.dtype, (b, mq, h, c.head_dim_v), vec)
-    lse = cc.fake_tensor(cutlass.Float32, (b, h, lse_rows), 1)
+    lse = cc.fake_tensor(cutlass.Float32, (seqs, h, lse_rows), 1)
+    cu_q, cu_k = (cc.fake_tensor(cutlass.Int32, (cute.sym_int(),), 1) if c.varlen else None for _ in range(2))
     return cc.compile_kernel(
-        kernel, q, k, v, o, lse, cutlass.Float32(1.0), cutlass.Int32(0), cc.fake_stream(), arch=c.arch
+        kernel,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        cu_q,
+        cu_k,
+        cutlass.Int32(0),
+        cutlass.Float32(1.0),
+        cutlass.Int32(0),
+        cc.fake_stream(),
+        arch=c.arch,
     )
 
 
 compiled = cc.CompileCache("attention_fwd_sm90", _build)
 
 
-def unsupported(query, key, value, *, mask_type=0, bias=None, dropout_p=0.0, varlen=False, arch=None) -> Optional[str]:
+def unsupported(query, key, value, *, mask_type=0, bias=None, dropout_p=0.0, arch=None) -> Optional[str]:
     """Why the forward kernel cannot take this problem (None: it can); no CUDA call for CPU,
     meta or fake tensors (they get the reason of their missing arch unless ``arch`` is given)."""
     arch = arch or cc.tensor_arch(query)
@@ -74,8 +89,6 @@ def unsupported(query, key, value, *, mask_type=0, bias=None, dropout_p=0.0, var
         return "attention bias (not in the forward kernel yet)"
     if dropout_p > 0.0:
         return "dropout (not in the forward kernel yet)"
-    if varlen:
-        return "variable lengths (not in the forward kernel yet)"
     if key.shape[2] == 0 or query.shape[2] % key.shape[2]:
         return f"query heads {query.shape[2]} not a multiple of key heads {key.shape[2]}"
     if mask_type not in (0, 1, 2):
@@ -102,20 +115,26 @@ def attention_forward_sm90(
     scale: Optional[float] = None,
     mask_type: int = 0,
     window_size: int = 0,
+    cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor]:
     """O [B, Mq, H, Dv] and LSE [B, H, round_up(Mq, 32)] (natural log, fp32) of q [B, Mq, H, D],
     k [B, Mk, Hk, D], v [B, Mk, Hk, Dv] (``unsupported`` first). ``window_size`` > 0 (with a
-    causal mask): key k also needs k > q + offset - window_size."""
+    causal mask): key k also needs k > q + offset - window_size. Variable lengths: B = 1,
+    int32 ``cu_seqlens_q / _k`` [sequences + 1], the LSE [sequences, H, round_up(max_seqlen_q, 32)]."""
     b, mq, h, d = query.shape
+    varlen = cu_seqlens_q is not None
+    seqs, rows_q = (cu_seqlens_q.shape[0] - 1, int(max_seqlen_q)) if varlen else (b, mq)
     out = torch.empty((b, mq, h, value.shape[3]), dtype=query.dtype, device=query.device)
-    lse = torch.empty((b, h, lse_rows(mq)), dtype=torch.float32, device=query.device)
-    if out.numel() == 0 or key.shape[1] == 0:  # no launch: nothing to compute, or no key to see
+    lse = torch.empty((seqs, h, lse_rows(rows_q)), dtype=torch.float32, device=query.device)
+    if out.numel() == 0 or key.shape[1] == 0 or seqs == 0:  # no launch: nothing to compute, or no key to see
         return out.zero_(), lse.fill_(math.inf)
     config = ForwardConfig(
-        cc.cute_dtype(query.dtype), d, value.shape[3], int(mask_type), window_size > 0, cc.tensor_arch(query)
+        cc.cute_dtype(query.dtype), d, value.shape[3], int(mask_type), window_size > 0, varlen, cc.tensor_arch(query)
     )
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
-    compiled(config)(query, key, value, out, lse, scale, int(window_size))
+    compiled(config)(query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, rows_q, scale, int(window_size))
     return out, lse
 
 
@@ -124,7 +143,7 @@ def benchmark_configurations(cases, arch: str) -> list:
     if arch != "sm_90a":
         return []
     keys = {
-        ForwardConfig(cc.cute_dtype(getattr(torch, dtype)), d, d, 1 if causal else 0, False, arch)
+        ForwardConfig(cc.cute_dtype(getattr(torch, dtype)), d, d, 1 if causal else 0, False, False, arch)
         for (_, _, _, d), dtype, causal, *_ in cases
         if forward_unsupported(d, d) is None
     }

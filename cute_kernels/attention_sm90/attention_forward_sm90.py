@@ -19,6 +19,7 @@ sequence (torch's padded rows).
 """
 
 import enum
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -49,9 +50,16 @@ class AttentionForwardSm90:
     """Configuration: element type, tiles, mask (0 none, 1 causal from the top-left, 2 from the
     bottom-right: key k sees query q when k <= q + offset, offset = Sk - Sq for 2) and, with a
     causal mask, a sliding window (also k > q + offset - window_size; a runtime argument).
-    Key / value heads serve ``group`` consecutive query heads each (grouped-query attention)."""
+    Key / value heads serve ``group`` consecutive query heads each (grouped-query attention).
 
-    def __init__(self, dtype, tiles: AttentionFwdSm90Tiles, mask_type: int, has_window: bool = False):
+    ``varlen``: sequences of different lengths packed along the rows of batch-1 tensors
+    (``cu_seqlens_q / _k``: int32 [sequences + 1]); the grid's batch is the sequence, every
+    mask is per sequence, a query block past its sequence's end does nothing, and O's rows
+    leave by vector stores that stop at the sequence's end. The LSE is [sequences, H, rows]."""
+
+    def __init__(
+        self, dtype, tiles: AttentionFwdSm90Tiles, mask_type: int, has_window: bool = False, varlen: bool = False
+    ):
         if has_window and mask_type == 0:
             raise ValueError("a sliding window needs a causal mask (mask_type 1 or 2)")
         if mask_type not in (0, 1, 2):
@@ -62,6 +70,7 @@ class AttentionForwardSm90:
         self.tiles = tiles
         self.mask_type = mask_type
         self.has_window = has_window
+        self.varlen = varlen
         self.pingpong = pingpong(tiles)
 
     # ---------------------------------------------------------------------------- launch
@@ -72,7 +81,10 @@ class AttentionForwardSm90:
         mK: cute.Tensor,  # [B, Sk, Hk, Dqk]
         mV: cute.Tensor,  # [B, Sk, Hk, Dv]
         mO: cute.Tensor,  # [B, Sq, H, Dv]
-        mLSE: cute.Tensor,  # [B, H, lse_rows] fp32, lse_rows >= Sq
+        mLSE: cute.Tensor,  # [B, H, lse_rows] fp32, lse_rows >= Sq (varlen: [sequences, H, lse_rows])
+        mCuSeqlensQ: Optional[cute.Tensor],  # varlen: int32 [sequences + 1] (else None)
+        mCuSeqlensK: Optional[cute.Tensor],
+        max_seqlen_q: Int32,  # varlen: the longest sequence's queries (else unused)
         softmax_scale: Float32,
         window_size: Int32,
         stream: cuda.CUstream,
@@ -114,6 +126,9 @@ class AttentionForwardSm90:
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         heads, batches = mQ.shape[2], mQ.shape[3]
         m_blocks = cute.ceil_div(seqlen_q, t.tile_m)
+        if const_expr(self.varlen):
+            m_blocks = cute.ceil_div(max_seqlen_q, t.tile_m)
+            batches = mCuSeqlensQ.shape[0] - 1
         # causal: the longest query blocks (the last) launch first; else a head's blocks are
         # neighbours in launch order, so its K / V stay in L2 between them
         grid = (heads, batches, m_blocks) if const_expr(self.mask_type != 0) else (m_blocks, heads, batches)
@@ -122,7 +137,10 @@ class AttentionForwardSm90:
             gK_tma,
             gV_tma,
             gO_tma,
+            mO,
             mLSE,
+            mCuSeqlensQ,
+            mCuSeqlensK,
             tma_Q,
             tma_K,
             tma_V,
@@ -149,7 +167,10 @@ class AttentionForwardSm90:
         gK_tma: cute.Tensor,
         gV_tma: cute.Tensor,
         gO_tma: cute.Tensor,
+        mO: cute.Tensor,
         mLSE: cute.Tensor,
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
         tma_Q: cute.CopyAtom,
         tma_K: cute.CopyAtom,
         tma_V: cute.CopyAtom,
@@ -168,8 +189,76 @@ class AttentionForwardSm90:
         SharedStorage: cutlass.Constexpr,
     ):
         t = self.tiles
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         m_block, head, batch = self.block_coords()
+        offset_q, offset_k = Int32(0), Int32(0)
+        if const_expr(self.varlen):  # where the CTA's sequence starts in the packed rows, its lengths
+            offset_q, offset_k = mCuSeqlensQ[batch], mCuSeqlensK[batch]
+            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
+            seqlen_k = mCuSeqlensK[batch + 1] - offset_k
+        if m_block * t.tile_m < seqlen_q:  # (varlen: a block past its sequence does nothing)
+            self.tile(
+                gQ_tma,
+                gK_tma,
+                gV_tma,
+                gO_tma,
+                mO,
+                mLSE,
+                tma_Q,
+                tma_K,
+                tma_V,
+                tma_O,
+                sQ_layout,
+                sK_layout,
+                sV_layout,
+                sO_layout,
+                tiled_mma_qk,
+                tiled_mma_pv,
+                m_block,
+                head,
+                batch,
+                (offset_q, offset_k),
+                seqlen_q,
+                seqlen_k,
+                group,
+                scale_log2,
+                window_size,
+                SharedStorage,
+            )
+
+    @cute.jit
+    def tile(
+        self,
+        gQ_tma,
+        gK_tma,
+        gV_tma,
+        gO_tma,
+        mO,
+        mLSE,
+        tma_Q,
+        tma_K,
+        tma_V,
+        tma_O,
+        sQ_layout,
+        sK_layout,
+        sV_layout,
+        sO_layout,
+        tiled_mma_qk,
+        tiled_mma_pv,
+        m_block,
+        head,
+        batch,
+        rows,
+        seqlen_q,
+        seqlen_k,
+        group,
+        scale_log2,
+        window_size,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        """One query block: the shared memory, the pipelines, then the producer and consumer roles."""
+        t = self.tiles
+        offset_q, offset_k = rows
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_Q, tma_K, tma_V, tma_O):
                 cpasync.prefetch_descriptor(atom)
@@ -206,12 +295,14 @@ class AttentionForwardSm90:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS[t.consumer_wgs])
             if warp_idx == 0:
-                q_tile = cute.local_tile(gQ_tma[None, None, head, batch], (t.tile_m, t.head_dim), (m_block, 0))
+                q_tile = cute.local_tile(
+                    self.seq_view(gQ_tma, head, batch, offset_q), (t.tile_m, t.head_dim), (m_block, 0)
+                )
                 kv_head = head // group
                 self.load(
                     q_tile,
-                    gK_tma[None, None, kv_head, batch],
-                    gV_tma[None, None, kv_head, batch],
+                    self.seq_view(gK_tma, kv_head, batch, offset_k),
+                    self.seq_view(gV_tma, kv_head, batch, offset_k),
                     sQ,
                     sK,
                     sV,
@@ -243,9 +334,24 @@ class AttentionForwardSm90:
                 scale_log2,
                 window_size,
             )
-            o_tile = cute.local_tile(gO_tma[None, None, head, batch], (t.tile_m, t.head_dim_v), (m_block, 0))
-            self.store_o(acc_O, sO, o_tile, tma_O, tiled_mma_pv)
+            self.stage_o(acc_O, sO, tiled_mma_pv)
+            if const_expr(self.varlen):
+                o_rows = cute.local_tile(
+                    self.seq_view(mO, head, batch, offset_q), (t.tile_m, t.head_dim_v), (m_block, 0)
+                )
+                self.store_o_rows(sO, o_rows, m_block, seqlen_q)
+            else:
+                o_tile = cute.local_tile(gO_tma[None, None, head, batch], (t.tile_m, t.head_dim_v), (m_block, 0))
+                self.store_o_tma(sO, o_tile, tma_O)
             self.store_lse(row_sum, mLSE, tiled_mma_qk, m_block, head, batch, seqlen_q)
+
+    @cute.jit
+    def seq_view(self, g, head, batch, row0):
+        """(rows, d) view of one head of one sequence: the batch index, or with varlen the
+        packed rows from ``row0`` on (a TMA coordinate tensor or a global tensor alike)."""
+        if const_expr(self.varlen):
+            return cute.domain_offset((row0, 0), g[None, None, head, 0])
+        return g[None, None, head, batch]
 
     @cute.jit
     def block_coords(self):
@@ -505,9 +611,9 @@ class AttentionForwardSm90:
 
     # ------------------------------------------------------------------------- epilogue
     @cute.jit
-    def store_o(self, acc_O, sO, o_tile, tma_O, tiled_mma_pv):
-        """O (cast) into its staging buffer once every product has read Q, then one TMA store
-        (rows past the sequence are clipped by the TMA unit)."""
+    def stage_o(self, acc_O, sO, tiled_mma_pv):
+        """O (cast) into its staging buffer by stmatrix, once every consumer's products have
+        read Q (whose buffer it may be)."""
         t = self.tiles
         tidx = cute.arch.thread_idx()[0] - 128
         cute.arch.barrier(barrier_id=int(NamedBarrierFwd.EPILOGUE), number_of_threads=t.num_mma_threads)
@@ -516,15 +622,35 @@ class AttentionForwardSm90:
         rO = cute.make_rmem_tensor(acc_O.shape, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         cute.copy(r2s, thr.retile(rO), thr.partition_D(sO))
+
+    @cute.jit
+    def store_o_tma(self, sO, o_tile, tma_O):
+        """The staged O by one TMA store (rows past the tensor are clipped by the TMA unit)."""
+        t = self.tiles
         cute.arch.fence_view_async_shared()  # visible to the TMA unit
         cute.arch.barrier(barrier_id=int(NamedBarrierFwd.EPILOGUE_STAGED), number_of_threads=t.num_mma_threads)
-        if tidx == 0:
+        if cute.arch.thread_idx()[0] == 128:
             ts, tg = cpasync.tma_partition(
                 tma_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(o_tile, 0, 2)
             )
             cute.copy(tma_O, ts, tg)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def store_o_rows(self, sO, o_rows, m_block, seqlen_q):
+        """The staged O by every consumer thread's 16-byte stores, rows up to the sequence's end."""
+        t = self.tiles
+        tidx = cute.arch.thread_idx()[0] - 128
+        cute.arch.barrier(barrier_id=int(NamedBarrierFwd.EPILOGUE_STAGED), number_of_threads=t.num_mma_threads)
+        tile = (t.tile_m, t.head_dim_v)
+        cO = cute.local_tile(cute.make_identity_tensor((seqlen_q, t.head_dim_v)), tile, (m_block, 0))
+        s2g = t.s2g_copy_o(self.dtype)
+        thr = s2g.get_slice(tidx)
+        tS, tG, tC = thr.partition_S(sO), thr.partition_D(o_rows), thr.partition_D(cO)
+        for r in cutlass.range_constexpr(cute.size(tS, mode=[1])):
+            if tC[0, r, 0][0] < seqlen_q:
+                cute.copy(s2g, tS[None, r, None], tG[None, r, None])
 
     @cute.jit
     def store_lse(self, lse, mLSE, tiled_mma_qk, m_block, head, batch, seqlen_q):
