@@ -129,13 +129,24 @@ def attention_forward_sm90(
     out = torch.empty((b, mq, h, value.shape[3]), dtype=query.dtype, device=query.device)
     lse = torch.empty((seqs, h, lse_rows(rows_q)), dtype=torch.float32, device=query.device)
     if out.numel() == 0 or key.shape[1] == 0 or seqs == 0:  # no launch: nothing to compute, or no key to see
-        return out.zero_(), lse.fill_(math.inf)
+        return out.zero_(), _empty_lse(lse, mq, cu_seqlens_q)
     config = ForwardConfig(
         cc.cute_dtype(query.dtype), d, value.shape[3], int(mask_type), window_size > 0, varlen, cc.tensor_arch(query)
     )
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
     compiled(config)(query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, rows_q, scale, int(window_size))
     return out, lse
+
+
+def _empty_lse(lse: Tensor, mq: int, cu_seqlens_q: Optional[Tensor]) -> Tensor:
+    """The LSE of queries that see no key: 0 on each sequence's rows, +inf on the padding."""
+    rows = torch.arange(lse.shape[-1], device=lse.device)
+    if cu_seqlens_q is None:
+        lengths = torch.full((lse.shape[0], 1), mq, device=lse.device)
+    else:
+        lengths = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).view(-1, 1)
+    inside = (rows.view(1, -1) < lengths).unsqueeze(1).expand(lse.shape)
+    return lse.fill_(math.inf).masked_fill_(inside, 0.0)
 
 
 def benchmark_configurations(cases, arch: str) -> list:

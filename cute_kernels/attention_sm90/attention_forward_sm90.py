@@ -11,7 +11,8 @@ and, with two or more consumer warpgroups, taking turns with the others to issue
 The softmax is online and in log2 units: per row the running max m and sum l; each block's
 scores are exp2(S * scale * log2(e) - m * scale * log2(e)), O and l are rescaled when m grows;
 at the end O / l and LSE = (m * scale * log2(e) + log2(l)) * ln(2) (natural log, as torch's).
-A row that sees no key has O = 0 and LSE = +inf (the backward then finds P = 0 there).
+A row that sees no key has O = 0 and LSE = 0, as torch's forward writes (every one of its
+probabilities is masked in the backward too).
 
 O leaves through shared memory (Q's buffer, which every product has read by then) by a TMA
 store; the LSE rows [B, H, lse_rows] are written by the threads that own them, +inf past the
@@ -36,6 +37,7 @@ from .forward_config import CONSUMER_REGS, PRODUCER_REGS, pingpong
 from .wgmma import acc_as_operand_a, acc_mn_layout, wgmma
 
 LN_2 = 0.6931471805599453
+PARTIALS = 4  # independent max / sum chains of a softmax row
 
 
 class NamedBarrierFwd(enum.IntEnum):
@@ -540,11 +542,15 @@ class AttentionForwardSm90:
         """S <- exp2(S * scale_log2 - m * scale_log2) per row with the running max m (over the
         four threads of a row), the running sum kept per thread (summed over them at the end).
         ``row_scale``: where O must be rescaled by exp2((m_old - m) * scale_log2) (None: the
-        first block, nothing to rescale)."""
+        first block, nothing to rescale). Maxima and sums run as PARTIALS independent chains
+        (one chain of 32 dependent instructions a row would leave the pipes idle)."""
+        cols = cute.size(S, mode=[1])
         for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-            m = row_max[r]
-            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                m = cute.arch.fmax(m, S[r, c])
+            part = [S[r, i] for i in range(PARTIALS)]
+            for c in cutlass.range_constexpr(PARTIALS, cols):
+                part[c % PARTIALS] = cute.arch.fmax(part[c % PARTIALS], S[r, c])
+            m = cute.arch.fmax(cute.arch.fmax(part[0], part[1]), cute.arch.fmax(part[2], part[3]))
+            m = cute.arch.fmax(m, row_max[r])
             m = cute.arch.warp_reduction_max(m, threads_in_group=4)
             m_old = row_max[r]
             row_max[r] = m
@@ -552,11 +558,12 @@ class AttentionForwardSm90:
             if m == -Float32.inf:  # a row with nothing seen yet
                 m_safe = Float32(0.0)
             m_scaled = m_safe * scale_log2
-            total = Float32(0.0)
-            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                p = cute.math.exp2(S[r, c] * scale_log2 - m_scaled, fastmath=True)
-                S[r, c] = p
-                total = total + p
+            for c in cutlass.range_constexpr(cols):
+                S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - m_scaled, fastmath=True)
+            part = [S[r, i] for i in range(PARTIALS)]
+            for c in cutlass.range_constexpr(PARTIALS, cols):
+                part[c % PARTIALS] = part[c % PARTIALS] + S[r, c]
+            total = (part[0] + part[1]) + (part[2] + part[3])
             if const_expr(row_scale is None):
                 row_sum[r] = total
             else:
@@ -573,13 +580,13 @@ class AttentionForwardSm90:
 
     @cute.jit
     def finalize(self, acc_O, row_max, row_sum, scale_log2):
-        """O / l in place and the rows' LSE (natural log; +inf where the row saw no key)."""
+        """O / l in place and the rows' LSE (natural log; 0 where the row saw no key)."""
         scale = cute.make_rmem_tensor(cute.size(row_sum), Float32)
         lse = cute.make_rmem_tensor(cute.size(row_sum), Float32)
         for r in cutlass.range_constexpr(cute.size(row_sum)):
             total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
             scale[r] = Float32(0.0)
-            lse[r] = Float32.inf
+            lse[r] = Float32(0.0)
             if total > 0.0:
                 scale[r] = cute.arch.rcp_approx(total)
                 lse[r] = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2

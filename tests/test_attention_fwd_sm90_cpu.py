@@ -1,0 +1,108 @@
+"""CPU: the Hopper attention forward (``ops.attention_fwd_sm90``) compiles for every configuration it
+serves, its tiles fit, its compile key is stable, and ``unsupported()`` names what it does not take
+(no CUDA call for CPU, meta or fake tensors)."""
+
+import dataclasses
+
+import cutlass
+import pytest
+import torch
+
+from cute_kernels.attention_sm90 import forward_config as F
+from layouts.attention_fwd_sm90 import SMEM_LIMIT, AttentionFwdSm90Tiles
+from ops import _disk_cache
+from ops import attention_fwd_sm90 as A
+
+BF16, F16 = cutlass.BFloat16, cutlass.Float16
+CONFIGS = [
+    A.ForwardConfig(dt, d, d, mask, window, varlen, "sm_90a")
+    for dt in (BF16, F16)
+    for d in F.HEAD_DIMS
+    for mask, window, varlen in (
+        (0, False, False),
+        (1, False, False),
+        (2, True, False),
+        (1, False, True),
+        (2, True, True),
+    )
+]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize(
+    "config",
+    CONFIGS,
+    ids=lambda c: f"{c.dtype.__name__}-d{c.head_dim}-m{c.mask_type}-w{int(c.window)}-v{int(c.varlen)}",
+)
+def test_compiles(config):
+    assert callable(A._build(config))
+
+
+@pytest.mark.parametrize("head_dim", F.HEAD_DIMS)
+def test_tiles_fit(head_dim):
+    tiles = F.forward_tiles(head_dim, head_dim)
+    assert tiles.smem_bytes(2) <= SMEM_LIMIT
+    assert tiles.consumer_wgs in F.CONSUMER_REGS and tiles.num_threads == 128 * (tiles.consumer_wgs + 1)
+    # the register budgets of one CTA fit the multiprocessor's 64K
+    regs = 128 * F.PRODUCER_REGS[tiles.consumer_wgs] + tiles.num_mma_threads * F.CONSUMER_REGS[tiles.consumer_wgs]
+    assert regs <= 64 * 1024
+
+
+def test_tiles_refuse_shapes_wgmma_cannot_take():
+    with pytest.raises(ValueError, match="tile_m"):
+        AttentionFwdSm90Tiles(128, 128, 96, 128, 2)
+    with pytest.raises(ValueError, match="tile_n"):
+        AttentionFwdSm90Tiles(128, 128, 128, 120, 2)
+
+
+def test_config_key_is_stable_text():
+    """The disk cache keys by repr: no object address in it, equal configs equal text."""
+    a, b = CONFIGS[0], dataclasses.replace(CONFIGS[0])
+    assert _disk_cache.stable_key(a) == _disk_cache.stable_key(b) is not None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.head_dim = 1
+
+
+def _meta(b, s, h, d, dtype=torch.bfloat16, hk=None, dv=None):
+    q = torch.empty(b, s, h, d, dtype=dtype, device="meta")
+    k = torch.empty(b, s, hk or h, d, dtype=dtype, device="meta")
+    v = torch.empty(b, s, hk or h, dv or d, dtype=dtype, device="meta")
+    return q, k, v
+
+
+@pytest.mark.parametrize(
+    "kw,tensors,reason",
+    [
+        ({}, _meta(1, 128, 2, 128), "needs sm_90a"),
+        ({"arch": "sm_80"}, _meta(1, 128, 2, 128), "needs sm_90a"),
+        ({"arch": "sm_90a"}, _meta(1, 128, 2, 128, torch.float32), "dtype"),
+        ({"arch": "sm_90a"}, _meta(1, 128, 2, 96), "head dims"),
+        ({"arch": "sm_90a"}, _meta(1, 128, 2, 128, dv=64), "head dims"),
+        ({"arch": "sm_90a"}, _meta(1, 128, 3, 128, hk=2), "multiple of key heads"),
+        ({"arch": "sm_90a", "dropout_p": 0.1}, _meta(1, 128, 2, 128), "dropout"),
+        ({"arch": "sm_90a", "mask_type": 3}, _meta(1, 128, 2, 128), "mask type"),
+    ],
+)
+def test_unsupported_names_the_reason(kw, tensors, reason):
+    assert reason in A.unsupported(*tensors, **kw)
+
+
+def test_unsupported_names_a_misaligned_tensor():
+    q, k, v = _meta(1, 128, 2, 128)
+    q = torch.empty(1, 128, 2, 130, dtype=torch.bfloat16, device="meta")[..., :128]
+    assert "query is not TMA-aligned" in A.unsupported(q, k, v, arch="sm_90a")
+
+
+def test_supported_problem():
+    assert A.unsupported(*_meta(2, 1000, 8, 128, hk=2), arch="sm_90a", mask_type=2) is None
+
+
+def test_benchmark_configurations_follow_the_cases():
+    cases = [
+        ((4, 16, 2048, 128), "bfloat16", False),
+        ((2, 16, 4096, 64), "bfloat16", True),
+        ((2, 16, 4096, 96), "bfloat16", False),
+    ]
+    keys = A.benchmark_configurations(cases, "sm_90a")
+    assert {(k.head_dim, k.mask_type) for k in keys} == {(128, 0), (64, 1)}
+    assert A.benchmark_configurations(cases, "sm_80") == []

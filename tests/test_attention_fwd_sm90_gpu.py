@@ -1,0 +1,96 @@
+"""GPU: the Hopper attention forward against the fp64 reference, and against torch's forward in the
+same dtype as the yardstick of rounding: every mask, windows, grouped-query heads, lengths that
+are not multiples of the tiles, Sq != Sk, variable lengths with empty and one-token sequences."""
+
+import math
+
+import pytest
+import torch
+
+from ops import attention_fwd_sm90 as A
+from ops.reference import attention_forward_ref
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.bfloat16, torch.float16]
+# (B, H, Hk, Sq, Sk, D, mask, window)
+DENSE = [
+    (2, 4, 4, 300, 300, 128, 0, 0),
+    (2, 4, 2, 257, 513, 128, 1, 0),
+    (1, 6, 2, 511, 300, 64, 2, 0),
+    (2, 3, 3, 1000, 1000, 64, 1, 0),
+    (1, 4, 1, 777, 777, 128, 1, 100),
+    (1, 2, 2, 64, 1500, 64, 2, 200),
+    (3, 2, 2, 1, 1, 128, 0, 0),
+    (1, 2, 1, 2048, 2048, 64, 2, 0),
+    (2, 2, 2, 130, 70, 128, 1, 0),
+]
+# (query lengths, key lengths, H, Hk, D, mask, window)
+VARLEN = [
+    ([5, 0, 300, 1, 129, 700], [5, 3, 300, 1, 200, 700], 4, 2, 128, 1, 0),
+    ([100, 257, 64], [100, 0, 64], 2, 2, 64, 0, 0),
+    ([50, 400, 1], [300, 400, 10], 2, 1, 128, 2, 64),
+]
+
+
+def _tolerance(out, ref, dtype):
+    """Twice the error of rounding the exact result to ``dtype``, plus a few units of it: the
+    forward's P is rounded to ``dtype`` before P V, as every fused attention does."""
+    rounding = (ref.to(dtype).double() - ref).abs().max().item() if ref.numel() else 0.0
+    return 2 * rounding + (1e-2 if dtype == torch.bfloat16 else 2e-3)
+
+
+def _check(out, lse, ref_out, ref_lse, dtype):
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref_out).abs().max().item() <= _tolerance(out, ref_out, dtype)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert (lse.double()[finite] - ref_lse[finite]).abs().max().item() < 1e-3 if finite.any() else True
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", DENSE, ids=lambda c: "b{}h{}/{}q{}k{}d{}m{}w{}".format(*c))
+def test_dense(case, dtype):
+    b, h, hk, sq, sk, d, mask, window = case
+    torch.manual_seed(sum(case))
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
+    k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=dtype) for _ in range(2))
+    out, lse = A.attention_forward_sm90(q, k, v, None, mask, window)
+    ref_out, ref_lse = attention_forward_ref(q, k, v, custom_mask_type=mask, window_size=window)
+    _check(out, lse[:, :, :sq], ref_out, ref_lse, dtype)
+    assert lse.shape[-1] == math.ceil(sq / 32) * 32 and torch.isinf(lse[:, :, sq:]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", VARLEN, ids=lambda c: f"{len(c[0])}seqs-m{c[5]}-w{c[6]}")
+def test_varlen(case, dtype):
+    lens_q, lens_k, h, hk, d, mask, window = case
+    torch.manual_seed(len(lens_q) + d)
+    cu_q, cu_k = (torch.tensor([0, *x], device="cuda").cumsum(0).int() for x in (lens_q, lens_k))
+    q = torch.randn(1, sum(lens_q), h, d, device="cuda", dtype=dtype)
+    k, v = (torch.randn(1, sum(lens_k), hk, d, device="cuda", dtype=dtype) for _ in range(2))
+    out, lse = A.attention_forward_sm90(q, k, v, None, mask, window, cu_q, cu_k, max(lens_q))
+    ref_out, ref_lse = attention_forward_ref(
+        q, k, v, custom_mask_type=mask, window_size=window, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k
+    )
+    for i, n in enumerate(lens_q):  # the padding past each sequence is torch's business: +inf or unwritten
+        _check(
+            out[:, cu_q[i] : cu_q[i + 1]], lse[i, :, :n], ref_out[:, cu_q[i] : cu_q[i + 1]], ref_lse[i, :, :n], dtype
+        )
+
+
+def test_no_keys():
+    q = torch.randn(2, 40, 2, 64, device="cuda", dtype=torch.bfloat16)
+    k = v = torch.empty(2, 0, 2, 64, device="cuda", dtype=torch.bfloat16)
+    out, lse = A.attention_forward_sm90(q, k, v)
+    assert (out == 0).all() and (lse[:, :, :40] == 0).all() and torch.isinf(lse[:, :, 40:]).all()
+
+
+def test_scale_and_strided_inputs():
+    """A scale of the caller's, and q / k / v as views of a packed qkv tensor (TMA-aligned strides)."""
+    qkv = torch.randn(2, 333, 3, 4, 128, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(2)
+    assert A.unsupported(q, k, v) is None
+    out, lse = A.attention_forward_sm90(q, k, v, 0.3, 1)
+    ref_out, ref_lse = attention_forward_ref(q, k, v, custom_mask_type=1, scale=0.3)
+    _check(out, lse[:, :, :333], ref_out, ref_lse, torch.bfloat16)
