@@ -56,8 +56,7 @@ import math
 
 import torch
 
-from ..board import BoardSampler, smi_id
-from .attention_common import NAN, matmul_ceiling, matmul_row, time_in_rounds
+from .attention_common import NAN, matmul_row, run_cases, time_in_rounds
 from .attention_common import err as _err
 
 NAME = "attention_bwd"
@@ -259,26 +258,7 @@ def _setup_fa4(q, k, v, dout, causal, fa4):
 
 
 def run(settings, quick: bool):
-    try:
-        fa4 = _import_fa4()
-        fa4_missing = None
-    except Exception as e:  # not installed, or its DSL does not load: recorded, not faked
-        fa4, fa4_missing = None, _err(e)
-    try:
-        matmul = matmul_ceiling()
-    except Exception as e:
-        matmul = _err(e)
-
-    board = BoardSampler.start(smi_id(torch.cuda.current_device()))  # None without nvidia-smi
-    rows_out = []
-    try:
-        for spec in settings.ATTENTION_BWD["quick" if quick else "full"]:
-            rows_out += _run_case(spec, fa4, fa4_missing, matmul, board)
-            torch.cuda.empty_cache()
-    finally:
-        if board is not None:
-            board.stop()
-    return rows_out
+    return run_cases(settings.ATTENTION_BWD["quick" if quick else "full"], _import_fa4, _run_case)
 
 
 def _run_case(spec, fa4, fa4_missing, matmul, board=None):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import statistics
 
-from ..board import summarize
+from ..board import BoardSampler, smi_id, summarize
 
 NAN = float("nan")
 ROUNDS = 5  # interleaved timing rounds per case (attention_bwd's docstring)
@@ -20,6 +20,32 @@ MATMUL_MNK = (8192, 8192, 8192)
 
 def err(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}".strip()[:2000]
+
+
+def run_cases(specs, import_fa4, run_case) -> list:
+    """The rows of ``run_case(spec, fa4, fa4_missing, matmul, board)`` over ``specs``: FA4 imported
+    once (``fa4`` None and ``fa4_missing`` its error where it does not), the matmul ceiling
+    measured once, the board sampled throughout where nvidia-smi runs."""
+    import torch
+
+    try:
+        fa4, fa4_missing = import_fa4(), None
+    except Exception as e:  # not installed, or its DSL does not load: recorded, not faked
+        fa4, fa4_missing = None, err(e)
+    try:
+        matmul = matmul_ceiling()
+    except Exception as e:
+        matmul = err(e)
+    board = BoardSampler.start(smi_id(torch.cuda.current_device()))  # None without nvidia-smi
+    rows = []
+    try:
+        for spec in specs:
+            rows += run_case(spec, fa4, fa4_missing, matmul, board)
+            torch.cuda.empty_cache()
+    finally:
+        if board is not None:
+            board.stop()
+    return rows
 
 
 def time_in_rounds(pending, board, row):
