@@ -410,7 +410,7 @@ def run_case(suite: str, step, grads: bool, flops_scale: float, spec, fa4, fa4_m
     time_in_rounds(pending, board, row)
     matmul_row(row, matmul, flops)
     _add_ratios(rows)
-    return rows
+    return sorted(rows, key=lambda r: (IMPLS + ("matmul",)).index(r["impl"]))  # a fixed order, timed or not
 
 
 def _setup(impl, case, x, step, fa4, ref, ref_error=None):
