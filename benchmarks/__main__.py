@@ -2,7 +2,7 @@
 
 On a GPU: times each suite's cases, prints a table and writes
 benchmarks/results/<arch>-<gpu>/<suite>.json (rows: suite, case, impl, ms, gbps or tflops,
-device = the full GPU name, date; attention_bwd adds the board's power_w, sm_clock_mhz,
+device = the full GPU name, date; the attention suites add the board's power_w, sm_clock_mhz,
 energy_mj) with a PNG plot beside it. <arch>-<gpu> is e.g. sm90-h100, sm90-h200,
 sm90-h100-pcie, sm80-a100: one folder per GPU model, whose bandwidth and power cap differ.
 --quick runs a few cases per suite and writes <suite>.quick.json / .png instead (not

@@ -110,13 +110,24 @@ def configs():
     return {(s, q): CC.suite_configs(s, q) for s in SUITES for q in (True, False)}
 
 
+NO_KERNEL = {("attention_fwd", "sm_80")}  # (suite, arch): ours runs torch's kernels there, compiles none
+
+
+def _names_arch(key, arch):
+    """A key names its arch: as an entry, or as the ``arch`` of its one config object."""
+    return arch in key or getattr(key[0], "arch", None) == arch
+
+
 @pytest.mark.parametrize("suite", SUITES)
 def test_quick_compiles_a_subset_once_per_arch(configs, suite):
     for arch in CC.ARCHES:
         quick, full = configs[suite, True][arch], configs[suite, False][arch]
+        if (suite, arch) in NO_KERNEL:
+            assert not full
+            continue
         assert quick and set(quick) <= set(full) and len(quick) < len(full)
         for c in quick + full:
-            assert arch in c.key, c  # every key names the arch it compiles for
+            assert _names_arch(c.key, arch), c  # every key names the arch it compiles for
     for q in (True, False):
         listed = [c for arch in CC.ARCHES for c in configs[suite, q][arch]]
         assert len(listed) == len(set(listed)), "a configuration listed twice"

@@ -3,7 +3,15 @@
 NAME = "sm80"
 PEERS = ("torch", "torch.compile", "quack", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn")
 
-from .sm90 import ATTENTION_BWD, ATTN_BWD_POSTPROCESS, ATTN_BWD_PREPROCESS, DROPOUT_BIAS_BWD, LAYER_NORM_BWD  # noqa: E402,F401  same problem sizes
+from .sm90 import (
+    ATTENTION_BWD,
+    ATTENTION_FWD,
+    ATTENTION_TRAIN,
+    ATTN_BWD_POSTPROCESS,
+    ATTN_BWD_PREPROCESS,
+    DROPOUT_BIAS_BWD,
+    LAYER_NORM_BWD,
+)  # noqa: E402,F401  same problem sizes
 
 
 def _runs_here(case) -> bool:

@@ -86,3 +86,28 @@ ATTENTION_BWD = {
         ((2, 16, 4096, 128), "bfloat16", False, "dropout"),
     ],
 }
+
+# (batch, heads, seqlen, head_dim), dtype name, causal[, features]: Q [B, S, H, D], K / V
+# [B, S, Hk, D / Dv], seqlen_q = seqlen_k; features ":"-joined (benchmarks/suites/attention_cases.py):
+# kv<N> key / value heads, dv<N> the value head dim, window<N> a causal sliding window of N keys,
+# varlen (B = 1, the S tokens packed as a fixed, seeded mix of sequence lengths)
+_PLAIN = [spec for spec in ATTENTION_BWD["full"] if len(spec) == 3]  # attention_bwd's cases without a feature
+ATTENTION_FWD = {
+    "full": _PLAIN
+    + [
+        ((4, 32, 2048, 128), "bfloat16", False, "kv8"),
+        ((2, 16, 4096, 192), "bfloat16", True),
+        ((2, 16, 4096, 256), "bfloat16", False),
+        ((2, 16, 4096, 192), "bfloat16", True, "dv128"),
+        ((1, 16, 32768, 128), "bfloat16", True, "varlen"),
+        ((4, 16, 4096, 128), "bfloat16", True, "window512"),
+    ],
+    "quick": [spec for spec in ATTENTION_BWD["quick"] if len(spec) == 3]
+    + [
+        ((4, 32, 2048, 128), "bfloat16", False, "kv8"),
+        ((1, 16, 32768, 128), "bfloat16", True, "varlen"),
+        ((4, 16, 4096, 128), "bfloat16", True, "window512"),
+    ],
+}
+
+ATTENTION_TRAIN = ATTENTION_FWD  # the same cases, forward + backward

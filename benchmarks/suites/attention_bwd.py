@@ -25,16 +25,16 @@ checked against sdpa_efficient (ours uses the same philox seed / offset, and is)
   ``SDPBackend.CUDNN_ATTENTION`` minus the forward alone (the row's ``method`` says which);
 - ``fa4``: FA4's CuTe-DSL ``flash_attn.cute.interface._flash_attn_bwd`` after its
   ``_flash_attn_fwd`` ([B, S, H, D]), when flash_attn.cute imports;
-- ``matmul``: the bf16 matmul ceiling: a torch.mm of MATMUL_MNK measured once per run;
-  its row's ``tflops`` is that rate and its ``ms`` the case's FLOPs at that rate
-  (``matmul_ms`` is the measured time of the matmul itself).
+- ``matmul``: the bf16 matmul ceiling: a torch.mm of MATMUL_MNK (``attention_common``)
+  measured once per run; its row's ``tflops`` is that rate and its ``ms`` the case's FLOPs
+  at that rate (``matmul_ms`` is the measured time of the matmul itself).
 
 FLOPs counted: 2.5 x the forward's 4 B H S^2 D (five S x S x D matmuls), halved when causal.
 Timing: every implementation of a case is set up and checked first, then all are timed in
-ROUNDS rounds, each round timing each of them once (do_bench median, L2 flushed, after
-WARMUP_MS of the implementation's own calls) in an order rotated from round to round
-(``timing.bench_rounds``); a row's ``ms`` is the median of its rounds and ``ms_rounds`` lists
-them. The board's clocks drift with its power state (H100: the same kernel read 3-6% apart
+ROUNDS rounds (``attention_common``), each round timing each of them once (do_bench median,
+L2 flushed, after WARMUP_MS of the implementation's own calls) in an order rotated from round
+to round (``timing.bench_rounds``); a row's ``ms`` is the median of its rounds and
+``ms_rounds`` lists them. The board's clocks drift with its power state (H100: the same kernel read 3-6% apart
 minutes later, and a timing right after another implementation's calls ran at the clocks that
 one left), which a single timing per implementation or a short warm-up would put into the ratios.
 Each timed row also gets the board's mean power (``power_w``) and SM clock
@@ -53,11 +53,11 @@ from __future__ import annotations
 
 import functools
 import math
-import statistics
 
 import torch
 
-from ..board import BoardSampler, smi_id, summarize
+from .attention_common import NAN, matmul_row, run_cases, time_in_rounds
+from .attention_common import err as _err
 
 NAME = "attention_bwd"
 
@@ -65,15 +65,7 @@ TOL = 2e-2  # max |grad - ref| / max |ref| (bf16 gradients)
 DROPOUT_P = 0.1
 FEATURES = (None, "bias", "bias_grad", "dropout")
 PEERS = ("sdpa_flash", "sdpa_cudnn", "fa4")  # the rows that get sm90_over_peer
-MATMUL_MNK = (8192, 8192, 8192)
 SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
-NAN = float("nan")
-ROUNDS = 5  # interleaved timing rounds per case (the module docstring)
-# each timing's warm-up: that long of the implementation's own calls first, so the board's power
-# state is its own. H100 (700 W), d128, medians of 7 rounds: with do_bench's 25 ms the sm90 / FA4
-# ratio at 1x16x8192x128 read 1.001x alone and 1.075x among the other implementations (0.966x and
-# 0.970x in two suite runs); with 300 ms 1.013x and 1.012x (docs/benchmarks.md)
-WARMUP_MS = 300
 
 
 def _case_name(shape, dtype, causal, feature=None):
@@ -98,10 +90,6 @@ def attention_bwd_flops(b, h, s, d, causal):
     """2.5 x the forward's 4 B H S^2 D; half of it under a causal mask."""
     flops = 2.5 * 4 * b * h * s * s * d
     return flops / 2 if causal else flops
-
-
-def _err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}".strip()[:2000]
 
 
 def _max_rel(got, ref):
@@ -266,49 +254,16 @@ def _setup_fa4(q, k, v, dout, causal, fa4):
     return fn, fn()[:3], {"op": "flash_attn.cute.interface._flash_attn_bwd", "layout": "BSHD"}
 
 
-def _matmul_ceiling():
-    """(TFLOP/s, ms) of a bf16 torch.mm of MATMUL_MNK (output preallocated)."""
-    from ..timing import bench_ms
-
-    m, n, k = MATMUL_MNK
-    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
-    c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    ms = bench_ms(lambda: torch.mm(a, b, out=c))
-    return 2 * m * n * k / ms / 1e9, ms
-
-
 # ------------------------------------------------------------------------------ run
 
 
 def run(settings, quick: bool):
-    try:
-        fa4 = _import_fa4()
-        fa4_missing = None
-    except Exception as e:  # not installed, or its DSL does not load: recorded, not faked
-        fa4, fa4_missing = None, _err(e)
-    try:
-        matmul = _matmul_ceiling()
-    except Exception as e:
-        matmul = _err(e)
-
-    board = BoardSampler.start(smi_id(torch.cuda.current_device()))  # None without nvidia-smi
-    rows_out = []
-    try:
-        for spec in settings.ATTENTION_BWD["quick" if quick else "full"]:
-            rows_out += _run_case(spec, fa4, fa4_missing, matmul, board)
-            torch.cuda.empty_cache()
-    finally:
-        if board is not None:
-            board.stop()
-    return rows_out
+    return run_cases(settings.ATTENTION_BWD["quick" if quick else "full"], _import_fa4, _run_case)
 
 
 def _run_case(spec, fa4, fa4_missing, matmul, board=None):
     """The rows of one case; ``matmul`` is (TFLOP/s, ms) or the error of measuring it;
     ``board``: a ``BoardSampler`` (the rows then get the board's power and clock), or None."""
-    from ..timing import bench_ms, bench_rounds
-
     shape, dtype_name, causal, feature = _unpack(spec)
     b, h, s, d = shape
     dtype = getattr(torch, dtype_name)
@@ -401,36 +356,13 @@ def _run_case(spec, fa4, fa4_missing, matmul, board=None):
             except Exception as e2:
                 row(impl, status="error", error=f"{direct_error}; fallback: {_err(e2)}")
         torch.cuda.synchronize()
-    bench = functools.partial(bench_ms, warmup_ms=WARMUP_MS)
-    samples = {}  # id(fn) -> the board's samples over its timings (warm-ups included: the same calls)
-
-    def bench_sampled(fn):
-        with board.window() as w:
-            ms = bench(fn)
-        samples.setdefault(id(fn), []).extend(w.samples)
-        return ms
-
-    timings = bench_rounds(
-        [(fn, fwd) for _, fn, _, _, fwd in pending], ROUNDS, bench=bench if board is None else bench_sampled
-    )
-    for (impl, fn, info, check, _), (ms, error) in zip(pending, timings):
-        if error is None:
-            median = statistics.median(ms)
-            # a fwd+bwd minus fwd row: the board over the fwd+bwd timings, energy per (fwd+bwd - fwd) call
-            board_fields = summarize(samples.get(id(fn), []), median, board.power_field if board else None)
-            row(impl, median, ms_rounds=ms, status="ok", check=check, **board_fields, **info)
-        else:
-            row(impl, status="error", error=_err(error), check=check, **info)
+    time_in_rounds(pending, board, row)
     if fa4 is None:
         row("fa4", status="unavailable", error=fa4_missing)
     elif feature is not None:
         row("fa4", status="unavailable", error=f"FA4's interface takes no {feature}")
 
-    if isinstance(matmul, tuple):
-        tflops, mm_ms = matmul
-        row("matmul", flops / tflops / 1e9, status="ok", matmul_mnk=list(MATMUL_MNK), matmul_ms=mm_ms)
-    else:
-        row("matmul", status="error", error=matmul, matmul_mnk=list(MATMUL_MNK))
+    matmul_row(row, matmul, flops)
 
     _add_ratios(rows)
     return rows
