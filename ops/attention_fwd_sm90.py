@@ -150,12 +150,18 @@ def _empty_lse(lse: Tensor, mq: int, cu_seqlens_q: Optional[Tensor]) -> Tensor:
 
 
 def benchmark_configurations(cases, arch: str) -> list:
-    """The ``compiled`` keys of a suite's cases ((B, H, S, D), dtype name, causal): none off sm_90a."""
+    """The ``compiled`` keys of a suite's cases ((B, H, S, D), dtype name, causal[, features]):
+    features ``kv<N>`` (grouped-query heads: compiled alike), ``dv<N>``, ``window<N>``,
+    ``varlen``, joined by ':'; none off sm_90a or for head dims the forward does not compile."""
     if arch != "sm_90a":
         return []
-    keys = {
-        ForwardConfig(cc.cute_dtype(getattr(torch, dtype)), d, d, 1 if causal else 0, False, False, arch)
-        for (_, _, _, d), dtype, causal, *_ in cases
-        if forward_unsupported(d, d) is None
-    }
+    keys = set()
+    for (_, _, _, d), dtype, causal, *features in cases:
+        tokens = features[0].split(":") if features and features[0] else []
+        dv = next((int(t[2:]) for t in tokens if t.startswith("dv")), d)
+        if forward_unsupported(d, dv) is not None:
+            continue
+        window = any(t.startswith("window") for t in tokens)
+        varlen = "varlen" in tokens
+        keys.add(ForwardConfig(cc.cute_dtype(getattr(torch, dtype)), d, dv, 1 if causal else 0, window, varlen, arch))
     return sorted(keys, key=repr)

@@ -306,14 +306,20 @@ def _caches(configs):
 
 
 def test_fwd_configs_are_the_forward_kernels_keys():
-    """Our forward's keys: sm_90a only, Dqk = Dv of the head dims it compiles, no window key
-    (benchmark_configurations keys no window: the window case is left out), GQA alike."""
+    """Our forward's keys: sm_90a only, Dqk = Dv of the head dims it compiles, the window and
+    variable-length cases their own keys, GQA alike."""
     assert attention_fwd.compile_configs("sm_80", False) == []
     full = attention_fwd.compile_configs("sm_90a", False)
     quick = attention_fwd.compile_configs("sm_90a", True)
     assert set(_caches(full)) == {"attention_fwd_sm90"} and set(quick) < set(full)
-    keys = {(k.head_dim, k.head_dim_v, k.mask_type, k.window) for (k,) in (c.key for c in full)}
-    assert keys == {(64, 64, 0, False), (128, 128, 0, False), (128, 128, 1, False), (64, 64, 1, False)}
+    keys = {(k.head_dim, k.head_dim_v, k.mask_type, k.window, k.varlen) for (k,) in (c.key for c in full)}
+    plain = {
+        (64, 64, 0, False, False),
+        (128, 128, 0, False, False),
+        (128, 128, 1, False, False),
+        (64, 64, 1, False, False),
+    }
+    assert keys == plain | {(128, 128, 1, True, False), (128, 128, 1, False, True)}
 
 
 def test_plain_specs_keep_what_each_op_keys():
@@ -327,6 +333,7 @@ def test_plain_specs_keep_what_each_op_keys():
     assert C.plain_specs(specs) == [specs[0]]
     assert C.plain_specs(specs, ("kv",)) == [specs[0], specs[1][:3]]
     assert C.plain_specs(specs, ("kv", "window")) == [specs[0], specs[1][:3]]  # window8's plain form is specs[0]
+    assert C.plain_specs(specs + specs, "all") == specs
 
 
 def test_train_configs_list_forward_and_backwards():
@@ -362,4 +369,6 @@ def test_cpu_cli_run_compiles_the_quick_configurations(monkeypatch, capsys):
 @pytest.mark.compile
 def test_quick_forward_configurations_compile():
     """The forward kernel's quick configurations compile for sm_90a with fake tensors."""
-    assert attention_fwd.compile_only("sm_90a", quick=True) == 2
+    assert (
+        attention_fwd.compile_only("sm_90a", quick=True) == 4
+    )  # plain d128, d64 causal, the 512 window, the packed sequences

@@ -133,7 +133,10 @@ def suite_cases(table, quick: bool) -> list:
 def plain_specs(specs, keyed=()) -> list:
     """``(shape, dtype, causal)`` of the specs whose features are all of the kinds ``keyed``
     ("kv", "dv", "window", "varlen"): what the ops' ``benchmark_configurations`` take, for the
-    cases whose compile keys they give faithfully (each spec once)."""
+    cases whose compile keys they give faithfully (each spec once); ``keyed`` "all": every spec
+    whole, features included, for an op that keys them all."""
+    if keyed == "all":
+        return list(dict.fromkeys(tuple(spec) for spec in specs))
     out = []
     for spec in specs:
         tokens = spec[3].split(":") if len(spec) > 3 and spec[3] else []

@@ -31,9 +31,8 @@ from .attention_common import run_cases
 
 NAME = "attention_fwd"
 FLOPS_SCALE = 1.0  # a call's FLOPs over the forward's
-# the case features ops.attention_fwd_sm90.benchmark_configurations keys faithfully: its keys
-# hold no head count (grouped-query heads compile alike), and take no Dv, window or varlen
-KEYED = {"attention_fwd_sm90": ("kv",)}
+# the case features ops.attention_fwd_sm90.benchmark_configurations keys faithfully (all of them)
+KEYED = {"attention_fwd_sm90": "all"}
 
 
 def _step(fwd, x):

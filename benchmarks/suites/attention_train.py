@@ -32,7 +32,7 @@ FLOPS_SCALE = 3.5  # forward 1 + backward 2.5 (five S x S x D products against t
 # no head count; the memory-efficient backward's neither a head count nor the mask (grouped
 # heads are repeated, the window is a runtime argument), but Dv = D and no varlen; the sm90
 # backward's plan takes the group, window, Dv and varlen: plain cases only
-KEYED = {"attention_fwd_sm90": ("kv",), "mem_eff_attention": ("kv", "window"), "attention_sm90": ()}
+KEYED = {"attention_fwd_sm90": "all", "mem_eff_attention": ("kv", "window"), "attention_sm90": ()}
 
 
 def _step(fwd, x):
