@@ -654,7 +654,7 @@ def attention_backward_sm90(
         plan.ctas,
         *rng,
     )
-    dq = P._convert_dq_impl(dq_accum, float(scale), d, sq, cu_seqlens_q, max_seqlen_q, 0.0, query.dtype, ready=ready)
+    dq = P.convert_dq(dq_accum, float(scale), d, sq, cu_seqlens_q, max_seqlen_q, 0.0, query.dtype, ready=ready)
     return (dq.unsqueeze(0) if varlen else dq), dk, dv, grad_bias
 
 

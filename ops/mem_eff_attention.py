@@ -714,7 +714,7 @@ def _mem_eff_impl(
     unvisited = varlen or params.window_size > 0 or (params.custom_mask_type == 2 and rows_q > rows_k)
     if unvisited:
         grad_q.zero_()
-    from .attention_bwd_prepost import _compute_delta_impl, may_have_blind_rows, zero_blind_delta
+    from .attention_bwd_prepost import compute_delta, may_have_blind_rows, zero_blind_delta
 
     # rows that see no key may hold an unwritten O (zero_blind_delta): their Δ is zeroed after
     # its own launch, so the kernel does not compute it there
@@ -724,9 +724,9 @@ def _mem_eff_impl(
         delta = torch.empty((seqs, h, rows_q), dtype=torch.float32, device=query.device)
     else:
         if varlen:
-            delta = _compute_delta_impl(out[0], grad_out[0], cu_seqlens_q, rows_q)
+            delta = compute_delta(out[0], grad_out[0], cu_seqlens_q, rows_q)
         else:
-            delta = _compute_delta_impl(out, grad_out, None, None)
+            delta = compute_delta(out, grad_out, None, None)
         zero_blind_delta(delta, params.custom_mask_type, params.window_size, mq, mk, cu_seqlens_q, cu_seqlens_k)
     alloc = torch.zeros if params.should_zero_workspace() else torch.empty
     workspace = alloc(

@@ -996,7 +996,7 @@ def test_host_sizes_gradients_by_their_head_dims(monkeypatch, head_dim, head_dim
         converted.append((acc.shape, d))
         return torch.zeros(acc.shape[0], sq, acc.shape[2], d, dtype=BF16)
 
-    monkeypatch.setattr(P, "_convert_dq_impl", convert)
+    monkeypatch.setattr(P, "convert_dq", convert)
     q, k, v, do, o = _problem(h=4, hk=2, d=head_dim, dv=head_dim_v)
     dq, dk, dv, db = S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 1)
     # (only d128's own tiles store each block's first dQ: none of these pairs; d64's persistent
@@ -1051,7 +1051,7 @@ def test_convert_overlaps_where_the_grid_has_an_idle_tail(monkeypatch, mask_type
         readies.append(ready)
         return torch.zeros(acc.shape[0], sq, acc.shape[2], d, dtype=BF16)
 
-    monkeypatch.setattr(P, "_convert_dq_impl", convert)
+    monkeypatch.setattr(P, "convert_dq", convert)
     q, k, v, do, o = _problem(h=4, hk=2, d=128, dv=128)
     S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, mask_type, deterministic=deterministic)
     assert keys[-1][KEY["dq_ready"]] is overlaps
@@ -1086,7 +1086,7 @@ def test_call_plans_follow_the_signature_and_the_settings(monkeypatch):
     monkeypatch.setattr(S, "compiled", lambda *key: keys.append(key) or (lambda *a: None))
     monkeypatch.setattr(
         P,
-        "_convert_dq_impl",
+        "convert_dq",
         lambda acc, scale, d, sq, *rest, ready=None: torch.zeros(acc.shape[0], sq, acc.shape[2], d, dtype=BF16),
     )
     monkeypatch.setattr(S, "_call_plans", S.Memo())
@@ -1129,7 +1129,7 @@ def test_one_scratch_allocation_holds_the_launches_buffers(monkeypatch, determin
     monkeypatch.setattr(S, "compiled", lambda *key: keys.append(key) or (lambda *a: launches.append(a)))
     monkeypatch.setattr(
         P,
-        "_convert_dq_impl",
+        "convert_dq",
         lambda acc, scale, d, sq, *r, ready=None: torch.zeros(acc.shape[0], sq, acc.shape[2], d, dtype=BF16),
     )
     empty = torch.empty  # the scratch (the one 1-D fp32 allocation) filled with 7s
@@ -1231,7 +1231,7 @@ def _record_unzeroed_calls(monkeypatch):
     monkeypatch.setattr(S, "compiled", lambda *key: keys.append(key) or (lambda *a: launches.append(a)))
     monkeypatch.setattr(
         P,
-        "_convert_dq_impl",
+        "convert_dq",
         lambda acc, scale, d, sq, *r, ready=None: torch.zeros(acc.shape[0], sq, acc.shape[2], d, dtype=BF16),
     )
     return keys, launches, zeroing
