@@ -8,7 +8,7 @@ kernel's last wave leaves multiprocessors idle, ``ConvertDQReady``: launched ear
 converts each head once the kernel has counted all its key blocks; ``_overlaps_convert``).
 ``unsupported`` says why this path cannot take a problem (None: it can);
 ``ops.efficient_attention_backward`` and ``ops.memory_efficient_attention`` choose
-between it and the sm80-structured kernel (``backend=``, see ``ops.mem_eff_attention``).
+between it and the sm80-structured kernel (``backend=``, see ``ops.attention``).
 dQ is summed by TMA reduce-adds in whatever order the key blocks finish (not bitwise
 reproducible from run to run) unless ``deterministic``: then in a fixed key-block order.
 """
@@ -32,6 +32,7 @@ from layouts.attention_bwd_prepost import round_up
 from . import _compile as cc
 from . import attention_bwd_prepost as P
 from ._memo import Memo
+from .attention_common import AttentionBackwardArgs, grad_bias_buffer
 
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -487,27 +488,7 @@ def _unzeroed_dq_accum(dq_accum: Tensor) -> Tensor:
     return dq_accum
 
 
-def attention_backward_sm90(
-    grad_out,
-    query,
-    key,
-    value,
-    out,
-    logsumexp,
-    scale: float,
-    mask_type: int = 0,
-    window_size: int = 0,
-    deterministic: bool = False,
-    cu_seqlens_q=None,
-    cu_seqlens_k=None,
-    max_seqlen_q=None,
-    max_seqlen_k=None,
-    bias=None,
-    bias_requires_grad: bool = False,
-    dropout_p: float = 0.0,
-    philox_seed=None,
-    philox_offset=None,
-):
+def attention_backward_sm90(args: AttentionBackwardArgs):
     """(dq, dk, dv, grad_bias) of dropout(softmax(scale Q K^T [+ bias] [+ causal mask [+ window]])) V;
     tensors [B, S, H, D] (key / value / dk / dv [B, S, Hk, D] with grouped-query heads: H a
     multiple of Hk; value, out, grad_out and dv have the head dim Dv, which may differ from
@@ -528,27 +509,88 @@ def attention_backward_sm90(
     ``bias_requires_grad`` grad_bias is [B, H, Sq, Sk] (rows padded to 128 bits, as torch's),
     else None. Dropout: the keep mask of torch's memory-efficient forward for
     ``philox_seed / philox_offset`` (int64 scalar tensors), p = ``dropout_p``."""
-    varlen = cu_seqlens_q is not None
-    window, dropout = int(window_size or 0), float(dropout_p) > 0.0
-    rng_dev = dropout and cc.rng_on_device(philox_seed, philox_offset)
-    if bias is not None and varlen:
+    a = args
+    if a.bias is not None and a.varlen:
         raise NotImplementedError("attention bias with cu_seqlens is not supported (torch's forward refuses it too)")
-    sig = (
-        query.shape,
-        key.shape,
-        value.shape,
-        query.dtype,
-        query.device,
-        int(mask_type),
-        window,
-        bool(deterministic),
-        (cu_seqlens_q.shape, int(max_seqlen_q), int(max_seqlen_k)) if varlen else None,
-        bias is not None,
-        bias is not None and bool(bias_requires_grad),
-        dropout,
-        rng_dev,
-        _knobs(),
+    plan = _call_plan_of(a)
+    b, sq, h, d = a.query.shape
+    sk = a.key.shape[1]
+    # fresh [B, S, H, D] tensors whatever the inputs' strides, as aten's backward (and the
+    # fake implementation of the op that calls this) allocates them
+    dk = torch.empty(a.key.shape, dtype=a.key.dtype, device=a.key.device)
+    dv = torch.empty(a.value.shape, dtype=a.value.dtype, device=a.value.device)
+    bias = grad_bias = None
+    if a.bias is not None:
+        bias = a.bias.expand(b, h, sq, sk)  # a view: broadcast dims get stride 0
+        if a.bias_requires_grad:  # blocks no key block visits (masks, windows) stay zero
+            grad_bias = grad_bias_buffer(a.query, sk, a.custom_mask_type)
+    if plan.empty:
+        if grad_bias is not None:
+            grad_bias.zero_()
+        return torch.zeros_like(a.query), dk.zero_(), dv.zero_(), grad_bias
+    fn = compiled(*plan.config)
+    # whatever touches the stream goes before the preprocess: the kernel is launched right
+    # behind it (programmatic dependent launch)
+    s = _scratch(plan, a.query.device)
+    rng = (None,) * 5
+    if a.dropout:  # host seed / offset as values, device ones as tensors the kernel reads
+        rng = cc.dropout_args(a.dropout_p, a.philox_seed, a.philox_offset, plan.rows_q, plan.rows_k)
+    dq_accum = s.dq_accum
+    if plan.unzeroed:  # every block's first dQ is stored there, or the kernel zeroes it
+        dq_accum = _unzeroed_dq_accum(dq_accum)
+    elif not plan.scratch.fused_zeroing:  # the preprocess clears out's width (Dv): Dqk's apart
+        dq_accum.zero_()
+    _preprocess(a, s.delta, dq_accum if plan.scratch.fused_zeroing else None, s.lse_log2)
+    fn(
+        a.query,
+        a.key,
+        a.value,
+        a.grad_out,
+        s.lse_log2,
+        s.delta,
+        dq_accum.unsqueeze(0) if a.varlen else dq_accum,
+        dk,
+        dv,
+        s.semaphore,
+        s.counter,
+        s.ready[1] if s.ready else None,
+        s.first,
+        a.cu_seqlens_q,
+        a.cu_seqlens_k,
+        bias,
+        grad_bias,
+        float(a.scale),
+        a.window,
+        plan.rows_k,
+        plan.chunk,
+        plan.ctas,
+        *rng,
     )
+    dq = P.convert_dq(
+        dq_accum, float(a.scale), d, sq, a.cu_seqlens_q, a.max_seqlen_q, 0.0, a.query.dtype, ready=s.ready
+    )
+    return (dq.unsqueeze(0) if a.varlen else dq), dk, dv, grad_bias
+
+
+def _preprocess(a: AttentionBackwardArgs, delta: Tensor, dq_accum: Optional[Tensor], lse_log2: Tensor) -> None:
+    """Δ from out / dO (Dv wide; the pre / postprocess take packed sequences as [total, H, D]),
+    ``dq_accum`` zeroed where given, the LSE in the kernel's log2 units: one launch. Then Δ := 0
+    in the rows that see no key (O may be unwritten there)."""
+    out, grad_out = (a.out[0], a.grad_out[0]) if a.varlen else (a.out, a.grad_out)
+    P.launch_preprocess(out, grad_out, delta, dq_accum, 1.0, a.cu_seqlens_q, a.max_seqlen_q, a.logsumexp, lse_log2)
+    mask, sq, sk = int(a.custom_mask_type), a.query.shape[1], a.key.shape[1]
+    P.zero_blind_delta(delta, mask, a.window, sq, sk, a.cu_seqlens_q, a.cu_seqlens_k)
+
+
+def _call_plan_of(a: AttentionBackwardArgs) -> _CallPlan:
+    """The call's plan, made once per call signature (``_call_plans``)."""
+    query, key, value = a.query, a.key, a.value
+    rng_dev = a.dropout and cc.rng_on_device(a.philox_seed, a.philox_offset)
+    mask, deterministic = int(a.custom_mask_type), bool(a.deterministic)
+    bias, grad_bias = a.bias is not None, a.bias is not None and bool(a.bias_requires_grad)
+    varlen = (a.cu_seqlens_q.shape, int(a.max_seqlen_q), int(a.max_seqlen_k)) if a.varlen else None
+    sig = (query.shape, key.shape, value.shape, query.dtype, query.device, mask, a.window, deterministic, varlen)
+    sig += (bias, grad_bias, a.dropout, rng_dev, _knobs())
     plan = _call_plans.get(sig)
     if plan is None:
         plan = _call_plans.put(
@@ -557,105 +599,54 @@ def attention_backward_sm90(
                 query,
                 key,
                 value,
-                int(mask_type),
-                window,
-                bool(deterministic),
-                cu_seqlens_q,
-                max_seqlen_q,
-                max_seqlen_k,
-                bias is not None,
-                bias is not None and bool(bias_requires_grad),
-                dropout,
+                mask,
+                a.window,
+                deterministic,
+                a.cu_seqlens_q,
+                a.max_seqlen_q,
+                a.max_seqlen_k,
+                bias,
+                grad_bias,
+                a.dropout,
                 rng_dev,
             ),
         )
-    b, sq, h, d = query.shape
-    sk = key.shape[1]
-    # fresh [B, S, H, D] tensors whatever the inputs' strides, as aten's backward (and the
-    # fake implementation of the op that calls this) allocates them
-    dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
-    dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
-    grad_bias = None
-    if bias is not None:
-        from .mem_eff_attention import grad_bias_buffer
+    return plan
 
-        bias = bias.expand(b, h, sq, sk)  # a view: broadcast dims get stride 0
-        if bias_requires_grad:  # blocks no key block visits (masks, windows) stay zero
-            grad_bias = grad_bias_buffer(query, sk, mask_type)
-    if plan.empty:
-        if grad_bias is not None:
-            grad_bias.zero_()
-        return torch.zeros_like(query), dk.zero_(), dv.zero_(), grad_bias
-    fn = compiled(*plan.config)
-    # one fp32 allocation for what the launches share (``_ScratchPlan``: each allocation costs
-    # 4-8 us of host time on an H100 host's CPU); whatever touches the stream goes before
-    # the preprocess: the kernel is launched right behind it (programmatic dependent launch)
+
+class _Scratch(NamedTuple):
+    """A call's views of its one fp32 scratch allocation (``_ScratchPlan``); None where absent."""
+
+    delta: Tensor
+    lse_log2: Tensor
+    dq_accum: Tensor
+    semaphore: Optional[Tensor]
+    counter: Optional[Tensor]
+    ready: Optional[tuple]  # ConvertDQReady's (tile counter, counts, query heads per key head, complete count)
+    first: Optional[Tensor]
+
+
+def _scratch(plan: _CallPlan, device) -> _Scratch:
+    """One fp32 allocation for what the launches share (each allocation costs 4-8 us of host
+    time on an H100 host's CPU), its zeroed int32s zeroed: the persistent CTAs' tile counter
+    (schedule "dynamic"; with zero_ahead also the zeroing jobs' counter), ConvertDQReady's tile
+    counter and the kernel's counts, the store_first / zero_ahead flags, deterministic mode's
+    semaphores."""
     sp = plan.scratch
-    scratch = torch.empty(sp.elems, dtype=torch.float32, device=query.device)
+    scratch = torch.empty(sp.elems, dtype=torch.float32, device=device)
     delta = scratch.as_strided(sp.delta_shape, sp.delta_strides, 0)
     lse_log2 = scratch.as_strided(sp.delta_shape, sp.delta_strides, sp.lse_offset)
     dq_accum = scratch.as_strided(sp.dq_accum_shape, sp.dq_accum_strides, sp.dq_accum_offset)
-    semaphore = counter = ready = first = None
-    if sp.zeroed:
-        # zeroed int32s: the persistent CTAs' tile counter (schedule "dynamic"; with zero_ahead
-        # also the zeroing jobs' counter), ConvertDQReady's tile counter and the kernel's counts,
-        # the store_first / zero_ahead flags, deterministic mode's semaphores
-        ints = scratch.view(torch.int32)
-        ints.as_strided((sp.zeroed,), (1,), sp.flags_offset).zero_()
-        counter, tiles, counts, first, semaphore = (
-            None if part is None else ints.as_strided(*part) for part in sp.int_parts
-        )
-        if counts is not None:
-            # a head is complete once every key block of the grid (ceil(rows_k / tile_n)) is counted
-            ready = (tiles, counts, *plan.ready_counts)
-    rng = (None,) * 5
-    if dropout:  # host seed / offset as values, device ones as tensors the kernel reads
-        rng = cc.dropout_args(dropout_p, philox_seed, philox_offset, plan.rows_q, plan.rows_k)
-    if plan.unzeroed:  # every block's first dQ is stored there, or the kernel zeroes it
-        dq_accum = _unzeroed_dq_accum(dq_accum)
-    elif not sp.fused_zeroing:  # the preprocess clears out's width (Dv): Dqk's apart
-        dq_accum.zero_()
-    # Δ from out / dO (Dv wide; the pre / postprocess take packed sequences as [total, H, D]),
-    # the accumulator zeroed where it must be, the LSE in the kernel's log2 units: one launch
-    P.launch_preprocess(
-        out[0] if varlen else out,
-        grad_out[0] if varlen else grad_out,
-        delta,
-        dq_accum if sp.fused_zeroing else None,
-        1.0,
-        cu_seqlens_q,
-        max_seqlen_q,
-        logsumexp,
-        lse_log2,
+    if not sp.zeroed:
+        return _Scratch(delta, lse_log2, dq_accum, None, None, None, None)
+    ints = scratch.view(torch.int32)
+    ints.as_strided((sp.zeroed,), (1,), sp.flags_offset).zero_()
+    counter, tiles, counts, first, semaphore = (
+        None if part is None else ints.as_strided(*part) for part in sp.int_parts
     )
-    P.zero_blind_delta(delta, mask_type, window, sq, sk, cu_seqlens_q, cu_seqlens_k)  # O may be unwritten there
-    fn(
-        query,
-        key,
-        value,
-        grad_out,
-        lse_log2,
-        delta,
-        dq_accum.unsqueeze(0) if varlen else dq_accum,
-        dk,
-        dv,
-        semaphore,
-        counter,
-        ready[1] if ready else None,
-        first,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        bias,
-        grad_bias,
-        float(scale),
-        window,
-        plan.rows_k,
-        plan.chunk,
-        plan.ctas,
-        *rng,
-    )
-    dq = P.convert_dq(dq_accum, float(scale), d, sq, cu_seqlens_q, max_seqlen_q, 0.0, query.dtype, ready=ready)
-    return (dq.unsqueeze(0) if varlen else dq), dk, dv, grad_bias
+    # a head is complete once every key block of the grid (ceil(rows_k / tile_n)) is counted
+    ready = None if counts is None else (tiles, counts, *plan.ready_counts)
+    return _Scratch(delta, lse_log2, dq_accum, semaphore, counter, ready, first)
 
 
 class _CallPlan(NamedTuple):

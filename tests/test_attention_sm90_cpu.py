@@ -21,7 +21,9 @@ from layouts import attention_sm90 as tiling
 from ops import _compile as cc
 from ops import attention as A
 from ops import attention_sm90 as S
+from ops import attention_common as C
 from ops import mem_eff_attention as M
+from ops.attention_common import AttentionBackwardArgs
 
 from .helpers import trace_custom_ops
 
@@ -834,6 +836,22 @@ def _problem(b=2, sq=100, sk=130, h=3, d=64, dv=None, hk=None, dtype=BF16, devic
     return e(b, sq, h, d), e(b, sk, hk, d), e(b, sk, hk, dv), e(b, sq, h, dv), e(b, sq, h, dv)
 
 
+def _sm90(grad_out, query, key, value, out, logsumexp, scale, mask_type=0, **kw):
+    """attention_backward_sm90 of these arguments."""
+    args = AttentionBackwardArgs(
+        grad_out=grad_out,
+        query=query,
+        key=key,
+        value=value,
+        out=out,
+        logsumexp=logsumexp,
+        scale=scale,
+        custom_mask_type=mask_type,
+        **kw,
+    )
+    return S.attention_backward_sm90(args)
+
+
 def _misaligned_query():
     q, k, v, do, o = _problem()
     shifted = torch.zeros(q.numel() + 1, dtype=BF16)[1:].view(q.shape)  # 2 bytes past the allocation
@@ -998,7 +1016,7 @@ def test_host_sizes_gradients_by_their_head_dims(monkeypatch, head_dim, head_dim
 
     monkeypatch.setattr(P, "convert_dq", convert)
     q, k, v, do, o = _problem(h=4, hk=2, d=head_dim, dv=head_dim_v)
-    dq, dk, dv, db = S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 1)
+    dq, dk, dv, db = _sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 1)
     # (only d128's own tiles store each block's first dQ: none of these pairs; d64's persistent
     # causal CTAs zero the accumulator themselves)
     assert keys == [
@@ -1053,7 +1071,7 @@ def test_convert_overlaps_where_the_grid_has_an_idle_tail(monkeypatch, mask_type
 
     monkeypatch.setattr(P, "convert_dq", convert)
     q, k, v, do, o = _problem(h=4, hk=2, d=128, dv=128)
-    S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, mask_type, deterministic=deterministic)
+    _sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, mask_type, deterministic=deterministic)
     assert keys[-1][KEY["dq_ready"]] is overlaps
     counts = launches[-1][11]
     if not overlaps:
@@ -1070,7 +1088,7 @@ def test_convert_overlaps_where_the_grid_has_an_idle_tail(monkeypatch, mask_type
     # d64's persistent CTAs never count
     keys.clear()
     q, k, v, do, o = _problem(h=4, hk=2, d=64, dv=64)
-    S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, mask_type, deterministic=deterministic)
+    _sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, mask_type, deterministic=deterministic)
     assert keys[-1][KEY["dq_ready"]] is (deterministic and overlaps)
 
 
@@ -1096,7 +1114,7 @@ def test_call_plans_follow_the_signature_and_the_settings(monkeypatch):
 
     def call(mask_type=0, sq=100):
         q, k, v, do, o = _problem(sq=sq, h=4, hk=2, d=128, dv=128)
-        dq, dk, dv, _ = S.attention_backward_sm90(do, q, k, v, o, lse, 0.1, mask_type)
+        dq, dk, dv, _ = _sm90(do, q, k, v, o, lse, 0.1, mask_type)
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
 
     call()
@@ -1139,7 +1157,7 @@ def test_one_scratch_allocation_holds_the_launches_buffers(monkeypatch, determin
         lambda *a, **kw: (lambda t: t.fill_(7.0) if t.dtype == F32 and t.dim() == 1 else t)(empty(*a, **kw)),
     )
     q, k, v, do, o = _problem(h=4, hk=2, d=head_dim, dv=head_dim_v)
-    S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0, deterministic=deterministic)
+    _sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0, deterministic=deterministic)
     (key,), (launch,), ((delta, fused, lse2),) = keys, launches, pre
     _, _, _, _, lse, delta_, acc, _, _, semaphore, counter, counts, first = launch[:13]
     assert lse is lse2 and delta_ is delta and delta.shape == lse.shape == (2, 4, 128)
@@ -1243,7 +1261,7 @@ def test_store_first_call_hands_over_flags_not_zeros(monkeypatch):
     block) beside ConvertDQReady's counts in one buffer."""
     keys, launches, zeroing = _record_unzeroed_calls(monkeypatch)
     q, k, v, do, o = _problem(h=4, hk=2, d=128, dv=128)
-    S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
+    _sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
     assert keys[-1][KEY["store_first"]] is True and zeroing == [False]
     acc, counts, flags = launches[-1][6], launches[-1][11], launches[-1][12]
     blocks = -(-q.shape[1] // tiling.attention_sm90_tiles(128).tile_m)
@@ -1251,7 +1269,7 @@ def test_store_first_call_hands_over_flags_not_zeros(monkeypatch):
     assert flags.shape == (2, 4, blocks) and flags.dtype == torch.int32 and not flags.any()
     assert flags.data_ptr() == counts.data_ptr() + 4 * counts.numel()
     monkeypatch.setattr(S, "STORE_FIRST", False)
-    S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
+    _sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
     assert keys[-1][KEY["store_first"]] is False and zeroing == [False, True] and launches[-1][12] is None
 
 
@@ -1327,14 +1345,14 @@ def test_zero_ahead_call_hands_over_flags_not_zeros(monkeypatch):
     keys, launches, zeroing = _record_unzeroed_calls(monkeypatch)
     monkeypatch.setattr(S, "PERSISTENT_CTAS", 132)
     q, k, v, do, o = _problem(h=4, hk=2, d=64, dv=64)
-    S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
+    _sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
     assert keys[-1][KEY["zero_ahead"]] is True and keys[-1][KEY["store_first"]] is False and zeroing == [False]
     acc, flags = launches[-1][6], launches[-1][12]
     blocks = -(-q.shape[1] // tiling.attention_sm90_tiles(64).tile_m)
     assert acc.shape[1] >= q.shape[1] and acc.dtype == torch.float32
     assert flags.shape == (2, 4, blocks) and flags.dtype == torch.int32 and not flags.any()
     monkeypatch.setattr(S, "PERSISTENT_CTAS", 1)  # 2 key blocks a head (130 keys)
-    S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
+    _sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
     assert keys[-1][KEY["zero_ahead"]] is False and zeroing == [False, True] and launches[-1][12] is None
 
 
@@ -1373,15 +1391,12 @@ class Recorder:
     def __init__(self, name, calls):
         self.name, self.calls = name, calls
 
-    def __call__(self, grad_out, query, key, value, out, *rest, **kw):
-        self.calls.append((self.name, rest, kw))
-        zeros = (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value))
-        if self.name == "sm90":
-            bias, bias_requires_grad = kw.get("bias"), kw.get("bias_requires_grad")
-        else:
-            bias, bias_requires_grad = rest[10:12]  # _mem_eff_impl's arguments after out
+    def __call__(self, args):
+        self.calls.append((self.name, args))
+        query, key = args.query, args.key
+        zeros = (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(args.value))
         full = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])  # [B, H, Mq, Mk], as the kernel's
-        return zeros + (query.new_zeros(full) if bias is not None and bias_requires_grad else None,)
+        return zeros + (query.new_zeros(full) if args.bias is not None and args.bias_requires_grad else None,)
 
 
 @pytest.fixture
@@ -1389,10 +1404,10 @@ def backends(monkeypatch):
     """CPU tensors through ``efficient_attention_backward``: CUDA checks off, the device's arch
     sm_90a (set ``cc.tensor_arch`` again to change it), both backends recorded. Yields the calls."""
     calls = []
-    monkeypatch.setattr(M, "check_cuda", lambda *a: None)
+    monkeypatch.setattr(C, "check_cuda", lambda *a: None)
     monkeypatch.setattr(cc, "tensor_arch", lambda t: "sm_90a")
     monkeypatch.setattr(S, "attention_backward_sm90", Recorder("sm90", calls))
-    monkeypatch.setattr(M, "_mem_eff_impl", Recorder("mem_eff", calls))
+    monkeypatch.setattr(M, "_backward", Recorder("mem_eff", calls))  # behind the deterministic and grouped-head steps
     return calls
 
 
@@ -1412,7 +1427,7 @@ def _eab(b=2, sq=100, sk=130, h=3, d=64, dv=None, hk=None, dtype=BF16, mask_type
         logsumexp=torch.zeros(b, h, (sq + 31) // 32 * 32),
     )
     args.update(kw)
-    return M.efficient_attention_backward(do, q, k, v, out=o, custom_mask_type=mask_type, **args)
+    return A.efficient_attention_backward(do, q, k, v, out=o, custom_mask_type=mask_type, **args)
 
 
 def _seed():
@@ -1438,9 +1453,9 @@ def test_auto_takes_sm90_with_bias_and_dropout(backends):
     _, _, _, db = _eab(
         mask_type=1, bias=bias, bias_requires_grad=True, dropout_p=0.2, philox_seed=seed, philox_offset=offset
     )
-    ((name, _, kw),) = backends
-    assert name == "sm90" and kw["bias"] is bias and kw["bias_requires_grad"] is True
-    assert kw["dropout_p"] == 0.2 and kw["philox_seed"] is seed and kw["philox_offset"] is offset
+    ((name, a),) = backends
+    assert name == "sm90" and a.bias is bias and a.bias_requires_grad is True
+    assert a.dropout_p == 0.2 and a.philox_seed is seed and a.philox_offset is offset
     assert db.shape == bias.shape
 
 
@@ -1459,7 +1474,7 @@ def test_bias_with_varlen_is_refused(backends):
 @pytest.mark.parametrize("hk", [1, 2])
 def test_auto_takes_sm90_with_grouped_heads(backends, hk):
     dq, dk, dv, _ = _eab(h=4, hk=hk, mask_type=1)
-    ((name, _, _),) = backends
+    ((name, _),) = backends
     assert (
         name == "sm90" and dk.shape == (2, 130, hk, 64) and dv.shape == (2, 130, hk, 64) and dq.shape == (2, 100, 4, 64)
     )
@@ -1479,13 +1494,9 @@ def test_auto_takes_sm90_with_varlen(backends, hk):
         max_seqlen_k=100,
         logsumexp=torch.zeros(2, 3, 64),
     )
-    ((name, _, kw),) = backends
+    ((name, a),) = backends
     assert name == "sm90" and dq.shape == (1, 100, 3, 64) and dk.shape == (1, 130, hk, 64)
-    assert (
-        kw["cu_seqlens_q"] is cu_q
-        and kw["cu_seqlens_k"] is cu_k
-        and (kw["max_seqlen_q"], kw["max_seqlen_k"]) == (60, 100)
-    )
+    assert a.cu_seqlens_q is cu_q and a.cu_seqlens_k is cu_k and (a.max_seqlen_q, a.max_seqlen_k) == (60, 100)
 
 
 @pytest.mark.parametrize("hk", [0, 3])
@@ -1500,24 +1511,26 @@ def test_mem_eff_sums_grouped_heads(monkeypatch):
     repeated per query head, and dK / dV are summed back over each group (in fp32)."""
     seen = []
 
-    def kernel(grad_out, query, key, value, *rest):
+    def kernel(args):
+        query, key, value = args.query, args.key, args.value
         seen.append((key.shape, value.shape, torch.equal(key[:, :, 0], key[:, :, 1])))
         # gradients that tell the query heads apart: head j's entries are j
         heads = torch.arange(query.shape[2], dtype=torch.float32).view(1, 1, -1, 1)
         return (torch.zeros_like(query), (key * 0 + heads).to(key.dtype), (value * 0 + 2 * heads).to(value.dtype), None)
 
-    monkeypatch.setattr(M, "_mem_eff_impl", kernel)
+    monkeypatch.setattr(M, "_backward", kernel)
     q, k, v, do, o = _problem(h=6, hk=2, dtype=F16)
     k.normal_()
-    dq, dk, dv, db = M._mem_eff_grouped(
-        do, q, k, v, o, *([None] * 5), 0, 0.1, None, None, False, None, False, 0.0, None, None
+    args = AttentionBackwardArgs(
+        grad_out=do, query=q, key=k, value=v, out=o, logsumexp=torch.zeros(2, 6, 128), scale=0.1
     )
+    dq, dk, dv, db = M.attention_backward_mem_eff(args)
     assert seen == [((2, 130, 6, 64), (2, 130, 6, 64), True)]
     # key head 0 serves query heads 0, 1, 2 (sum 3), key head 1 heads 3, 4, 5 (sum 12)
     assert dk.shape == k.shape and dk.dtype == F16 and (dk[:, :, 0] == 3).all() and (dk[:, :, 1] == 12).all()
     assert (dv[:, :, 0] == 6).all() and (dv[:, :, 1] == 24).all() and db is None
     with pytest.raises(ValueError, match="shared_storage_dqdkdv"):
-        M._mem_eff_grouped(do, q, k, v, o, *([None] * 5), 0, 0.1, None, None, True, None, False, 0.0, None, None)
+        M.attention_backward_mem_eff(dataclasses.replace(args, shared_storage_dqdkdv=True))
 
 
 @pytest.mark.parametrize("flag", [False, True])
@@ -1532,8 +1545,8 @@ def test_deterministic_reaches_either_backend(backends, flag):
     finally:
         torch.use_deterministic_algorithms(before)
     (sm90_call, mem_eff_call) = backends
-    assert sm90_call[0] == "sm90" and sm90_call[2]["deterministic"] is flag
-    assert mem_eff_call[0] == "mem_eff" and mem_eff_call[1][7] == (1 if flag else None)  # num_splits_key
+    assert sm90_call[0] == "sm90" and sm90_call[1].deterministic is flag
+    assert mem_eff_call[0] == "mem_eff" and mem_eff_call[1].num_splits_key == (1 if flag else None)
 
 
 def test_deterministic_refuses_key_splits(backends):
@@ -1547,8 +1560,8 @@ def test_deterministic_refuses_key_splits(backends):
 
 def test_auto_takes_sm90_with_a_window(backends):
     _eab(mask_type=1, window_size=8)
-    ((name, (_, _, mask, window), kw),) = backends
-    assert (name, mask, window, kw["deterministic"], kw["cu_seqlens_q"]) == ("sm90", 1, 8, False, None)
+    ((name, a),) = backends
+    assert (name, a.custom_mask_type, a.window, a.deterministic, a.cu_seqlens_q) == ("sm90", 1, 8, False, None)
 
 
 @pytest.mark.parametrize("mask_type,sq,sk", [(0, 100, 130), (1, 130, 100), (2, 100, 130), (2, 130, 100)])
@@ -1557,9 +1570,9 @@ def test_auto_takes_sm90_where_it_applies(backends, caplog, dtype, d, mask_type,
     with caplog.at_level(logging.DEBUG, logger="cute_kernels.attention"):
         dq, dk, dv, db = _eab(sq=sq, sk=sk, d=d, dtype=dtype, mask_type=mask_type, scale=0.3)
     # the drop-in's logsumexp, scale, mask type, window, deterministic
-    ((name, (lse, scale, mask, window), kw),) = backends
-    assert name == "sm90" and lse.shape == (2, 3, (sq + 31) // 32 * 32)
-    assert (scale, mask, window, kw["deterministic"]) == (0.3, mask_type, 0, False)
+    ((name, a),) = backends
+    assert name == "sm90" and a.logsumexp.shape == (2, 3, (sq + 31) // 32 * 32)
+    assert (a.scale, a.custom_mask_type, a.window, a.deterministic) == (0.3, mask_type, 0, False)
     assert db is None and dq.shape == (2, sq, 3, d) and dk.shape == dv.shape == (2, sk, 3, d)
     (msg,) = [r.getMessage() for r in caplog.records if r.name == "cute_kernels.attention"]
     assert msg.startswith("attention backward: sm90 (backend='auto', supported") and f"mask {mask_type}" in msg
@@ -1568,7 +1581,7 @@ def test_auto_takes_sm90_where_it_applies(backends, caplog, dtype, d, mask_type,
 @pytest.mark.parametrize("head_dim,head_dim_v", [(128, 64), (64, 128), (192, 128), (256, 64)])
 def test_auto_takes_sm90_with_unequal_head_dims(backends, head_dim, head_dim_v):
     dq, dk, dv, db = _eab(h=4, hk=2, d=head_dim, dv=head_dim_v, mask_type=1)
-    ((name, _, _),) = backends
+    ((name, _),) = backends
     assert name == "sm90" and db is None
     assert (
         dq.shape == (2, 100, 4, head_dim) and dk.shape == (2, 130, 2, head_dim) and dv.shape == (2, 130, 2, head_dim_v)
@@ -1646,7 +1659,7 @@ def test_the_choice_is_made_at_run_time_under_fake_tensors(monkeypatch):
         q, k, v, do, o = _problem(d=96, dv=256, device="cuda")  # not an sm90 problem: decided later
         lse = torch.empty(2, 3, 128, device="cuda")
         for backend in ("auto", "sm90", "mem_eff"):
-            dq, dk, dv, db = M.efficient_attention_backward(
+            dq, dk, dv, db = A.efficient_attention_backward(
                 do, q, k, v, None, o, None, None, 100, 130, lse, 0.0, None, None, 1, False, backend=backend
             )
             assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and db is None
@@ -1667,7 +1680,7 @@ class _Captured(Exception):
 def test_graph_keeps_the_backend(monkeypatch, deterministic):
     """torch.compile(fullgraph=True) captures the op with the backend and the deterministic
     flag among its arguments."""
-    monkeypatch.setattr(M, "check_cuda", lambda *a: None)
+    monkeypatch.setattr(C, "check_cuda", lambda *a: None)
 
     def backend(gm, example_inputs):
         args = [
@@ -1685,7 +1698,7 @@ def test_graph_keeps_the_backend(monkeypatch, deterministic):
     lse = torch.zeros(2, 3, 64)
 
     def fn(q, k, v, do, o, lse):
-        return M.efficient_attention_backward(
+        return A.efficient_attention_backward(
             do,
             q,
             k,

@@ -9,6 +9,7 @@ import torch
 from cute_kernels.mem_eff_attention.params import Params, choose_num_splits_key
 from cute_kernels.mem_eff_attention.shared_storage import make_shared_storage, print_size
 from layouts import mem_eff_attention as tiling
+from ops import attention as A
 from ops import mem_eff_attention as M
 
 # (head_dim, head_dim_value, aligned): every max_k class, Dqk != Dv, the unaligned path;
@@ -200,17 +201,17 @@ def test_op_refuses_before_launch():
     q = _meta(1, 8, 2, 64)
     lse = _meta(1, 2, 32, dtype=torch.float32)
     with pytest.raises(ValueError, match="bias_requires_grad needs a bias"):
-        M.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.0, None, None, 0, True)
+        A.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.0, None, None, 0, True)
     with pytest.raises(ValueError, match="philox_seed"):
-        M.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.1, None, None, 0, False)
+        A.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.1, None, None, 0, False)
     with pytest.raises(ValueError, match="custom_mask_type"):
-        M.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.0, None, None, 5, False)
+        A.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.0, None, None, 5, False)
     with pytest.raises(ValueError, match="window_size"):
-        M.efficient_attention_backward(
+        A.efficient_attention_backward(
             q, q, q, q, None, q, None, None, 8, 8, lse, 0.0, None, None, 0, False, window_size=3
         )
     with pytest.raises(ValueError, match="CUDA"):  # meta tensors are no CUDA tensors
-        M.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.0, None, None, 0, False)
+        A.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.0, None, None, 0, False)
 
 
 @pytest.mark.compile
