@@ -15,8 +15,9 @@ reproducible from run to run) unless ``deterministic``: then in a fixed key-bloc
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import math
+from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import cutlass
@@ -45,52 +46,78 @@ def _tiles(head_dim: int, head_dim_v: int, bias: bool, grad_bias: bool, dropout:
     )
 
 
-def _build(
-    dtype,
-    head_dim: int,
-    head_dim_v: int,
-    mask_type: int,
-    has_window: bool,
-    arch: str,
-    deterministic: bool = False,
-    varlen: bool = False,
-    has_bias: bool = False,
-    grad_bias: bool = False,
-    dropout: bool = False,
-    carry_dq: bool = False,
-    dq_ready: bool = False,
-    store_first: bool = False,
-    zero_ahead: bool = False,
-    tail_m: int = 0,
-    rng_on_device: bool = False,
-):
-    """One configuration; ``head_dim`` is Dqk (Q, K), ``head_dim_v`` Dv (V, dO). The bias
-    gradient leaves by TMA from a keys-contiguous dS tile (``ds_keys_contiguous``);
-    ``carry_dq``: short tiles of persistent CTAs (``_carries_dq``); ``dq_ready``: the kernel
-    counts each key block's dQ for ConvertDQReady behind it (``DQ_READY``); ``store_first``:
-    each query block's first dQ is stored, no zeroed accumulator (``_stores_first``);
-    ``zero_ahead``: persistent CTAs zero the accumulator a round of tiles ahead (``_zeroes_ahead``);
-    ``tail_m``: the partial last query block's products that many queries wide (``_tail_m``);
-    ``rng_on_device``: dropout's seed and offset read from device tensors (``_compile.dropout_args``)."""
-    tiles = _tiles(head_dim, head_dim_v, has_bias, grad_bias, dropout)
+@dataclass(frozen=True)
+class Sm90Config:
+    """One compiled configuration, the ``compiled`` key. ``head_dim`` is Dqk (Q, K),
+    ``head_dim_v`` Dv (V, dO). ``grad_bias``: the bias gradient leaves by TMA from a
+    keys-contiguous dS tile (``ds_keys_contiguous``); ``carry_dq``: short tiles of persistent
+    CTAs (``_carries_dq``); ``dq_ready``: the kernel counts each key block's dQ for
+    ConvertDQReady behind it (``DQ_READY``); ``store_first``: each query block's first dQ is
+    stored, no zeroed accumulator (``_stores_first``); ``zero_ahead``: persistent CTAs zero the
+    accumulator a round of tiles ahead (``_zeroes_ahead``); ``tail_m``: the partial last query
+    block's products that many queries wide (``_tail_m``); ``rng_on_device``: dropout's seed and
+    offset read from device tensors (``_compile.dropout_args``)."""
+
+    dtype: type
+    head_dim: int
+    head_dim_v: int
+    mask_type: int
+    arch: str
+    window: bool = False
+    deterministic: bool = False
+    varlen: bool = False
+    bias: bool = False
+    grad_bias: bool = False
+    dropout: bool = False
+    carry_dq: bool = False
+    dq_ready: bool = False
+    store_first: bool = False
+    zero_ahead: bool = False
+    tail_m: int = 0
+    rng_on_device: bool = False
+
+    def __post_init__(self):
+        # the key's repr names its disk-cache entry: one spelling per value (1 and True are one
+        # key in memory, two on disk); a seed on the device means nothing without dropout
+        for f in dataclasses.fields(self):
+            cast = _CASTS.get(f.type)
+            if cast is not None:
+                object.__setattr__(self, f.name, cast(getattr(self, f.name)))
+        object.__setattr__(self, "rng_on_device", self.dropout and self.rng_on_device)
+
+
+_CASTS = {"int": int, "bool": bool, int: int, bool: bool}  # by annotation (a string under future annotations)
+
+
+def _build(config: Sm90Config):
+    """Compile one configuration (``Sm90Config``)."""
+    c = config
+    tiles = _tiles(c.head_dim, c.head_dim_v, c.bias, c.grad_bias, c.dropout)
     # a head dim above 128: the 64 x 64 decomposition (P^T / dS^T through shared memory)
     cls = AttentionBackwardSm90Wide if isinstance(tiles, tiling.AttentionSm90WideTiles) else AttentionBackwardSm90
     kernel = cls(
-        dtype,
+        c.dtype,
         tiles,
-        mask_type,
-        has_window,
-        deterministic,
-        varlen,
-        has_bias,
-        grad_bias,
-        dropout,
-        carry_dq=carry_dq,
-        dq_ready=dq_ready,
-        store_first=store_first,
-        zero_ahead=zero_ahead,
-        tail_m=tail_m,
+        c.mask_type,
+        c.window,
+        c.deterministic,
+        c.varlen,
+        c.bias,
+        c.grad_bias,
+        c.dropout,
+        carry_dq=c.carry_dq,
+        dq_ready=c.dq_ready,
+        store_first=c.store_first,
+        zero_ahead=c.zero_ahead,
+        tail_m=c.tail_m,
     )
+    return cc.compile_kernel(kernel, *_fake_args(c, kernel.dynamic_tiles), cc.fake_stream(), arch=c.arch)
+
+
+def _fake_args(c: Sm90Config, dynamic: bool) -> tuple:
+    """The kernel's arguments as fake tensors of symbolic sizes and strides (``dynamic``: the
+    tiles come from a counter)."""
+    dtype, head_dim, head_dim_v = c.dtype, c.head_dim, c.head_dim_v
     b, h, hk, mq, mk = (cute.sym_int() for _ in range(5))
     # TMA: last stride 1, the other strides and the addresses multiples of TMA_ALIGN_BYTES
     vec, vec32 = tiling.tma_align_elems(dtype.width), tiling.tma_align_elems(32)
@@ -99,102 +126,29 @@ def _build(
     k, dk = (cc.fake_tensor(dtype, (b, mk, hk, head_dim), vec) for _ in range(2))
     v, dv = (cc.fake_tensor(dtype, (b, mk, hk, head_dim_v), vec) for _ in range(2))
     # per-sequence tensors: with varlen the sequences are not the packed tensors' batch (1)
-    seqs = cute.sym_int() if varlen else b
+    seqs = cute.sym_int() if c.varlen else b
     lse, delta = (cc.fake_tensor(cutlass.Float32, (seqs, h, cute.sym_int()), vec32) for _ in range(2))
     dq_accum = cc.fake_tensor(cutlass.Float32, (b, cute.sym_int(), h, head_dim), vec32)
-    semaphore = cc.fake_tensor(cutlass.Int32, (seqs, h, cute.sym_int()), 1) if deterministic else None
-    dynamic = kernel.dynamic_tiles
+    semaphore = cc.fake_tensor(cutlass.Int32, (seqs, h, cute.sym_int()), 1) if c.deterministic else None
     # the tile counter, zeroed (causal zero_ahead: and the zeroing jobs' counter)
-    counter = cc.fake_tensor(cutlass.Int32, (2 if zero_ahead else 1,), 1) if dynamic else None
-    ready = (
-        cc.fake_tensor(cutlass.Int32, (seqs, hk), 1) if dq_ready else None
-    )  # dQ's key blocks per (sequence, key head)
+    counter = cc.fake_tensor(cutlass.Int32, (2 if c.zero_ahead else 1,), 1) if dynamic else None
+    # dQ's key blocks per (sequence, key head)
+    ready = cc.fake_tensor(cutlass.Int32, (seqs, hk), 1) if c.dq_ready else None
     # store_first / zero_ahead: a flag per (batch, query head, query block), zeroed
-    first = cc.fake_tensor(cutlass.Int32, (b, h, cute.sym_int()), 1) if store_first or zero_ahead else None
-    cu_q, cu_k = (cc.fake_tensor(cutlass.Int32, (cute.sym_int(),), 1) if varlen else None for _ in range(2))
+    first = cc.fake_tensor(cutlass.Int32, (b, h, cute.sym_int()), 1) if c.store_first or c.zero_ahead else None
+    cu_q, cu_k = (cc.fake_tensor(cutlass.Int32, (cute.sym_int(),), 1) if c.varlen else None for _ in range(2))
     # the bias: any strides (0 for broadcast dims; read element by element); its gradient
     # dense rows (padded to 128 bits, as torch's) with any row stride
-    bias = cc.fake_tensor(dtype, (b, h, mq, mk), 1, leading_dim=None) if has_bias else None
+    bias = cc.fake_tensor(dtype, (b, h, mq, mk), 1, leading_dim=None) if c.bias else None
     # TMA-stored: row stride and address multiples of 16 bytes (torch's padded rows)
-    grad_bias_t = cc.fake_tensor(dtype, (b, h, mq, mk), vec) if grad_bias else None
-    rng = cc.fake_rng_args(rng_on_device) if dropout else (None,) * 5
-    return cc.compile_kernel(
-        kernel,
-        q,
-        k,
-        v,
-        do,
-        lse,
-        delta,
-        dq_accum,
-        dk,
-        dv,
-        semaphore,
-        counter,
-        ready,
-        first,
-        cu_q,
-        cu_k,
-        bias,
-        grad_bias_t,
-        cutlass.Float32(1.0),
-        cutlass.Int32(0),
-        cutlass.Int32(0),
-        cutlass.Int32(1),
-        cutlass.Int32(1),
-        *rng,
-        cc.fake_stream(),
-        arch=arch,
-    )
+    grad_bias = cc.fake_tensor(dtype, (b, h, mq, mk), vec) if c.grad_bias else None
+    rng = cc.fake_rng_args(c.rng_on_device) if c.dropout else (None,) * 5
+    tensors = (q, k, v, do, lse, delta, dq_accum, dk, dv, semaphore, counter, ready, first, cu_q, cu_k)
+    scalars = (cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(1))
+    return (*tensors, bias, grad_bias, *scalars, *rng)
 
 
 compiled = cc.CompileCache("attention_bwd_sm90", _build)
-# where _config puts _build's flags the call reads back from its key
-_DQ_READY, _STORE_FIRST, _ZERO_AHEAD = (
-    list(inspect.signature(_build).parameters).index(name) for name in ("dq_ready", "store_first", "zero_ahead")
-)
-
-
-def _config(
-    dtype,
-    head_dim: int,
-    head_dim_v: int,
-    mask_type: int,
-    arch: str,
-    *,
-    window: bool = False,
-    deterministic: bool = False,
-    varlen: bool = False,
-    bias: bool = False,
-    grad_bias: bool = False,
-    dropout: bool = False,
-    carry_dq: bool = False,
-    dq_ready: bool = False,
-    store_first: bool = False,
-    zero_ahead: bool = False,
-    tail_m: int = 0,
-    rng_on_device: bool = False,
-) -> tuple:
-    """The ``compiled`` key (``_build``'s arguments, in order) of one configuration."""
-    return (
-        dtype,
-        int(head_dim),
-        int(head_dim_v),
-        int(mask_type),
-        bool(window),
-        arch,
-        bool(deterministic),
-        bool(varlen),
-        bool(bias),
-        bool(grad_bias),
-        bool(dropout),
-        bool(carry_dq),
-        bool(dq_ready),
-        bool(store_first),
-        bool(zero_ahead),
-        int(tail_m),
-        bool(dropout and rng_on_device),
-    )
 
 
 # convert_dq overlapping the kernel's last wave (_overlaps_convert): the kernel counts each key
@@ -303,14 +257,14 @@ def _plan(
     ctas: int,
     rng_on_device: bool = False,
 ) -> tuple:
-    """(tiles, tile schedule, ``compiled`` key) of one call: the choices made per call from the
+    """(tiles, tile schedule, ``Sm90Config``) of one call: the choices made per call from the
     configuration, the query rows (``carry_dq``), the key rows (``dq_ready``, ``zero_ahead``)
     and the persistent grid's CTAs (``zero_ahead``)."""
     tiles = _tiles(head_dim, head_dim_v, bias, grad_bias, dropout)
     schedule = AttentionBackwardSm90.tile_schedule(tiles, mask_type, window, deterministic, varlen, bias, dropout)
     carry = _carries_dq(tiles, schedule, rows_q, group)
     first = _stores_first(tiles, mask_type, window, deterministic, varlen, rows_q, rows_k)
-    key = _config(
+    key = Sm90Config(
         dtype,
         head_dim,
         head_dim_v,
@@ -381,7 +335,7 @@ def compile_for_benchmark_cases(cases, arch: str) -> int:
     """Compile ``benchmark_configurations(cases, arch)``; the count compiled."""
     keys = benchmark_configurations(cases, arch)
     for key in keys:
-        compiled(*key)
+        compiled(key)
     return len(keys)
 
 
@@ -528,7 +482,7 @@ def attention_backward_sm90(args: AttentionBackwardArgs):
         if grad_bias is not None:
             grad_bias.zero_()
         return torch.zeros_like(a.query), dk.zero_(), dv.zero_(), grad_bias
-    fn = compiled(*plan.config)
+    fn = compiled(plan.config)
     # whatever touches the stream goes before the preprocess: the kernel is launched right
     # behind it (programmatic dependent launch)
     s = _scratch(plan, a.query.device)
@@ -652,7 +606,7 @@ def _scratch(plan: _CallPlan, device) -> _Scratch:
 class _CallPlan(NamedTuple):
     """What a call decides from its signature alone (``_call_plan``)."""
 
-    config: tuple  # the ``compiled`` key
+    config: Optional[Sm90Config]  # the ``compiled`` key (None: nothing to launch)
     empty: bool  # a problem of zero size: zero gradients, no launch
     rows_q: int  # query rows (varlen: max_seqlen_q)
     rows_k: int
@@ -789,7 +743,7 @@ def _call_plan(
     )
     # the kernel counts dQ's key blocks for ConvertDQReady; it stores each query block's first dQ,
     # or zeroes the accumulator itself (either way the preprocess does not)
-    dq_ready, store_first, zero_ahead = config[_DQ_READY], config[_STORE_FIRST], config[_ZERO_AHEAD]
+    dq_ready, store_first, zero_ahead = config.dq_ready, config.store_first, config.zero_ahead
     unzeroed = store_first or zero_ahead
     blocks_q = -(-rows_q // tiles.tile_m)
     int_shapes = (

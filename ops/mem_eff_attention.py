@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
@@ -44,18 +45,26 @@ from .attention_common import AttentionBackwardArgs, grad_bias_buffer
 # ----------------------------------------------------------------------------- compile
 
 
-def _build(
-    dtype,
-    cfg: tiling.AttentionBackwardConfig,
-    varlen: bool,
-    computes_delta: bool,
-    arch: str,
-    rng_on_device: bool = False,
-):
-    """Compile one configuration; bias, its gradient and dropout are the config's flags.
-    ``rng_on_device``: the dropout seed and offset are read from device tensors (``_compile.dropout_args``)."""
+@dataclass(frozen=True)
+class MemEffConfig:
+    """One compiled configuration, the ``compiled`` key: bias, its gradient and dropout are
+    ``kernel_config``'s flags (``layouts.mem_eff_attention.AttentionBackwardConfig``);
+    ``computes_delta``: the kernel computes Δ itself; ``rng_on_device``: the dropout seed and
+    offset are read from device tensors (``_compile.dropout_args``)."""
+
+    dtype: type
+    kernel_config: tiling.AttentionBackwardConfig
+    varlen: bool
+    computes_delta: bool
+    arch: str
+    rng_on_device: bool = False
+
+
+def _build(config: MemEffConfig):
+    """Compile one configuration (``MemEffConfig``)."""
+    dtype, cfg, varlen = config.dtype, config.kernel_config, config.varlen
     vec = cfg.vec
-    kernel = AttentionBackwardKernel(dtype, cfg, varlen, computes_delta)
+    kernel = AttentionBackwardKernel(dtype, cfg, varlen, config.computes_delta)
     b, h, mq, mk, dqk, dv = (cute.sym_int() for _ in range(6))
     # One fake per argument: each gets its own symbolic strides (packed QKV views,
     # transposed grad_out, gradients laid out unlike the inputs).
@@ -66,22 +75,7 @@ def _build(
     seqs, lq = cute.sym_int(), cute.sym_int()
     lse = cc.fake_tensor(cutlass.Float32, (seqs, h, lq), 1)
     delta = cc.fake_tensor(cutlass.Float32, (seqs, h, cute.sym_int()), 1)
-    words = cfg.grad_q_temp_storage_words
-    ws = cute.runtime.make_fake_tensor(
-        cutlass.Float32,
-        (cute.sym_int(), cute.sym_int(), words),
-        stride=(cute.sym_int64(divisibility=4), words, 1),
-        assumed_align=16,
-    )
-    ws_kv = None  # dK / dV accumulators (head dims above 256): [B * H, splits, 2 * words]
-    if not cfg.output_in_rf:
-        kv_words = 2 * cfg.grad_kv_accum_words
-        ws_kv = cute.runtime.make_fake_tensor(
-            cutlass.Float32,
-            (cute.sym_int(), cute.sym_int(), kv_words),
-            stride=(cute.sym_int64(divisibility=4), kv_words, 1),
-            assumed_align=16,
-        )
+    ws, ws_kv = _fake_workspaces(cfg)
     cu_q, cu_k = (cc.fake_tensor(cutlass.Int32, (cute.sym_int(),), 1) if varlen else None for _ in range(2))
     bias = grad_bias = None
     if cfg.has_bias:
@@ -91,33 +85,32 @@ def _build(
         bias = cc.fake_tensor(dtype, (b, h, mq, mk), bias_vec, leading_dim=-1 if cfg.bias_aligned else None)
     if cfg.grad_bias:
         grad_bias = cc.fake_tensor(dtype, (b, h, mq, mk), 128 // cfg.elem_bits)
-    rng = cc.fake_rng_args(rng_on_device) if cfg.apply_dropout else (None,) * 5
-    return cc.compile_kernel(
-        kernel,
-        q,
-        k,
-        v,
-        o,
-        do,
-        lse,
-        delta,
-        gq,
-        gk,
-        gv,
-        ws,
-        ws_kv,
-        cu_q,
-        cu_k,
-        bias,
-        grad_bias,
-        cutlass.Float32(1.0),
-        cutlass.Int32(0),
-        cutlass.Int32(0),
-        cutlass.Int32(1),
-        *rng,
-        cc.fake_stream(),
-        arch=arch,
+    rng = cc.fake_rng_args(config.rng_on_device) if cfg.apply_dropout else (None,) * 5
+    tensors = (q, k, v, o, do, lse, delta, gq, gk, gv, ws, ws_kv, cu_q, cu_k, bias, grad_bias)
+    scalars = (cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1))
+    return cc.compile_kernel(kernel, *tensors, *scalars, *rng, cc.fake_stream(), arch=config.arch)
+
+
+def _fake_workspaces(cfg: tiling.AttentionBackwardConfig) -> tuple:
+    """The fp32 dQ workspace [B * H, query blocks, words] and, with dK / dV outside the
+    registers (head dims above 256), their accumulators [B * H, splits, 2 * words]."""
+    words = cfg.grad_q_temp_storage_words
+    ws = cute.runtime.make_fake_tensor(
+        cutlass.Float32,
+        (cute.sym_int(), cute.sym_int(), words),
+        stride=(cute.sym_int64(divisibility=4), words, 1),
+        assumed_align=16,
     )
+    if cfg.output_in_rf:
+        return ws, None
+    kv_words = 2 * cfg.grad_kv_accum_words
+    ws_kv = cute.runtime.make_fake_tensor(
+        cutlass.Float32,
+        (cute.sym_int(), cute.sym_int(), kv_words),
+        stride=(cute.sym_int64(divisibility=4), kv_words, 1),
+        assumed_align=16,
+    )
+    return ws, ws_kv
 
 
 compiled = cc.CompileCache("mem_eff_attention_bwd", _build)
@@ -164,7 +157,7 @@ def compile_configurations(arch: str, dtypes=(cutlass.Float16, cutlass.BFloat16)
                 continue
             for varlen in (False, True):
                 for computes_delta in (False, True):
-                    compiled(dt, cfg, varlen, computes_delta, arch, False)
+                    compiled(MemEffConfig(dt, cfg, varlen, computes_delta, arch))
                     n += 1
     return n
 
@@ -186,7 +179,7 @@ def benchmark_configurations(cases, arch: str) -> list:
         cfg = tiling.attention_backward_config(dt.width, d, d, True, arch, **features)
         for computes_delta in (False, True):
             # the philox seed / offset as host values (the suite's forward runs outside capture)
-            keys[(dt, cfg, False, computes_delta, arch, False)] = None
+            keys[MemEffConfig(dt, cfg, False, computes_delta, arch)] = None
     return list(keys)
 
 
@@ -194,7 +187,7 @@ def compile_for_benchmark_cases(cases, arch: str) -> int:
     """Compile ``benchmark_configurations(cases, arch)``; the count compiled."""
     keys = benchmark_configurations(cases, arch)
     for key in keys:
-        compiled(*key)
+        compiled(key)
     return len(keys)
 
 
@@ -307,9 +300,8 @@ def _backward(a: AttentionBackwardArgs):
     if a.dropout:
         rng = cc.dropout_args(a.dropout_p, a.philox_seed, a.philox_offset, rows_q, rows_k)
     on_device = a.dropout and cc.rng_on_device(a.philox_seed, a.philox_offset)
-    fn = compiled(
-        cc.cute_dtype(query.dtype), cfg, a.varlen, computes_delta, cc.device_arch(query.device.index), on_device
-    )
+    arch = cc.device_arch(query.device.index)
+    fn = compiled(MemEffConfig(cc.cute_dtype(query.dtype), cfg, a.varlen, computes_delta, arch, on_device))
     fn(
         query,
         a.key,

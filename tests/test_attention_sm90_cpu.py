@@ -6,7 +6,6 @@ or fake tensors), and the ``backend=`` dispatch of ``efficient_attention_backwar
 (both backends' implementations are replaced by recorders)."""
 
 import dataclasses
-import inspect
 import logging
 import math
 import re
@@ -19,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import ops
 from layouts import attention_sm90 as tiling
 from ops import _compile as cc
+from ops._disk_cache import stable_key
 from ops import attention as A
 from ops import attention_sm90 as S
 from ops import attention_common as C
@@ -29,8 +29,6 @@ from .helpers import trace_custom_ops
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 CONFIGS = [(dt, d, mask) for dt in (cutlass.BFloat16, cutlass.Float16) for d in tiling.HEAD_DIMS for mask in (0, 1, 2)]
-# a compiled kernel's key: its fields by _build's parameter names
-KEY = {name: i for i, name in enumerate(inspect.signature(S._build).parameters)}
 # a sliding window comes with a causal mask only
 WINDOW_CONFIGS = [
     (dt, d, mask) for dt in (cutlass.BFloat16, cutlass.Float16) for d in tiling.HEAD_DIMS for mask in (1, 2)
@@ -44,7 +42,7 @@ WINDOW_CONFIGS = [
 @pytest.mark.parametrize("dtype", [cutlass.BFloat16, cutlass.Float16], ids=["bf16", "fp16"])
 def test_compiles_carry_dq(dtype):
     """Persistent d64 CTAs over short tiles: a tile's last dQ in the next tile's step 0."""
-    assert callable(S._build(dtype, 64, 64, 0, False, "sm_90a", False, False, False, False, False, True))
+    assert callable(S._build(S.Sm90Config(dtype, 64, 64, 0, "sm_90a", carry_dq=True)))
 
 
 def test_carry_dq_only_for_short_equal_tiles(monkeypatch):
@@ -85,7 +83,7 @@ def test_carry_dq_only_for_short_equal_tiles(monkeypatch):
     "dtype,head_dim,mask_type", CONFIGS, ids=[f"{dt.__name__}-d{d}-mask{m}" for dt, d, m in CONFIGS]
 )
 def test_compiles(dtype, head_dim, mask_type):
-    assert callable(S._build(dtype, head_dim, head_dim, mask_type, False, "sm_90a"))
+    assert callable(S._build(S.Sm90Config(dtype, head_dim, head_dim, mask_type, "sm_90a")))
 
 
 @pytest.mark.compile
@@ -93,7 +91,7 @@ def test_compiles(dtype, head_dim, mask_type):
     "dtype,head_dim,mask_type", WINDOW_CONFIGS, ids=[f"{dt.__name__}-d{d}-mask{m}" for dt, d, m in WINDOW_CONFIGS]
 )
 def test_compiles_with_window(dtype, head_dim, mask_type):
-    assert callable(S._build(dtype, head_dim, head_dim, mask_type, True, "sm_90a"))
+    assert callable(S._build(S.Sm90Config(dtype, head_dim, head_dim, mask_type, "sm_90a", window=True)))
 
 
 # (mask, window, deterministic, tail_m): d128's partial last query block on narrower products
@@ -113,22 +111,18 @@ def test_compiles_partial_last_block(mask_type, window, deterministic, tail_m):
     first = not deterministic and not window
     assert callable(
         S._build(
-            cutlass.BFloat16,
-            128,
-            128,
-            mask_type,
-            window,
-            "sm_90a",
-            deterministic,
-            False,
-            False,
-            False,
-            False,
-            False,
-            mask_type == 0 and not deterministic,
-            first,
-            False,
-            tail_m,
+            S.Sm90Config(
+                cutlass.BFloat16,
+                128,
+                128,
+                mask_type,
+                "sm_90a",
+                window=window,
+                deterministic=deterministic,
+                dq_ready=mask_type == 0 and not deterministic,
+                store_first=first,
+                tail_m=tail_m,
+            )
         )
     )
 
@@ -165,12 +159,11 @@ def test_tail_m_only_where_the_kernel_takes_it(monkeypatch):
         args.update(kw)
         return S._plan(cutlass.BFloat16, 128, 128, args.pop("mask_type", 0), "sm_90a", **args)[2]
 
-    tail = KEY["tail_m"]
-    assert key()[tail] == 16 and key(mask_type=1, window=True)[tail] == 16 and key(deterministic=True)[tail] == 16
-    assert key(varlen=True)[tail] == 0 and key(bias=True)[tail] == 0 and key(dropout=True)[tail] == 0
-    assert key(rows_q=4080)[tail] == 0
+    assert key().tail_m == 16 and key(mask_type=1, window=True).tail_m == 16 and key(deterministic=True).tail_m == 16
+    assert key(varlen=True).tail_m == 0 and key(bias=True).tail_m == 0 and key(dropout=True).tail_m == 0
+    assert key(rows_q=4080).tail_m == 0
     monkeypatch.setattr(S, "TAIL_BLOCK", False)
-    assert key()[tail] == 0
+    assert key().tail_m == 0
     t = tiling.attention_sm90_tiles(128)
     with pytest.raises(ValueError, match="tail_m 24"):
         AttentionBackwardSm90(cutlass.BFloat16, t, 0, tail_m=24)
@@ -198,7 +191,11 @@ DETERMINISTIC_CONFIGS = [
 @pytest.mark.parametrize("head_dim,mask_type,window", DETERMINISTIC_CONFIGS)
 def test_compiles_deterministic(head_dim, mask_type, window):
     """dQ added in key-block order: the store warp's semaphore wait / release."""
-    assert callable(S._build(cutlass.BFloat16, head_dim, head_dim, mask_type, window, "sm_90a", True))
+    assert callable(
+        S._build(
+            S.Sm90Config(cutlass.BFloat16, head_dim, head_dim, mask_type, "sm_90a", window=window, deterministic=True)
+        )
+    )
 
 
 VARLEN_CONFIGS = [
@@ -219,7 +216,20 @@ VARLEN_CONFIGS = [
 @pytest.mark.parametrize("head_dim,mask_type,window,deterministic", VARLEN_CONFIGS)
 def test_compiles_varlen(head_dim, mask_type, window, deterministic):
     """Packed sequences (cu_seqlens): per-sequence row offsets of every TMA view and store."""
-    assert callable(S._build(cutlass.BFloat16, head_dim, head_dim, mask_type, window, "sm_90a", deterministic, True))
+    assert callable(
+        S._build(
+            S.Sm90Config(
+                cutlass.BFloat16,
+                head_dim,
+                head_dim,
+                mask_type,
+                "sm_90a",
+                window=window,
+                deterministic=deterministic,
+                varlen=True,
+            )
+        )
+    )
 
 
 # ------------------------------------------------------------- Dqk != Dv
@@ -241,7 +251,7 @@ PAIR_CONFIGS = [
     ids=[f"{dt.__name__}-d{a}-dv{b}-mask{m}" for dt, a, b, m in PAIR_CONFIGS],
 )
 def test_compiles_unequal_head_dims(dtype, head_dim, head_dim_v, mask_type):
-    assert callable(S._build(dtype, head_dim, head_dim_v, mask_type, False, "sm_90a"))
+    assert callable(S._build(S.Sm90Config(dtype, head_dim, head_dim_v, mask_type, "sm_90a")))
 
 
 # (Dqk, Dv, mask, window, deterministic, varlen): the other features on a base and a wide pair
@@ -263,7 +273,18 @@ PAIR_FEATURE_CONFIGS = [
 def test_compiles_unequal_head_dims_with_features(head_dim, head_dim_v, mask_type, window, deterministic, varlen):
     """Sliding window, deterministic dQ order and packed sequences with Dqk != Dv."""
     assert callable(
-        S._build(cutlass.BFloat16, head_dim, head_dim_v, mask_type, window, "sm_90a", deterministic, varlen)
+        S._build(
+            S.Sm90Config(
+                cutlass.BFloat16,
+                head_dim,
+                head_dim_v,
+                mask_type,
+                "sm_90a",
+                window=window,
+                deterministic=deterministic,
+                varlen=varlen,
+            )
+        )
     )
 
 
@@ -284,7 +305,7 @@ def test_build_picks_the_kernel_class_for_pairs(monkeypatch, head_dim, head_dim_
 
     built = []
     monkeypatch.setattr(cc, "compile_kernel", lambda kernel, *a, arch: built.append((kernel, a)))
-    S._build(cutlass.BFloat16, head_dim, head_dim_v, 1, False, "sm_90a")
+    S._build(S.Sm90Config(cutlass.BFloat16, head_dim, head_dim_v, 1, "sm_90a"))
     ((kernel, args),) = built
     wide = max(head_dim, head_dim_v) > tiling.WIDE_FROM
     assert isinstance(kernel, AttentionBackwardSm90Wide) == wide
@@ -334,14 +355,32 @@ def _feature_id(c):
 def test_compiles_with_bias_and_dropout(config):
     """Bias (any strides), its gradient and dropout's keep flags, alone and with the other features."""
     d, mask, window, det, varlen, bias, grad_bias, dropout = config
-    assert callable(S._build(cutlass.Float16, d, d, mask, window, "sm_90a", det, varlen, bias, grad_bias, dropout))
+    assert callable(
+        S._build(
+            S.Sm90Config(
+                cutlass.Float16,
+                d,
+                d,
+                mask,
+                "sm_90a",
+                window=window,
+                deterministic=det,
+                varlen=varlen,
+                bias=bias,
+                grad_bias=grad_bias,
+                dropout=dropout,
+            )
+        )
+    )
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("head_dim,head_dim_v", [(128, 64), (64, 128), (192, 128), (256, 96)])
 def test_compiles_unequal_head_dims_with_bias_and_dropout(head_dim, head_dim_v):
     assert callable(
-        S._build(cutlass.BFloat16, head_dim, head_dim_v, 1, False, "sm_90a", False, False, True, True, True)
+        S._build(
+            S.Sm90Config(cutlass.BFloat16, head_dim, head_dim_v, 1, "sm_90a", bias=True, grad_bias=True, dropout=True)
+        )
     )
 
 
@@ -373,7 +412,7 @@ def test_d96_compiles_without_dq_per_wg(monkeypatch):
     one joint handoff of the whole tile compiles too (32-column atoms could not be partitioned)."""
     tiles = tiling.attention_sm90_tiles
     monkeypatch.setattr(tiling, "attention_sm90_tiles", lambda d, *a, **kw: tiles(d, *a, dq_per_wg=False, **kw))
-    assert callable(S._build(cutlass.BFloat16, 96, 96, 1, False, "sm_90a"))
+    assert callable(S._build(S.Sm90Config(cutlass.BFloat16, 96, 96, 1, "sm_90a")))
 
 
 @pytest.mark.parametrize(
@@ -533,53 +572,21 @@ def test_grad_bias_needs_a_keys_contiguous_ds_tile():
     AttentionBackwardSm90(cutlass.BFloat16, tiling.attention_sm90_tiles(128, ds_keys_contiguous=True), 0)
 
 
-def test_config_key_follows_build_and_the_benchmark_precompiles_it(monkeypatch):
-    """``_config`` lists _build's arguments in its order; the suite's precompile asks for the
-    keys the op's calls will (causal top-left, features as flags, carry_dq by the steps a tile)."""
+def test_config_key_is_one_spelling_and_the_benchmark_precompiles_it(monkeypatch):
+    """``Sm90Config`` keeps one spelling per value (its repr names the disk-cache entry, and
+    holds no address) and no device-side seed without dropout; the suite's precompile asks for
+    the keys the op's calls will (causal top-left, features as flags, carry_dq by the steps a tile)."""
     monkeypatch.setattr(tiling, "CARRY_DQ_MAX_STEPS", 8)
-    params = list(inspect.signature(S._build).parameters)
-    key = S._config(
-        "dt",
-        128,
-        64,
-        2,
-        "sm_90a",
-        window=True,
-        deterministic=True,
-        varlen=True,
-        bias=True,
-        grad_bias=True,
-        dropout=True,
-        carry_dq=True,
-        dq_ready=True,
-        store_first=True,
-        zero_ahead=True,
-        tail_m=32,
-        rng_on_device=True,
-    )
-    assert len(key) == len(params) and dict(zip(params, key)) == dict(
-        dtype="dt",
-        head_dim=128,
-        head_dim_v=64,
-        mask_type=2,
-        has_window=True,
-        arch="sm_90a",
-        deterministic=True,
-        varlen=True,
-        has_bias=True,
-        grad_bias=True,
-        dropout=True,
-        carry_dq=True,
-        dq_ready=True,
-        store_first=True,
-        zero_ahead=True,
-        tail_m=32,
-        rng_on_device=True,
-    )
+    bf16 = cutlass.BFloat16
+    loose = S.Sm90Config(bf16, 128.0, 64, 2, "sm_90a", window=1, dropout=1, rng_on_device=1, tail_m=32.0)
+    key = S.Sm90Config(bf16, 128, 64, 2, "sm_90a", window=True, dropout=True, rng_on_device=True, tail_m=32)
+    assert loose == key and repr(loose) == repr(key) and hash(loose) == hash(key)
+    assert key.window is True and key.rng_on_device is True and key.tail_m == 32 and key.head_dim == 128
+    assert " at 0x" not in repr(key) and stable_key((key,)) == f"({key!r},)"
     # the seed on the device only means something with dropout
-    assert S._config("dt", 128, 64, 2, "sm_90a", rng_on_device=True)[-1] is False
+    assert S.Sm90Config(bf16, 128, 64, 2, "sm_90a", rng_on_device=True).rng_on_device is False
     seen = []
-    monkeypatch.setattr(S, "compiled", lambda *k: seen.append(k))
+    monkeypatch.setattr(S, "compiled", lambda config: seen.append(config))
     cases = [
         ((2, 16, 4096, 128), "bfloat16", True),
         ((2, 16, 4096, 128), "bfloat16", False, "bias_grad"),
@@ -591,11 +598,11 @@ def test_config_key_follows_build_and_the_benchmark_precompiles_it(monkeypatch):
     assert S.compile_for_benchmark_cases(cases, "sm_90a") == 5 and S.compile_for_benchmark_cases(cases, "sm_80") == 0
     assert sorted(seen, key=str) == sorted(
         [
-            S._config(cutlass.BFloat16, 128, 128, 1, "sm_90a", store_first=True, tail_m=16),  # 4096 = 51 x 80 + 16
-            S._config(cutlass.BFloat16, 128, 128, 0, "sm_90a", bias=True, grad_bias=True, dq_ready=True),
-            S._config(cutlass.Float16, 64, 64, 0, "sm_90a", dropout=True, dq_ready=True),
-            S._config(cutlass.BFloat16, 64, 64, 0, "sm_90a", carry_dq=True, zero_ahead=True),  # 8 steps a tile
-            S._config(cutlass.BFloat16, 64, 64, 0, "sm_90a"),  # 32 (over ZERO_AHEAD_MAX_STEPS)
+            S.Sm90Config(cutlass.BFloat16, 128, 128, 1, "sm_90a", store_first=True, tail_m=16),  # 4096 = 51 x 80 + 16
+            S.Sm90Config(cutlass.BFloat16, 128, 128, 0, "sm_90a", bias=True, grad_bias=True, dq_ready=True),
+            S.Sm90Config(cutlass.Float16, 64, 64, 0, "sm_90a", dropout=True, dq_ready=True),
+            S.Sm90Config(cutlass.BFloat16, 64, 64, 0, "sm_90a", carry_dq=True, zero_ahead=True),  # 8 steps a tile
+            S.Sm90Config(cutlass.BFloat16, 64, 64, 0, "sm_90a"),  # 32 (over ZERO_AHEAD_MAX_STEPS)
         ],
         key=str,
     )
@@ -618,7 +625,7 @@ def test_build_picks_the_kernel_class(monkeypatch, head_dim):
 
     built = []
     monkeypatch.setattr(cc, "compile_kernel", lambda kernel, *a, arch: built.append(kernel))
-    S._build(cutlass.BFloat16, head_dim, head_dim, 1, False, "sm_90a")
+    S._build(S.Sm90Config(cutlass.BFloat16, head_dim, head_dim, 1, "sm_90a"))
     (kernel,) = built
     wide = head_dim > tiling.WIDE_FROM
     assert isinstance(kernel, AttentionBackwardSm90Wide) == wide
@@ -1007,7 +1014,7 @@ def test_host_sizes_gradients_by_their_head_dims(monkeypatch, head_dim, head_dim
     keys, launches = [], []
     monkeypatch.setattr(cc, "device_arch", lambda index: "sm_90a")
     monkeypatch.setattr(P, "launch_preprocess", lambda *a: None)
-    monkeypatch.setattr(S, "compiled", lambda *key: keys.append(key) or (lambda *a: launches.append(a)))
+    monkeypatch.setattr(S, "compiled", lambda config: keys.append(config) or (lambda *a: launches.append(a)))
     converted = []
 
     def convert(acc, scale, d, sq, *rest, ready=None):
@@ -1020,25 +1027,7 @@ def test_host_sizes_gradients_by_their_head_dims(monkeypatch, head_dim, head_dim
     # (only d128's own tiles store each block's first dQ: none of these pairs; d64's persistent
     # causal CTAs zero the accumulator themselves)
     assert keys == [
-        (
-            cutlass.BFloat16,
-            head_dim,
-            head_dim_v,
-            1,
-            False,
-            "sm_90a",
-            False,
-            False,
-            False,
-            False,
-            False,
-            False,
-            False,
-            False,
-            head_dim == head_dim_v == 64,
-            0,
-            False,
-        )
+        S.Sm90Config(cutlass.BFloat16, head_dim, head_dim_v, 1, "sm_90a", zero_ahead=head_dim == head_dim_v == 64)
     ]
     assert db is None
     ((q_, k_, v_, do_, lse, delta, acc, dk_, dv_, *_),) = launches
@@ -1063,7 +1052,7 @@ def test_convert_overlaps_where_the_grid_has_an_idle_tail(monkeypatch, mask_type
     keys, launches, readies = [], [], []
     monkeypatch.setattr(cc, "device_arch", lambda index: "sm_90a")
     monkeypatch.setattr(P, "launch_preprocess", lambda *a: None)
-    monkeypatch.setattr(S, "compiled", lambda *key: keys.append(key) or (lambda *a: launches.append(a)))
+    monkeypatch.setattr(S, "compiled", lambda config: keys.append(config) or (lambda *a: launches.append(a)))
 
     def convert(acc, scale, d, sq, *rest, ready=None):
         readies.append(ready)
@@ -1072,7 +1061,7 @@ def test_convert_overlaps_where_the_grid_has_an_idle_tail(monkeypatch, mask_type
     monkeypatch.setattr(P, "convert_dq", convert)
     q, k, v, do, o = _problem(h=4, hk=2, d=128, dv=128)
     _sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, mask_type, deterministic=deterministic)
-    assert keys[-1][KEY["dq_ready"]] is overlaps
+    assert keys[-1].dq_ready is overlaps
     counts = launches[-1][11]
     if not overlaps:
         assert counts is None and readies == [None]
@@ -1089,7 +1078,7 @@ def test_convert_overlaps_where_the_grid_has_an_idle_tail(monkeypatch, mask_type
     keys.clear()
     q, k, v, do, o = _problem(h=4, hk=2, d=64, dv=64)
     _sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, mask_type, deterministic=deterministic)
-    assert keys[-1][KEY["dq_ready"]] is (deterministic and overlaps)
+    assert keys[-1].dq_ready is (deterministic and overlaps)
 
 
 def test_call_plans_follow_the_signature_and_the_settings(monkeypatch):
@@ -1101,7 +1090,7 @@ def test_call_plans_follow_the_signature_and_the_settings(monkeypatch):
     keys, plans = [], []
     monkeypatch.setattr(cc, "device_arch", lambda index: "sm_90a")
     monkeypatch.setattr(P, "launch_preprocess", lambda *a: None)
-    monkeypatch.setattr(S, "compiled", lambda *key: keys.append(key) or (lambda *a: None))
+    monkeypatch.setattr(S, "compiled", lambda config: keys.append(config) or (lambda *a: None))
     monkeypatch.setattr(
         P,
         "convert_dq",
@@ -1119,12 +1108,12 @@ def test_call_plans_follow_the_signature_and_the_settings(monkeypatch):
 
     call()
     call()
-    assert len(plans) == 1 and len(keys) == 2 and keys[0] == keys[1] and keys[0][KEY["store_first"]]
+    assert len(plans) == 1 and len(keys) == 2 and keys[0] == keys[1] and keys[0].store_first
     monkeypatch.setattr(S, "STORE_FIRST", False)
     call()
-    assert len(plans) == 2 and not keys[-1][KEY["store_first"]]
+    assert len(plans) == 2 and not keys[-1].store_first
     call(mask_type=1)
-    assert len(plans) == 3 and keys[-1][KEY["mask_type"]] == 1
+    assert len(plans) == 3 and keys[-1].mask_type == 1
     call(sq=60)
     call(sq=60)
     assert len(plans) == 4 and len(S._call_plans) == 4
@@ -1144,7 +1133,7 @@ def test_one_scratch_allocation_holds_the_launches_buffers(monkeypatch, determin
     monkeypatch.setattr(
         P, "launch_preprocess", lambda out, do, delta, acc, scale, cu, mq, lse, lse2: pre.append((delta, acc, lse2))
     )
-    monkeypatch.setattr(S, "compiled", lambda *key: keys.append(key) or (lambda *a: launches.append(a)))
+    monkeypatch.setattr(S, "compiled", lambda config: keys.append(config) or (lambda *a: launches.append(a)))
     monkeypatch.setattr(
         P,
         "convert_dq",
@@ -1172,7 +1161,7 @@ def test_one_scratch_allocation_holds_the_launches_buffers(monkeypatch, determin
     assert (semaphore is not None) is deterministic
     if deterministic:
         assert semaphore.shape == (2, 4, -(-100 // S._tiles(head_dim, head_dim_v, False, False, False).tile_m))
-    unzeroed = key[KEY["store_first"]] or key[KEY["zero_ahead"]]
+    unzeroed = key.store_first or key.zero_ahead
     same_width = P.head_dim_rounded(head_dim) == P.head_dim_rounded(head_dim_v)
     assert (fused is acc) is (not unzeroed and same_width) and (fused is None) is (unzeroed or not same_width)
     # zeroed apart (host-side here: the allocation was filled with 7s) or left as allocated
@@ -1204,7 +1193,19 @@ def test_compiles_dq_ready(config):
     and varlen, a wide head dim, d64 with dropout (a CTA per tile), causal with determinism."""
     d, dv, mask, det, varlen, dropout = config
     assert callable(
-        S._build(cutlass.BFloat16, d, dv, mask, False, "sm_90a", det, varlen, False, False, dropout, False, True)
+        S._build(
+            S.Sm90Config(
+                cutlass.BFloat16,
+                d,
+                dv,
+                mask,
+                "sm_90a",
+                deterministic=det,
+                varlen=varlen,
+                dropout=dropout,
+                dq_ready=True,
+            )
+        )
     )
 
 
@@ -1246,7 +1247,7 @@ def _record_unzeroed_calls(monkeypatch):
     keys, launches, zeroing = [], [], []
     monkeypatch.setattr(cc, "device_arch", lambda index: "sm_90a")
     monkeypatch.setattr(P, "launch_preprocess", lambda out, do, delta, acc, *a: zeroing.append(acc is not None))
-    monkeypatch.setattr(S, "compiled", lambda *key: keys.append(key) or (lambda *a: launches.append(a)))
+    monkeypatch.setattr(S, "compiled", lambda config: keys.append(config) or (lambda *a: launches.append(a)))
     monkeypatch.setattr(
         P,
         "convert_dq",
@@ -1262,7 +1263,7 @@ def test_store_first_call_hands_over_flags_not_zeros(monkeypatch):
     keys, launches, zeroing = _record_unzeroed_calls(monkeypatch)
     q, k, v, do, o = _problem(h=4, hk=2, d=128, dv=128)
     _sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
-    assert keys[-1][KEY["store_first"]] is True and zeroing == [False]
+    assert keys[-1].store_first is True and zeroing == [False]
     acc, counts, flags = launches[-1][6], launches[-1][11], launches[-1][12]
     blocks = -(-q.shape[1] // tiling.attention_sm90_tiles(128).tile_m)
     assert acc.shape[1] >= q.shape[1] and acc.dtype == torch.float32  # (TMA clips a block past its rows)
@@ -1270,7 +1271,7 @@ def test_store_first_call_hands_over_flags_not_zeros(monkeypatch):
     assert flags.data_ptr() == counts.data_ptr() + 4 * counts.numel()
     monkeypatch.setattr(S, "STORE_FIRST", False)
     _sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
-    assert keys[-1][KEY["store_first"]] is False and zeroing == [False, True] and launches[-1][12] is None
+    assert keys[-1].store_first is False and zeroing == [False, True] and launches[-1][12] is None
 
 
 @pytest.mark.compile
@@ -1292,7 +1293,20 @@ def test_compiles_store_first(config):
     causal corners (dynamic tiles at d64), wide tiles, with bias and its gradient, Dqk != Dv."""
     d, dv, mask, ready, carry, bias = config
     assert callable(
-        S._build(cutlass.BFloat16, d, dv, mask, False, "sm_90a", False, False, bias, bias, False, carry, ready, True)
+        S._build(
+            S.Sm90Config(
+                cutlass.BFloat16,
+                d,
+                dv,
+                mask,
+                "sm_90a",
+                bias=bias,
+                grad_bias=bias,
+                carry_dq=carry,
+                dq_ready=ready,
+                store_first=True,
+            )
+        )
     )
 
 
@@ -1346,14 +1360,14 @@ def test_zero_ahead_call_hands_over_flags_not_zeros(monkeypatch):
     monkeypatch.setattr(S, "PERSISTENT_CTAS", 132)
     q, k, v, do, o = _problem(h=4, hk=2, d=64, dv=64)
     _sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
-    assert keys[-1][KEY["zero_ahead"]] is True and keys[-1][KEY["store_first"]] is False and zeroing == [False]
+    assert keys[-1].zero_ahead is True and keys[-1].store_first is False and zeroing == [False]
     acc, flags = launches[-1][6], launches[-1][12]
     blocks = -(-q.shape[1] // tiling.attention_sm90_tiles(64).tile_m)
     assert acc.shape[1] >= q.shape[1] and acc.dtype == torch.float32
     assert flags.shape == (2, 4, blocks) and flags.dtype == torch.int32 and not flags.any()
     monkeypatch.setattr(S, "PERSISTENT_CTAS", 1)  # 2 key blocks a head (130 keys)
     _sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
-    assert keys[-1][KEY["zero_ahead"]] is False and zeroing == [False, True] and launches[-1][12] is None
+    assert keys[-1].zero_ahead is False and zeroing == [False, True] and launches[-1][12] is None
 
 
 @pytest.mark.compile
@@ -1361,25 +1375,7 @@ def test_zero_ahead_call_hands_over_flags_not_zeros(monkeypatch):
 def test_compiles_zero_ahead(mask, carry):
     """zero_ahead where the op takes it: d64 persistent CTAs without a mask (with and without
     carry_dq) and causal ones (tiles and zeroing jobs from counters), both corners."""
-    assert callable(
-        S._build(
-            cutlass.BFloat16,
-            64,
-            64,
-            mask,
-            False,
-            "sm_90a",
-            False,
-            False,
-            False,
-            False,
-            False,
-            carry,
-            False,
-            False,
-            True,
-        )
-    )
+    assert callable(S._build(S.Sm90Config(cutlass.BFloat16, 64, 64, mask, "sm_90a", carry_dq=carry, zero_ahead=True)))
 
 
 # ------------------------------------------------------------------------ dispatch
@@ -1745,66 +1741,29 @@ def test_suite_compile_only_covers_ours_sm90(monkeypatch):
     from benchmarks.suites import attention_bwd
 
     seen = {"mem_eff": [], "sm90": []}
-    monkeypatch.setattr(M, "compiled", lambda *k: seen["mem_eff"].append(k))
-    monkeypatch.setattr(S, "compiled", lambda *k: seen["sm90"].append(k))
+    monkeypatch.setattr(M, "compiled", lambda config: seen["mem_eff"].append(config))
+    monkeypatch.setattr(S, "compiled", lambda config: seen["sm90"].append(config))
     assert attention_bwd.compile_only("sm_90a") == len(seen["mem_eff"]) + len(seen["sm90"])
     bf16 = cutlass.BFloat16
-    # (dtype, Dqk, Dv, mask type, has_window, arch, deterministic, varlen, bias, bias gradient, dropout, carry_dq,
-    # dq_ready, store_first, zero_ahead, tail_m): the one d64 case without a mask (8x16x1024x64) has 8 steps a tile: it
-    # carries dQ where 8 steps do; d64's persistent CTAs zero the accumulator themselves (without a mask: 8 key blocks
+    # the one d64 case without a mask (8x16x1024x64) has 8 steps a tile: it carries dQ where 8
+    # steps do; d64's persistent CTAs zero the accumulator themselves (without a mask: 8 key blocks
     # a head, 132 CTAs; causal: from the counter of zeroing jobs); d128 without a mask (a CTA per tile in launch order)
     # overlaps convert_dq up to 32 key blocks a head (not 1x16x8192x128's 64); d128's tiles without a bias or dropout
     # store each query block's first dQ (tiles.store_first; Sq == Sk) and run the partial last query block on
     # narrower products, per Sq (2048 = 25 x 80 + 48, 4096 = 51 x 80 + 16, 8192 = 102 x 80 + 32)
     carry, first = tiling.CARRY_DQ_MAX_STEPS >= 8, S.STORE_FIRST and tiling.attention_sm90_tiles(128).store_first
     tail = tiling.attention_sm90_tiles(128).tail_rows if S.TAIL_BLOCK else (lambda rows: 0)
+    zero_ahead = lambda m: S.ZERO_AHEAD and (m == 0 or S.ZERO_AHEAD_CAUSAL)  # noqa: E731
     plain = {
-        (
-            bf16,
-            64,
-            64,
-            m,
-            False,
-            "sm_90a",
-            False,
-            False,
-            False,
-            False,
-            False,
-            carry and m == 0,
-            False,
-            False,
-            S.ZERO_AHEAD and (m == 0 or S.ZERO_AHEAD_CAUSAL),
-            0,
-            False,
-        )
-        for m in (0, 1)
+        S.Sm90Config(bf16, 64, 64, m, "sm_90a", carry_dq=carry and m == 0, zero_ahead=zero_ahead(m)) for m in (0, 1)
     }
     plain |= {
-        (
-            bf16,
-            128,
-            128,
-            m,
-            False,
-            "sm_90a",
-            False,
-            False,
-            False,
-            False,
-            False,
-            False,
-            m == 0 and s <= 4096,
-            first,
-            False,
-            tail(s),
-            False,
-        )
+        S.Sm90Config(bf16, 128, 128, m, "sm_90a", dq_ready=m == 0 and s <= 4096, store_first=first, tail_m=tail(s))
         for m, s in ((0, 2048), (0, 4096), (0, 8192), (1, 4096))
     }
     features = {
-        (bf16, 128, 128, 0, False, "sm_90a", False, False) + f + (False, True, False, False, 0, False)
-        for f in ((True, False, False), (True, True, False), (False, False, True))
+        S.Sm90Config(bf16, 128, 128, 0, "sm_90a", bias=bias, grad_bias=grad_bias, dropout=dropout, dq_ready=True)
+        for bias, grad_bias, dropout in ((True, False, False), (True, True, False), (False, False, True))
     }
     assert set(seen["sm90"]) == plain | features
     seen["sm90"].clear()

@@ -44,7 +44,7 @@ def test_compiles(arch, d, dv, aligned):
         assert cfg.stages_q == 1  # no room to prefetch on an A100
     # Δ in the kernel or passed in, with and without cu_seqlens (one of each per config keeps CI short)
     varlen, computes_delta = (d + dv) % 3 == 0, d % 64 == 0
-    assert callable(M.compiled(dtype, cfg, varlen, computes_delta, arch))
+    assert callable(M.compiled(M.MemEffConfig(dtype, cfg, varlen, computes_delta, arch)))
 
 
 # fp32 (SIMT): both tile classes, Dqk != Dv, the unaligned path
@@ -58,7 +58,7 @@ def test_compiles_fp32(arch, d, dv, aligned):
     cfg = tiling.attention_backward_config(32, d, dv, aligned, arch)
     assert cfg.smem_bytes() <= tiling.SMEM_CAPACITY[arch]
     varlen, computes_delta = d % 128 == 0, d != 256
-    assert callable(M.compiled(cutlass.Float32, cfg, varlen, computes_delta, arch))
+    assert callable(M.compiled(M.MemEffConfig(cutlass.Float32, cfg, varlen, computes_delta, arch)))
 
 
 @pytest.mark.compile
@@ -66,7 +66,7 @@ def test_compiles_all_variants_of_one_config():
     cfg = tiling.attention_backward_config(16, 128, 128, True, "sm_90a")
     for varlen in (False, True):
         for computes_delta in (False, True):
-            assert callable(M.compiled(cutlass.Float16, cfg, varlen, computes_delta, "sm_90a"))
+            assert callable(M.compiled(M.MemEffConfig(cutlass.Float16, cfg, varlen, computes_delta, "sm_90a")))
 
 
 @pytest.mark.parametrize("d", [32, 64, 96, 128, 160, 192, 224, 256])
@@ -219,7 +219,7 @@ def test_compiles_tmp_own_buffer_variant():
     """The measured alternative (tmp_T not aliasing attn_T) stays compilable."""
     cfg = tiling.attention_backward_config(16, 128, 128, True, "sm_90a", tmp_own_buffer=True)
     assert cfg.shared_storage_sizes()["part1"]["tmp_shared_storage"] > 0
-    assert callable(M.compiled(cutlass.BFloat16, cfg, False, True, "sm_90a"))
+    assert callable(M.compiled(M.MemEffConfig(cutlass.BFloat16, cfg, False, True, "sm_90a")))
 
 
 @pytest.mark.compile
@@ -265,7 +265,7 @@ def test_compiles_bias_and_dropout(bits, d, arch, features, varlen, computes_del
     assert cfg.smem_bytes() <= tiling.SMEM_CAPACITY[arch]
     sizes = cfg.shared_storage_sizes()["part1"]
     assert (sizes["bias"] > 0) == cfg.has_bias and (sizes["zij"] > 0) == cfg.apply_dropout
-    assert callable(M.compiled(dtype, cfg, varlen, computes_delta, arch))
+    assert callable(M.compiled(M.MemEffConfig(dtype, cfg, varlen, computes_delta, arch)))
 
 
 def test_bias_and_dropout_refused_where_unsupported():
