@@ -1662,6 +1662,13 @@ def test_the_choice_is_made_at_run_time_under_fake_tensors(monkeypatch):
             assert dk.is_contiguous() and dv.is_contiguous()
 
 
+def test_the_backward_op_takes_the_arguments_object_flat():
+    """The op's schema lists AttentionBackwardArgs' fields in their order: the op builds the
+    object from its parameters and the fake from its positional arguments."""
+    schema = torch.ops.cute_kernels.efficient_attention_backward.default._schema
+    assert tuple(a.name for a in schema.arguments) == C.OP_FIELDS
+
+
 def test_schemas_carry_the_backend():
     for op in (torch.ops.cute_kernels.efficient_attention_backward, torch.ops.cute_kernels.memory_efficient_attention):
         assert "str backend" in str(op.default._schema), op.default._schema
