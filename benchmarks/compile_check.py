@@ -21,7 +21,8 @@ ARCHES = ("sm_80", "sm_90a")  # A100; H100 / H200
 
 @dataclass(frozen=True)
 class Config:
-    """One compile: ``cache`` names a compile cache ("ops.norm:compiled"), ``key`` its arguments."""
+    """One compile: ``cache`` names a compile cache ("ops.norm:compiled"), ``key`` its arguments
+    (the attention backwards' caches take one, a frozen dataclass: ``(Sm90Config(...),)``)."""
 
     cache: str
     key: tuple

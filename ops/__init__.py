@@ -1,6 +1,6 @@
 """The torch face: validated, torch.library-registered ops and autograd modules."""
 
-from .attention import memory_efficient_attention, use_for_sdpa
+from .attention import efficient_attention_backward, memory_efficient_attention, use_for_sdpa
 from .attention_bwd_prepost import (
     attention_bwd_clear_dkv_accum,
     attention_bwd_compute_delta,
@@ -30,6 +30,3 @@ __all__ = [
     "rms_norm_backward",
     "use_for_sdpa",
 ]
-
-# the memory-efficient attention backward kernel (last, so that a missing module is obvious)
-from .mem_eff_attention import efficient_attention_backward  # noqa: E402

@@ -1,18 +1,30 @@
-"""Torch face of memory-efficient attention: torch's forward, our backward.
+"""The attention ops and the choice of their backward's backend: torch's forward, our backward.
 
 * ``memory_efficient_attention(q, k, v, ...)``: an autograd op in the [B, M, H, K] layout
   of ``torch.ops.aten._efficient_attention_forward`` (which computes its forward) whose
-  backward is ``ops.mem_eff_attention.efficient_attention_backward``, a drop-in for
-  ``aten._efficient_attention_backward``. Registered as ``cute_kernels::memory_efficient_attention``
+  backward is ``efficient_attention_backward``. Registered as ``cute_kernels::memory_efficient_attention``
   (with a fake implementation and its autograd formula), so ``torch.compile(fullgraph=True)``
   captures it as one node.
+* ``efficient_attention_backward(...)``: a drop-in for ``aten._efficient_attention_backward``
+  (same arguments, layouts and outputs: grad_q, grad_k, grad_v, grad_bias; with
+  ``bias_requires_grad`` grad_bias has the bias's shape, summed over its broadcast dims),
+  registered as ``cute_kernels::efficient_attention_backward``. Beyond aten: grouped-query
+  key / value heads, ``backend=`` and ``deterministic=``.
 * ``use_for_sdpa()``: opt-in and reversible; while on, torch's efficient SDPA backend
   (``aten::_scaled_dot_product_efficient_attention_backward``, CUDA) runs our backward for
   the configurations it supports (attention bias with its gradient and dropout included)
   and torch's own kernel for the rest, logging the reason (logger ``cute_kernels``, level DEBUG).
-* ``backend=`` ("auto" | "sm90" | "mem_eff"): which of our backwards runs, as
-  ``efficient_attention_backward`` takes it (auto: the Hopper-native kernel where it
-  applies; logger ``cute_kernels.attention`` says which, at DEBUG). ``use_for_sdpa`` uses "auto".
+* ``backend=`` ("auto" | "sm90" | "mem_eff"): which backward runs (``choose_backend``).
+  "mem_eff" is ``ops.mem_eff_attention`` (any arch, fp16 / bf16 / fp32, head dims up to 512,
+  key splits, shared dQ / dK / dV storage); "sm90" the Hopper-native ``ops.attention_sm90``
+  (sm_90a, fp16 / bf16, head dims 64 / 96 / 128 / 192 / 256, V's may differ from Q's / K's
+  (layouts.attention_sm90.HEAD_DIM_PAIRS), masks 0 / 1 / 2 with or without a window,
+  grouped-query heads, deterministic mode, variable lengths, bias (with its gradient; not
+  with variable lengths), dropout, TMA-aligned inputs); "auto" (default, and
+  ``use_for_sdpa``'s) takes sm90 where ``attention_sm90.unsupported`` finds no reason
+  against it, else mem_eff. Asking for "sm90" where it does not apply raises
+  NotImplementedError with the reason. The choice is logged at DEBUG on logger
+  ``cute_kernels.attention`` (one line per call).
 
 Conventions (torch's, checked on torch 2.11 and 2.13):
 
@@ -39,6 +51,7 @@ Conventions (torch's, checked on torch 2.11 and 2.13):
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import warnings
 from typing import List, Optional, Tuple, Union
@@ -50,11 +63,15 @@ from layouts.attention_bwd_prepost import round_up
 from layouts.attention_sm90 import TMA_ALIGN_BYTES  # the kernels' widest access: gradients are made dense otherwise
 
 from . import _compile as cc
+from . import attention_sm90 as sm90
+from . import mem_eff_attention as mem_eff
 from ._validate import check_cuda, check_float, check_int, check_same_device, check_tensor, kernel_ready, validate_once
+from .attention_common import DTYPES, AttentionBackwardArgs, check_backward_args, check_bias, max_head_dim
 
 logger = logging.getLogger("cute_kernels")
+log = logging.getLogger("cute_kernels.attention")  # the backend each backward runs on
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+BACKENDS = ("auto", "sm90", "mem_eff")
 LSE_ALIGN = 32  # kAlignLSE of torch's forward: logsumexp rows are padded to a multiple of it
 _MASK_TYPES = {"top_left": 1, "bottom_right": 2}
 
@@ -334,8 +351,6 @@ def _mea_setup(ctx, inputs, output):
 
 def _mea_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
     del grad_lse, grad_seed, grad_offset
-    from ops.mem_eff_attention import efficient_attention_backward
-
     query, key, value, out, lse, cu_q, cu_k, attn_bias, seed, offset = ctx.saved_tensors
     none = (None,) * 7
     if grad_out is None:
@@ -412,8 +427,8 @@ def memory_efficient_attention(
             backward redraws it bit for bit from the forward's philox seed and offset).
         backend: the backward's kernel: "auto" (the Hopper-native sm90 kernel where it
             applies, else the memory-efficient one), "sm90" (the backward raises
-            NotImplementedError where it does not apply) or "mem_eff"; see
-            ``ops.mem_eff_attention``.
+            NotImplementedError where it does not apply) or "mem_eff"; see the
+            module notes.
         deterministic: the backward's gradients the same bits from run to run (default:
             ``torch.are_deterministic_algorithms_enabled()`` when this is called).
 
@@ -421,10 +436,8 @@ def memory_efficient_attention(
         out [B, Mq, H, Kv] in query's dtype. Eager varlen calls read cu_seqlens back once to
         check them (non-decreasing from 0, within M, within max_seqlen).
     """
-    from ops.mem_eff_attention import _check_backend, _resolve_deterministic
-
-    _check_backend(backend)
-    deterministic = _resolve_deterministic(deterministic)
+    check_backend(backend)
+    deterministic = resolve_deterministic(deterministic)
     mask_type, window_size, max_q, max_k, scale = _validate(
         query, key, value, causal, window_size, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )
@@ -461,8 +474,6 @@ def memory_efficient_attention(
 def _check_backward_runs(query, key, value, mask_type, window_size, attn_bias, dropout_p, backend) -> None:
     """Raise before the forward what the backward would raise: a training step should fail
     before it spends a forward. Checked on real tensors (a trace's fail at run time)."""
-    from ops.mem_eff_attention import choose_backend, max_head_dim
-
     limit = max_head_dim(query.dtype)
     if max(query.shape[-1], value.shape[-1]) > limit:
         raise NotImplementedError(
@@ -471,22 +482,22 @@ def _check_backward_runs(query, key, value, mask_type, window_size, attn_bias, d
         )
     if backend != "sm90" or not query.is_cuda or not cc.eager(query):
         return
-    out = torch.empty(
-        (*query.shape[:3], value.shape[3]), dtype=query.dtype, device="meta"
-    )  # its shape is all that counts
-    choose_backend(
-        "sm90",
-        out,
-        query,
-        key,
-        value,
-        out,
+    # out's shape is all that counts (the choice reads no logsumexp: out stands in for it)
+    out = torch.empty((*query.shape[:3], value.shape[3]), dtype=query.dtype, device="meta")
+    args = AttentionBackwardArgs(
+        grad_out=out,
+        query=query,
+        key=key,
+        value=value,
+        out=out,
+        logsumexp=out,
         custom_mask_type=mask_type,
         window_size=window_size,
         bias=attn_bias,
         dropout_p=dropout_p,
-        arch=cc.tensor_arch(query),
+        backend="sm90",
     )
+    choose_backend(args, arch=cc.tensor_arch(query))
 
 
 BIAS_ALIGN = 16  # elements: torch's forward wants the bias rows 128-bit aligned (SDPA pads them alike)
@@ -496,9 +507,7 @@ def _prepare_bias(attn_bias: Tensor, query: Tensor, key: Tensor, cu_seqlens_q) -
     """The [B, H, Mq, Mk] view torch's forward takes: broadcast dims expanded (stride 0),
     rows padded to 16 elements when they are not (differentiable ops, so autograd sums
     and crops the gradient back to ``attn_bias``'s shape)."""
-    from ops.mem_eff_attention import _check_bias
-
-    _check_bias(attn_bias, query, key, cu_seqlens_q, name="attn_bias")
+    check_bias(attn_bias, query, key, cu_seqlens_q, name="attn_bias")
     b, mq, h, _ = query.shape
     mk = key.shape[1]
     full = (b, h, mq, mk)
@@ -508,6 +517,208 @@ def _prepare_bias(attn_bias: Tensor, query: Tensor, key: Tensor, cu_seqlens_q) -
         padded = round_up(mk, BIAS_ALIGN)
         bias = torch.nn.functional.pad(attn_bias.expand(full), (0, padded - mk))[..., :mk]
     return bias
+
+
+# ------------------------------------------------------- the backward and its backends
+
+
+def check_backend(backend) -> None:
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+
+
+def resolve_deterministic(deterministic) -> bool:
+    """``deterministic=`` of the attention entry points: None follows torch's flag at the call."""
+    if deterministic is None:
+        return torch.are_deterministic_algorithms_enabled()
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool or None, got {deterministic!r}")
+    return deterministic
+
+
+def choose_backend(args: AttentionBackwardArgs, arch: Optional[str] = None) -> Tuple[str, str]:
+    """(backend, why) for one backward asking for ``args.backend``: "sm90" or "mem_eff" and
+    the reason, as logged.
+
+    ``arch`` defaults to the device's, known only for real CUDA tensors (CPU, meta and
+    fake tensors are never sm90 unless ``arch`` says so). NotImplementedError when
+    ``args.backend == "sm90"`` and the sm90 path cannot take the problem."""
+    backend = args.backend
+    check_backend(backend)
+    if backend == "mem_eff":
+        return "mem_eff", "backend='mem_eff'"
+    reason = _not_on_sm90(args, arch)
+    if reason is None:
+        return "sm90", f"backend={backend!r}, supported"
+    if backend == "sm90":
+        raise NotImplementedError(f"backend='sm90' cannot take this attention backward: {reason}")
+    return "mem_eff", f"backend='auto', not on sm90: {reason}"
+
+
+def _not_on_sm90(a: AttentionBackwardArgs, arch: Optional[str]) -> Optional[str]:
+    """Why the sm90 path cannot take ``a`` (None: it can)."""
+    # what the op offers beyond unsupported()'s list: the sm90 kernel neither splits keys
+    # nor writes dQ / dK / dV into one packed buffer
+    if a.num_splits_key is not None:
+        return f"num_splits_key={a.num_splits_key} (the sm90 path does not split keys)"
+    if a.shared_storage_dqdkdv:
+        return "shared_storage_dqdkdv (the sm90 path has no packed dQ / dK / dV outputs)"
+    return sm90.unsupported(
+        a.query,
+        a.key,
+        a.value,
+        a.grad_out,
+        a.out,
+        mask_type=int(a.custom_mask_type),
+        window_size=a.window_size,
+        bias=a.bias,
+        dropout_p=float(a.dropout_p),
+        arch=arch,
+    )
+
+
+def run_backward(args: AttentionBackwardArgs):
+    """The backend choice (logged), then that backend's launches: (grad_q, grad_k, grad_v, grad_bias)."""
+    choice, why = choose_backend(args)
+    if log.isEnabledFor(logging.DEBUG):  # (the arguments cost host time on every call)
+        b, mq, h, d = args.query.shape
+        mask, mk = int(args.custom_mask_type), args.key.shape[1]
+        log.debug("attention backward: %s (%s; B=%d Mq=%d Mk=%d H=%d D=%d mask %d)", choice, why, b, mq, mk, h, d, mask)
+    if choice == "sm90":
+        return sm90.attention_backward_sm90(args)
+    return mem_eff.attention_backward_mem_eff(args)
+
+
+@torch.library.custom_op("cute_kernels::efficient_attention_backward", mutates_args=())
+def _op(
+    grad_out: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    out: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    max_seqlen_q: Optional[int],
+    max_seqlen_k: Optional[int],
+    logsumexp: Tensor,
+    custom_mask_type: int,
+    scale: float,
+    num_splits_key: Optional[int],
+    window_size: Optional[int],
+    shared_storage_dqdkdv: bool,
+    bias: Optional[Tensor],
+    bias_requires_grad: bool,
+    dropout_p: float,
+    philox_seed: Optional[Tensor],
+    philox_offset: Optional[Tensor],
+    backend: str,
+    deterministic: bool = False,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    # the parameters are AttentionBackwardArgs' fields, in order (the op's schema is flat); the
+    # backend is chosen here, at run time, on the real tensors (their device's arch)
+    gq, gk, gv, gb = run_backward(AttentionBackwardArgs(**locals()))
+    # an op returns tensors: no bias gradient is an empty one (the wrapper gives None)
+    return gq, gk, gv, query.new_empty((0,)) if gb is None else gb
+
+
+@_op.register_fake
+def _(*flat, **named):
+    a = AttentionBackwardArgs.from_op(*flat, **named)
+    query = a.query
+    gb = query.new_empty((0,))
+    if a.bias is not None and a.bias_requires_grad:
+        b, mq, h, _ = query.shape
+        gb = query.new_empty((b, h, mq, a.key.shape[1]))
+    # either backend: fresh contiguous [B, M, H, D] gradients, whatever the inputs' strides
+    return query.new_empty(query.shape), a.key.new_empty(a.key.shape), a.value.new_empty(a.value.shape), gb
+
+
+def efficient_attention_backward(
+    grad_out_: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    bias: Optional[Tensor],
+    out: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    max_seqlen_q: Optional[int],
+    max_seqlen_k: Optional[int],
+    logsumexp: Tensor,
+    dropout_p: float,
+    philox_seed: Optional[Tensor],
+    philox_offset: Optional[Tensor],
+    custom_mask_type: int,
+    bias_requires_grad: bool,
+    *,
+    scale: Optional[float] = None,
+    num_splits_key: Optional[int] = None,
+    window_size: Optional[int] = None,
+    shared_storage_dqdkdv: bool = False,
+    backend: str = "auto",
+    deterministic: Optional[bool] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """Our ``aten::_efficient_attention_backward``: (grad_q, grad_k, grad_v, grad_bias).
+
+    ``backend``: "auto" (the sm90 kernel where it applies, else the memory-efficient
+    one), "sm90" (NotImplementedError where it does not apply) or "mem_eff"; see the
+    module notes. The choice is made when the backward runs (under torch.compile: at run
+    time, on the real tensors).
+
+    ``deterministic`` (default: ``torch.are_deterministic_algorithms_enabled()``): the
+    gradients are the same bits from run to run. The sm90 kernel adds dQ's partial sums
+    in key-block order (semaphores; slower), the memory-efficient kernel runs one key
+    split (``num_splits_key`` must be None or 1)."""
+    check_backend(backend)
+    deterministic = resolve_deterministic(deterministic)
+    _check_dropout(dropout_p, philox_seed, philox_offset)
+    given = AttentionBackwardArgs(
+        grad_out=grad_out_,
+        query=query,
+        key=key,
+        value=value,
+        out=out,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        logsumexp=logsumexp,
+        custom_mask_type=custom_mask_type,
+        scale=scale,
+        num_splits_key=num_splits_key,
+        window_size=window_size,
+        shared_storage_dqdkdv=shared_storage_dqdkdv,
+        bias=bias,
+        bias_requires_grad=bias_requires_grad,
+        dropout_p=dropout_p,
+        philox_seed=philox_seed,
+        philox_offset=philox_offset,
+        backend=backend,
+        deterministic=deterministic,
+    )
+    check_backward_args(given)
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    check_float("scale", scale)
+    args = given.normalized(scale)
+    grad_q, grad_k, grad_v, grad_bias = run_backward(args) if cc.eager(query) else _op(*args.op_args())
+    if bias is None or not bias_requires_grad:
+        return grad_q, grad_k, grad_v, None
+    if tuple(bias.shape) != tuple(grad_bias.shape):  # a broadcast bias: autograd's gradient
+        grad_bias = grad_bias.sum_to_size(bias.shape)
+    return grad_q, grad_k, grad_v, grad_bias
+
+
+def _check_dropout(dropout_p, philox_seed, philox_offset) -> None:
+    """dropout_p in [0, 1); with dropout, the philox seed and offset the forward returned."""
+    check_float("dropout_p", dropout_p)
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if float(dropout_p) == 0.0:
+        return
+    for name, t in (("philox_seed", philox_seed), ("philox_offset", philox_offset)):
+        if not isinstance(t, Tensor) or t.numel() != 1 or t.dtype != torch.int64:
+            raise ValueError(f"dropout needs {name} as the forward returned it (an int64 scalar tensor), got {t!r}")
 
 
 # ------------------------------------------------------------------- SDPA integration
@@ -634,8 +845,6 @@ def _sdpa_backward_override(
         return None, None, None, None
     reason = _sdpa_unsupported(grad_out, query, key, value, attn_bias, out, logsumexp, dropout_p)
     if reason is None:
-        from ops.mem_eff_attention import efficient_attention_backward
-
         t = lambda x: x.transpose(1, 2)  # noqa: E731
         q_t, k_t = t(query), t(key)
         grad_out = kernel_ready(grad_out, TMA_ALIGN_BYTES // grad_out.element_size())
@@ -750,4 +959,4 @@ class use_for_sdpa:
         return False
 
 
-__all__: List[str] = ["memory_efficient_attention", "use_for_sdpa"]
+__all__: List[str] = ["efficient_attention_backward", "memory_efficient_attention", "use_for_sdpa"]

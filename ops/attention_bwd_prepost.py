@@ -462,7 +462,8 @@ def attention_bwd_preprocess(
 # -------------------------------------------------------------------- compute_delta
 
 
-def _compute_delta_impl(out, grad_out, cu_seqlens_q, max_seqlen_q):
+def compute_delta(out, grad_out, cu_seqlens_q, max_seqlen_q):
+    """``attention_bwd_compute_delta`` unchecked (the attention backwards' own call)."""
     b = _batch(out, cu_seqlens_q)
     h = out.shape[-2]
     s = _max_seqlen(out, cu_seqlens_q, max_seqlen_q)
@@ -534,7 +535,7 @@ def zero_blind_delta(
 def _compute_delta_op(
     out: Tensor, grad_out: Tensor, cu_seqlens_q: Optional[Tensor], max_seqlen_q: Optional[int]
 ) -> Tensor:
-    return _compute_delta_impl(out, grad_out, cu_seqlens_q, max_seqlen_q)
+    return compute_delta(out, grad_out, cu_seqlens_q, max_seqlen_q)
 
 
 @_compute_delta_op.register_fake
@@ -552,7 +553,7 @@ def attention_bwd_compute_delta(
         lambda: _check_seq_pair("out", out, "grad_out", grad_out, cu_seqlens_q, max_seqlen_q),
     )
     if cc.eager(out):
-        return _compute_delta_impl(out, grad_out, cu_seqlens_q, max_seqlen_q)
+        return compute_delta(out, grad_out, cu_seqlens_q, max_seqlen_q)
     return _compute_delta_op(out, grad_out, cu_seqlens_q, max_seqlen_q)
 
 
@@ -599,10 +600,9 @@ def _plan_convert_dq(dq_accum, dq, cu_seqlens_q, max_seqlen_q, ready=False):
     return cache(cc.cute_dtype(dq.dtype), t.head_dim, vec, varlen, arch), batch, num_m_blocks
 
 
-def _convert_dq_impl(
-    dq_accum, softmax_scale, head_dim, seqlen_q, cu_seqlens_q, max_seqlen_q, p_dropout, dtype, ready=None
-):
-    """``ready``: ConvertDQReady's counters (``launch_convert_dq_ready``), behind the sm90 backward."""
+def convert_dq(dq_accum, softmax_scale, head_dim, seqlen_q, cu_seqlens_q, max_seqlen_q, p_dropout, dtype, ready=None):
+    """``attention_bwd_convert_dq`` unchecked (the attention backwards' own call). ``ready``:
+    ConvertDQReady's counters (``launch_convert_dq_ready``), behind the sm90 backward."""
     varlen = cu_seqlens_q is not None
     acc = dq_accum if dq_accum.dim() == (4 if varlen else 5) else dq_accum.unsqueeze(0)
     if varlen:
@@ -631,7 +631,7 @@ def _convert_dq_op(
     p_dropout: float,
     dtype: torch.dtype,
 ) -> Tensor:
-    return _convert_dq_impl(dq_accum, softmax_scale, head_dim, seqlen_q, cu_seqlens_q, max_seqlen_q, p_dropout, dtype)
+    return convert_dq(dq_accum, softmax_scale, head_dim, seqlen_q, cu_seqlens_q, max_seqlen_q, p_dropout, dtype)
 
 
 @_convert_dq_op.register_fake
@@ -680,7 +680,7 @@ def attention_bwd_convert_dq(
         dtype,
     )
     if cc.eager(dq_accum):
-        return _convert_dq_impl(*args)
+        return convert_dq(*args)
     return _convert_dq_op(*args)
 
 

@@ -8,15 +8,16 @@ kernel's last wave leaves multiprocessors idle, ``ConvertDQReady``: launched ear
 converts each head once the kernel has counted all its key blocks; ``_overlaps_convert``).
 ``unsupported`` says why this path cannot take a problem (None: it can);
 ``ops.efficient_attention_backward`` and ``ops.memory_efficient_attention`` choose
-between it and the sm80-structured kernel (``backend=``, see ``ops.mem_eff_attention``).
+between it and the sm80-structured kernel (``backend=``, see ``ops.attention``).
 dQ is summed by TMA reduce-adds in whatever order the key blocks finish (not bitwise
 reproducible from run to run) unless ``deterministic``: then in a fixed key-block order.
 """
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import math
+from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import cutlass
@@ -32,6 +33,7 @@ from layouts.attention_bwd_prepost import round_up
 from . import _compile as cc
 from . import attention_bwd_prepost as P
 from ._memo import Memo
+from .attention_common import AttentionBackwardArgs, grad_bias_buffer
 
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -44,52 +46,78 @@ def _tiles(head_dim: int, head_dim_v: int, bias: bool, grad_bias: bool, dropout:
     )
 
 
-def _build(
-    dtype,
-    head_dim: int,
-    head_dim_v: int,
-    mask_type: int,
-    has_window: bool,
-    arch: str,
-    deterministic: bool = False,
-    varlen: bool = False,
-    has_bias: bool = False,
-    grad_bias: bool = False,
-    dropout: bool = False,
-    carry_dq: bool = False,
-    dq_ready: bool = False,
-    store_first: bool = False,
-    zero_ahead: bool = False,
-    tail_m: int = 0,
-    rng_on_device: bool = False,
-):
-    """One configuration; ``head_dim`` is Dqk (Q, K), ``head_dim_v`` Dv (V, dO). The bias
-    gradient leaves by TMA from a keys-contiguous dS tile (``ds_keys_contiguous``);
-    ``carry_dq``: short tiles of persistent CTAs (``_carries_dq``); ``dq_ready``: the kernel
-    counts each key block's dQ for ConvertDQReady behind it (``DQ_READY``); ``store_first``:
-    each query block's first dQ is stored, no zeroed accumulator (``_stores_first``);
-    ``zero_ahead``: persistent CTAs zero the accumulator a round of tiles ahead (``_zeroes_ahead``);
-    ``tail_m``: the partial last query block's products that many queries wide (``_tail_m``);
-    ``rng_on_device``: dropout's seed and offset read from device tensors (``_compile.dropout_args``)."""
-    tiles = _tiles(head_dim, head_dim_v, has_bias, grad_bias, dropout)
+@dataclass(frozen=True)
+class Sm90Config:
+    """One compiled configuration, the ``compiled`` key. ``head_dim`` is Dqk (Q, K),
+    ``head_dim_v`` Dv (V, dO). ``grad_bias``: the bias gradient leaves by TMA from a
+    keys-contiguous dS tile (``ds_keys_contiguous``); ``carry_dq``: short tiles of persistent
+    CTAs (``_carries_dq``); ``dq_ready``: the kernel counts each key block's dQ for
+    ConvertDQReady behind it (``DQ_READY``); ``store_first``: each query block's first dQ is
+    stored, no zeroed accumulator (``_stores_first``); ``zero_ahead``: persistent CTAs zero the
+    accumulator a round of tiles ahead (``_zeroes_ahead``); ``tail_m``: the partial last query
+    block's products that many queries wide (``_tail_m``); ``rng_on_device``: dropout's seed and
+    offset read from device tensors (``_compile.dropout_args``)."""
+
+    dtype: type
+    head_dim: int
+    head_dim_v: int
+    mask_type: int
+    arch: str
+    window: bool = False
+    deterministic: bool = False
+    varlen: bool = False
+    bias: bool = False
+    grad_bias: bool = False
+    dropout: bool = False
+    carry_dq: bool = False
+    dq_ready: bool = False
+    store_first: bool = False
+    zero_ahead: bool = False
+    tail_m: int = 0
+    rng_on_device: bool = False
+
+    def __post_init__(self):
+        # the key's repr names its disk-cache entry: one spelling per value (1 and True are one
+        # key in memory, two on disk); a seed on the device means nothing without dropout
+        for f in dataclasses.fields(self):
+            cast = _CASTS.get(f.type)
+            if cast is not None:
+                object.__setattr__(self, f.name, cast(getattr(self, f.name)))
+        object.__setattr__(self, "rng_on_device", self.dropout and self.rng_on_device)
+
+
+_CASTS = {"int": int, "bool": bool, int: int, bool: bool}  # by annotation (a string under future annotations)
+
+
+def _build(config: Sm90Config):
+    """Compile one configuration (``Sm90Config``)."""
+    c = config
+    tiles = _tiles(c.head_dim, c.head_dim_v, c.bias, c.grad_bias, c.dropout)
     # a head dim above 128: the 64 x 64 decomposition (P^T / dS^T through shared memory)
     cls = AttentionBackwardSm90Wide if isinstance(tiles, tiling.AttentionSm90WideTiles) else AttentionBackwardSm90
     kernel = cls(
-        dtype,
+        c.dtype,
         tiles,
-        mask_type,
-        has_window,
-        deterministic,
-        varlen,
-        has_bias,
-        grad_bias,
-        dropout,
-        carry_dq=carry_dq,
-        dq_ready=dq_ready,
-        store_first=store_first,
-        zero_ahead=zero_ahead,
-        tail_m=tail_m,
+        c.mask_type,
+        c.window,
+        c.deterministic,
+        c.varlen,
+        c.bias,
+        c.grad_bias,
+        c.dropout,
+        carry_dq=c.carry_dq,
+        dq_ready=c.dq_ready,
+        store_first=c.store_first,
+        zero_ahead=c.zero_ahead,
+        tail_m=c.tail_m,
     )
+    return cc.compile_kernel(kernel, *_fake_args(c, kernel.dynamic_tiles), cc.fake_stream(), arch=c.arch)
+
+
+def _fake_args(c: Sm90Config, dynamic: bool) -> tuple:
+    """The kernel's arguments as fake tensors of symbolic sizes and strides (``dynamic``: the
+    tiles come from a counter)."""
+    dtype, head_dim, head_dim_v = c.dtype, c.head_dim, c.head_dim_v
     b, h, hk, mq, mk = (cute.sym_int() for _ in range(5))
     # TMA: last stride 1, the other strides and the addresses multiples of TMA_ALIGN_BYTES
     vec, vec32 = tiling.tma_align_elems(dtype.width), tiling.tma_align_elems(32)
@@ -98,102 +126,29 @@ def _build(
     k, dk = (cc.fake_tensor(dtype, (b, mk, hk, head_dim), vec) for _ in range(2))
     v, dv = (cc.fake_tensor(dtype, (b, mk, hk, head_dim_v), vec) for _ in range(2))
     # per-sequence tensors: with varlen the sequences are not the packed tensors' batch (1)
-    seqs = cute.sym_int() if varlen else b
+    seqs = cute.sym_int() if c.varlen else b
     lse, delta = (cc.fake_tensor(cutlass.Float32, (seqs, h, cute.sym_int()), vec32) for _ in range(2))
     dq_accum = cc.fake_tensor(cutlass.Float32, (b, cute.sym_int(), h, head_dim), vec32)
-    semaphore = cc.fake_tensor(cutlass.Int32, (seqs, h, cute.sym_int()), 1) if deterministic else None
-    dynamic = kernel.dynamic_tiles
+    semaphore = cc.fake_tensor(cutlass.Int32, (seqs, h, cute.sym_int()), 1) if c.deterministic else None
     # the tile counter, zeroed (causal zero_ahead: and the zeroing jobs' counter)
-    counter = cc.fake_tensor(cutlass.Int32, (2 if zero_ahead else 1,), 1) if dynamic else None
-    ready = (
-        cc.fake_tensor(cutlass.Int32, (seqs, hk), 1) if dq_ready else None
-    )  # dQ's key blocks per (sequence, key head)
+    counter = cc.fake_tensor(cutlass.Int32, (2 if c.zero_ahead else 1,), 1) if dynamic else None
+    # dQ's key blocks per (sequence, key head)
+    ready = cc.fake_tensor(cutlass.Int32, (seqs, hk), 1) if c.dq_ready else None
     # store_first / zero_ahead: a flag per (batch, query head, query block), zeroed
-    first = cc.fake_tensor(cutlass.Int32, (b, h, cute.sym_int()), 1) if store_first or zero_ahead else None
-    cu_q, cu_k = (cc.fake_tensor(cutlass.Int32, (cute.sym_int(),), 1) if varlen else None for _ in range(2))
+    first = cc.fake_tensor(cutlass.Int32, (b, h, cute.sym_int()), 1) if c.store_first or c.zero_ahead else None
+    cu_q, cu_k = (cc.fake_tensor(cutlass.Int32, (cute.sym_int(),), 1) if c.varlen else None for _ in range(2))
     # the bias: any strides (0 for broadcast dims; read element by element); its gradient
     # dense rows (padded to 128 bits, as torch's) with any row stride
-    bias = cc.fake_tensor(dtype, (b, h, mq, mk), 1, leading_dim=None) if has_bias else None
+    bias = cc.fake_tensor(dtype, (b, h, mq, mk), 1, leading_dim=None) if c.bias else None
     # TMA-stored: row stride and address multiples of 16 bytes (torch's padded rows)
-    grad_bias_t = cc.fake_tensor(dtype, (b, h, mq, mk), vec) if grad_bias else None
-    rng = cc.fake_rng_args(rng_on_device) if dropout else (None,) * 5
-    return cc.compile_kernel(
-        kernel,
-        q,
-        k,
-        v,
-        do,
-        lse,
-        delta,
-        dq_accum,
-        dk,
-        dv,
-        semaphore,
-        counter,
-        ready,
-        first,
-        cu_q,
-        cu_k,
-        bias,
-        grad_bias_t,
-        cutlass.Float32(1.0),
-        cutlass.Int32(0),
-        cutlass.Int32(0),
-        cutlass.Int32(1),
-        cutlass.Int32(1),
-        *rng,
-        cc.fake_stream(),
-        arch=arch,
-    )
+    grad_bias = cc.fake_tensor(dtype, (b, h, mq, mk), vec) if c.grad_bias else None
+    rng = cc.fake_rng_args(c.rng_on_device) if c.dropout else (None,) * 5
+    tensors = (q, k, v, do, lse, delta, dq_accum, dk, dv, semaphore, counter, ready, first, cu_q, cu_k)
+    scalars = (cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(1))
+    return (*tensors, bias, grad_bias, *scalars, *rng)
 
 
 compiled = cc.CompileCache("attention_bwd_sm90", _build)
-# where _config puts _build's flags the call reads back from its key
-_DQ_READY, _STORE_FIRST, _ZERO_AHEAD = (
-    list(inspect.signature(_build).parameters).index(name) for name in ("dq_ready", "store_first", "zero_ahead")
-)
-
-
-def _config(
-    dtype,
-    head_dim: int,
-    head_dim_v: int,
-    mask_type: int,
-    arch: str,
-    *,
-    window: bool = False,
-    deterministic: bool = False,
-    varlen: bool = False,
-    bias: bool = False,
-    grad_bias: bool = False,
-    dropout: bool = False,
-    carry_dq: bool = False,
-    dq_ready: bool = False,
-    store_first: bool = False,
-    zero_ahead: bool = False,
-    tail_m: int = 0,
-    rng_on_device: bool = False,
-) -> tuple:
-    """The ``compiled`` key (``_build``'s arguments, in order) of one configuration."""
-    return (
-        dtype,
-        int(head_dim),
-        int(head_dim_v),
-        int(mask_type),
-        bool(window),
-        arch,
-        bool(deterministic),
-        bool(varlen),
-        bool(bias),
-        bool(grad_bias),
-        bool(dropout),
-        bool(carry_dq),
-        bool(dq_ready),
-        bool(store_first),
-        bool(zero_ahead),
-        int(tail_m),
-        bool(dropout and rng_on_device),
-    )
 
 
 # convert_dq overlapping the kernel's last wave (_overlaps_convert): the kernel counts each key
@@ -302,14 +257,14 @@ def _plan(
     ctas: int,
     rng_on_device: bool = False,
 ) -> tuple:
-    """(tiles, tile schedule, ``compiled`` key) of one call: the choices made per call from the
+    """(tiles, tile schedule, ``Sm90Config``) of one call: the choices made per call from the
     configuration, the query rows (``carry_dq``), the key rows (``dq_ready``, ``zero_ahead``)
     and the persistent grid's CTAs (``zero_ahead``)."""
     tiles = _tiles(head_dim, head_dim_v, bias, grad_bias, dropout)
     schedule = AttentionBackwardSm90.tile_schedule(tiles, mask_type, window, deterministic, varlen, bias, dropout)
     carry = _carries_dq(tiles, schedule, rows_q, group)
     first = _stores_first(tiles, mask_type, window, deterministic, varlen, rows_q, rows_k)
-    key = _config(
+    key = Sm90Config(
         dtype,
         head_dim,
         head_dim_v,
@@ -380,7 +335,7 @@ def compile_for_benchmark_cases(cases, arch: str) -> int:
     """Compile ``benchmark_configurations(cases, arch)``; the count compiled."""
     keys = benchmark_configurations(cases, arch)
     for key in keys:
-        compiled(*key)
+        compiled(key)
     return len(keys)
 
 
@@ -487,27 +442,7 @@ def _unzeroed_dq_accum(dq_accum: Tensor) -> Tensor:
     return dq_accum
 
 
-def attention_backward_sm90(
-    grad_out,
-    query,
-    key,
-    value,
-    out,
-    logsumexp,
-    scale: float,
-    mask_type: int = 0,
-    window_size: int = 0,
-    deterministic: bool = False,
-    cu_seqlens_q=None,
-    cu_seqlens_k=None,
-    max_seqlen_q=None,
-    max_seqlen_k=None,
-    bias=None,
-    bias_requires_grad: bool = False,
-    dropout_p: float = 0.0,
-    philox_seed=None,
-    philox_offset=None,
-):
+def attention_backward_sm90(args: AttentionBackwardArgs):
     """(dq, dk, dv, grad_bias) of dropout(softmax(scale Q K^T [+ bias] [+ causal mask [+ window]])) V;
     tensors [B, S, H, D] (key / value / dk / dv [B, S, Hk, D] with grouped-query heads: H a
     multiple of Hk; value, out, grad_out and dv have the head dim Dv, which may differ from
@@ -528,27 +463,88 @@ def attention_backward_sm90(
     ``bias_requires_grad`` grad_bias is [B, H, Sq, Sk] (rows padded to 128 bits, as torch's),
     else None. Dropout: the keep mask of torch's memory-efficient forward for
     ``philox_seed / philox_offset`` (int64 scalar tensors), p = ``dropout_p``."""
-    varlen = cu_seqlens_q is not None
-    window, dropout = int(window_size or 0), float(dropout_p) > 0.0
-    rng_dev = dropout and cc.rng_on_device(philox_seed, philox_offset)
-    if bias is not None and varlen:
+    a = args
+    if a.bias is not None and a.varlen:
         raise NotImplementedError("attention bias with cu_seqlens is not supported (torch's forward refuses it too)")
-    sig = (
-        query.shape,
-        key.shape,
-        value.shape,
-        query.dtype,
-        query.device,
-        int(mask_type),
-        window,
-        bool(deterministic),
-        (cu_seqlens_q.shape, int(max_seqlen_q), int(max_seqlen_k)) if varlen else None,
-        bias is not None,
-        bias is not None and bool(bias_requires_grad),
-        dropout,
-        rng_dev,
-        _knobs(),
+    plan = _call_plan_of(a)
+    b, sq, h, d = a.query.shape
+    sk = a.key.shape[1]
+    # fresh [B, S, H, D] tensors whatever the inputs' strides, as aten's backward (and the
+    # fake implementation of the op that calls this) allocates them
+    dk = torch.empty(a.key.shape, dtype=a.key.dtype, device=a.key.device)
+    dv = torch.empty(a.value.shape, dtype=a.value.dtype, device=a.value.device)
+    bias = grad_bias = None
+    if a.bias is not None:
+        bias = a.bias.expand(b, h, sq, sk)  # a view: broadcast dims get stride 0
+        if a.bias_requires_grad:  # blocks no key block visits (masks, windows) stay zero
+            grad_bias = grad_bias_buffer(a.query, sk, a.custom_mask_type)
+    if plan.empty:
+        if grad_bias is not None:
+            grad_bias.zero_()
+        return torch.zeros_like(a.query), dk.zero_(), dv.zero_(), grad_bias
+    fn = compiled(plan.config)
+    # whatever touches the stream goes before the preprocess: the kernel is launched right
+    # behind it (programmatic dependent launch)
+    s = _scratch(plan, a.query.device)
+    rng = (None,) * 5
+    if a.dropout:  # host seed / offset as values, device ones as tensors the kernel reads
+        rng = cc.dropout_args(a.dropout_p, a.philox_seed, a.philox_offset, plan.rows_q, plan.rows_k)
+    dq_accum = s.dq_accum
+    if plan.unzeroed:  # every block's first dQ is stored there, or the kernel zeroes it
+        dq_accum = _unzeroed_dq_accum(dq_accum)
+    elif not plan.scratch.fused_zeroing:  # the preprocess clears out's width (Dv): Dqk's apart
+        dq_accum.zero_()
+    _preprocess(a, s.delta, dq_accum if plan.scratch.fused_zeroing else None, s.lse_log2)
+    fn(
+        a.query,
+        a.key,
+        a.value,
+        a.grad_out,
+        s.lse_log2,
+        s.delta,
+        dq_accum.unsqueeze(0) if a.varlen else dq_accum,
+        dk,
+        dv,
+        s.semaphore,
+        s.counter,
+        s.ready[1] if s.ready else None,
+        s.first,
+        a.cu_seqlens_q,
+        a.cu_seqlens_k,
+        bias,
+        grad_bias,
+        float(a.scale),
+        a.window,
+        plan.rows_k,
+        plan.chunk,
+        plan.ctas,
+        *rng,
     )
+    dq = P.convert_dq(
+        dq_accum, float(a.scale), d, sq, a.cu_seqlens_q, a.max_seqlen_q, 0.0, a.query.dtype, ready=s.ready
+    )
+    return (dq.unsqueeze(0) if a.varlen else dq), dk, dv, grad_bias
+
+
+def _preprocess(a: AttentionBackwardArgs, delta: Tensor, dq_accum: Optional[Tensor], lse_log2: Tensor) -> None:
+    """Δ from out / dO (Dv wide; the pre / postprocess take packed sequences as [total, H, D]),
+    ``dq_accum`` zeroed where given, the LSE in the kernel's log2 units: one launch. Then Δ := 0
+    in the rows that see no key (O may be unwritten there)."""
+    out, grad_out = (a.out[0], a.grad_out[0]) if a.varlen else (a.out, a.grad_out)
+    P.launch_preprocess(out, grad_out, delta, dq_accum, 1.0, a.cu_seqlens_q, a.max_seqlen_q, a.logsumexp, lse_log2)
+    mask, sq, sk = int(a.custom_mask_type), a.query.shape[1], a.key.shape[1]
+    P.zero_blind_delta(delta, mask, a.window, sq, sk, a.cu_seqlens_q, a.cu_seqlens_k)
+
+
+def _call_plan_of(a: AttentionBackwardArgs) -> _CallPlan:
+    """The call's plan, made once per call signature (``_call_plans``)."""
+    query, key, value = a.query, a.key, a.value
+    rng_dev = a.dropout and cc.rng_on_device(a.philox_seed, a.philox_offset)
+    mask, deterministic = int(a.custom_mask_type), bool(a.deterministic)
+    bias, grad_bias = a.bias is not None, a.bias is not None and bool(a.bias_requires_grad)
+    varlen = (a.cu_seqlens_q.shape, int(a.max_seqlen_q), int(a.max_seqlen_k)) if a.varlen else None
+    sig = (query.shape, key.shape, value.shape, query.dtype, query.device, mask, a.window, deterministic, varlen)
+    sig += (bias, grad_bias, a.dropout, rng_dev, _knobs())
     plan = _call_plans.get(sig)
     if plan is None:
         plan = _call_plans.put(
@@ -557,111 +553,60 @@ def attention_backward_sm90(
                 query,
                 key,
                 value,
-                int(mask_type),
-                window,
-                bool(deterministic),
-                cu_seqlens_q,
-                max_seqlen_q,
-                max_seqlen_k,
-                bias is not None,
-                bias is not None and bool(bias_requires_grad),
-                dropout,
+                mask,
+                a.window,
+                deterministic,
+                a.cu_seqlens_q,
+                a.max_seqlen_q,
+                a.max_seqlen_k,
+                bias,
+                grad_bias,
+                a.dropout,
                 rng_dev,
             ),
         )
-    b, sq, h, d = query.shape
-    sk = key.shape[1]
-    # fresh [B, S, H, D] tensors whatever the inputs' strides, as aten's backward (and the
-    # fake implementation of the op that calls this) allocates them
-    dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
-    dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
-    grad_bias = None
-    if bias is not None:
-        from .mem_eff_attention import grad_bias_buffer
+    return plan
 
-        bias = bias.expand(b, h, sq, sk)  # a view: broadcast dims get stride 0
-        if bias_requires_grad:  # blocks no key block visits (masks, windows) stay zero
-            grad_bias = grad_bias_buffer(query, sk, mask_type)
-    if plan.empty:
-        if grad_bias is not None:
-            grad_bias.zero_()
-        return torch.zeros_like(query), dk.zero_(), dv.zero_(), grad_bias
-    fn = compiled(*plan.config)
-    # one fp32 allocation for what the launches share (``_ScratchPlan``: each allocation costs
-    # 4-8 us of host time on an H100 host's CPU); whatever touches the stream goes before
-    # the preprocess: the kernel is launched right behind it (programmatic dependent launch)
+
+class _Scratch(NamedTuple):
+    """A call's views of its one fp32 scratch allocation (``_ScratchPlan``); None where absent."""
+
+    delta: Tensor
+    lse_log2: Tensor
+    dq_accum: Tensor
+    semaphore: Optional[Tensor]
+    counter: Optional[Tensor]
+    ready: Optional[tuple]  # ConvertDQReady's (tile counter, counts, query heads per key head, complete count)
+    first: Optional[Tensor]
+
+
+def _scratch(plan: _CallPlan, device) -> _Scratch:
+    """One fp32 allocation for what the launches share (each allocation costs 4-8 us of host
+    time on an H100 host's CPU), its zeroed int32s zeroed: the persistent CTAs' tile counter
+    (schedule "dynamic"; with zero_ahead also the zeroing jobs' counter), ConvertDQReady's tile
+    counter and the kernel's counts, the store_first / zero_ahead flags, deterministic mode's
+    semaphores."""
     sp = plan.scratch
-    scratch = torch.empty(sp.elems, dtype=torch.float32, device=query.device)
+    scratch = torch.empty(sp.elems, dtype=torch.float32, device=device)
     delta = scratch.as_strided(sp.delta_shape, sp.delta_strides, 0)
     lse_log2 = scratch.as_strided(sp.delta_shape, sp.delta_strides, sp.lse_offset)
     dq_accum = scratch.as_strided(sp.dq_accum_shape, sp.dq_accum_strides, sp.dq_accum_offset)
-    semaphore = counter = ready = first = None
-    if sp.zeroed:
-        # zeroed int32s: the persistent CTAs' tile counter (schedule "dynamic"; with zero_ahead
-        # also the zeroing jobs' counter), ConvertDQReady's tile counter and the kernel's counts,
-        # the store_first / zero_ahead flags, deterministic mode's semaphores
-        ints = scratch.view(torch.int32)
-        ints.as_strided((sp.zeroed,), (1,), sp.flags_offset).zero_()
-        counter, tiles, counts, first, semaphore = (
-            None if part is None else ints.as_strided(*part) for part in sp.int_parts
-        )
-        if counts is not None:
-            # a head is complete once every key block of the grid (ceil(rows_k / tile_n)) is counted
-            ready = (tiles, counts, *plan.ready_counts)
-    rng = (None,) * 5
-    if dropout:  # host seed / offset as values, device ones as tensors the kernel reads
-        rng = cc.dropout_args(dropout_p, philox_seed, philox_offset, plan.rows_q, plan.rows_k)
-    if plan.unzeroed:  # every block's first dQ is stored there, or the kernel zeroes it
-        dq_accum = _unzeroed_dq_accum(dq_accum)
-    elif not sp.fused_zeroing:  # the preprocess clears out's width (Dv): Dqk's apart
-        dq_accum.zero_()
-    # Δ from out / dO (Dv wide; the pre / postprocess take packed sequences as [total, H, D]),
-    # the accumulator zeroed where it must be, the LSE in the kernel's log2 units: one launch
-    P.launch_preprocess(
-        out[0] if varlen else out,
-        grad_out[0] if varlen else grad_out,
-        delta,
-        dq_accum if sp.fused_zeroing else None,
-        1.0,
-        cu_seqlens_q,
-        max_seqlen_q,
-        logsumexp,
-        lse_log2,
+    if not sp.zeroed:
+        return _Scratch(delta, lse_log2, dq_accum, None, None, None, None)
+    ints = scratch.view(torch.int32)
+    ints.as_strided((sp.zeroed,), (1,), sp.flags_offset).zero_()
+    counter, tiles, counts, first, semaphore = (
+        None if part is None else ints.as_strided(*part) for part in sp.int_parts
     )
-    P.zero_blind_delta(delta, mask_type, window, sq, sk, cu_seqlens_q, cu_seqlens_k)  # O may be unwritten there
-    fn(
-        query,
-        key,
-        value,
-        grad_out,
-        lse_log2,
-        delta,
-        dq_accum.unsqueeze(0) if varlen else dq_accum,
-        dk,
-        dv,
-        semaphore,
-        counter,
-        ready[1] if ready else None,
-        first,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        bias,
-        grad_bias,
-        float(scale),
-        window,
-        plan.rows_k,
-        plan.chunk,
-        plan.ctas,
-        *rng,
-    )
-    dq = P._convert_dq_impl(dq_accum, float(scale), d, sq, cu_seqlens_q, max_seqlen_q, 0.0, query.dtype, ready=ready)
-    return (dq.unsqueeze(0) if varlen else dq), dk, dv, grad_bias
+    # a head is complete once every key block of the grid (ceil(rows_k / tile_n)) is counted
+    ready = None if counts is None else (tiles, counts, *plan.ready_counts)
+    return _Scratch(delta, lse_log2, dq_accum, semaphore, counter, ready, first)
 
 
 class _CallPlan(NamedTuple):
     """What a call decides from its signature alone (``_call_plan``)."""
 
-    config: tuple  # the ``compiled`` key
+    config: Optional[Sm90Config]  # the ``compiled`` key (None: nothing to launch)
     empty: bool  # a problem of zero size: zero gradients, no launch
     rows_q: int  # query rows (varlen: max_seqlen_q)
     rows_k: int
@@ -798,7 +743,7 @@ def _call_plan(
     )
     # the kernel counts dQ's key blocks for ConvertDQReady; it stores each query block's first dQ,
     # or zeroes the accumulator itself (either way the preprocess does not)
-    dq_ready, store_first, zero_ahead = config[_DQ_READY], config[_STORE_FIRST], config[_ZERO_AHEAD]
+    dq_ready, store_first, zero_ahead = config.dq_ready, config.store_first, config.zero_ahead
     unzeroed = store_first or zero_ahead
     blocks_q = -(-rows_q // tiles.tile_m)
     int_shapes = (

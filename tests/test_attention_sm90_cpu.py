@@ -6,7 +6,6 @@ or fake tensors), and the ``backend=`` dispatch of ``efficient_attention_backwar
 (both backends' implementations are replaced by recorders)."""
 
 import dataclasses
-import inspect
 import logging
 import math
 import re
@@ -19,16 +18,17 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import ops
 from layouts import attention_sm90 as tiling
 from ops import _compile as cc
+from ops._disk_cache import stable_key
 from ops import attention as A
 from ops import attention_sm90 as S
+from ops import attention_common as C
 from ops import mem_eff_attention as M
+from ops.attention_common import AttentionBackwardArgs
 
 from .helpers import trace_custom_ops
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 CONFIGS = [(dt, d, mask) for dt in (cutlass.BFloat16, cutlass.Float16) for d in tiling.HEAD_DIMS for mask in (0, 1, 2)]
-# a compiled kernel's key: its fields by _build's parameter names
-KEY = {name: i for i, name in enumerate(inspect.signature(S._build).parameters)}
 # a sliding window comes with a causal mask only
 WINDOW_CONFIGS = [
     (dt, d, mask) for dt in (cutlass.BFloat16, cutlass.Float16) for d in tiling.HEAD_DIMS for mask in (1, 2)
@@ -42,7 +42,7 @@ WINDOW_CONFIGS = [
 @pytest.mark.parametrize("dtype", [cutlass.BFloat16, cutlass.Float16], ids=["bf16", "fp16"])
 def test_compiles_carry_dq(dtype):
     """Persistent d64 CTAs over short tiles: a tile's last dQ in the next tile's step 0."""
-    assert callable(S._build(dtype, 64, 64, 0, False, "sm_90a", False, False, False, False, False, True))
+    assert callable(S._build(S.Sm90Config(dtype, 64, 64, 0, "sm_90a", carry_dq=True)))
 
 
 def test_carry_dq_only_for_short_equal_tiles(monkeypatch):
@@ -83,7 +83,7 @@ def test_carry_dq_only_for_short_equal_tiles(monkeypatch):
     "dtype,head_dim,mask_type", CONFIGS, ids=[f"{dt.__name__}-d{d}-mask{m}" for dt, d, m in CONFIGS]
 )
 def test_compiles(dtype, head_dim, mask_type):
-    assert callable(S._build(dtype, head_dim, head_dim, mask_type, False, "sm_90a"))
+    assert callable(S._build(S.Sm90Config(dtype, head_dim, head_dim, mask_type, "sm_90a")))
 
 
 @pytest.mark.compile
@@ -91,7 +91,7 @@ def test_compiles(dtype, head_dim, mask_type):
     "dtype,head_dim,mask_type", WINDOW_CONFIGS, ids=[f"{dt.__name__}-d{d}-mask{m}" for dt, d, m in WINDOW_CONFIGS]
 )
 def test_compiles_with_window(dtype, head_dim, mask_type):
-    assert callable(S._build(dtype, head_dim, head_dim, mask_type, True, "sm_90a"))
+    assert callable(S._build(S.Sm90Config(dtype, head_dim, head_dim, mask_type, "sm_90a", window=True)))
 
 
 # (mask, window, deterministic, tail_m): d128's partial last query block on narrower products
@@ -111,22 +111,18 @@ def test_compiles_partial_last_block(mask_type, window, deterministic, tail_m):
     first = not deterministic and not window
     assert callable(
         S._build(
-            cutlass.BFloat16,
-            128,
-            128,
-            mask_type,
-            window,
-            "sm_90a",
-            deterministic,
-            False,
-            False,
-            False,
-            False,
-            False,
-            mask_type == 0 and not deterministic,
-            first,
-            False,
-            tail_m,
+            S.Sm90Config(
+                cutlass.BFloat16,
+                128,
+                128,
+                mask_type,
+                "sm_90a",
+                window=window,
+                deterministic=deterministic,
+                dq_ready=mask_type == 0 and not deterministic,
+                store_first=first,
+                tail_m=tail_m,
+            )
         )
     )
 
@@ -163,12 +159,11 @@ def test_tail_m_only_where_the_kernel_takes_it(monkeypatch):
         args.update(kw)
         return S._plan(cutlass.BFloat16, 128, 128, args.pop("mask_type", 0), "sm_90a", **args)[2]
 
-    tail = KEY["tail_m"]
-    assert key()[tail] == 16 and key(mask_type=1, window=True)[tail] == 16 and key(deterministic=True)[tail] == 16
-    assert key(varlen=True)[tail] == 0 and key(bias=True)[tail] == 0 and key(dropout=True)[tail] == 0
-    assert key(rows_q=4080)[tail] == 0
+    assert key().tail_m == 16 and key(mask_type=1, window=True).tail_m == 16 and key(deterministic=True).tail_m == 16
+    assert key(varlen=True).tail_m == 0 and key(bias=True).tail_m == 0 and key(dropout=True).tail_m == 0
+    assert key(rows_q=4080).tail_m == 0
     monkeypatch.setattr(S, "TAIL_BLOCK", False)
-    assert key()[tail] == 0
+    assert key().tail_m == 0
     t = tiling.attention_sm90_tiles(128)
     with pytest.raises(ValueError, match="tail_m 24"):
         AttentionBackwardSm90(cutlass.BFloat16, t, 0, tail_m=24)
@@ -196,7 +191,11 @@ DETERMINISTIC_CONFIGS = [
 @pytest.mark.parametrize("head_dim,mask_type,window", DETERMINISTIC_CONFIGS)
 def test_compiles_deterministic(head_dim, mask_type, window):
     """dQ added in key-block order: the store warp's semaphore wait / release."""
-    assert callable(S._build(cutlass.BFloat16, head_dim, head_dim, mask_type, window, "sm_90a", True))
+    assert callable(
+        S._build(
+            S.Sm90Config(cutlass.BFloat16, head_dim, head_dim, mask_type, "sm_90a", window=window, deterministic=True)
+        )
+    )
 
 
 VARLEN_CONFIGS = [
@@ -217,7 +216,20 @@ VARLEN_CONFIGS = [
 @pytest.mark.parametrize("head_dim,mask_type,window,deterministic", VARLEN_CONFIGS)
 def test_compiles_varlen(head_dim, mask_type, window, deterministic):
     """Packed sequences (cu_seqlens): per-sequence row offsets of every TMA view and store."""
-    assert callable(S._build(cutlass.BFloat16, head_dim, head_dim, mask_type, window, "sm_90a", deterministic, True))
+    assert callable(
+        S._build(
+            S.Sm90Config(
+                cutlass.BFloat16,
+                head_dim,
+                head_dim,
+                mask_type,
+                "sm_90a",
+                window=window,
+                deterministic=deterministic,
+                varlen=True,
+            )
+        )
+    )
 
 
 # ------------------------------------------------------------- Dqk != Dv
@@ -239,7 +251,7 @@ PAIR_CONFIGS = [
     ids=[f"{dt.__name__}-d{a}-dv{b}-mask{m}" for dt, a, b, m in PAIR_CONFIGS],
 )
 def test_compiles_unequal_head_dims(dtype, head_dim, head_dim_v, mask_type):
-    assert callable(S._build(dtype, head_dim, head_dim_v, mask_type, False, "sm_90a"))
+    assert callable(S._build(S.Sm90Config(dtype, head_dim, head_dim_v, mask_type, "sm_90a")))
 
 
 # (Dqk, Dv, mask, window, deterministic, varlen): the other features on a base and a wide pair
@@ -261,7 +273,18 @@ PAIR_FEATURE_CONFIGS = [
 def test_compiles_unequal_head_dims_with_features(head_dim, head_dim_v, mask_type, window, deterministic, varlen):
     """Sliding window, deterministic dQ order and packed sequences with Dqk != Dv."""
     assert callable(
-        S._build(cutlass.BFloat16, head_dim, head_dim_v, mask_type, window, "sm_90a", deterministic, varlen)
+        S._build(
+            S.Sm90Config(
+                cutlass.BFloat16,
+                head_dim,
+                head_dim_v,
+                mask_type,
+                "sm_90a",
+                window=window,
+                deterministic=deterministic,
+                varlen=varlen,
+            )
+        )
     )
 
 
@@ -282,7 +305,7 @@ def test_build_picks_the_kernel_class_for_pairs(monkeypatch, head_dim, head_dim_
 
     built = []
     monkeypatch.setattr(cc, "compile_kernel", lambda kernel, *a, arch: built.append((kernel, a)))
-    S._build(cutlass.BFloat16, head_dim, head_dim_v, 1, False, "sm_90a")
+    S._build(S.Sm90Config(cutlass.BFloat16, head_dim, head_dim_v, 1, "sm_90a"))
     ((kernel, args),) = built
     wide = max(head_dim, head_dim_v) > tiling.WIDE_FROM
     assert isinstance(kernel, AttentionBackwardSm90Wide) == wide
@@ -332,14 +355,32 @@ def _feature_id(c):
 def test_compiles_with_bias_and_dropout(config):
     """Bias (any strides), its gradient and dropout's keep flags, alone and with the other features."""
     d, mask, window, det, varlen, bias, grad_bias, dropout = config
-    assert callable(S._build(cutlass.Float16, d, d, mask, window, "sm_90a", det, varlen, bias, grad_bias, dropout))
+    assert callable(
+        S._build(
+            S.Sm90Config(
+                cutlass.Float16,
+                d,
+                d,
+                mask,
+                "sm_90a",
+                window=window,
+                deterministic=det,
+                varlen=varlen,
+                bias=bias,
+                grad_bias=grad_bias,
+                dropout=dropout,
+            )
+        )
+    )
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("head_dim,head_dim_v", [(128, 64), (64, 128), (192, 128), (256, 96)])
 def test_compiles_unequal_head_dims_with_bias_and_dropout(head_dim, head_dim_v):
     assert callable(
-        S._build(cutlass.BFloat16, head_dim, head_dim_v, 1, False, "sm_90a", False, False, True, True, True)
+        S._build(
+            S.Sm90Config(cutlass.BFloat16, head_dim, head_dim_v, 1, "sm_90a", bias=True, grad_bias=True, dropout=True)
+        )
     )
 
 
@@ -371,7 +412,7 @@ def test_d96_compiles_without_dq_per_wg(monkeypatch):
     one joint handoff of the whole tile compiles too (32-column atoms could not be partitioned)."""
     tiles = tiling.attention_sm90_tiles
     monkeypatch.setattr(tiling, "attention_sm90_tiles", lambda d, *a, **kw: tiles(d, *a, dq_per_wg=False, **kw))
-    assert callable(S._build(cutlass.BFloat16, 96, 96, 1, False, "sm_90a"))
+    assert callable(S._build(S.Sm90Config(cutlass.BFloat16, 96, 96, 1, "sm_90a")))
 
 
 @pytest.mark.parametrize(
@@ -531,53 +572,21 @@ def test_grad_bias_needs_a_keys_contiguous_ds_tile():
     AttentionBackwardSm90(cutlass.BFloat16, tiling.attention_sm90_tiles(128, ds_keys_contiguous=True), 0)
 
 
-def test_config_key_follows_build_and_the_benchmark_precompiles_it(monkeypatch):
-    """``_config`` lists _build's arguments in its order; the suite's precompile asks for the
-    keys the op's calls will (causal top-left, features as flags, carry_dq by the steps a tile)."""
+def test_config_key_is_one_spelling_and_the_benchmark_precompiles_it(monkeypatch):
+    """``Sm90Config`` keeps one spelling per value (its repr names the disk-cache entry, and
+    holds no address) and no device-side seed without dropout; the suite's precompile asks for
+    the keys the op's calls will (causal top-left, features as flags, carry_dq by the steps a tile)."""
     monkeypatch.setattr(tiling, "CARRY_DQ_MAX_STEPS", 8)
-    params = list(inspect.signature(S._build).parameters)
-    key = S._config(
-        "dt",
-        128,
-        64,
-        2,
-        "sm_90a",
-        window=True,
-        deterministic=True,
-        varlen=True,
-        bias=True,
-        grad_bias=True,
-        dropout=True,
-        carry_dq=True,
-        dq_ready=True,
-        store_first=True,
-        zero_ahead=True,
-        tail_m=32,
-        rng_on_device=True,
-    )
-    assert len(key) == len(params) and dict(zip(params, key)) == dict(
-        dtype="dt",
-        head_dim=128,
-        head_dim_v=64,
-        mask_type=2,
-        has_window=True,
-        arch="sm_90a",
-        deterministic=True,
-        varlen=True,
-        has_bias=True,
-        grad_bias=True,
-        dropout=True,
-        carry_dq=True,
-        dq_ready=True,
-        store_first=True,
-        zero_ahead=True,
-        tail_m=32,
-        rng_on_device=True,
-    )
+    bf16 = cutlass.BFloat16
+    loose = S.Sm90Config(bf16, 128.0, 64, 2, "sm_90a", window=1, dropout=1, rng_on_device=1, tail_m=32.0)
+    key = S.Sm90Config(bf16, 128, 64, 2, "sm_90a", window=True, dropout=True, rng_on_device=True, tail_m=32)
+    assert loose == key and repr(loose) == repr(key) and hash(loose) == hash(key)
+    assert key.window is True and key.rng_on_device is True and key.tail_m == 32 and key.head_dim == 128
+    assert " at 0x" not in repr(key) and stable_key((key,)) == f"({key!r},)"
     # the seed on the device only means something with dropout
-    assert S._config("dt", 128, 64, 2, "sm_90a", rng_on_device=True)[-1] is False
+    assert S.Sm90Config(bf16, 128, 64, 2, "sm_90a", rng_on_device=True).rng_on_device is False
     seen = []
-    monkeypatch.setattr(S, "compiled", lambda *k: seen.append(k))
+    monkeypatch.setattr(S, "compiled", lambda config: seen.append(config))
     cases = [
         ((2, 16, 4096, 128), "bfloat16", True),
         ((2, 16, 4096, 128), "bfloat16", False, "bias_grad"),
@@ -589,11 +598,11 @@ def test_config_key_follows_build_and_the_benchmark_precompiles_it(monkeypatch):
     assert S.compile_for_benchmark_cases(cases, "sm_90a") == 5 and S.compile_for_benchmark_cases(cases, "sm_80") == 0
     assert sorted(seen, key=str) == sorted(
         [
-            S._config(cutlass.BFloat16, 128, 128, 1, "sm_90a", store_first=True, tail_m=16),  # 4096 = 51 x 80 + 16
-            S._config(cutlass.BFloat16, 128, 128, 0, "sm_90a", bias=True, grad_bias=True, dq_ready=True),
-            S._config(cutlass.Float16, 64, 64, 0, "sm_90a", dropout=True, dq_ready=True),
-            S._config(cutlass.BFloat16, 64, 64, 0, "sm_90a", carry_dq=True, zero_ahead=True),  # 8 steps a tile
-            S._config(cutlass.BFloat16, 64, 64, 0, "sm_90a"),  # 32 (over ZERO_AHEAD_MAX_STEPS)
+            S.Sm90Config(cutlass.BFloat16, 128, 128, 1, "sm_90a", store_first=True, tail_m=16),  # 4096 = 51 x 80 + 16
+            S.Sm90Config(cutlass.BFloat16, 128, 128, 0, "sm_90a", bias=True, grad_bias=True, dq_ready=True),
+            S.Sm90Config(cutlass.Float16, 64, 64, 0, "sm_90a", dropout=True, dq_ready=True),
+            S.Sm90Config(cutlass.BFloat16, 64, 64, 0, "sm_90a", carry_dq=True, zero_ahead=True),  # 8 steps a tile
+            S.Sm90Config(cutlass.BFloat16, 64, 64, 0, "sm_90a"),  # 32 (over ZERO_AHEAD_MAX_STEPS)
         ],
         key=str,
     )
@@ -616,7 +625,7 @@ def test_build_picks_the_kernel_class(monkeypatch, head_dim):
 
     built = []
     monkeypatch.setattr(cc, "compile_kernel", lambda kernel, *a, arch: built.append(kernel))
-    S._build(cutlass.BFloat16, head_dim, head_dim, 1, False, "sm_90a")
+    S._build(S.Sm90Config(cutlass.BFloat16, head_dim, head_dim, 1, "sm_90a"))
     (kernel,) = built
     wide = head_dim > tiling.WIDE_FROM
     assert isinstance(kernel, AttentionBackwardSm90Wide) == wide
@@ -834,6 +843,22 @@ def _problem(b=2, sq=100, sk=130, h=3, d=64, dv=None, hk=None, dtype=BF16, devic
     return e(b, sq, h, d), e(b, sk, hk, d), e(b, sk, hk, dv), e(b, sq, h, dv), e(b, sq, h, dv)
 
 
+def _sm90(grad_out, query, key, value, out, logsumexp, scale, mask_type=0, **kw):
+    """attention_backward_sm90 of these arguments."""
+    args = AttentionBackwardArgs(
+        grad_out=grad_out,
+        query=query,
+        key=key,
+        value=value,
+        out=out,
+        logsumexp=logsumexp,
+        scale=scale,
+        custom_mask_type=mask_type,
+        **kw,
+    )
+    return S.attention_backward_sm90(args)
+
+
 def _misaligned_query():
     q, k, v, do, o = _problem()
     shifted = torch.zeros(q.numel() + 1, dtype=BF16)[1:].view(q.shape)  # 2 bytes past the allocation
@@ -989,38 +1014,20 @@ def test_host_sizes_gradients_by_their_head_dims(monkeypatch, head_dim, head_dim
     keys, launches = [], []
     monkeypatch.setattr(cc, "device_arch", lambda index: "sm_90a")
     monkeypatch.setattr(P, "launch_preprocess", lambda *a: None)
-    monkeypatch.setattr(S, "compiled", lambda *key: keys.append(key) or (lambda *a: launches.append(a)))
+    monkeypatch.setattr(S, "compiled", lambda config: keys.append(config) or (lambda *a: launches.append(a)))
     converted = []
 
     def convert(acc, scale, d, sq, *rest, ready=None):
         converted.append((acc.shape, d))
         return torch.zeros(acc.shape[0], sq, acc.shape[2], d, dtype=BF16)
 
-    monkeypatch.setattr(P, "_convert_dq_impl", convert)
+    monkeypatch.setattr(P, "convert_dq", convert)
     q, k, v, do, o = _problem(h=4, hk=2, d=head_dim, dv=head_dim_v)
-    dq, dk, dv, db = S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 1)
+    dq, dk, dv, db = _sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 1)
     # (only d128's own tiles store each block's first dQ: none of these pairs; d64's persistent
     # causal CTAs zero the accumulator themselves)
     assert keys == [
-        (
-            cutlass.BFloat16,
-            head_dim,
-            head_dim_v,
-            1,
-            False,
-            "sm_90a",
-            False,
-            False,
-            False,
-            False,
-            False,
-            False,
-            False,
-            False,
-            head_dim == head_dim_v == 64,
-            0,
-            False,
-        )
+        S.Sm90Config(cutlass.BFloat16, head_dim, head_dim_v, 1, "sm_90a", zero_ahead=head_dim == head_dim_v == 64)
     ]
     assert db is None
     ((q_, k_, v_, do_, lse, delta, acc, dk_, dv_, *_),) = launches
@@ -1045,16 +1052,16 @@ def test_convert_overlaps_where_the_grid_has_an_idle_tail(monkeypatch, mask_type
     keys, launches, readies = [], [], []
     monkeypatch.setattr(cc, "device_arch", lambda index: "sm_90a")
     monkeypatch.setattr(P, "launch_preprocess", lambda *a: None)
-    monkeypatch.setattr(S, "compiled", lambda *key: keys.append(key) or (lambda *a: launches.append(a)))
+    monkeypatch.setattr(S, "compiled", lambda config: keys.append(config) or (lambda *a: launches.append(a)))
 
     def convert(acc, scale, d, sq, *rest, ready=None):
         readies.append(ready)
         return torch.zeros(acc.shape[0], sq, acc.shape[2], d, dtype=BF16)
 
-    monkeypatch.setattr(P, "_convert_dq_impl", convert)
+    monkeypatch.setattr(P, "convert_dq", convert)
     q, k, v, do, o = _problem(h=4, hk=2, d=128, dv=128)
-    S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, mask_type, deterministic=deterministic)
-    assert keys[-1][KEY["dq_ready"]] is overlaps
+    _sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, mask_type, deterministic=deterministic)
+    assert keys[-1].dq_ready is overlaps
     counts = launches[-1][11]
     if not overlaps:
         assert counts is None and readies == [None]
@@ -1070,8 +1077,8 @@ def test_convert_overlaps_where_the_grid_has_an_idle_tail(monkeypatch, mask_type
     # d64's persistent CTAs never count
     keys.clear()
     q, k, v, do, o = _problem(h=4, hk=2, d=64, dv=64)
-    S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, mask_type, deterministic=deterministic)
-    assert keys[-1][KEY["dq_ready"]] is (deterministic and overlaps)
+    _sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, mask_type, deterministic=deterministic)
+    assert keys[-1].dq_ready is (deterministic and overlaps)
 
 
 def test_call_plans_follow_the_signature_and_the_settings(monkeypatch):
@@ -1083,10 +1090,10 @@ def test_call_plans_follow_the_signature_and_the_settings(monkeypatch):
     keys, plans = [], []
     monkeypatch.setattr(cc, "device_arch", lambda index: "sm_90a")
     monkeypatch.setattr(P, "launch_preprocess", lambda *a: None)
-    monkeypatch.setattr(S, "compiled", lambda *key: keys.append(key) or (lambda *a: None))
+    monkeypatch.setattr(S, "compiled", lambda config: keys.append(config) or (lambda *a: None))
     monkeypatch.setattr(
         P,
-        "_convert_dq_impl",
+        "convert_dq",
         lambda acc, scale, d, sq, *rest, ready=None: torch.zeros(acc.shape[0], sq, acc.shape[2], d, dtype=BF16),
     )
     monkeypatch.setattr(S, "_call_plans", S.Memo())
@@ -1096,17 +1103,17 @@ def test_call_plans_follow_the_signature_and_the_settings(monkeypatch):
 
     def call(mask_type=0, sq=100):
         q, k, v, do, o = _problem(sq=sq, h=4, hk=2, d=128, dv=128)
-        dq, dk, dv, _ = S.attention_backward_sm90(do, q, k, v, o, lse, 0.1, mask_type)
+        dq, dk, dv, _ = _sm90(do, q, k, v, o, lse, 0.1, mask_type)
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
 
     call()
     call()
-    assert len(plans) == 1 and len(keys) == 2 and keys[0] == keys[1] and keys[0][KEY["store_first"]]
+    assert len(plans) == 1 and len(keys) == 2 and keys[0] == keys[1] and keys[0].store_first
     monkeypatch.setattr(S, "STORE_FIRST", False)
     call()
-    assert len(plans) == 2 and not keys[-1][KEY["store_first"]]
+    assert len(plans) == 2 and not keys[-1].store_first
     call(mask_type=1)
-    assert len(plans) == 3 and keys[-1][KEY["mask_type"]] == 1
+    assert len(plans) == 3 and keys[-1].mask_type == 1
     call(sq=60)
     call(sq=60)
     assert len(plans) == 4 and len(S._call_plans) == 4
@@ -1126,10 +1133,10 @@ def test_one_scratch_allocation_holds_the_launches_buffers(monkeypatch, determin
     monkeypatch.setattr(
         P, "launch_preprocess", lambda out, do, delta, acc, scale, cu, mq, lse, lse2: pre.append((delta, acc, lse2))
     )
-    monkeypatch.setattr(S, "compiled", lambda *key: keys.append(key) or (lambda *a: launches.append(a)))
+    monkeypatch.setattr(S, "compiled", lambda config: keys.append(config) or (lambda *a: launches.append(a)))
     monkeypatch.setattr(
         P,
-        "_convert_dq_impl",
+        "convert_dq",
         lambda acc, scale, d, sq, *r, ready=None: torch.zeros(acc.shape[0], sq, acc.shape[2], d, dtype=BF16),
     )
     empty = torch.empty  # the scratch (the one 1-D fp32 allocation) filled with 7s
@@ -1139,7 +1146,7 @@ def test_one_scratch_allocation_holds_the_launches_buffers(monkeypatch, determin
         lambda *a, **kw: (lambda t: t.fill_(7.0) if t.dtype == F32 and t.dim() == 1 else t)(empty(*a, **kw)),
     )
     q, k, v, do, o = _problem(h=4, hk=2, d=head_dim, dv=head_dim_v)
-    S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0, deterministic=deterministic)
+    _sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0, deterministic=deterministic)
     (key,), (launch,), ((delta, fused, lse2),) = keys, launches, pre
     _, _, _, _, lse, delta_, acc, _, _, semaphore, counter, counts, first = launch[:13]
     assert lse is lse2 and delta_ is delta and delta.shape == lse.shape == (2, 4, 128)
@@ -1154,7 +1161,7 @@ def test_one_scratch_allocation_holds_the_launches_buffers(monkeypatch, determin
     assert (semaphore is not None) is deterministic
     if deterministic:
         assert semaphore.shape == (2, 4, -(-100 // S._tiles(head_dim, head_dim_v, False, False, False).tile_m))
-    unzeroed = key[KEY["store_first"]] or key[KEY["zero_ahead"]]
+    unzeroed = key.store_first or key.zero_ahead
     same_width = P.head_dim_rounded(head_dim) == P.head_dim_rounded(head_dim_v)
     assert (fused is acc) is (not unzeroed and same_width) and (fused is None) is (unzeroed or not same_width)
     # zeroed apart (host-side here: the allocation was filled with 7s) or left as allocated
@@ -1186,7 +1193,19 @@ def test_compiles_dq_ready(config):
     and varlen, a wide head dim, d64 with dropout (a CTA per tile), causal with determinism."""
     d, dv, mask, det, varlen, dropout = config
     assert callable(
-        S._build(cutlass.BFloat16, d, dv, mask, False, "sm_90a", det, varlen, False, False, dropout, False, True)
+        S._build(
+            S.Sm90Config(
+                cutlass.BFloat16,
+                d,
+                dv,
+                mask,
+                "sm_90a",
+                deterministic=det,
+                varlen=varlen,
+                dropout=dropout,
+                dq_ready=True,
+            )
+        )
     )
 
 
@@ -1228,10 +1247,10 @@ def _record_unzeroed_calls(monkeypatch):
     keys, launches, zeroing = [], [], []
     monkeypatch.setattr(cc, "device_arch", lambda index: "sm_90a")
     monkeypatch.setattr(P, "launch_preprocess", lambda out, do, delta, acc, *a: zeroing.append(acc is not None))
-    monkeypatch.setattr(S, "compiled", lambda *key: keys.append(key) or (lambda *a: launches.append(a)))
+    monkeypatch.setattr(S, "compiled", lambda config: keys.append(config) or (lambda *a: launches.append(a)))
     monkeypatch.setattr(
         P,
-        "_convert_dq_impl",
+        "convert_dq",
         lambda acc, scale, d, sq, *r, ready=None: torch.zeros(acc.shape[0], sq, acc.shape[2], d, dtype=BF16),
     )
     return keys, launches, zeroing
@@ -1243,16 +1262,16 @@ def test_store_first_call_hands_over_flags_not_zeros(monkeypatch):
     block) beside ConvertDQReady's counts in one buffer."""
     keys, launches, zeroing = _record_unzeroed_calls(monkeypatch)
     q, k, v, do, o = _problem(h=4, hk=2, d=128, dv=128)
-    S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
-    assert keys[-1][KEY["store_first"]] is True and zeroing == [False]
+    _sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
+    assert keys[-1].store_first is True and zeroing == [False]
     acc, counts, flags = launches[-1][6], launches[-1][11], launches[-1][12]
     blocks = -(-q.shape[1] // tiling.attention_sm90_tiles(128).tile_m)
     assert acc.shape[1] >= q.shape[1] and acc.dtype == torch.float32  # (TMA clips a block past its rows)
     assert flags.shape == (2, 4, blocks) and flags.dtype == torch.int32 and not flags.any()
     assert flags.data_ptr() == counts.data_ptr() + 4 * counts.numel()
     monkeypatch.setattr(S, "STORE_FIRST", False)
-    S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
-    assert keys[-1][KEY["store_first"]] is False and zeroing == [False, True] and launches[-1][12] is None
+    _sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
+    assert keys[-1].store_first is False and zeroing == [False, True] and launches[-1][12] is None
 
 
 @pytest.mark.compile
@@ -1274,7 +1293,20 @@ def test_compiles_store_first(config):
     causal corners (dynamic tiles at d64), wide tiles, with bias and its gradient, Dqk != Dv."""
     d, dv, mask, ready, carry, bias = config
     assert callable(
-        S._build(cutlass.BFloat16, d, dv, mask, False, "sm_90a", False, False, bias, bias, False, carry, ready, True)
+        S._build(
+            S.Sm90Config(
+                cutlass.BFloat16,
+                d,
+                dv,
+                mask,
+                "sm_90a",
+                bias=bias,
+                grad_bias=bias,
+                carry_dq=carry,
+                dq_ready=ready,
+                store_first=True,
+            )
+        )
     )
 
 
@@ -1327,15 +1359,15 @@ def test_zero_ahead_call_hands_over_flags_not_zeros(monkeypatch):
     keys, launches, zeroing = _record_unzeroed_calls(monkeypatch)
     monkeypatch.setattr(S, "PERSISTENT_CTAS", 132)
     q, k, v, do, o = _problem(h=4, hk=2, d=64, dv=64)
-    S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
-    assert keys[-1][KEY["zero_ahead"]] is True and keys[-1][KEY["store_first"]] is False and zeroing == [False]
+    _sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
+    assert keys[-1].zero_ahead is True and keys[-1].store_first is False and zeroing == [False]
     acc, flags = launches[-1][6], launches[-1][12]
     blocks = -(-q.shape[1] // tiling.attention_sm90_tiles(64).tile_m)
     assert acc.shape[1] >= q.shape[1] and acc.dtype == torch.float32
     assert flags.shape == (2, 4, blocks) and flags.dtype == torch.int32 and not flags.any()
     monkeypatch.setattr(S, "PERSISTENT_CTAS", 1)  # 2 key blocks a head (130 keys)
-    S.attention_backward_sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
-    assert keys[-1][KEY["zero_ahead"]] is False and zeroing == [False, True] and launches[-1][12] is None
+    _sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
+    assert keys[-1].zero_ahead is False and zeroing == [False, True] and launches[-1][12] is None
 
 
 @pytest.mark.compile
@@ -1343,25 +1375,7 @@ def test_zero_ahead_call_hands_over_flags_not_zeros(monkeypatch):
 def test_compiles_zero_ahead(mask, carry):
     """zero_ahead where the op takes it: d64 persistent CTAs without a mask (with and without
     carry_dq) and causal ones (tiles and zeroing jobs from counters), both corners."""
-    assert callable(
-        S._build(
-            cutlass.BFloat16,
-            64,
-            64,
-            mask,
-            False,
-            "sm_90a",
-            False,
-            False,
-            False,
-            False,
-            False,
-            carry,
-            False,
-            False,
-            True,
-        )
-    )
+    assert callable(S._build(S.Sm90Config(cutlass.BFloat16, 64, 64, mask, "sm_90a", carry_dq=carry, zero_ahead=True)))
 
 
 # ------------------------------------------------------------------------ dispatch
@@ -1373,15 +1387,12 @@ class Recorder:
     def __init__(self, name, calls):
         self.name, self.calls = name, calls
 
-    def __call__(self, grad_out, query, key, value, out, *rest, **kw):
-        self.calls.append((self.name, rest, kw))
-        zeros = (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value))
-        if self.name == "sm90":
-            bias, bias_requires_grad = kw.get("bias"), kw.get("bias_requires_grad")
-        else:
-            bias, bias_requires_grad = rest[10:12]  # _mem_eff_impl's arguments after out
+    def __call__(self, args):
+        self.calls.append((self.name, args))
+        query, key = args.query, args.key
+        zeros = (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(args.value))
         full = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])  # [B, H, Mq, Mk], as the kernel's
-        return zeros + (query.new_zeros(full) if bias is not None and bias_requires_grad else None,)
+        return zeros + (query.new_zeros(full) if args.bias is not None and args.bias_requires_grad else None,)
 
 
 @pytest.fixture
@@ -1389,10 +1400,10 @@ def backends(monkeypatch):
     """CPU tensors through ``efficient_attention_backward``: CUDA checks off, the device's arch
     sm_90a (set ``cc.tensor_arch`` again to change it), both backends recorded. Yields the calls."""
     calls = []
-    monkeypatch.setattr(M, "check_cuda", lambda *a: None)
+    monkeypatch.setattr(C, "check_cuda", lambda *a: None)
     monkeypatch.setattr(cc, "tensor_arch", lambda t: "sm_90a")
     monkeypatch.setattr(S, "attention_backward_sm90", Recorder("sm90", calls))
-    monkeypatch.setattr(M, "_mem_eff_impl", Recorder("mem_eff", calls))
+    monkeypatch.setattr(M, "_backward", Recorder("mem_eff", calls))  # behind the deterministic and grouped-head steps
     return calls
 
 
@@ -1412,7 +1423,7 @@ def _eab(b=2, sq=100, sk=130, h=3, d=64, dv=None, hk=None, dtype=BF16, mask_type
         logsumexp=torch.zeros(b, h, (sq + 31) // 32 * 32),
     )
     args.update(kw)
-    return M.efficient_attention_backward(do, q, k, v, out=o, custom_mask_type=mask_type, **args)
+    return A.efficient_attention_backward(do, q, k, v, out=o, custom_mask_type=mask_type, **args)
 
 
 def _seed():
@@ -1438,9 +1449,9 @@ def test_auto_takes_sm90_with_bias_and_dropout(backends):
     _, _, _, db = _eab(
         mask_type=1, bias=bias, bias_requires_grad=True, dropout_p=0.2, philox_seed=seed, philox_offset=offset
     )
-    ((name, _, kw),) = backends
-    assert name == "sm90" and kw["bias"] is bias and kw["bias_requires_grad"] is True
-    assert kw["dropout_p"] == 0.2 and kw["philox_seed"] is seed and kw["philox_offset"] is offset
+    ((name, a),) = backends
+    assert name == "sm90" and a.bias is bias and a.bias_requires_grad is True
+    assert a.dropout_p == 0.2 and a.philox_seed is seed and a.philox_offset is offset
     assert db.shape == bias.shape
 
 
@@ -1459,7 +1470,7 @@ def test_bias_with_varlen_is_refused(backends):
 @pytest.mark.parametrize("hk", [1, 2])
 def test_auto_takes_sm90_with_grouped_heads(backends, hk):
     dq, dk, dv, _ = _eab(h=4, hk=hk, mask_type=1)
-    ((name, _, _),) = backends
+    ((name, _),) = backends
     assert (
         name == "sm90" and dk.shape == (2, 130, hk, 64) and dv.shape == (2, 130, hk, 64) and dq.shape == (2, 100, 4, 64)
     )
@@ -1479,13 +1490,9 @@ def test_auto_takes_sm90_with_varlen(backends, hk):
         max_seqlen_k=100,
         logsumexp=torch.zeros(2, 3, 64),
     )
-    ((name, _, kw),) = backends
+    ((name, a),) = backends
     assert name == "sm90" and dq.shape == (1, 100, 3, 64) and dk.shape == (1, 130, hk, 64)
-    assert (
-        kw["cu_seqlens_q"] is cu_q
-        and kw["cu_seqlens_k"] is cu_k
-        and (kw["max_seqlen_q"], kw["max_seqlen_k"]) == (60, 100)
-    )
+    assert a.cu_seqlens_q is cu_q and a.cu_seqlens_k is cu_k and (a.max_seqlen_q, a.max_seqlen_k) == (60, 100)
 
 
 @pytest.mark.parametrize("hk", [0, 3])
@@ -1500,24 +1507,26 @@ def test_mem_eff_sums_grouped_heads(monkeypatch):
     repeated per query head, and dK / dV are summed back over each group (in fp32)."""
     seen = []
 
-    def kernel(grad_out, query, key, value, *rest):
+    def kernel(args):
+        query, key, value = args.query, args.key, args.value
         seen.append((key.shape, value.shape, torch.equal(key[:, :, 0], key[:, :, 1])))
         # gradients that tell the query heads apart: head j's entries are j
         heads = torch.arange(query.shape[2], dtype=torch.float32).view(1, 1, -1, 1)
         return (torch.zeros_like(query), (key * 0 + heads).to(key.dtype), (value * 0 + 2 * heads).to(value.dtype), None)
 
-    monkeypatch.setattr(M, "_mem_eff_impl", kernel)
+    monkeypatch.setattr(M, "_backward", kernel)
     q, k, v, do, o = _problem(h=6, hk=2, dtype=F16)
     k.normal_()
-    dq, dk, dv, db = M._mem_eff_grouped(
-        do, q, k, v, o, *([None] * 5), 0, 0.1, None, None, False, None, False, 0.0, None, None
+    args = AttentionBackwardArgs(
+        grad_out=do, query=q, key=k, value=v, out=o, logsumexp=torch.zeros(2, 6, 128), scale=0.1
     )
+    dq, dk, dv, db = M.attention_backward_mem_eff(args)
     assert seen == [((2, 130, 6, 64), (2, 130, 6, 64), True)]
     # key head 0 serves query heads 0, 1, 2 (sum 3), key head 1 heads 3, 4, 5 (sum 12)
     assert dk.shape == k.shape and dk.dtype == F16 and (dk[:, :, 0] == 3).all() and (dk[:, :, 1] == 12).all()
     assert (dv[:, :, 0] == 6).all() and (dv[:, :, 1] == 24).all() and db is None
     with pytest.raises(ValueError, match="shared_storage_dqdkdv"):
-        M._mem_eff_grouped(do, q, k, v, o, *([None] * 5), 0, 0.1, None, None, True, None, False, 0.0, None, None)
+        M.attention_backward_mem_eff(dataclasses.replace(args, shared_storage_dqdkdv=True))
 
 
 @pytest.mark.parametrize("flag", [False, True])
@@ -1532,8 +1541,8 @@ def test_deterministic_reaches_either_backend(backends, flag):
     finally:
         torch.use_deterministic_algorithms(before)
     (sm90_call, mem_eff_call) = backends
-    assert sm90_call[0] == "sm90" and sm90_call[2]["deterministic"] is flag
-    assert mem_eff_call[0] == "mem_eff" and mem_eff_call[1][7] == (1 if flag else None)  # num_splits_key
+    assert sm90_call[0] == "sm90" and sm90_call[1].deterministic is flag
+    assert mem_eff_call[0] == "mem_eff" and mem_eff_call[1].num_splits_key == (1 if flag else None)
 
 
 def test_deterministic_refuses_key_splits(backends):
@@ -1547,8 +1556,8 @@ def test_deterministic_refuses_key_splits(backends):
 
 def test_auto_takes_sm90_with_a_window(backends):
     _eab(mask_type=1, window_size=8)
-    ((name, (_, _, mask, window), kw),) = backends
-    assert (name, mask, window, kw["deterministic"], kw["cu_seqlens_q"]) == ("sm90", 1, 8, False, None)
+    ((name, a),) = backends
+    assert (name, a.custom_mask_type, a.window, a.deterministic, a.cu_seqlens_q) == ("sm90", 1, 8, False, None)
 
 
 @pytest.mark.parametrize("mask_type,sq,sk", [(0, 100, 130), (1, 130, 100), (2, 100, 130), (2, 130, 100)])
@@ -1557,9 +1566,9 @@ def test_auto_takes_sm90_where_it_applies(backends, caplog, dtype, d, mask_type,
     with caplog.at_level(logging.DEBUG, logger="cute_kernels.attention"):
         dq, dk, dv, db = _eab(sq=sq, sk=sk, d=d, dtype=dtype, mask_type=mask_type, scale=0.3)
     # the drop-in's logsumexp, scale, mask type, window, deterministic
-    ((name, (lse, scale, mask, window), kw),) = backends
-    assert name == "sm90" and lse.shape == (2, 3, (sq + 31) // 32 * 32)
-    assert (scale, mask, window, kw["deterministic"]) == (0.3, mask_type, 0, False)
+    ((name, a),) = backends
+    assert name == "sm90" and a.logsumexp.shape == (2, 3, (sq + 31) // 32 * 32)
+    assert (a.scale, a.custom_mask_type, a.window, a.deterministic) == (0.3, mask_type, 0, False)
     assert db is None and dq.shape == (2, sq, 3, d) and dk.shape == dv.shape == (2, sk, 3, d)
     (msg,) = [r.getMessage() for r in caplog.records if r.name == "cute_kernels.attention"]
     assert msg.startswith("attention backward: sm90 (backend='auto', supported") and f"mask {mask_type}" in msg
@@ -1568,7 +1577,7 @@ def test_auto_takes_sm90_where_it_applies(backends, caplog, dtype, d, mask_type,
 @pytest.mark.parametrize("head_dim,head_dim_v", [(128, 64), (64, 128), (192, 128), (256, 64)])
 def test_auto_takes_sm90_with_unequal_head_dims(backends, head_dim, head_dim_v):
     dq, dk, dv, db = _eab(h=4, hk=2, d=head_dim, dv=head_dim_v, mask_type=1)
-    ((name, _, _),) = backends
+    ((name, _),) = backends
     assert name == "sm90" and db is None
     assert (
         dq.shape == (2, 100, 4, head_dim) and dk.shape == (2, 130, 2, head_dim) and dv.shape == (2, 130, 2, head_dim_v)
@@ -1646,11 +1655,18 @@ def test_the_choice_is_made_at_run_time_under_fake_tensors(monkeypatch):
         q, k, v, do, o = _problem(d=96, dv=256, device="cuda")  # not an sm90 problem: decided later
         lse = torch.empty(2, 3, 128, device="cuda")
         for backend in ("auto", "sm90", "mem_eff"):
-            dq, dk, dv, db = M.efficient_attention_backward(
+            dq, dk, dv, db = A.efficient_attention_backward(
                 do, q, k, v, None, o, None, None, 100, 130, lse, 0.0, None, None, 1, False, backend=backend
             )
             assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and db is None
             assert dk.is_contiguous() and dv.is_contiguous()
+
+
+def test_the_backward_op_takes_the_arguments_object_flat():
+    """The op's schema lists AttentionBackwardArgs' fields in their order: the op builds the
+    object from its parameters and the fake from its positional arguments."""
+    schema = torch.ops.cute_kernels.efficient_attention_backward.default._schema
+    assert tuple(a.name for a in schema.arguments) == C.OP_FIELDS
 
 
 def test_schemas_carry_the_backend():
@@ -1667,7 +1683,7 @@ class _Captured(Exception):
 def test_graph_keeps_the_backend(monkeypatch, deterministic):
     """torch.compile(fullgraph=True) captures the op with the backend and the deterministic
     flag among its arguments."""
-    monkeypatch.setattr(M, "check_cuda", lambda *a: None)
+    monkeypatch.setattr(C, "check_cuda", lambda *a: None)
 
     def backend(gm, example_inputs):
         args = [
@@ -1685,7 +1701,7 @@ def test_graph_keeps_the_backend(monkeypatch, deterministic):
     lse = torch.zeros(2, 3, 64)
 
     def fn(q, k, v, do, o, lse):
-        return M.efficient_attention_backward(
+        return A.efficient_attention_backward(
             do,
             q,
             k,
@@ -1732,66 +1748,29 @@ def test_suite_compile_only_covers_ours_sm90(monkeypatch):
     from benchmarks.suites import attention_bwd
 
     seen = {"mem_eff": [], "sm90": []}
-    monkeypatch.setattr(M, "compiled", lambda *k: seen["mem_eff"].append(k))
-    monkeypatch.setattr(S, "compiled", lambda *k: seen["sm90"].append(k))
+    monkeypatch.setattr(M, "compiled", lambda config: seen["mem_eff"].append(config))
+    monkeypatch.setattr(S, "compiled", lambda config: seen["sm90"].append(config))
     assert attention_bwd.compile_only("sm_90a") == len(seen["mem_eff"]) + len(seen["sm90"])
     bf16 = cutlass.BFloat16
-    # (dtype, Dqk, Dv, mask type, has_window, arch, deterministic, varlen, bias, bias gradient, dropout, carry_dq,
-    # dq_ready, store_first, zero_ahead, tail_m): the one d64 case without a mask (8x16x1024x64) has 8 steps a tile: it
-    # carries dQ where 8 steps do; d64's persistent CTAs zero the accumulator themselves (without a mask: 8 key blocks
+    # the one d64 case without a mask (8x16x1024x64) has 8 steps a tile: it carries dQ where 8
+    # steps do; d64's persistent CTAs zero the accumulator themselves (without a mask: 8 key blocks
     # a head, 132 CTAs; causal: from the counter of zeroing jobs); d128 without a mask (a CTA per tile in launch order)
     # overlaps convert_dq up to 32 key blocks a head (not 1x16x8192x128's 64); d128's tiles without a bias or dropout
     # store each query block's first dQ (tiles.store_first; Sq == Sk) and run the partial last query block on
     # narrower products, per Sq (2048 = 25 x 80 + 48, 4096 = 51 x 80 + 16, 8192 = 102 x 80 + 32)
     carry, first = tiling.CARRY_DQ_MAX_STEPS >= 8, S.STORE_FIRST and tiling.attention_sm90_tiles(128).store_first
     tail = tiling.attention_sm90_tiles(128).tail_rows if S.TAIL_BLOCK else (lambda rows: 0)
+    zero_ahead = lambda m: S.ZERO_AHEAD and (m == 0 or S.ZERO_AHEAD_CAUSAL)  # noqa: E731
     plain = {
-        (
-            bf16,
-            64,
-            64,
-            m,
-            False,
-            "sm_90a",
-            False,
-            False,
-            False,
-            False,
-            False,
-            carry and m == 0,
-            False,
-            False,
-            S.ZERO_AHEAD and (m == 0 or S.ZERO_AHEAD_CAUSAL),
-            0,
-            False,
-        )
-        for m in (0, 1)
+        S.Sm90Config(bf16, 64, 64, m, "sm_90a", carry_dq=carry and m == 0, zero_ahead=zero_ahead(m)) for m in (0, 1)
     }
     plain |= {
-        (
-            bf16,
-            128,
-            128,
-            m,
-            False,
-            "sm_90a",
-            False,
-            False,
-            False,
-            False,
-            False,
-            False,
-            m == 0 and s <= 4096,
-            first,
-            False,
-            tail(s),
-            False,
-        )
+        S.Sm90Config(bf16, 128, 128, m, "sm_90a", dq_ready=m == 0 and s <= 4096, store_first=first, tail_m=tail(s))
         for m, s in ((0, 2048), (0, 4096), (0, 8192), (1, 4096))
     }
     features = {
-        (bf16, 128, 128, 0, False, "sm_90a", False, False) + f + (False, True, False, False, 0, False)
-        for f in ((True, False, False), (True, True, False), (False, False, True))
+        S.Sm90Config(bf16, 128, 128, 0, "sm_90a", bias=bias, grad_bias=grad_bias, dropout=dropout, dq_ready=True)
+        for bias, grad_bias, dropout in ((True, False, False), (True, True, False), (False, False, True))
     }
     assert set(seen["sm90"]) == plain | features
     seen["sm90"].clear()

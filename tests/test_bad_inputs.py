@@ -28,7 +28,6 @@ import ops
 import ops.attention as A
 import ops.attention_bwd_prepost as P
 import ops.dropout_bias as D
-import ops.mem_eff_attention as M
 import ops.norm as N
 from ops import _compile as cc
 
@@ -1873,11 +1872,11 @@ _ENTRIES = {
     "LayerNorm": [(N, "_norm_forward")],
     "RMSNorm": [(N, "_norm_forward")],
     "attention_bwd_preprocess": [(P, "_preprocess_impl"), (P, "_preprocess_op")],
-    "attention_bwd_compute_delta": [(P, "_compute_delta_impl"), (P, "_compute_delta_op")],
-    "attention_bwd_convert_dq": [(P, "_convert_dq_impl"), (P, "_convert_dq_op")],
+    "attention_bwd_compute_delta": [(P, "compute_delta"), (P, "_compute_delta_op")],
+    "attention_bwd_convert_dq": [(P, "convert_dq"), (P, "_convert_dq_op")],
     "attention_bwd_convert_dkv": [(P, "_convert_dkv_impl"), (P, "_convert_dkv_op")],
     "attention_bwd_clear_dkv_accum": [(P, "launch_clear_dkv_accum"), (P, "_clear_dkv_accum_op")],
-    "efficient_attention_backward": [(M, "_impl"), (M, "_op")],
+    "efficient_attention_backward": [(A, "run_backward"), (A, "_op")],
     "memory_efficient_attention": [(A, "_mea_forward")],
     "use_for_sdpa": [(torch.library, "Library")],
 }

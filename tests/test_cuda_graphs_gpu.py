@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ops
-from ops import mem_eff_attention as M
+from ops import attention as A
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -75,7 +75,7 @@ def _lse_inputs(seed, dtype=torch.bfloat16, causal=1):
 @pytest.mark.parametrize("backend", ["auto", "mem_eff"])
 def test_efficient_attention_backward_captured(backend):
     def fn(q, k, v, out, lse, do):
-        return M.efficient_attention_backward(
+        return A.efficient_attention_backward(
             do,
             q,
             k,
@@ -110,7 +110,7 @@ def test_dropout_backward_reads_the_seed_on_the_device(backend):
         out, lse, seed, offset = torch.ops.cute_kernels.memory_efficient_attention(
             q, k, v, None, None, S, S, 1, 0, None, None, p, backend, True
         )
-        grads = M.efficient_attention_backward(
+        grads = A.efficient_attention_backward(
             do,
             q,
             k,
@@ -141,7 +141,7 @@ def test_dropout_backward_reads_the_seed_on_the_device(backend):
         torch.cuda.synchronize()
         host_seed, host_offset = seed.cpu(), offset.cpu()
         q, k, v, do = static
-        want = M.efficient_attention_backward(
+        want = A.efficient_attention_backward(
             do,
             q,
             k,

@@ -9,6 +9,7 @@ import torch
 from cute_kernels.mem_eff_attention.params import Params, choose_num_splits_key
 from cute_kernels.mem_eff_attention.shared_storage import make_shared_storage, print_size
 from layouts import mem_eff_attention as tiling
+from ops import attention as A
 from ops import mem_eff_attention as M
 
 # (head_dim, head_dim_value, aligned): every max_k class, Dqk != Dv, the unaligned path;
@@ -43,7 +44,7 @@ def test_compiles(arch, d, dv, aligned):
         assert cfg.stages_q == 1  # no room to prefetch on an A100
     # Δ in the kernel or passed in, with and without cu_seqlens (one of each per config keeps CI short)
     varlen, computes_delta = (d + dv) % 3 == 0, d % 64 == 0
-    assert callable(M.compiled(dtype, cfg, varlen, computes_delta, arch))
+    assert callable(M.compiled(M.MemEffConfig(dtype, cfg, varlen, computes_delta, arch)))
 
 
 # fp32 (SIMT): both tile classes, Dqk != Dv, the unaligned path
@@ -57,7 +58,7 @@ def test_compiles_fp32(arch, d, dv, aligned):
     cfg = tiling.attention_backward_config(32, d, dv, aligned, arch)
     assert cfg.smem_bytes() <= tiling.SMEM_CAPACITY[arch]
     varlen, computes_delta = d % 128 == 0, d != 256
-    assert callable(M.compiled(cutlass.Float32, cfg, varlen, computes_delta, arch))
+    assert callable(M.compiled(M.MemEffConfig(cutlass.Float32, cfg, varlen, computes_delta, arch)))
 
 
 @pytest.mark.compile
@@ -65,7 +66,7 @@ def test_compiles_all_variants_of_one_config():
     cfg = tiling.attention_backward_config(16, 128, 128, True, "sm_90a")
     for varlen in (False, True):
         for computes_delta in (False, True):
-            assert callable(M.compiled(cutlass.Float16, cfg, varlen, computes_delta, "sm_90a"))
+            assert callable(M.compiled(M.MemEffConfig(cutlass.Float16, cfg, varlen, computes_delta, "sm_90a")))
 
 
 @pytest.mark.parametrize("d", [32, 64, 96, 128, 160, 192, 224, 256])
@@ -200,17 +201,17 @@ def test_op_refuses_before_launch():
     q = _meta(1, 8, 2, 64)
     lse = _meta(1, 2, 32, dtype=torch.float32)
     with pytest.raises(ValueError, match="bias_requires_grad needs a bias"):
-        M.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.0, None, None, 0, True)
+        A.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.0, None, None, 0, True)
     with pytest.raises(ValueError, match="philox_seed"):
-        M.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.1, None, None, 0, False)
+        A.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.1, None, None, 0, False)
     with pytest.raises(ValueError, match="custom_mask_type"):
-        M.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.0, None, None, 5, False)
+        A.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.0, None, None, 5, False)
     with pytest.raises(ValueError, match="window_size"):
-        M.efficient_attention_backward(
+        A.efficient_attention_backward(
             q, q, q, q, None, q, None, None, 8, 8, lse, 0.0, None, None, 0, False, window_size=3
         )
     with pytest.raises(ValueError, match="CUDA"):  # meta tensors are no CUDA tensors
-        M.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.0, None, None, 0, False)
+        A.efficient_attention_backward(q, q, q, q, None, q, None, None, 8, 8, lse, 0.0, None, None, 0, False)
 
 
 @pytest.mark.compile
@@ -218,7 +219,7 @@ def test_compiles_tmp_own_buffer_variant():
     """The measured alternative (tmp_T not aliasing attn_T) stays compilable."""
     cfg = tiling.attention_backward_config(16, 128, 128, True, "sm_90a", tmp_own_buffer=True)
     assert cfg.shared_storage_sizes()["part1"]["tmp_shared_storage"] > 0
-    assert callable(M.compiled(cutlass.BFloat16, cfg, False, True, "sm_90a"))
+    assert callable(M.compiled(M.MemEffConfig(cutlass.BFloat16, cfg, False, True, "sm_90a")))
 
 
 @pytest.mark.compile
@@ -264,7 +265,7 @@ def test_compiles_bias_and_dropout(bits, d, arch, features, varlen, computes_del
     assert cfg.smem_bytes() <= tiling.SMEM_CAPACITY[arch]
     sizes = cfg.shared_storage_sizes()["part1"]
     assert (sizes["bias"] > 0) == cfg.has_bias and (sizes["zij"] > 0) == cfg.apply_dropout
-    assert callable(M.compiled(dtype, cfg, varlen, computes_delta, arch))
+    assert callable(M.compiled(M.MemEffConfig(dtype, cfg, varlen, computes_delta, arch)))
 
 
 def test_bias_and_dropout_refused_where_unsupported():

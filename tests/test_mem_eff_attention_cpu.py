@@ -483,7 +483,7 @@ def _lse_padded(lse_ref, max_q):
 
 
 class BackwardStandIn:
-    """Stands in for ops.mem_eff_attention.efficient_attention_backward: checks the call's
+    """Stands in for ops.attention.efficient_attention_backward: checks the call's
     conventions and answers with the fp64 reference (cast to the inputs' dtype)."""
 
     def __init__(self):
@@ -605,9 +605,7 @@ def cpu_attention(monkeypatch):
 
     lib.impl("memory_efficient_attention", forward, "CPU")
     stand_in = BackwardStandIn()
-    import ops.mem_eff_attention as mea
-
-    monkeypatch.setattr(mea, "efficient_attention_backward", stand_in)
+    monkeypatch.setattr(A, "efficient_attention_backward", stand_in)
     monkeypatch.setattr(A, "check_cuda", lambda *a: None)
     yield stand_in
     lib._destroy()
@@ -746,9 +744,7 @@ def sdpa_on_cpu(monkeypatch):
     """Our SDPA backward registered at the CPU key, the backward stand-in, a recorder for the
     inner aten op (which has no CPU kernel). Yields (stand-in, recorded fall-through calls)."""
     stand_in = BackwardStandIn()
-    import ops.mem_eff_attention as mea
-
-    monkeypatch.setattr(mea, "efficient_attention_backward", stand_in)
+    monkeypatch.setattr(A, "efficient_attention_backward", stand_in)
     fallen = []
 
     def inner(*args, **kwargs):
@@ -806,12 +802,11 @@ def test_sdpa_override_falls_through_like_torch(sdpa_on_cpu, caplog, monkeypatch
     _, opts, reason = case
     stand_in, fallen = sdpa_on_cpu
     if opts.get("raise_ni"):
-        import ops.mem_eff_attention as mea
 
         def refuse(*a, **k):
             raise NotImplementedError("head_dim 999")
 
-        monkeypatch.setattr(mea, "efficient_attention_backward", refuse)
+        monkeypatch.setattr(A, "efficient_attention_backward", refuse)
     q, k, v, do, out, lse = _sdpa_inputs(causal=True)
     bias = torch.randn(2, 3, 10, 14, dtype=opts["attn_bias"]) if opts.get("attn_bias") else None
     p = opts.get("dropout_p", 0.0)

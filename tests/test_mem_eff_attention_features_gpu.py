@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import ops
+from ops import attention as A
 from ops import mem_eff_attention as M
 from ops.reference import attention_backward_ref, attention_forward_ref, attention_mask_ref, mem_eff_dropout_keep_mask
 
@@ -94,7 +95,7 @@ def check_mask_through_dv(dtype, mask_type, backend, splits=None, d=64):
         q, k, v, None, None, None, None, None, p, mask_type, True
     )
     do = torch.eye(mq, d, device=DEV, dtype=dtype).view(1, mq, 1, d).expand(b, mq, h, d).contiguous()
-    _, _, dv, _ = M.efficient_attention_backward(
+    _, _, dv, _ = A.efficient_attention_backward(
         do,
         q,
         k,
@@ -209,7 +210,7 @@ def run_feature_case(
     out = out.to(dtype)
     args = (do, q, k, v, bias, out, cq, ck, max_q, max_k, lse_t, dropout_p, seed_t, offset_t, mask_type, bias_grad)
     kw = dict(scale=scale, num_splits_key=splits, window_size=window or None)
-    dq, dk, dv, db = M.efficient_attention_backward(*args, **kw, backend=backend, deterministic=deterministic)
+    dq, dk, dv, db = A.efficient_attention_backward(*args, **kw, backend=backend, deterministic=deterministic)
     theirs = [None] * 4
     if compare_torch:
         bias_t = None if bias is None else bias.expand(b, h, mq, mk)
@@ -410,8 +411,8 @@ def test_use_for_sdpa_with_bias_and_dropout(monkeypatch):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     calls = []
-    orig = M.efficient_attention_backward
-    monkeypatch.setattr(M, "efficient_attention_backward", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    orig = A.efficient_attention_backward
+    monkeypatch.setattr(A, "efficient_attention_backward", lambda *a, **k: calls.append(1) or orig(*a, **k))
     b, h, m, d = 2, 4, 80, 64
     gen = torch.Generator(DEV).manual_seed(3)
     x = [torch.randn(b, h, m, d, device=DEV, dtype=F16, generator=gen) for _ in range(3)]

@@ -53,7 +53,7 @@ LSE_ALIGN = 32
 def _backward():
     """The memory-efficient kernel, pinned: under backend="auto" an H100 would run the sm90
     kernel for fp16 / bf16 head dims 64 / 96 / 128 / 192 / 256 (tests/test_attention_sm90_gpu.py covers it)."""
-    from ops.mem_eff_attention import efficient_attention_backward
+    from ops.attention import efficient_attention_backward
 
     return functools.partial(efficient_attention_backward, backend="mem_eff")
 
@@ -504,10 +504,8 @@ class Counter:
 
 @pytest.fixture
 def counted_backward(monkeypatch):
-    import ops.mem_eff_attention as mea
-
-    counter = Counter(mea.efficient_attention_backward)
-    monkeypatch.setattr(mea, "efficient_attention_backward", counter)
+    counter = Counter(A.efficient_attention_backward)
+    monkeypatch.setattr(A, "efficient_attention_backward", counter)
     return counter
 
 

@@ -9,7 +9,7 @@ query block of dBias scaled by 1.05. Both backends, bf16 (the loosest bounds).
 import pytest
 import torch
 
-from ops import mem_eff_attention as M
+from ops import attention as A
 from ops.reference import attention_backward_ref, attention_forward_ref
 
 from .test_mem_eff_attention_features_gpu import check_dbias, philox_state, torch_keep_mask
@@ -38,7 +38,7 @@ def _case(backend, dropout_p=0.0, bias=False, seed=0):
     lse_t = torch.full((B, H, M_ + (-M_) % LSE_ALIGN), float("inf"), device=DEV)
     lse_t[..., :M_] = lse.float()
     out = out.to(BF16)
-    grads = M.efficient_attention_backward(
+    grads = A.efficient_attention_backward(
         do, q, k, v, attn_bias, out, None, None, M_, M_, lse_t, dropout_p, seed_t, offset_t, 1, bias, backend=backend
     )
     return (q, k, v, do, attn_bias, out), grads, mask, delta_rounding_floors(q, k, do, out, BF16)

@@ -80,7 +80,7 @@ def class_id(c) -> str:
     return "-".join(parts + ([c["bias"]] if c["bias"] else []))
 
 
-def compile_key(c, rows_q: int, rows_k: int, group: int) -> tuple:
+def compile_key(c, rows_q: int, rows_k: int, group: int) -> "S.Sm90Config":
     """The sm90 kernel a call of class ``c`` with these sizes compiles (ops.attention_sm90._plan)."""
     d, dv = c["dims"]
     ctas = S._persistent_ctas(torch.empty(0, device="cuda"))

@@ -393,7 +393,7 @@ def compile_configs(arch: str, quick: bool):
     cases = tables["quick"] if quick else list(dict.fromkeys(tables["full"] + tables["quick"]))
     mods = (mem_eff_attention, attention_sm90)
     return [
-        Config(f"{mod.__name__}:compiled", key) for mod in mods for key in mod.benchmark_configurations(cases, arch)
+        Config(f"{mod.__name__}:compiled", (key,)) for mod in mods for key in mod.benchmark_configurations(cases, arch)
     ]
 
 
