@@ -1,6 +1,7 @@
 """The torch face: validated, torch.library-registered ops and autograd modules."""
 
-from .attention import efficient_attention_backward, memory_efficient_attention, use_for_sdpa
+from .attention import efficient_attention_backward, memory_efficient_attention
+from .attention_sdpa import use_for_sdpa
 from .attention_bwd_prepost import (
     attention_bwd_clear_dkv_accum,
     attention_bwd_compute_delta,

@@ -1,7 +1,10 @@
-"""The attention ops and the choice of their backward's backend: torch's forward, our backward.
+"""The attention ops and the choice of their backends.
 
 * ``memory_efficient_attention(q, k, v, ...)``: an autograd op in the [B, M, H, K] layout
-  of ``torch.ops.aten._efficient_attention_forward`` (which computes its forward) whose
+  of ``torch.ops.aten._efficient_attention_forward``. Its forward is ours
+  (``ops.attention_fwd_sm90``) where that kernel applies (sm_90a, fp16 / bf16, head dims 64 /
+  128, no bias or dropout; not with ``backend="mem_eff"``), else torch's
+  ``aten._efficient_attention_forward``, logged at DEBUG on ``cute_kernels.attention``; its
   backward is ``efficient_attention_backward``. Registered as ``cute_kernels::memory_efficient_attention``
   (with a fake implementation and its autograd formula), so ``torch.compile(fullgraph=True)``
   captures it as one node.
@@ -10,10 +13,6 @@
   ``bias_requires_grad`` grad_bias has the bias's shape, summed over its broadcast dims),
   registered as ``cute_kernels::efficient_attention_backward``. Beyond aten: grouped-query
   key / value heads, ``backend=`` and ``deterministic=``.
-* ``use_for_sdpa()``: opt-in and reversible; while on, torch's efficient SDPA backend
-  (``aten::_scaled_dot_product_efficient_attention_backward``, CUDA) runs our backward for
-  the configurations it supports (attention bias with its gradient and dropout included)
-  and torch's own kernel for the rest, logging the reason (logger ``cute_kernels``, level DEBUG).
 * ``backend=`` ("auto" | "sm90" | "mem_eff"): which backward runs (``choose_backend``).
   "mem_eff" is ``ops.mem_eff_attention`` (any arch, fp16 / bf16 / fp32, head dims up to 512,
   key splits, shared dQ / dK / dV storage); "sm90" the Hopper-native ``ops.attention_sm90``
@@ -52,8 +51,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
-import warnings
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -63,6 +60,7 @@ from layouts.attention_bwd_prepost import round_up
 from layouts.attention_sm90 import TMA_ALIGN_BYTES  # the kernels' widest access: gradients are made dense otherwise
 
 from . import _compile as cc
+from . import attention_fwd_sm90 as fwd_sm90
 from . import attention_sm90 as sm90
 from . import mem_eff_attention as mem_eff
 from ._validate import check_cuda, check_float, check_int, check_same_device, check_tensor, kernel_ready, validate_once
@@ -274,9 +272,56 @@ def _mea_forward(
     scale: Optional[float],
     attn_bias: Optional[Tensor] = None,
     dropout_p: float = 0.0,
-    backend: str = "auto",  # the backward's (in the schema so that graphs keep it); the forward is torch's
-    deterministic: bool = False,  # the backward's, as backend
+    backend: str = "auto",  # "mem_eff": torch's forward; else ours where it applies (in the schema for graphs)
+    deterministic: bool = False,  # the backward's (in the schema so that graphs keep it)
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    reason = forward_unsupported(query, key, value, custom_mask_type, attn_bias, dropout_p, backend)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("attention forward: %s", "sm90" if reason is None else f"torch's ({reason})")
+    if reason is None:
+        out, lse = fwd_sm90.attention_forward_sm90(
+            query, key, value, scale, custom_mask_type, window_size, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
+        )
+        return out, lse, *_rng_on_device(None, None, 0.0, query.device)
+    return _torch_forward(
+        query,
+        key,
+        value,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        custom_mask_type,
+        window_size,
+        scale,
+        attn_bias,
+        dropout_p,
+    )
+
+
+def forward_unsupported(query, key, value, mask_type, attn_bias, dropout_p, backend, arch=None) -> Optional[str]:
+    """Why the op's forward is torch's (None: ours, ``ops.attention_fwd_sm90``). ``arch``: as
+    ``attention_fwd_sm90.unsupported`` takes it (the device's by default)."""
+    if backend == "mem_eff":
+        return "backend='mem_eff'"
+    return fwd_sm90.unsupported(query, key, value, mask_type=mask_type, bias=attn_bias, dropout_p=dropout_p, arch=arch)
+
+
+def _torch_forward(
+    query,
+    key,
+    value,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    custom_mask_type,
+    window_size,
+    scale,
+    attn_bias,
+    dropout_p,
+):
+    """``aten._efficient_attention_forward`` (an sm80-era kernel) for what our forward does not take."""
     varlen = cu_seqlens_q is not None
     group = query.shape[2] // key.shape[2]
     if group > 1:  # torch's forward has one key head per query head
@@ -346,11 +391,14 @@ def _mea_setup(ctx, inputs, output):
     ctx.max_seqlens = (max_q, max_k)
     ctx.mask_type, ctx.window_size, ctx.scale, ctx.dropout_p = mask_type, window_size, scale, dropout_p
     ctx.backend, ctx.deterministic = backend, det
-    ctx.mark_non_differentiable(lse, seed, offset)
+    ctx.mark_non_differentiable(seed, offset)
+    ctx.set_materialize_grads(False)
 
 
 def _mea_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
-    del grad_lse, grad_seed, grad_offset
+    del grad_seed, grad_offset
+    if grad_lse is not None:  # (set_materialize_grads(False): None unless the LSE reached the loss)
+        raise NotImplementedError("a gradient through the returned logsumexp is not implemented (return_lse=True)")
     query, key, value, out, lse, cu_q, cu_k, attn_bias, seed, offset = ctx.saved_tensors
     none = (None,) * 7
     if grad_out is None:
@@ -401,8 +449,9 @@ def memory_efficient_attention(
     dropout_p: float = 0.0,
     backend: str = "auto",
     deterministic: Optional[bool] = None,
-) -> Tensor:
-    """dropout(softmax(scale q kᵀ + bias + mask)) v in the [B, M, H, K] layout; forward torch's, backward ours.
+    return_lse: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """dropout(softmax(scale q kᵀ + bias + mask)) v in the [B, M, H, K] layout.
 
     Args:
         query: [B, Mq, H, K] fp16 / bf16 / fp32, CUDA, last dim contiguous.
@@ -431,9 +480,11 @@ def memory_efficient_attention(
             module notes.
         deterministic: the backward's gradients the same bits from run to run (default:
             ``torch.are_deterministic_algorithms_enabled()`` when this is called).
+        return_lse: also return the logsumexp (fp32, natural log, the layout of the module
+            notes); a gradient through it raises NotImplementedError in the backward.
 
     Returns:
-        out [B, Mq, H, Kv] in query's dtype. Eager varlen calls read cu_seqlens back once to
+        out [B, Mq, H, Kv] in query's dtype (with ``return_lse``: (out, logsumexp)). Eager varlen calls read cu_seqlens back once to
         check them (non-decreasing from 0, within M, within max_seqlen).
     """
     check_backend(backend)
@@ -452,7 +503,9 @@ def memory_efficient_attention(
             ("mea_bwd", query, key, value, attn_bias, mask_type, window_size, dropout_p > 0.0, backend),
             lambda: _check_backward_runs(query, key, value, mask_type, window_size, attn_bias, dropout_p, backend),
         )
-    out, _, _, _ = _mea_forward(
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    out, lse, _, _ = _mea_forward(
         query,
         key,
         value,
@@ -468,7 +521,7 @@ def memory_efficient_attention(
         backend,
         deterministic,
     )
-    return out
+    return (out, lse) if return_lse else out
 
 
 def _check_backward_runs(query, key, value, mask_type, window_size, attn_bias, dropout_p, backend) -> None:
@@ -719,244 +772,6 @@ def _check_dropout(dropout_p, philox_seed, philox_offset) -> None:
     for name, t in (("philox_seed", philox_seed), ("philox_offset", philox_offset)):
         if not isinstance(t, Tensor) or t.numel() != 1 or t.dtype != torch.int64:
             raise ValueError(f"dropout needs {name} as the forward returned it (an int64 scalar tensor), got {t!r}")
-
-
-# ------------------------------------------------------------------- SDPA integration
-
-SDPA_BACKWARD = "aten::_scaled_dot_product_efficient_attention_backward"
-_SDPA_OP_NAME = "_scaled_dot_product_efficient_attention_backward"
-_MAX_BATCH = (1 << 16) - 1  # torch's wrapper runs larger batches in chunks of this size
-
-
-def _aten_efficient_attention_backward(*args, **kwargs):
-    """The untouched inner op (a module attribute so that tests can stand in for it)."""
-    return torch.ops.aten._efficient_attention_backward.default(*args, **kwargs)
-
-
-def _torch_sdpa_backward(
-    grad_out,
-    query,
-    key,
-    value,
-    attn_bias,
-    out,
-    logsumexp,
-    philox_seed,
-    philox_offset,
-    dropout_p,
-    grad_input_mask,
-    is_causal,
-    scale,
-):
-    """What torch's ``_scaled_dot_product_efficient_attention_backward_cuda`` does: [B, H, M, K]
-    inputs transposed to [B, M, H, K], ``aten._efficient_attention_backward``, grads
-    transposed back (views of [B, M, H, K] memory); batches over 65535 in chunks."""
-    batch = query.shape[0]
-    if batch > _MAX_BATCH and dropout_p != 0.0:
-        raise RuntimeError(
-            f"Efficient attention backward cannot handle dropout when the batch size exceeds ({_MAX_BATCH})."
-        )
-    mask_type = 1 if is_causal else 0
-    bias_requires_grad = bool(grad_input_mask[3])
-
-    def chunk(g, q, k, v, bias, o, lse):
-        dq, dk, dv, db = _aten_efficient_attention_backward(
-            g,
-            q,
-            k,
-            v,
-            bias,
-            o,
-            None,
-            None,
-            q.shape[1],
-            k.shape[1],
-            lse,
-            dropout_p,
-            philox_seed,
-            philox_offset,
-            mask_type,
-            bias_requires_grad,
-            scale=scale,
-            num_splits_key=None,
-        )
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), db
-
-    t = lambda x: x.transpose(1, 2)  # noqa: E731
-    g_t, q_t, k_t, v_t, o_t = t(grad_out), t(query), t(key), t(value), t(out)
-    if batch <= _MAX_BATCH:
-        return chunk(g_t, q_t, k_t, v_t, attn_bias, o_t, logsumexp)
-    like = lambda x: torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)  # noqa: E731
-    dq = like(query) if grad_input_mask[0] else None
-    dk = like(key) if grad_input_mask[1] else None
-    dv = like(value) if grad_input_mask[2] else None
-    db = torch.zeros_like(attn_bias) if grad_input_mask[3] and attn_bias is not None else None
-    for start in range(0, batch, _MAX_BATCH):
-        s = slice(start, min(start + _MAX_BATCH, batch))
-        lse = logsumexp[s] if logsumexp.numel() > 0 else logsumexp
-        cq, ck, cv, cb = chunk(g_t[s], q_t[s], k_t[s], v_t[s], None if attn_bias is None else attn_bias[s], o_t[s], lse)
-        for full, part in ((dq, cq), (dk, ck), (dv, cv)):
-            if full is not None and part is not None:
-                full[s].copy_(part)
-        if db is not None and cb is not None:
-            db.add_(cb)
-    return dq, dk, dv, db
-
-
-def _sdpa_unsupported(grad_out, query, key, value, attn_bias, out, logsumexp, dropout_p) -> Optional[str]:
-    """Why our kernel cannot take this SDPA backward, or None when it can."""
-    if attn_bias is not None and attn_bias.dtype != query.dtype:
-        return f"attn_bias dtype {attn_bias.dtype}"
-    if not 0.0 <= dropout_p < 1.0:
-        return f"dropout_p = {dropout_p}"
-    if query.dtype not in DTYPES:
-        return f"dtype {query.dtype}"
-    if any(t.dtype != query.dtype for t in (key, value, out, grad_out)):
-        return "mixed dtypes"
-    if query.dim() != 4:
-        return f"{query.dim()}-D inputs"
-    if query.shape[0] > _MAX_BATCH:
-        return f"batch {query.shape[0]} > {_MAX_BATCH}"
-    if any(t.shape[-1] > 1 and t.stride(-1) != 1 for t in (query, key, value)):
-        return "an input is not contiguous in its last dim"
-    if logsumexp.dtype != torch.float32 or logsumexp.dim() != 3 or logsumexp.shape[-1] < query.shape[2]:
-        return f"logsumexp {logsumexp.dtype} {tuple(logsumexp.shape)}"
-    return None
-
-
-def _sdpa_backward_override(
-    grad_out,
-    query,
-    key,
-    value,
-    attn_bias,
-    out,
-    logsumexp,
-    philox_seed,
-    philox_offset,
-    dropout_p,
-    grad_input_mask,
-    is_causal=False,
-    *,
-    scale=None,
-):
-    """Our ``aten::_scaled_dot_product_efficient_attention_backward`` (inputs [B, H, M, K])."""
-    if grad_out is None:  # undefined: torch returns four undefined tensors
-        return None, None, None, None
-    reason = _sdpa_unsupported(grad_out, query, key, value, attn_bias, out, logsumexp, dropout_p)
-    if reason is None:
-        t = lambda x: x.transpose(1, 2)  # noqa: E731
-        q_t, k_t = t(query), t(key)
-        grad_out = kernel_ready(grad_out, TMA_ALIGN_BYTES // grad_out.element_size())
-        try:
-            bias_grad = attn_bias is not None and bool(grad_input_mask[3])
-            dq, dk, dv, db = efficient_attention_backward(
-                t(grad_out),
-                q_t,
-                k_t,
-                t(value),
-                attn_bias,
-                t(out),
-                None,
-                None,
-                q_t.shape[1],
-                k_t.shape[1],
-                logsumexp,
-                float(dropout_p),
-                philox_seed,
-                philox_offset,
-                1 if is_causal else 0,
-                bias_grad,
-                scale=scale,
-            )
-            return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), db
-        except NotImplementedError as e:
-            reason = f"NotImplementedError: {e}"
-    logger.debug("SDPA efficient backward falls back to torch's kernel: %s", reason)
-    return _torch_sdpa_backward(
-        grad_out,
-        query,
-        key,
-        value,
-        attn_bias,
-        out,
-        logsumexp,
-        philox_seed,
-        philox_offset,
-        dropout_p,
-        grad_input_mask,
-        is_causal,
-        scale,
-    )
-
-
-_sdpa_lock = threading.Lock()
-_sdpa_libs: dict = {}  # dispatch key -> the torch.library.Library holding our kernel
-
-
-def _check_dispatch_key(dispatch_key) -> None:
-    if not isinstance(dispatch_key, str) or not hasattr(torch._C.DispatchKey, dispatch_key):
-        raise ValueError(f"dispatch_key must be the name of a torch dispatch key such as 'CUDA', got {dispatch_key!r}")
-
-
-def _enable_sdpa(dispatch_key: str = "CUDA") -> None:
-    _check_dispatch_key(dispatch_key)
-    with _sdpa_lock:
-        if dispatch_key in _sdpa_libs:
-            return
-        lib = torch.library.Library("aten", "IMPL")
-        with warnings.catch_warnings():  # torch warns when a kernel overrides a built-in one
-            warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
-            lib.impl(_SDPA_OP_NAME, _sdpa_backward_override, dispatch_key)
-        _sdpa_libs[dispatch_key] = lib
-
-
-def _disable_sdpa(dispatch_key: str = "CUDA") -> None:
-    _check_dispatch_key(dispatch_key)
-    with _sdpa_lock:
-        lib = _sdpa_libs.pop(dispatch_key, None)
-        if lib is not None:
-            lib._destroy()  # deregisters: torch's own kernel is the one dispatched again
-
-
-def _sdpa_enabled(dispatch_key: str = "CUDA") -> bool:
-    return dispatch_key in _sdpa_libs
-
-
-class use_for_sdpa:
-    """Make torch's efficient SDPA backend run our backward (opt-in, reversible).
-
-    As a context manager, ``with ops.use_for_sdpa(): ...`` turns it on (``enabled=False``:
-    off) for the block and restores the previous state on exit; ``use_for_sdpa.enable()``,
-    ``use_for_sdpa.disable()`` and ``use_for_sdpa.is_enabled()`` switch it for good.
-
-    It registers a CUDA kernel for ``aten::_scaled_dot_product_efficient_attention_backward``
-    that transposes the [B, H, M, K] inputs and calls ``efficient_attention_backward`` when
-    the dtype is fp16 / bf16 / fp32 (attention bias, its gradient and dropout included) and
-    our op does not raise NotImplementedError; anything else goes to
-    ``aten._efficient_attention_backward`` exactly as torch's wrapper calls it (one DEBUG
-    line on logger ``cute_kernels`` says why). Disabling removes the registration, so torch's
-    kernel is dispatched again. Process-wide (all threads), not nestable per thread.
-    """
-
-    enable = staticmethod(_enable_sdpa)
-    disable = staticmethod(_disable_sdpa)
-    is_enabled = staticmethod(_sdpa_enabled)
-
-    def __init__(self, enabled: bool = True):
-        if not isinstance(enabled, bool):
-            raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-        self.enabled = enabled
-        self._previous: List[bool] = []
-
-    def __enter__(self):
-        self._previous.append(_sdpa_enabled())
-        (_enable_sdpa if self.enabled else _disable_sdpa)()
-        return self
-
-    def __exit__(self, *exc):
-        (_enable_sdpa if self._previous.pop() else _disable_sdpa)()
-        return False
 
 
 __all__: List[str] = ["efficient_attention_backward", "memory_efficient_attention", "use_for_sdpa"]

@@ -106,3 +106,14 @@ def test_benchmark_configurations_follow_the_cases():
     keys = A.benchmark_configurations(cases, "sm_90a")
     assert {(k.head_dim, k.mask_type) for k in keys} == {(128, 0), (64, 1)}
     assert A.benchmark_configurations(cases, "sm_80") == []
+
+
+def test_the_op_takes_our_forward_where_it_applies():
+    from ops import attention
+
+    q, k, v = _meta(2, 256, 8, 128, hk=2)
+    assert attention.forward_unsupported(q, k, v, 1, None, 0.0, "auto", arch="sm_90a") is None
+    assert attention.forward_unsupported(q, k, v, 1, None, 0.0, "sm90", arch="sm_90a") is None
+    assert attention.forward_unsupported(q, k, v, 1, None, 0.0, "mem_eff", arch="sm_90a") == "backend='mem_eff'"
+    assert "dropout" in attention.forward_unsupported(q, k, v, 1, None, 0.1, "auto", arch="sm_90a")
+    assert "needs sm_90a" in attention.forward_unsupported(q, k, v, 1, None, 0.0, "auto", arch="sm_80")

@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import ops
 import ops.attention as A
+from ops import attention_sdpa as SD
 import ops.attention_bwd_prepost as P
 import ops.dropout_bias as D
 import ops.norm as N
@@ -2060,11 +2061,11 @@ def test_guard_catches_a_launch_through_a_cached_plan(index, monkeypatch):
 
 
 def test_refused_sdpa_switches_change_nothing():
-    before = {key: A._sdpa_enabled(key) for key in ("CUDA", "CPU")}
+    before = {key: SD._sdpa_enabled(key) for key in ("CUDA", "CPU")}
     for bad in ("cuda", "Bogus", 1, None):
         with pytest.raises(ValueError, match="dispatch_key"):
             ops.use_for_sdpa.enable(bad)
-    assert {key: A._sdpa_enabled(key) for key in ("CUDA", "CPU")} == before
+    assert {key: SD._sdpa_enabled(key) for key in ("CUDA", "CPU")} == before
 
 
 def test_every_public_op_has_a_table():

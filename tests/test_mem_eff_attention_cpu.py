@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import ops
 from ops import attention as A
+from ops import attention_sdpa as SD
 from ops.reference import (
     attention_backward_ref,
     attention_forward_ref,
@@ -701,42 +702,42 @@ def test_memory_efficient_attention_deterministic_must_be_a_bool(cpu_attention):
 
 
 def _kernel_line(key="CUDA"):
-    lines = [ln for ln in torch._C._dispatch_dump(A.SDPA_BACKWARD).splitlines() if ln.startswith(key + ":")]
+    lines = [ln for ln in torch._C._dispatch_dump(SD.SDPA_BACKWARD).splitlines() if ln.startswith(key + ":")]
     return lines[0] if lines else None
 
 
 def test_use_for_sdpa_registers_and_restores():
     assert not ops.use_for_sdpa.is_enabled()
-    before = torch._C._dispatch_dump(A.SDPA_BACKWARD)
-    had_kernel = torch._C._dispatch_has_kernel_for_dispatch_key(A.SDPA_BACKWARD, "CUDA")
+    before = torch._C._dispatch_dump(SD.SDPA_BACKWARD)
+    had_kernel = torch._C._dispatch_has_kernel_for_dispatch_key(SD.SDPA_BACKWARD, "CUDA")
     with ops.use_for_sdpa() as ctx:
         assert isinstance(ctx, ops.use_for_sdpa) and ops.use_for_sdpa.is_enabled()
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(A.SDPA_BACKWARD, "CUDA")
-        assert "attention.py" in _kernel_line(), _kernel_line()
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(SD.SDPA_BACKWARD, "CUDA")
+        assert "attention_sdpa.py" in _kernel_line(), _kernel_line()
         with ops.use_for_sdpa(enabled=False):  # nested: off for the block, back on after
-            assert _kernel_line() is None or "attention.py" not in _kernel_line()
-        assert "attention.py" in _kernel_line()
+            assert _kernel_line() is None or "attention_sdpa.py" not in _kernel_line()
+        assert "attention_sdpa.py" in _kernel_line()
         with ops.use_for_sdpa():  # nested on: stays on after
             pass
         assert ops.use_for_sdpa.is_enabled()
     assert not ops.use_for_sdpa.is_enabled()
-    assert torch._C._dispatch_has_kernel_for_dispatch_key(A.SDPA_BACKWARD, "CUDA") == had_kernel
-    assert torch._C._dispatch_dump(A.SDPA_BACKWARD) == before
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(SD.SDPA_BACKWARD, "CUDA") == had_kernel
+    assert torch._C._dispatch_dump(SD.SDPA_BACKWARD) == before
     # the functions: idempotent, reversible
     ops.use_for_sdpa.enable()
     ops.use_for_sdpa.enable()
-    assert "attention.py" in _kernel_line()
+    assert "attention_sdpa.py" in _kernel_line()
     ops.use_for_sdpa.disable()
     ops.use_for_sdpa.disable()
-    assert torch._C._dispatch_dump(A.SDPA_BACKWARD) == before
+    assert torch._C._dispatch_dump(SD.SDPA_BACKWARD) == before
 
 
 def test_use_for_sdpa_restores_on_error():
-    before = torch._C._dispatch_dump(A.SDPA_BACKWARD)
+    before = torch._C._dispatch_dump(SD.SDPA_BACKWARD)
     with pytest.raises(RuntimeError, match="boom"):
         with ops.use_for_sdpa():
             raise RuntimeError("boom")
-    assert torch._C._dispatch_dump(A.SDPA_BACKWARD) == before and not ops.use_for_sdpa.is_enabled()
+    assert torch._C._dispatch_dump(SD.SDPA_BACKWARD) == before and not ops.use_for_sdpa.is_enabled()
 
 
 @pytest.fixture
@@ -744,7 +745,7 @@ def sdpa_on_cpu(monkeypatch):
     """Our SDPA backward registered at the CPU key, the backward stand-in, a recorder for the
     inner aten op (which has no CPU kernel). Yields (stand-in, recorded fall-through calls)."""
     stand_in = BackwardStandIn()
-    monkeypatch.setattr(A, "efficient_attention_backward", stand_in)
+    monkeypatch.setattr(SD, "efficient_attention_backward", stand_in)
     fallen = []
 
     def inner(*args, **kwargs):
@@ -752,10 +753,10 @@ def sdpa_on_cpu(monkeypatch):
         g, q, k, v = args[:4]
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
 
-    monkeypatch.setattr(A, "_aten_efficient_attention_backward", inner)
-    A._enable_sdpa("CPU")
+    monkeypatch.setattr(SD, "_aten_efficient_attention_backward", inner)
+    SD._enable_sdpa("CPU")
     yield stand_in, fallen
-    A._disable_sdpa("CPU")
+    SD._disable_sdpa("CPU")
 
 
 def _sdpa_inputs(b=2, h=3, mq=10, mk=14, kd=16, kv=8, causal=False, scale=None, seed=0):
@@ -806,7 +807,7 @@ def test_sdpa_override_falls_through_like_torch(sdpa_on_cpu, caplog, monkeypatch
         def refuse(*a, **k):
             raise NotImplementedError("head_dim 999")
 
-        monkeypatch.setattr(A, "efficient_attention_backward", refuse)
+        monkeypatch.setattr(SD, "efficient_attention_backward", refuse)
     q, k, v, do, out, lse = _sdpa_inputs(causal=True)
     bias = torch.randn(2, 3, 10, 14, dtype=opts["attn_bias"]) if opts.get("attn_bias") else None
     p = opts.get("dropout_p", 0.0)
@@ -865,7 +866,7 @@ def test_sdpa_override_translates_bias_and_dropout(sdpa_on_cpu, bias_grad):
 
 
 def test_sdpa_override_undefined_grad_out(sdpa_on_cpu):
-    assert A._sdpa_backward_override(None, *([None] * 8), 0.0, [True] * 4) == (None, None, None, None)
+    assert SD._sdpa_backward_override(None, *([None] * 8), 0.0, [True] * 4) == (None, None, None, None)
 
 
 # ---------------------------------------------------------------- bias and dropout

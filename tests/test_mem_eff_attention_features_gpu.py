@@ -20,6 +20,7 @@ import torch
 
 import ops
 from ops import attention as A
+from ops import attention_sdpa as SD
 from ops import mem_eff_attention as M
 from ops.reference import attention_backward_ref, attention_forward_ref, attention_mask_ref, mem_eff_dropout_keep_mask
 
@@ -411,8 +412,8 @@ def test_use_for_sdpa_with_bias_and_dropout(monkeypatch):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     calls = []
-    orig = A.efficient_attention_backward
-    monkeypatch.setattr(A, "efficient_attention_backward", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    orig = SD.efficient_attention_backward
+    monkeypatch.setattr(SD, "efficient_attention_backward", lambda *a, **k: calls.append(1) or orig(*a, **k))
     b, h, m, d = 2, 4, 80, 64
     gen = torch.Generator(DEV).manual_seed(3)
     x = [torch.randn(b, h, m, d, device=DEV, dtype=F16, generator=gen) for _ in range(3)]

@@ -9,7 +9,7 @@ import pathlib
 import pytest
 
 OPS = pathlib.Path(__file__).resolve().parents[1] / "ops"
-BACKENDS = {"attention_sm90", "mem_eff_attention"}
+BACKENDS = {"attention_fwd_sm90", "attention_sm90", "mem_eff_attention"}
 # private to the package as a whole: any module of it may use their names
 INFRASTRUCTURE = {"_compile", "_validate", "_memo", "_disk_cache"}
 PACKAGE = "__init__"
