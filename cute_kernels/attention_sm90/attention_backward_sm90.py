@@ -76,36 +76,11 @@ from layouts.attention_sm90 import (
     AttentionSm90Tiles,
 )
 
+from cute_kernels.attention.mask import AttentionMask
+from cute_kernels.attention.seqlen_info import SeqlenInfo
+from cute_kernels.attention.named_barrier import NamedBarrier, cyclic, named_barrier
+
 from .wgmma import acc_as_operand_a, acc_mn_layout, wgmma
-
-# named barriers (0 is __syncthreads)
-BAR_PDS = 1
-BAR_DQ_EMPTY = 2
-BAR_DQ_FULL = 3
-BAR_PDS_WG1 = 4  # with pds_split: warpgroup 1 announces its dS here, warpgroup 0 on BAR_PDS
-BAR_DQ_EMPTY_WG1 = 5  # with dq_per_wg: warpgroup 1's pair (warpgroup 0 uses BAR_DQ_EMPTY / BAR_DQ_FULL)
-BAR_DQ_FULL_WG1 = 6
-BAR_KEEP_FLAGS = 7  # dropout: a warpgroup's keep flags of the block are drawn (warpgroup 1: 8)
-BAR_EPILOGUE = 9  # dkv_tma_store: both warpgroups done with K / V, then their dK / dV written
-BAR_PDS_ODD = 10  # dq_defer: odd steps' dS announcements (even steps: BAR_PDS / BAR_PDS_WG1)
-BAR_PDS_WG1_ODD = 11
-BAR_DKV_STAGED = 12  # persistent CTAs: a tile's dK / dV are staged in K / V buffer 0's smem (buffer 1: 13)
-BAR_DS_FREE = 14  # carry_dq: the store warps have read the staged dK out of its dS buffer
-BAR_K_FREE = 15  # carry_dq: the consumers' last product on the previous tile's K is done
-
-
-def cyclic(i, n: int):
-    """i mod n for a step count (never negative): a mask where n is a power of two (the
-    signed remainder costs sign fix-ups in every step)."""
-    return i & (n - 1) if n & (n - 1) == 0 else i % n
-
-
-def named_barrier(barrier_id: int, threads: int, arrive: bool):
-    """Arrive at named barrier ``barrier_id`` (and go on) or wait there for ``threads`` in all."""
-    if arrive:
-        cute.arch.barrier_arrive(barrier_id=barrier_id, number_of_threads=threads)
-    else:
-        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
 
 
 class StepOperands(NamedTuple):
@@ -200,8 +175,8 @@ class AttentionBackwardSm90:
     ``carry_dq`` (persistent CTAs over equal tiles, asked for where tiles are short): a tile's
     last block's dQ is the next tile's step 0 product (with ``dq_defer`` step 0 had none), on the
     finished tile's K, which stays in its buffer until then; that tile's dK is staged in the dS
-    buffer its next block writes, and the store warps read it out first (``BAR_DS_FREE``) and
-    free the K / V buffer once step 0 is done with K (``BAR_K_FREE``). The CTA's last tile runs
+    buffer its next block writes, and the store warps read it out first (``NamedBarrier.DS_FREE``) and
+    free the K / V buffer once step 0 is done with K (``NamedBarrier.K_FREE``). The CTA's last tile runs
     its last dQ after the loop (``carried_dq_tail``).
 
     ``store_first`` (the caller asks for it where every query block is seen by some key block):
@@ -267,6 +242,7 @@ class AttentionBackwardSm90:
         self.has_window = has_window
         self.deterministic = deterministic
         self.varlen = varlen
+        self.mask = AttentionMask(tiles.tile_m, tiles.tile_n, mask_type, has_window, varlen)
         self.has_bias = has_bias
         self.grad_bias = grad_bias
         self.dropout = dropout
@@ -688,13 +664,10 @@ class AttentionBackwardSm90:
         cute.arch.sync_threads()
 
         # where the CTA's sequence starts in the packed rows (varlen) and its lengths
-        offset_q, offset_k = Int32(0), Int32(0)
-        if const_expr(self.varlen):
-            offset_q = mCuSeqlensQ[batch]
-            offset_k = mCuSeqlensK[batch]
-            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
-            seqlen_k = mCuSeqlensK[batch + 1] - offset_k
-        rows = (offset_q, offset_k)
+        cu_seqlens = (mCuSeqlensQ, mCuSeqlensK) if const_expr(self.varlen) else (None, None)
+        seq = SeqlenInfo.create(batch, seqlen_q, seqlen_k, *cu_seqlens)
+        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
+        rows = (seq.offset_q, seq.offset_k)
         # the CTA's work: (query head of the group, query block) pairs, heads outer
         work = self.work_of(n_block, head_kv, group, seqlen_q, seqlen_k, window_size)
 
@@ -935,7 +908,7 @@ class AttentionBackwardSm90:
                             seqlen_k,
                         )
                         if tile + step < total:
-                            named_barrier(BAR_DS_FREE, t.dkv_handoff_threads, True)
+                            named_barrier(NamedBarrier.DS_FREE, t.dkv_handoff_threads, True)
                         self.store_staged_tile(
                             sV[None, None, b],
                             mdV,
@@ -948,7 +921,7 @@ class AttentionBackwardSm90:
                             seqlen_k,
                         )
                         # K stays until the consumers' product on it (the next tile's step 0) is done
-                        named_barrier(BAR_K_FREE, t.dkv_handoff_threads, False)
+                        named_barrier(NamedBarrier.K_FREE, t.dkv_handoff_threads, False)
                     else:
                         self.store_staged_dkv(
                             sK[None, None, b],
@@ -1024,7 +997,7 @@ class AttentionBackwardSm90:
         """(key head, group, first and end query block, rotation) of key block ``n_block``: its
         steps walk the group's query heads, each from query block first + rotation round to
         it (``work_item``; the rotation is 0 unless ``rotates``)."""
-        m_min, m_max = self.m_block_range(n_block, seqlen_q, seqlen_k, window_size)
+        m_min, m_max = self.mask.m_block_range(n_block, seqlen_q, seqlen_k, window_size)
         rot = Int32(0)
         if const_expr(self.rotates):
             rot = n_block * (m_max - m_min) // cute.ceil_div(seqlen_k, self.tiles.tile_n)
@@ -1101,38 +1074,6 @@ class AttentionBackwardSm90:
         bh = first + r - n_block * width
         batch = bh // heads_kv
         return n_block, bh - batch * heads_kv, batch
-
-    @cute.jit
-    def m_block_range(self, n_block, seqlen_q, seqlen_k, window_size):
-        """Query blocks that see key block ``n_block`` (causal: from the diagonal on; a window
-        also ends them where the block's last key leaves it)."""
-        t = self.tiles
-        m_max = cute.ceil_div(seqlen_q, t.tile_m)
-        m_min = Int32(0)
-        if const_expr(self.varlen):
-            if n_block * t.tile_n >= seqlen_k:  # the grid covers the longest sequence's keys
-                m_max = Int32(0)
-        if const_expr(self.mask_type != 0):
-            offset = self.causal_offset(seqlen_q, seqlen_k)
-            first_q = n_block * t.tile_n - offset
-            if first_q > 0:
-                m_min = first_q // t.tile_m
-            if const_expr(self.has_window):
-                last_q = n_block * t.tile_n + t.tile_n - 1 - offset + window_size - 1
-                m_last = Int32(0)
-                if last_q >= 0:
-                    m_last = last_q // t.tile_m + 1
-                if m_last < m_max:
-                    m_max = m_last
-        return m_min, m_max
-
-    @cute.jit
-    def causal_offset(self, seqlen_q, seqlen_k):
-        """Key k sees query q when k <= q + offset."""
-        offset = Int32(0)
-        if const_expr(self.mask_type == 2):
-            offset = seqlen_k - seqlen_q
-        return offset
 
     @cute.jit
     def seq_tile_view(self, g, head, batch, row0):
@@ -1393,7 +1334,8 @@ class AttentionBackwardSm90:
                     for w in cutlass.range_constexpr(2):
                         cute.arch.cp_async_bulk_wait_group(2 * t.dq_stages - 1 - w, read=True)
                         cute.arch.barrier_arrive(
-                            barrier_id=BAR_DQ_EMPTY if w == 0 else BAR_DQ_EMPTY_WG1, number_of_threads=handoff
+                            barrier_id=NamedBarrier.DQ_EMPTY if w == 0 else NamedBarrier.DQ_EMPTY_WG1,
+                            number_of_threads=handoff,
                         )
                     if const_expr(self.store_first):
                         claim = self.claim_block(mDqFirst.iterator + flag, lane)
@@ -1408,13 +1350,17 @@ class AttentionBackwardSm90:
                         # this part's reduce-add dq_stages blocks back has read it (two groups a block)
                         cute.arch.cp_async_bulk_wait_group(2 * t.dq_stages - 1, read=True)
                         cute.arch.barrier_arrive(
-                            barrier_id=BAR_DQ_EMPTY if w == 0 else BAR_DQ_EMPTY_WG1, number_of_threads=handoff
+                            barrier_id=NamedBarrier.DQ_EMPTY if w == 0 else NamedBarrier.DQ_EMPTY_WG1,
+                            number_of_threads=handoff,
                         )
                         if const_expr(self.store_first and w == 0):
                             claim = self.claim_block(mDqFirst.iterator + flag, lane)
                         if const_expr(w == 0):
                             seen = self.wait_zeroed(dq_first, work, batch, i, seen, lane)
-                    cute.arch.barrier(barrier_id=BAR_DQ_FULL if w == 0 else BAR_DQ_FULL_WG1, number_of_threads=handoff)
+                    cute.arch.barrier(
+                        barrier_id=NamedBarrier.DQ_FULL if w == 0 else NamedBarrier.DQ_FULL_WG1,
+                        number_of_threads=handoff,
+                    )
                     if const_expr(self.deterministic and w == 0):
                         self.spin_until(sem, self.dq_turn(m_block, n_block, seqlen_q, seqlen_k), lane)
                     if const_expr(self.store_first and w == 0):
@@ -1430,11 +1376,11 @@ class AttentionBackwardSm90:
                 )
                 # the buffer of this block is free once the reduce-add dq_stages blocks back has read it
                 cute.arch.cp_async_bulk_wait_group(t.dq_stages - 1, read=True)
-                cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY, number_of_threads=handoff)
+                cute.arch.barrier_arrive(barrier_id=NamedBarrier.DQ_EMPTY, number_of_threads=handoff)
                 if const_expr(self.store_first):
                     claim = self.claim_block(mDqFirst.iterator + flag, lane)
                 seen = self.wait_zeroed(dq_first, work, batch, i, seen, lane)
-                cute.arch.barrier(barrier_id=BAR_DQ_FULL, number_of_threads=handoff)
+                cute.arch.barrier(barrier_id=NamedBarrier.DQ_FULL, number_of_threads=handoff)
                 if const_expr(self.deterministic):
                     self.spin_until(sem, self.dq_turn(m_block, n_block, seqlen_q, seqlen_k), lane)
                 if const_expr(self.store_first):
@@ -1673,7 +1619,7 @@ class AttentionBackwardSm90:
         if const_expr(self.mask_type != 0):
             n_last = cute.ceil_div(seqlen_k, t.tile_n) - 1
             # the block's last query sees keys up to here (>= 0 for a block some key block sees)
-            reach = (m_block + 1) * t.tile_m - 1 + self.causal_offset(seqlen_q, seqlen_k)
+            reach = (m_block + 1) * t.tile_m - 1 + self.mask.causal_offset(seqlen_q, seqlen_k)
             if reach // t.tile_n < n_last:
                 n_last = reach // t.tile_n
             turn = n_last - n_block
@@ -1755,7 +1701,7 @@ class AttentionBackwardSm90:
             full_ops.acc_dP,
         )
 
-        offset = self.causal_offset(seqlen_q, seqlen_k)
+        offset = self.mask.causal_offset(seqlen_q, seqlen_k)
         key0 = n_block * t.tile_n
         if const_expr(self.persistent):
             pipe_kv, kv_state, state = kv
@@ -2054,7 +2000,7 @@ class AttentionBackwardSm90:
             self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, i % t.dq_stages, wg)
         else:
             self.grad_bias_wait(tidx == 0)
-            cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
+            cute.arch.barrier(barrier_id=NamedBarrier.PDS, number_of_threads=t.num_mma_threads)
             if const_expr(self.grad_bias):
                 if tidx == 0:  # both halves are written
                     self.store_grad_bias(
@@ -2172,7 +2118,7 @@ class AttentionBackwardSm90:
         """dK / dV (cast) into K's / V's shared memory by stmatrix, once the other warpgroup's
         last wgmmas (dQ's K, dP^T's V) have read K and V."""
         t = self.tiles
-        cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=t.num_mma_threads)
+        cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE, number_of_threads=t.num_mma_threads)
         for acc, s, tiled_mma in ((acc_dK, sK, tiled_mma_dkv), (acc_dV, sV, tiled_mma_dv)):
             r2s = t.r2s_copy_dkv(self.dtype, tiled_mma)
             thr = r2s.get_slice(tidx)
@@ -2191,7 +2137,7 @@ class AttentionBackwardSm90:
         tma_dK, gdK_tma, tma_dV, gdV_tma = dkv_tma
         self.stage_dkv(acc_dK, acc_dV, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx)
         cute.arch.fence_view_async_shared()  # visible to the TMA unit
-        cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=t.num_mma_threads)
+        cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE, number_of_threads=t.num_mma_threads)
         if tidx == 0:
             for atom, g_tma, s in ((tma_dK, gdK_tma, sK), (tma_dV, gdV_tma, sV)):
                 tile = (t.tile_n, cute.size(s, mode=[1]))
@@ -2227,7 +2173,7 @@ class AttentionBackwardSm90:
         TMA queue, and the CTA leaves without waiting for a TMA store to read shared memory."""
         t = self.tiles
         self.stage_dkv(acc_dK, acc_dV, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx)
-        cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=t.num_mma_threads)
+        cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE, number_of_threads=t.num_mma_threads)
         self.store_staged_dkv(sK, sV, mdK, mdV, tidx, t.num_mma_threads, n_block, head_kv, batch, offset_k, seqlen_k)
 
     @cute.jit
@@ -2285,11 +2231,7 @@ class AttentionBackwardSm90:
         B = None
         if const_expr(self.has_bias):
             B = cute.make_tensor(rBias.iterator, acc_mn_layout(rBias.layout))
-        need_mask = q0 + t.tile_m > seqlen_q or key0 + t.tile_n > seqlen_k
-        if const_expr(self.mask_type != 0):
-            need_mask = need_mask or key0 + t.tile_n - 1 > q0 + offset
-        if const_expr(self.has_window):
-            need_mask = need_mask or key0 <= q0 + t.tile_m - 1 + offset - window_size
+        need_mask = self.mask.needs_masking(q0, key0, seqlen_q, seqlen_k, offset, window_size)
         for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
             q_local = cS_mn[0, c][1]
             # already in log2 units: one multiply a column less
@@ -2300,17 +2242,7 @@ class AttentionBackwardSm90:
                     x = x + B[r, c].to(Float32) * LOG2_E
                 S[r, c] = cute.math.exp2(x, fastmath=True)
         if need_mask:
-            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                q = q0 + cS_mn[0, c][1]
-                for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                    k = key0 + cS_mn[r, c][0]
-                    masked = q >= seqlen_q or k >= seqlen_k
-                    if const_expr(self.mask_type != 0):
-                        masked = masked or k > q + offset
-                    if const_expr(self.has_window):
-                        masked = masked or k <= q + offset - window_size
-                    if masked:
-                        S[r, c] = Float32(0.0)
+            self.mask.apply_transposed(S, cS_mn, q0, key0, seqlen_q, seqlen_k, offset, window_size)
 
     @cute.jit
     def grad_scores(self, acc_dP, acc_P, cS_mn, sDelta, stage, keep=None, feat=None, delta=None):
@@ -2455,9 +2387,9 @@ class AttentionBackwardSm90:
         buf = i % KEEP_FLAG_BUFFERS
         # static barrier ids (a register id makes ptxas reserve all 16)
         if wg == 0:
-            cute.arch.barrier(barrier_id=BAR_KEEP_FLAGS, number_of_threads=128)
+            cute.arch.barrier(barrier_id=NamedBarrier.KEEP_FLAGS, number_of_threads=128)
         else:
-            cute.arch.barrier(barrier_id=BAR_KEEP_FLAGS + 1, number_of_threads=128)
+            cute.arch.barrier(barrier_id=NamedBarrier.KEEP_FLAGS_WG1, number_of_threads=128)
         rows = cute.size(cS_mn, mode=[0])
         n = rows * cute.size(cS_mn, mode=[1])
         words = [Uint32(0) for _ in range((n + 31) // 32)]
@@ -2630,20 +2562,20 @@ class AttentionBackwardSm90:
         if const_expr(self.tiles.dq_per_wg):
             # only this warpgroup and the store warp meet
             if wg == 0:
-                cute.arch.barrier(barrier_id=BAR_DQ_EMPTY, number_of_threads=handoff)
+                cute.arch.barrier(barrier_id=NamedBarrier.DQ_EMPTY, number_of_threads=handoff)
             else:
-                cute.arch.barrier(barrier_id=BAR_DQ_EMPTY_WG1, number_of_threads=handoff)
+                cute.arch.barrier(barrier_id=NamedBarrier.DQ_EMPTY_WG1, number_of_threads=handoff)
             cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQs[None, None, None, buf])
             cute.arch.fence_view_async_shared()
             if wg == 0:
-                cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=handoff)
+                cute.arch.barrier_arrive(barrier_id=NamedBarrier.DQ_FULL, number_of_threads=handoff)
             else:
-                cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL_WG1, number_of_threads=handoff)
+                cute.arch.barrier_arrive(barrier_id=NamedBarrier.DQ_FULL_WG1, number_of_threads=handoff)
         else:
-            cute.arch.barrier(barrier_id=BAR_DQ_EMPTY, number_of_threads=handoff)
+            cute.arch.barrier(barrier_id=NamedBarrier.DQ_EMPTY, number_of_threads=handoff)
             cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQs[None, None, None, buf])
             cute.arch.fence_view_async_shared()
-            cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=handoff)
+            cute.arch.barrier_arrive(barrier_id=NamedBarrier.DQ_FULL, number_of_threads=handoff)
 
     @cute.jit
     def dq_dk_split(
@@ -2658,9 +2590,9 @@ class AttentionBackwardSm90:
         storing = tidx % 128 == 0  # the bias gradient: this warpgroup's thread that stores the other half
         self.grad_bias_wait(storing)
         if wg == 0:
-            cute.arch.barrier_arrive(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
+            cute.arch.barrier_arrive(barrier_id=NamedBarrier.PDS, number_of_threads=t.num_mma_threads)
         else:
-            cute.arch.barrier_arrive(barrier_id=BAR_PDS_WG1, number_of_threads=t.num_mma_threads)
+            cute.arch.barrier_arrive(barrier_id=NamedBarrier.PDS_WG1, number_of_threads=t.num_mma_threads)
         wgmma(
             tiled_mma_dkv,
             acc_dK,
@@ -2669,9 +2601,9 @@ class AttentionBackwardSm90:
             zero_init=False,
         )
         if wg == 0:
-            cute.arch.barrier(barrier_id=BAR_PDS_WG1, number_of_threads=t.num_mma_threads)
+            cute.arch.barrier(barrier_id=NamedBarrier.PDS_WG1, number_of_threads=t.num_mma_threads)
         else:
-            cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
+            cute.arch.barrier(barrier_id=NamedBarrier.PDS, number_of_threads=t.num_mma_threads)
         if const_expr(self.grad_bias):
             if storing:  # the other warpgroup's keys: its half is written and fenced
                 feat, sdS, head, m_block, n_block = dbias
@@ -2729,7 +2661,7 @@ class AttentionBackwardSm90:
             self.ds_half_barrier(1 - wg, prev, False)
             if const_expr(carry_in is not None):
                 if g == carry_in[1]:  # the tile's step 0: the previous tile's dK has left this buffer
-                    named_barrier(BAR_DS_FREE, n_handoff, False)
+                    named_barrier(NamedBarrier.DS_FREE, n_handoff, False)
         cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, cyclic(g, t.ds_stages)])
         acc_dQ = self.issue_dq(tiled_mma_dq, shape_dq, tQrdS, tQrK, cyclic(g + t.ds_stages - 1, t.ds_stages))
         wgmma(
@@ -2743,7 +2675,7 @@ class AttentionBackwardSm90:
         if const_expr(carry_in is not None):
             if g > 0:
                 if g == carry_in[1]:  # ... and the previous tile's K: its buffer may be refilled
-                    named_barrier(BAR_K_FREE, n_handoff, True)
+                    named_barrier(NamedBarrier.K_FREE, n_handoff, True)
         cute.arch.fence_view_async_shared()
         self.ds_half_barrier(wg, g, True)
         wgmma(
@@ -2811,7 +2743,7 @@ class AttentionBackwardSm90:
         warpgroup.wait_group(0)
         if any_tile:
             self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, last % t.dq_stages, wg)
-            named_barrier(BAR_K_FREE, t.dkv_handoff_threads, True)
+            named_barrier(NamedBarrier.K_FREE, t.dkv_handoff_threads, True)
 
     @cute.jit
     def dkv_staged_barrier(self, buffer, arrive: cutlass.Constexpr):
@@ -2820,9 +2752,9 @@ class AttentionBackwardSm90:
         stage into a buffer again only after the store warps freed it."""
         n = self.tiles.dkv_handoff_threads
         if buffer == 0:
-            named_barrier(BAR_DKV_STAGED, n, arrive)
+            named_barrier(NamedBarrier.DKV_STAGED, n, arrive)
         else:
-            named_barrier(BAR_DKV_STAGED + 1, n, arrive)
+            named_barrier(NamedBarrier.DKV_STAGED_BUF1, n, arrive)
 
     @cute.jit
     def ds_half_barrier(self, owner, i, arrive: cutlass.Constexpr):
@@ -2832,14 +2764,14 @@ class AttentionBackwardSm90:
         n = self.tiles.num_mma_threads
         if owner == 0:
             if cyclic(i, 2) == 0:
-                named_barrier(BAR_PDS, n, arrive)
+                named_barrier(NamedBarrier.PDS, n, arrive)
             else:
-                named_barrier(BAR_PDS_ODD, n, arrive)
+                named_barrier(NamedBarrier.PDS_ODD, n, arrive)
         else:
             if cyclic(i, 2) == 0:
-                named_barrier(BAR_PDS_WG1, n, arrive)
+                named_barrier(NamedBarrier.PDS_WG1, n, arrive)
             else:
-                named_barrier(BAR_PDS_WG1_ODD, n, arrive)
+                named_barrier(NamedBarrier.PDS_WG1_ODD, n, arrive)
 
     @cute.jit
     def issue_dq(self, tiled_mma_dq, shape_dq, tQrdS, tQrK, ds_stage):

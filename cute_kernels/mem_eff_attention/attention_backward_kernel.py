@@ -44,6 +44,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32, Uint64, const_expr
 
+from cute_kernels.attention.mask import AttentionMask
+from cute_kernels.attention.seqlen_info import SeqlenInfo
 from cute_kernels.attention_bwd_prepost.compute_delta import compute_delta
 from cute_kernels.common.log2_units import LOG2_E
 from cute_kernels.common.philox import keep_flags_quads, philox_scalar
@@ -188,10 +190,9 @@ class AttentionBackwardKernel:
         """
         b = SimpleNamespace()
         if const_expr(self.varlen):
-            q_start = t.mCuSeqlensQ[batch]
-            k_start = t.mCuSeqlensK[batch]
-            b.num_queries = t.mCuSeqlensQ[batch + 1] - q_start
-            b.num_keys = t.mCuSeqlensK[batch + 1] - k_start
+            seq = SeqlenInfo.create(batch, None, None, t.mCuSeqlensQ, t.mCuSeqlensK)
+            q_start, k_start = seq.offset_q, seq.offset_k
+            b.num_queries, b.num_keys = seq.seqlen_q, seq.seqlen_k
             rows_q = lambda m: cute.domain_offset((q_start, 0), m[0, None, head, None])  # noqa: E731
             rows_k = lambda m: cute.domain_offset((k_start, 0), m[0, None, head, None])  # noqa: E731
         else:
@@ -630,27 +631,19 @@ class AttentionBackwardKernel:
         acc_s = cute.make_rmem_tensor(m.thr_sdp.partition_shape_C((cfg.block_size_j, cfg.block_size_i)), Float32)
         acc_s.fill(0.0)
         gemm_smem(m.mma_sdp, acc_s, m.qk_rA, m.qk_rB, m.qk_sA, qk_sB, m.s2r_a_sdp, m.s2r_b_sdp)
-        # current key = key_start + kk, current query = query_start + qq
-        shift = query_start - key_start
-        if custom_mask_type == 2:  # CausalFromBottomRight
-            shift += p.num_keys - p.num_queries
-        causal = custom_mask_type != 0
-        windowed = window_size > 0
+        # coordinates local to the block: key kk, query qq; the mask's offset shifted by its corner
+        mask = AttentionMask(cfg.block_size_i, cfg.block_size_j, custom_mask_type, has_window=None)
+        shift = mask.causal_offset(p.num_queries, p.num_keys, shift=query_start - key_start)
         # Only blocks on an edge (sequence ends, the diagonal, the window's far side)
         # pay for the per-element mask.
-        on_edge = (num_keys_in_block < cfg.block_size_j) | (num_queries_in_block < cfg.block_size_i)
-        on_edge = on_edge | (causal & (shift < cfg.block_size_j - 1))
-        on_edge = on_edge | (windowed & (shift - window_size + cfg.block_size_i - 1 >= 0))
-        if on_edge:
+        if mask.needs_masking(0, 0, num_queries_in_block, num_keys_in_block, shift, window_size):
             for e in cutlass.range_constexpr(cute.size(acc_s)):
                 kk, qq = m.coord_s[e]
-                keep = (kk < num_keys_in_block) & (qq < num_queries_in_block)
-                keep = keep & ~(causal & (kk > qq + shift))
-                keep = keep & ~(windowed & (kk <= qq + shift - window_size))
+                masked = mask.masked(qq, kk, num_queries_in_block, num_keys_in_block, shift, window_size)
                 prob = cute.math.exp2(
                     self.logit_log2(s, acc_s[e], scale_log2, kk, qq) - s_lse[qq] * LOG2_E, fastmath=True
                 )
-                acc_s[e] = cutlass.select_(keep, prob, Float32(0.0))
+                acc_s[e] = cutlass.select_(masked, Float32(0.0), prob)
         else:
             for e in cutlass.range_constexpr(cute.size(acc_s)):
                 kk, qq = m.coord_s[e]
