@@ -28,10 +28,9 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
+from cute_kernels.attention.named_barrier import NamedBarrier
 from cute_kernels.common.log2_units import LOG2_E
 from cute_kernels.common.views import transpose_view
-
-from cute_kernels.attention.named_barrier import NamedBarrier
 
 from .attention_backward_sm90 import AttentionBackwardSm90
 from .wgmma import wgmma
