@@ -58,6 +58,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cute_kernels.attention.mask import AttentionMask
 from cute_kernels.attention.seqlen_info import SeqlenInfo
+from cute_kernels.attention.tile_scheduler import TileRing, TileSchedulerParams, tile_scheduler
 from cute_kernels.common.log2_units import LOG2_E
 from cute_kernels.common.views import select_modes
 from layouts.attention_bwd_prepost import SEQLEN_ROUND, VARLEN_ACCUM_PAD
@@ -202,6 +203,7 @@ class AttentionBackwardSm90(
         schedule = self.tile_schedule(tiles, mask_type, has_window, deterministic, varlen, has_bias, dropout)
         self.persistent = schedule != "grid"
         self.dynamic_tiles = schedule == "dynamic"
+        self.scheduler = tile_scheduler(schedule, self.lpt)
         # persistent CTAs over equal tiles (every tile has steps): the last block's dQ of a tile
         # is the next tile's step 0 product (dK staged in a free dS buffer, K kept until then);
         # the caller asks for it where tiles are short (tiles.carries_dq)
@@ -422,7 +424,7 @@ class AttentionBackwardSm90(
         if const_expr(self.persistent):
             tiles_total = n_blocks * heads_kv * batches
             grid = (cutlass.min(tiles_total, num_ctas), 1, 1)
-        sched = (n_blocks, heads_kv, batches, heads_per_chunk)
+        sched = TileSchedulerParams(n_blocks, heads_kv, batches, heads_per_chunk)
         rng = None
         if const_expr(self.dropout):
             rng = (philox_seed, philox_offset, dropout_p, dropout_scale, dropout_bh_elems)
@@ -518,14 +520,14 @@ class AttentionBackwardSm90(
         group: Int32,
         softmax_scale: Float32,
         window_size: Int32,
-        sched: tuple,
+        sched: TileSchedulerParams,
         rng: Optional[tuple],
         SharedStorage: cutlass.Constexpr,
     ):
         t = self.tiles
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        n_block, head_kv, batch = self.cta_coords(sched)
+        n_block, head_kv, batch = self.scheduler.cta_coords(sched)
         if warp_idx == 0:
             if const_expr(self.dq_ready):
                 # ConvertDQReady, behind on the stream, may take the multiprocessors this grid's
@@ -583,7 +585,7 @@ class AttentionBackwardSm90(
                     cute.arch.mbarrier_init(mbar_kv, 1)
             if const_expr(t.kv_buffers > 1):  # one tile a CTA: the first buffer alone
                 sK, sV = sK[None, None, 0], sV[None, None, 0]
-        tiles_args = None  # persistent CTAs: (tile ring pipeline, its slots, the tile counter)
+        tiles_args = None  # dynamic_tiles: TileRing
         if const_expr(self.dynamic_tiles):
             # the producer warp takes tiles from the counter and hands them to the other warps
             pipe_tile = pipeline.PipelineAsync.create(
@@ -593,7 +595,7 @@ class AttentionBackwardSm90(
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.num_threads - 32),
                 defer_sync=True,
             )
-            tiles_args = (pipe_tile, storage.sTile.get_tensor(cute.make_layout(t.tile_ring)), mTileCounter)
+            tiles_args = TileRing(pipe_tile, storage.sTile.get_tensor(cute.make_layout(t.tile_ring)), mTileCounter)
         pipe_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_q.data_ptr(),
             num_stages=t.stages,
@@ -710,7 +712,7 @@ class AttentionBackwardSm90(
                 )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            feat = self.features(mBias, grad_bias_tma, sKeep, rng, batch, group * sched[1])  # query heads
+            feat = self.features(mBias, grad_bias_tma, sKeep, rng, batch, group * sched.heads_kv)  # query heads
             dkv_out = (mdK, mdV, dkv_tma)
             self.mma(
                 sQ,
@@ -745,7 +747,7 @@ class AttentionBackwardSm90(
     def tile_work(self, sched, tile, group, seqlen_q, seqlen_k, window_size):
         """Persistent CTAs: (key block, batch, work) of tile ``tile``; work as ``kernel``'s:
         (key head, group, first and end query block)."""
-        n_block, head_kv, batch = self.coords_of(sched, tile)
+        n_block, head_kv, batch = self.scheduler.coords_of(sched, tile)
         return n_block, batch, self.work_of(n_block, head_kv, group, seqlen_q, seqlen_k, window_size)
 
     @cute.jit
@@ -758,78 +760,6 @@ class AttentionBackwardSm90(
         if const_expr(self.rotates):
             rot = n_block * (m_max - m_min) // cute.ceil_div(seqlen_k, self.tiles.tile_n)
         return (head_kv, group, m_min, m_max, rot)
-
-    @cute.jit
-    def publish_tile(self, tiles_args, tile, ring):
-        """``dynamic_tiles``: the producer warp hands ``tile`` to the other warps through the ring."""
-        if const_expr(self.dynamic_tiles):
-            pipe_tile, sTile, _ = tiles_args
-            pipe_tile.producer_acquire(ring)
-            with cute.arch.elect_one():
-                sTile[ring.index] = tile
-                pipe_tile.producer_commit(ring)
-            ring.advance()
-        return ring
-
-    @cute.jit
-    def fetch_tile(self, tiles_args, tile, step):
-        """The producer warp's next tile: tile + step, or with ``dynamic_tiles`` the counter's next
-        (the first ``step`` tiles are the CTAs' own)."""
-        if const_expr(self.dynamic_tiles):
-            taken = Int32(0)
-            if cute.arch.lane_idx() == 0:
-                taken = cute.arch.atomic_add(tiles_args[2].iterator, Int32(1), sem="relaxed", scope="gpu")
-            tile = cute.arch.shuffle_sync(taken, 0) + step
-        else:
-            tile = tile + step
-        return tile
-
-    @cute.jit
-    def take_tile(self, tiles_args, tile, step, ring):
-        """Every other warp's next tile: tile + step, or with ``dynamic_tiles`` the ring's next."""
-        if const_expr(self.dynamic_tiles):
-            pipe_tile, sTile, _ = tiles_args
-            pipe_tile.consumer_wait(ring)
-            tile = sTile[ring.index]
-            pipe_tile.consumer_release(ring)
-            ring.advance()
-        else:
-            tile = tile + step
-        return tile, ring
-
-    @cute.jit
-    def cta_coords(self, sched):
-        """(key block, key head, batch) of this CTA. With ``lpt`` (causal masks) the 1-D grid
-        is walked heavy-first: key block n sees the query blocks from its diagonal on, so
-        block 0 carries the most work; all (batch, head) pairs of a chunk of
-        ``heads_per_chunk`` take block 0, then block 1, ... (the light blocks fill the last
-        wave instead of a head's block 0 starting late). The chunk keeps the Q / dO / dQ
-        rows the running CTAs share within L2."""
-        if const_expr(not self.lpt):
-            return cute.arch.block_idx()
-        cta, _, _ = cute.arch.block_idx()
-        return self.coords_of(sched, cta)
-
-    @cute.jit
-    def coords_of(self, sched, cta):
-        """(key block, key head, batch) of the CTA (or persistent tile) of linear index ``cta``:
-        ``cta_coords``'s heavy-first order with ``lpt``, else the grid's (key blocks fastest)."""
-        n_blocks, heads_kv, batches, heads_per_chunk = sched
-        if const_expr(not self.lpt):
-            bh = cta // n_blocks
-            batch = bh // heads_kv
-            return cta - bh * n_blocks, bh - batch * heads_kv, batch
-        per_chunk = heads_per_chunk * n_blocks
-        chunk = cta // per_chunk
-        r = cta - chunk * per_chunk
-        first = chunk * heads_per_chunk
-        width = heads_kv * batches - first  # the last chunk may hold fewer heads
-        if width > heads_per_chunk:
-            width = heads_per_chunk
-        n_block = r // width
-        bh = first + r - n_block * width
-        batch = bh // heads_kv
-        return n_block, bh - batch * heads_kv, batch
 
     @cute.jit
     def seq_tile_view(self, g, head, batch, row0):

@@ -214,7 +214,7 @@ class DqAccumulatorMixin:
         kernel's start, until none is left; the dQ-store warps zero a block nobody has reached
         yet themselves (``wait_zeroed``)."""
         t = self.tiles
-        _, heads_kv, batches, _ = sched
+        heads_kv, batches = sched.heads_kv, sched.batches
         m_blocks = cute.ceil_div(seqlen_q, t.tile_m)
         per_pair = group * m_blocks
         total = batches * heads_kv * per_pair
@@ -240,7 +240,7 @@ class DqAccumulatorMixin:
     def zero_owned(self, dq_first, sched, tile, group, seqlen_q, seqlen_k, part):
         """zero_ahead: zero the accumulator blocks tile ``tile`` owns, the two zeroing warps taking
         every other one (``part``); a block someone else claimed is skipped."""
-        n_block, head_kv, batch = self.coords_of(sched, tile)
+        n_block, head_kv, batch = self.scheduler.coords_of(sched, tile)
         lo, hi = self.owned_blocks(n_block, seqlen_q, seqlen_k)
         lane = cute.arch.lane_idx()
         for k in cutlass.range(part, group * (hi - lo), len(DKV_STORE_WARPS), unroll=1):

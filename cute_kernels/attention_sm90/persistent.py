@@ -42,8 +42,7 @@ class PersistentRolesMixin:
         global memory and free the buffer (measured: ~2 us of a 24 us CTA at 8x16x1024x64 waited
         for K / V, ~1 us stored dK / dV; docs/attention_sm90.md)."""
         t = self.tiles
-        n_blocks, heads_kv, batches, _ = sched
-        total = n_blocks * heads_kv * batches
+        total = sched.total
         first, _, _ = cute.arch.block_idx()
         step, _, _ = cute.arch.grid_dim()
         rows = (Int32(0), Int32(0))
@@ -56,17 +55,17 @@ class PersistentRolesMixin:
                 kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, t.kv_buffers)
                 tile = first
                 while tile < total:
-                    ring = self.publish_tile(tiles_args, tile, ring)
+                    ring = self.scheduler.publish_tile(tiles_args, tile, ring)
                     n_block, batch, work = self.tile_work(sched, tile, group, seqlen_q, seqlen_k, window_size)
                     state, kv_state = self.load(
                         *load_args[:-1], None, n_block, batch, work, rows, kv=(load_args[-1], kv_state, state)
                     )
-                    tile = self.fetch_tile(tiles_args, tile, step)
-                ring = self.publish_tile(tiles_args, total, ring)  # the end, for the other warps
+                    tile = self.scheduler.fetch_tile(tiles_args, tile, step)
+                ring = self.scheduler.publish_tile(tiles_args, total, ring)  # the end, for the other warps
             if warp_idx == 1:
                 gdQ_tma, sdQ, tma_dQ, mSemaphore, dq_first = store_args
                 pending = Int32(-1)  # store_first: published across tiles
-                tile, ring = self.take_tile(tiles_args, first - step, step, ring)
+                tile, ring = self.scheduler.take_tile(tiles_args, first - step, step, ring)
                 while tile < total:
                     n_block, batch, work = self.tile_work(sched, tile, group, seqlen_q, seqlen_k, window_size)
                     pending = self.store_dq(
@@ -84,7 +83,7 @@ class PersistentRolesMixin:
                         dq_first,
                         pending,
                     )
-                    tile, ring = self.take_tile(tiles_args, tile, step, ring)
+                    tile, ring = self.scheduler.take_tile(tiles_args, tile, step, ring)
                 if const_expr(self.store_first):
                     self.publish_stored(dq_first[0], pending, cute.arch.lane_idx(), 0)
             if warp_idx >= DKV_STORE_WARPS[0]:
@@ -97,14 +96,14 @@ class PersistentRolesMixin:
                 store_threads = t.dkv_store_threads
                 store_tidx = tidx - 32 * DKV_STORE_WARPS[0]
                 done = Int32(0)  # carry_dq: the steps of the tiles before (dK's dS buffer)
-                tile, ring = self.take_tile(tiles_args, first - step, step, ring)
+                tile, ring = self.scheduler.take_tile(tiles_args, first - step, step, ring)
                 zeroing = warp_idx - DKV_STORE_WARPS[0]  # zero_ahead: this warp's share of the owned blocks
                 if const_expr(self.zero_ahead):
                     cute.arch.griddepcontrol_wait()  # (the flags' zeroing is before the preprocess)
                     if const_expr(self.dynamic_tiles):
                         # causal: every block at the start, from a counter of zeroing jobs (a CTA
                         # learns its next tile only near the end of the current one)
-                        self.zero_jobs(store_args[4], tiles_args[2].iterator + 1, sched, group, seqlen_q)
+                        self.zero_jobs(store_args[4], tiles_args.counter.iterator + 1, sched, group, seqlen_q)
                     else:
                         if tile < total:
                             self.zero_owned(store_args[4], sched, tile, group, seqlen_q, seqlen_k, zeroing)
@@ -162,7 +161,7 @@ class PersistentRolesMixin:
                         )
                     pipe_kv.consumer_release(kv_state)
                     kv_state.advance()
-                    tile, ring = self.take_tile(tiles_args, tile, step, ring)
+                    tile, ring = self.scheduler.take_tile(tiles_args, tile, step, ring)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS_PERSISTENT)
             sQ, sdO, sdS, sdQ, sLSE, sDelta, dkv_out, mma_sdp, mma_dkv, mma_dv, mma_dq, pipe_q, pipe_do, _ = mma_args
@@ -171,7 +170,7 @@ class PersistentRolesMixin:
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.kv_buffers)
             done = Int32(0)  # carry_dq: the steps of the tiles before
-            tile, ring = self.take_tile(tiles_args, first - step, step, ring)
+            tile, ring = self.scheduler.take_tile(tiles_args, first - step, step, ring)
             while tile < total:
                 n_block, batch, work = self.tile_work(sched, tile, group, seqlen_q, seqlen_k, window_size)
                 b = kv_state.index
@@ -205,6 +204,6 @@ class PersistentRolesMixin:
                     kv=(pipe_kv, kv_state, state),
                     carry=(done, sK, sdK_carry) if const_expr(self.carry_dq) else None,
                 )
-                tile, ring = self.take_tile(tiles_args, tile, step, ring)
+                tile, ring = self.scheduler.take_tile(tiles_args, tile, step, ring)
             if const_expr(self.carry_dq):
                 self.carried_dq_tail(sK, sdS, sdQ, mma_dq, tidx - 128, done, kv_state, first < total)
