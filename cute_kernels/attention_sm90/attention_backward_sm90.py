@@ -30,21 +30,12 @@ both warpgroups are done with K / V, then their dK / dV are written and, with
 dkv_vector_store, read back). Options and their
 measurements: layouts/attention_sm90.py, docs/attention_sm90.md.
 
-With ``tail_m`` (d128's tiles, the host's choice per sequence length) the partial last query
-block's step runs on tiled MMAs tail_m queries wide (``tail_operands``, ``steps_with_tail``):
-its S^T / dP^T / dQ^T need 16-64 columns of 80 and dV / dK one to four k-blocks of five.
-
 Launched with programmatic dependent launch behind the preprocess launch, which triggers
 it once its loads are done: K / V loads and the CTA's set-up overlap the preprocess's
 tail; the producer and the dQ-store warp wait for the preprocess grid (griddepcontrol)
 before reading Δ / LSE or adding into the accumulator. Launch it right behind that
 preprocess (nothing in between on the stream).
-
-With ``dq_ready`` every CTA lets the launch behind it go at its start
-(griddepcontrol.launch_dependents) and counts its key block into a zeroed int32 per
-(sequence, key head) once its dQ adds are written (release): ``ConvertDQReady``, launched
-behind as a programmatic dependent, converts a head's dQ as soon as all its key blocks are
-counted, on the multiprocessors this grid's last wave leaves idle.
+(``dq_ready``, ``tail_m``: ``DqAccumulatorMixin``, ``ConsumerStepsMixin``.)
 """
 
 from typing import Optional
@@ -82,6 +73,7 @@ from .features import FeaturesMixin
 from .operands import OperandsMixin, StepEnv
 from .persistent import PersistentRolesMixin
 from .producer import ProducerMixin
+from .work import WorkMixin
 
 
 class AttentionBackwardSm90(
@@ -92,6 +84,7 @@ class AttentionBackwardSm90(
     ConsumerStepsMixin,
     ProducerMixin,
     PersistentRolesMixin,
+    WorkMixin,
 ):
     """Configuration: element type, tiles, mask (0 none, 1 causal from the top-left, 2 from the
     bottom-right) and, with a causal mask, a sliding window (key k sees query q when
@@ -123,37 +116,7 @@ class AttentionBackwardSm90(
     warpgroup's barrier. dV += (P∘Z)^T dO and dS = P∘(Z∘dP - Δ), Z = 0 or 1 / (1 - p);
     Δ = rowsum(dO∘O) as without dropout (O holds the dropped P).
 
-    ``carry_dq`` (persistent CTAs over equal tiles, asked for where tiles are short): a tile's
-    last block's dQ is the next tile's step 0 product (with ``dq_defer`` step 0 had none), on the
-    finished tile's K, which stays in its buffer until then; that tile's dK is staged in the dS
-    buffer its next block writes, and the store warps read it out first (``NamedBarrier.DS_FREE``) and
-    free the K / V buffer once step 0 is done with K (``NamedBarrier.K_FREE``). The CTA's last tile runs
-    its last dQ after the loop (``carried_dq_tail``).
-
-    ``store_first`` (the caller asks for it where every query block is seen by some key block):
-    the accumulator is not zeroed; the first key block to reach a query block stores its dQ
-    there (a TMA store instead of a reduce-add) and publishes it, the others add once it is
-    published. A zeroed int32 per (batch, query head, query block) is 0 (free), 1 (claimed by
-    the CTA storing it) or 2 (stored). The dQ-store warp claims a block by compare-and-swap
-    before its dQ is staged; without a mask key block n walks its query blocks from
-    n * blocks / key blocks on (``work_item``), so claims rarely meet.
-
-    ``zero_ahead`` (persistent CTAs over equal tiles, "persistent" schedule): the accumulator is
-    not zeroed by the preprocess either; the kernel zeroes it a round of tiles ahead. Each query block is
-    owned by one key block of its head (a contiguous share, ``owned_blocks``); the producer
-    warpgroup's dK / dV store warps, idle while a tile runs, zero the blocks their CTA's next tile
-    owns (the first tile's at the CTA's start), each block claimed on its flag first (a zeroed
-    int32 per (batch, query head, query block): 0 untouched, 1 being zeroed, 2 zeroed). The
-    dQ-store warp reads a tile's flags 32 blocks at a time, without waiting, and looks at a
-    block not yet seen zeroed again only when its copy is due (``wait_zeroed``): still untouched,
-    it zeroes the block itself, so no CTA ever waits for one that has not started (persistent
-    CTAs need not all be resident); being zeroed, it waits for the running zeroing warp. Blocks
-    owned by a head's other tiles are zeroed a round ahead as long as a head's key blocks fit
-    the grid, which the caller keeps (else the store warps would zero most blocks late). With
-    tiles from the counter (causal masks) a CTA learns its next tile only near the end of the
-    current one, so the zeroing warps of every CTA instead zero all blocks at the kernel's
-    start, taking them from a second counter in the order the heavy-first walk reaches their
-    heads (``zero_jobs``); the dQ-store warps' takeover is the same."""
+    ``carry_dq``, ``store_first``, ``zero_ahead``: ``ConsumerStepsMixin``, ``DqAccumulatorMixin``."""
 
     def __init__(
         self,
@@ -743,61 +706,6 @@ class AttentionBackwardSm90(
                 feat,
             )
 
-    @cute.jit
-    def tile_work(self, sched, tile, group, seqlen_q, seqlen_k, window_size):
-        """Persistent CTAs: (key block, batch, work) of tile ``tile``; work as ``kernel``'s:
-        (key head, group, first and end query block)."""
-        n_block, head_kv, batch = self.scheduler.coords_of(sched, tile)
-        return n_block, batch, self.work_of(n_block, head_kv, group, seqlen_q, seqlen_k, window_size)
-
-    @cute.jit
-    def work_of(self, n_block, head_kv, group, seqlen_q, seqlen_k, window_size):
-        """(key head, group, first and end query block, rotation) of key block ``n_block``: its
-        steps walk the group's query heads, each from query block first + rotation round to
-        it (``work_item``; the rotation is 0 unless ``rotates``)."""
-        m_min, m_max = self.mask.m_block_range(n_block, seqlen_q, seqlen_k, window_size)
-        rot = Int32(0)
-        if const_expr(self.rotates):
-            rot = n_block * (m_max - m_min) // cute.ceil_div(seqlen_k, self.tiles.tile_n)
-        return (head_kv, group, m_min, m_max, rot)
-
-    @cute.jit
-    def seq_tile_view(self, g, head, batch, row0):
-        """(rows, d) view of one head of one sequence: the batch index, or with varlen the
-        packed rows from ``row0`` on (a TMA coordinate tensor or a global tensor alike)."""
-        if const_expr(self.varlen):
-            return cute.domain_offset((row0, 0), g[None, None, head, 0])
-        return g[None, None, head, batch]
-
-    @cute.jit
-    def work_item(self, work, i):
-        """(query head, query block) of the CTA's i-th step."""
-        head_kv, group, m_min, m_max, rot = work
-        g = i // (m_max - m_min)
-        r = i - g * (m_max - m_min)
-        if const_expr(self.rotates):
-            r = r + rot
-            if r >= m_max - m_min:
-                r = r - (m_max - m_min)
-        return head_kv * group + g, m_min + r
-
-    @cute.jit
-    def next_work_item(self, work, head, m_block):
-        """The step after (head, m_block) in ``work_item``'s order, without its division (the
-        consumers carry the pair from step to step: ~20 instructions a step less)."""
-        _, _, m_min, m_max, rot = work
-        m_block = m_block + 1
-        if const_expr(self.rotates):
-            if m_block == m_max:
-                m_block = m_min
-            if m_block == m_min + rot:  # round to where the head began
-                head = head + 1
-        else:
-            if m_block == m_max:
-                m_block = m_min
-                head = head + 1
-        return head, m_block
-
     # ---------------------------------------------------------------------------- producer
 
     # --------------------------------------------------------------------------- consumers
@@ -867,14 +775,6 @@ class AttentionBackwardSm90(
             sK_both=sK_both,
         )
         acc_dV, acc_dK = self.dkv_accumulators(tiled_mma_dkv, tiled_mma_dv, tidx)
-        tSrK, tSrQ, tPrV, tPrdO, acc_S, acc_dP = (
-            full_ops.tSrK,
-            full_ops.tSrQ,
-            full_ops.tPrV,
-            full_ops.tPrdO,
-            full_ops.acc_S,
-            full_ops.acc_dP,
-        )
 
         offset = self.mask.causal_offset(seqlen_q, seqlen_k)
         key0 = n_block * t.tile_n
@@ -895,9 +795,9 @@ class AttentionBackwardSm90(
         elif m_min < m_max:
             cute.arch.mbarrier_wait(mbar_kv, 0)
             if const_expr(prefetch):
-                self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
+                self.issue_s(pipe_q, state_next, tiled_mma_sdp, full_ops.acc_S, full_ops.tSrK, full_ops.tSrQ)
                 if const_expr(t.overlap == "sdp"):
-                    self.issue_dp(pipe_do, state_next, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
+                    self.issue_dp(pipe_do, state_next, tiled_mma_sdp, full_ops.acc_dP, full_ops.tPrV, full_ops.tPrdO)
                 state_next.advance()
         env = StepEnv(
             pipe_q=pipe_q,

@@ -16,7 +16,18 @@ from .wgmma import acc_as_operand_a, acc_mn_layout, wgmma
 
 
 class ConsumerStepsMixin:
-    """One consumer step and its handoffs (``AttentionBackwardSm90``'s configuration)."""
+    """One consumer step and its handoffs (``AttentionBackwardSm90``'s configuration).
+
+    With ``tail_m`` (d128's tiles, the host's choice per sequence length) the partial last query
+    block's step runs on tiled MMAs tail_m queries wide (``tail_operands``, ``steps_with_tail``):
+    its S^T / dP^T / dQ^T need 16-64 columns of 80 and dV / dK one to four k-blocks of five.
+
+    ``carry_dq`` (persistent CTAs over equal tiles, asked for where tiles are short): a tile's
+    last block's dQ is the next tile's step 0 product (with ``dq_defer`` step 0 had none), on the
+    finished tile's K, which stays in its buffer until then; that tile's dK is staged in the dS
+    buffer its next block writes, and the store warps read it out first (``NamedBarrier.DS_FREE``) and
+    free the K / V buffer once step 0 is done with K (``NamedBarrier.K_FREE``). The CTA's last tile runs
+    its last dQ after the loop (``carried_dq_tail``)."""
 
     @cute.jit
     def steps_with_tail(self, full_ops, env, work, state, head, m_block, seqlen_q, tail_args):

@@ -15,7 +15,38 @@ from layouts.attention_sm90 import (
 
 
 class DqAccumulatorMixin:
-    """The dQ-store warp and the zeroing warps (``AttentionBackwardSm90``'s configuration)."""
+    """The dQ-store warp and the zeroing warps (``AttentionBackwardSm90``'s configuration).
+
+    With ``dq_ready`` every CTA lets the launch behind it go at its start
+    (griddepcontrol.launch_dependents) and counts its key block into a zeroed int32 per
+    (sequence, key head) once its dQ adds are written (release): ``ConvertDQReady``, launched
+    behind as a programmatic dependent, converts a head's dQ as soon as all its key blocks are
+    counted, on the multiprocessors this grid's last wave leaves idle.
+
+    ``store_first`` (the caller asks for it where every query block is seen by some key block):
+    the accumulator is not zeroed; the first key block to reach a query block stores its dQ
+    there (a TMA store instead of a reduce-add) and publishes it, the others add once it is
+    published. A zeroed int32 per (batch, query head, query block) is 0 (free), 1 (claimed by
+    the CTA storing it) or 2 (stored). The dQ-store warp claims a block by compare-and-swap
+    before its dQ is staged; without a mask key block n walks its query blocks from
+    n * blocks / key blocks on (``work_item``), so claims rarely meet.
+
+    ``zero_ahead`` (persistent CTAs over equal tiles, "persistent" schedule): the accumulator is
+    not zeroed by the preprocess either; the kernel zeroes it a round of tiles ahead. Each query block is
+    owned by one key block of its head (a contiguous share, ``owned_blocks``); the producer
+    warpgroup's dK / dV store warps, idle while a tile runs, zero the blocks their CTA's next tile
+    owns (the first tile's at the CTA's start), each block claimed on its flag first (a zeroed
+    int32 per (batch, query head, query block): 0 untouched, 1 being zeroed, 2 zeroed). The
+    dQ-store warp reads a tile's flags 32 blocks at a time, without waiting, and looks at a
+    block not yet seen zeroed again only when its copy is due (``wait_zeroed``): still untouched,
+    it zeroes the block itself, so no CTA ever waits for one that has not started (persistent
+    CTAs need not all be resident); being zeroed, it waits for the running zeroing warp. Blocks
+    owned by a head's other tiles are zeroed a round ahead as long as a head's key blocks fit
+    the grid, which the caller keeps (else the store warps would zero most blocks late). With
+    tiles from the counter (causal masks) a CTA learns its next tile only near the end of the
+    current one, so the zeroing warps of every CTA instead zero all blocks at the kernel's
+    start, taking them from a second counter in the order the heavy-first walk reaches their
+    heads (``zero_jobs``); the dQ-store warps' takeover is the same."""
 
     @cute.jit
     def store_dq(
