@@ -28,10 +28,11 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
+from cute_kernels.attention.named_barrier import NamedBarrier
 from cute_kernels.common.log2_units import LOG2_E
 from cute_kernels.common.views import transpose_view
 
-from .attention_backward_sm90 import BAR_DQ_EMPTY, BAR_DQ_FULL, BAR_PDS, AttentionBackwardSm90
+from .attention_backward_sm90 import AttentionBackwardSm90
 from .wgmma import wgmma
 
 
@@ -107,7 +108,7 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
         tdQs0 = thr_r2s_dq.partition_D(cute.local_tile(sdQ, dq_half, (0, 0, 0)))
         tdQs1 = thr_r2s_dq.partition_D(cute.local_tile(sdQ, dq_half, (0, 1, 0)))
 
-        offset = self.causal_offset(seqlen_q, seqlen_k)
+        offset = self.mask.causal_offset(seqlen_q, seqlen_k)
         key0 = n_block * t.tile_n
         acc_S = cute.make_rmem_tensor(shape_sdp, Float32)
         acc_dP = cute.make_rmem_tensor(shape_sdp, Float32)
@@ -142,7 +143,7 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
             # which it does after waiting for its block-i products
             cute.arch.fence_view_async_shared()
             self.grad_bias_wait(tidx == 0)  # its last bias-gradient store has read its buffer
-            cute.arch.barrier(barrier_id=BAR_PDS, number_of_threads=t.num_mma_threads)
+            cute.arch.barrier(barrier_id=NamedBarrier.PDS, number_of_threads=t.num_mma_threads)
             if const_expr(self.grad_bias):
                 if tidx == 0:  # dB = dS: the whole block is one TMA box
                     self.store_grad_bias(feat, sdS, ds_buf, 0, head, m_block, n_block)
@@ -160,13 +161,13 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
             # dQ -> sdQ for the store warp's reduce-add of the whole tile, one half at a
             # time (with dK running): both halves' accumulators at once would not fit
             buf = i % t.dq_stages
-            cute.arch.barrier(barrier_id=BAR_DQ_EMPTY, number_of_threads=t.dq_handoff_threads)
+            cute.arch.barrier(barrier_id=NamedBarrier.DQ_EMPTY, number_of_threads=t.dq_handoff_threads)
             cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQs0[None, None, None, buf])
             wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_buf], tQrK1, zero_init=True)
             warpgroup.wait_group(0)
             cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQs1[None, None, None, buf])
             cute.arch.fence_view_async_shared()
-            cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL, number_of_threads=t.dq_handoff_threads)
+            cute.arch.barrier_arrive(barrier_id=NamedBarrier.DQ_FULL, number_of_threads=t.dq_handoff_threads)
             pipe_q.consumer_release(state)
             state.advance()
             head, m_block = self.next_work_item(work, head, m_block)

@@ -1,0 +1,166 @@
+"""The causal / sliding-window mask of the attention kernels, in one place.
+
+Mask types: 0 none, 1 causal from the top-left, 2 causal from the bottom-right. With the
+causal offset (0, or Sk - Sq from the bottom-right) key k sees query q when k <= q + offset;
+a sliding window (causal masks only) also needs q + offset - window_size < k. Positions past
+the sequences (q >= Sq, k >= Sk) are masked too.
+
+The configuration is compile-time where the kernel specialises on it (a Python int / bool),
+or runtime values (an Int32 mask type, windows on where window_size > 0) where one kernel
+serves every mask. Compile-time flags fold away; the predicates combine with short-circuit
+``or`` (selects) for a compile-time mask and with bitwise ops on the runtime flags otherwise
+(the forms the kernels were tuned with: the generated code stays theirs).
+
+Coordinates may be global (a block's first query / key plus the element's place in it) or
+local to a block (first query / key 0, the sequence bounds and the offset shifted by the
+block's corner): the predicates only compare differences.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+NO_MASK = 0
+CAUSAL_TOP_LEFT = 1
+CAUSAL_BOTTOM_RIGHT = 2
+
+
+def _zero(like):
+    """0 as an Int32 in a kernel, a Python int on the host (the block ranges run on both)."""
+    return 0 if isinstance(like, int) else Int32(0)
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    """``tile_m`` queries x ``tile_n`` keys a block. ``mask_type``: 0 / 1 / 2 (a Python int), or
+    an Int32 read at runtime. ``has_window``: a Python bool, or None for a runtime window (on
+    where window_size > 0). ``varlen``: a grid sized for the longest sequence may give a key
+    block past its sequence's keys (``m_block_range`` then has none)."""
+
+    tile_m: int
+    tile_n: int
+    mask_type: Any = NO_MASK
+    has_window: Any = False
+    varlen: bool = False
+
+    @property
+    def static(self) -> bool:
+        """Whether the mask type is known at compile time."""
+        return isinstance(self.mask_type, int)
+
+    @property
+    def causal(self):
+        """Python bool (compile time) or Boolean (runtime)."""
+        return self.mask_type != NO_MASK
+
+    def windowed(self, window_size):
+        """Python bool (compile time) or Boolean (runtime: window_size > 0)."""
+        return window_size > 0 if self.has_window is None else self.has_window
+
+    @cute.jit
+    def causal_offset(self, seqlen_q, seqlen_k, shift=None):
+        """Key k sees query q when k <= q + offset (plus ``shift``: a block's corner, for
+        coordinates local to the block)."""
+        offset = _zero(seqlen_q) if const_expr(shift is None) else shift
+        if const_expr(self.static):
+            if const_expr(self.mask_type == CAUSAL_BOTTOM_RIGHT):
+                offset = seqlen_k - seqlen_q if const_expr(shift is None) else offset + (seqlen_k - seqlen_q)
+        else:
+            if self.mask_type == CAUSAL_BOTTOM_RIGHT:
+                offset += seqlen_k - seqlen_q
+        return offset
+
+    def masked(self, q, k, seqlen_q, seqlen_k, offset, window_size):
+        """Whether query q does not see key k (or either lies past its sequence)."""
+        if self.static:
+            m = cutlass.or_(q >= seqlen_q, k >= seqlen_k)
+            m = cutlass.or_(m, k > q + offset) if self.causal else m
+            return cutlass.or_(m, k <= q + offset - window_size) if self.has_window else m
+        # runtime flags: the visible set as a conjunction (no selects between the cuts)
+        seen = (k < seqlen_k) & (q < seqlen_q)
+        seen = seen & ~(self.causal & (k > q + offset))
+        return ~(seen & ~(self.windowed(window_size) & (k <= q + offset - window_size)))
+
+    def needs_masking(self, q0, key0, seqlen_q, seqlen_k, offset, window_size):
+        """Whether the block of queries q0 .. q0 + tile_m - 1 and keys key0 .. key0 + tile_n - 1
+        has any masked element (an edge: a sequence end, the diagonal, the window's far side)."""
+        m, n = self.tile_m, self.tile_n
+        if self.static:
+            need = cutlass.or_(q0 + m > seqlen_q, key0 + n > seqlen_k)
+            need = cutlass.or_(need, key0 + n - 1 > q0 + offset) if self.causal else need
+            return cutlass.or_(need, key0 <= q0 + m - 1 + offset - window_size) if self.has_window else need
+        need = (seqlen_k - key0 < n) | (seqlen_q - q0 < m)
+        need = need | (self.causal & (q0 + offset - key0 < n - 1))
+        return need | (self.windowed(window_size) & (q0 + offset - key0 - window_size + m - 1 >= 0))
+
+    @cute.jit
+    def m_block_range(self, n_block, seqlen_q, seqlen_k, window_size):
+        """Query blocks [m_min, m_max) that see key block ``n_block`` (the backward's walk;
+        causal: from the diagonal on; a window also ends them where the block's last key
+        leaves it)."""
+        zero = _zero(n_block)
+        m_max = cute.ceil_div(seqlen_q, self.tile_m)
+        m_min = zero
+        if const_expr(self.varlen):
+            if n_block * self.tile_n >= seqlen_k:  # the grid covers the longest sequence's keys
+                m_max = zero
+        if const_expr(self.mask_type != NO_MASK):
+            offset = self.causal_offset(seqlen_q, seqlen_k)
+            first_q = n_block * self.tile_n - offset
+            if first_q > 0:
+                m_min = first_q // self.tile_m
+            if const_expr(self.has_window):
+                last_q = n_block * self.tile_n + self.tile_n - 1 - offset + window_size - 1
+                m_last = zero
+                if last_q >= 0:
+                    m_last = last_q // self.tile_m + 1
+                if m_last < m_max:
+                    m_max = m_last
+        return m_min, m_max
+
+    @cute.jit
+    def n_block_range(self, m_block, seqlen_q, seqlen_k, window_size):
+        """Key blocks [n_min, n_max) that query block ``m_block`` sees (the forward's walk, the
+        mirror of ``m_block_range``: causal ends them at the block's last query's diagonal, a
+        window starts them where its first query's window begins)."""
+        zero = _zero(m_block)
+        n_max = cute.ceil_div(seqlen_k, self.tile_n)
+        n_min = zero
+        if const_expr(self.mask_type != NO_MASK):
+            offset = self.causal_offset(seqlen_q, seqlen_k)
+            last_k = m_block * self.tile_m + self.tile_m - 1 + offset
+            n_last = zero
+            if last_k >= 0:
+                n_last = last_k // self.tile_n + 1
+            if n_last < n_max:
+                n_max = n_last
+            if const_expr(self.has_window):
+                first_k = m_block * self.tile_m + offset - window_size + 1
+                if first_k > 0:
+                    n_min = first_k // self.tile_n
+        return n_min, n_max
+
+    @cute.jit
+    def apply_transposed(self, S, coords, q0, key0, seqlen_q, seqlen_k, offset, window_size):
+        """Zero the masked values of a (key, query) fragment ``S`` (rows x columns, as S^T of the
+        backward's K Q^T); ``coords``: each value's (key, query) in the block."""
+        for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+            q = q0 + coords[0, c][1]
+            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                k = key0 + coords[r, c][0]
+                if self.masked(q, k, seqlen_q, seqlen_k, offset, window_size):
+                    S[r, c] = Float32(0.0)
+
+    @cute.jit
+    def apply(self, S, coords, q0, key0, seqlen_q, seqlen_k, offset, window_size, fill):
+        """Set the masked values of a (query, key) fragment ``S`` (rows x columns, as S of a
+        forward's Q K^T) to ``fill``; ``coords``: each value's (query, key) in the block."""
+        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+            q = q0 + coords[r, 0][0]
+            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                k = key0 + coords[r, c][1]
+                if self.masked(q, k, seqlen_q, seqlen_k, offset, window_size):
+                    S[r, c] = fill
