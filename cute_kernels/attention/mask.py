@@ -155,12 +155,23 @@ class AttentionMask:
                     S[r, c] = Float32(0.0)
 
     @cute.jit
-    def apply(self, S, coords, q0, key0, seqlen_q, seqlen_k, offset, window_size, fill):
-        """Set the masked values of a (query, key) fragment ``S`` (rows x columns, as S of a
-        forward's Q K^T) to ``fill``; ``coords``: each value's (query, key) in the block."""
+    def apply(self, S, coords, q0, key0, seqlen_k, offset, window_size):
+        """-inf on the masked values of a (query, key) fragment ``S`` (rows x columns, as S of a
+        forward's Q K^T; rows past the sequence are left, nothing reads them). ``coords``: (the
+        thread's, thread 0's) (query, key) in the block of each value. Columns are compared as
+        thread 0's, compile-time constants, against limits shifted by the thread's column
+        offset, so no per-value coordinate stays live in a register (a compile-time mask)."""
+        cS, t0S = coords
+        col_off = cS[0, 0][1]
+        seqlen_limit = seqlen_k - key0 - col_off
         for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-            q = q0 + coords[r, 0][0]
+            diagonal = q0 + cS[r, 0][0] + offset - key0 - col_off  # the row's last key seen, shifted
             for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                k = key0 + coords[r, c][1]
-                if self.masked(q, k, seqlen_q, seqlen_k, offset, window_size):
-                    S[r, c] = fill
+                col = t0S[0, c][1]
+                masked = col >= seqlen_limit
+                if const_expr(self.causal):
+                    masked = masked or col > diagonal
+                if const_expr(self.has_window):
+                    masked = masked or col <= diagonal - window_size
+                if masked:
+                    S[r, c] = -Float32.inf

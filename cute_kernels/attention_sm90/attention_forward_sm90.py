@@ -29,6 +29,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from cute_kernels.attention.mask import AttentionMask
 from cute_kernels.common.log2_units import LOG2_E
 from cute_kernels.common.views import select_modes, transpose_view
 from layouts.attention_fwd_sm90 import SMEM_ALIGN, SMEM_LIMIT, AttentionFwdSm90Tiles
@@ -73,6 +74,7 @@ class AttentionForwardSm90:
         self.mask_type = mask_type
         self.has_window = has_window
         self.varlen = varlen
+        self.mask = AttentionMask(tiles.tile_m, tiles.tile_n, mask_type, has_window, varlen)
         self.pingpong = pingpong(tiles)
 
     # ---------------------------------------------------------------------------- launch
@@ -293,7 +295,7 @@ class AttentionForwardSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        n_min, n_max = self.n_block_range(m_block, seqlen_q, seqlen_k, window_size)
+        n_min, n_max = self.mask.n_block_range(m_block, seqlen_q, seqlen_k, window_size)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS[t.consumer_wgs])
             if warp_idx == 0:
@@ -365,65 +367,6 @@ class AttentionForwardSm90:
             return gz - 1 - bz, bx, by
         return bx, by, bz
 
-    # --------------------------------------------------------------------------- masking
-    @cute.jit
-    def causal_offset(self, seqlen_q, seqlen_k):
-        """Key k sees query q when k <= q + offset."""
-        offset = Int32(0)
-        if const_expr(self.mask_type == 2):
-            offset = seqlen_k - seqlen_q
-        return offset
-
-    @cute.jit
-    def n_block_range(self, m_block, seqlen_q, seqlen_k, window_size):
-        """Key blocks [n_min, n_max) that query block ``m_block`` sees."""
-        t = self.tiles
-        n_max = cute.ceil_div(seqlen_k, t.tile_n)
-        n_min = Int32(0)
-        if const_expr(self.mask_type != 0):
-            offset = self.causal_offset(seqlen_q, seqlen_k)
-            last_key = cutlass.min((m_block + 1) * t.tile_m, seqlen_q) - 1 + offset
-            n_last = Int32(0)
-            if last_key >= 0:
-                n_last = last_key // t.tile_n + 1
-            n_max = cutlass.min(n_max, n_last)
-            if const_expr(self.has_window):
-                first_key = m_block * t.tile_m + offset - window_size + 1
-                if first_key > 0:
-                    n_min = first_key // t.tile_n
-        return n_min, n_max
-
-    @cute.jit
-    def needs_mask(self, q0, key0, seqlen_q, seqlen_k, offset, window_size):
-        """Whether block (q0.., key0..) has a masked value (the interior blocks have none)."""
-        t = self.tiles
-        need = key0 + t.tile_n > seqlen_k
-        if const_expr(self.mask_type != 0):
-            need = need or key0 + t.tile_n - 1 > q0 + offset
-        if const_expr(self.has_window):
-            need = need or key0 <= q0 + t.tile_m - 1 + offset - window_size
-        return need
-
-    @cute.jit
-    def apply_mask(self, S, coords, q0, key0, seqlen_k, offset, window_size):
-        """-inf where key k may not be seen by query q (S rows x columns = queries x keys).
-        Columns are compared as thread 0's (compile-time constants) against limits moved by
-        the thread's column offset: no per-value coordinate stays live in a register."""
-        cS_mn, t0S_mn = coords
-        col_off = cS_mn[0, 0][1]
-        seqlen_limit = seqlen_k - key0 - col_off
-        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-            diagonal = q0 + cS_mn[r, 0][0] + offset - key0 - col_off  # the row's last key seen
-            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                col = t0S_mn[0, c][1]
-                masked = col >= seqlen_limit
-                if const_expr(self.mask_type != 0):
-                    masked = masked or col > diagonal
-                if const_expr(self.has_window):
-                    masked = masked or col <= diagonal - window_size
-                if masked:
-                    S[r, c] = -Float32.inf
-
     # -------------------------------------------------------------------------- producer
     @cute.jit
     def load(self, q_tile, gK, gV, sQ, sK, sV, tma_Q, tma_K, tma_V, mbar_q, pipe_k, pipe_v, n_min, n_max):
@@ -492,7 +435,7 @@ class AttentionForwardSm90:
         row_sum.fill(0.0)
         row_scale = cute.make_rmem_tensor(rows, Float32)
         q0 = m_block * t.tile_m
-        offset = self.causal_offset(seqlen_q, seqlen_k)
+        offset = self.mask.causal_offset(seqlen_q, seqlen_k)
 
         self.take_turn_init(wg)
         cute.arch.mbarrier_wait(mbar_q, 0)
@@ -503,7 +446,7 @@ class AttentionForwardSm90:
             wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(state)
-            self.apply_mask(S, coords, q0, (n_max - 1) * t.tile_n, seqlen_k, offset, window_size)
+            self.mask.apply(S, coords, q0, (n_max - 1) * t.tile_n, seqlen_k, offset, window_size)
             self.online_softmax(S, row_max, row_sum, scale_log2, None)
             rP.store(acc_S.load().to(self.dtype))
             for i in cutlass.range(1, n_max - n_min, unroll=1):
@@ -518,8 +461,8 @@ class AttentionForwardSm90:
                 self.pass_turn(wg)
                 warpgroup.wait_group(1)  # S done, P V may still run
                 pipe_k.consumer_release(state)
-                if self.needs_mask(q0, key0, seqlen_q, seqlen_k, offset, window_size):
-                    self.apply_mask(S, coords, q0, key0, seqlen_k, offset, window_size)
+                if self.mask.needs_masking(q0, key0, seqlen_q, seqlen_k, offset, window_size):
+                    self.mask.apply(S, coords, q0, key0, seqlen_k, offset, window_size)
                 self.online_softmax(S, row_max, row_sum, scale_log2, row_scale)
                 warpgroup.wait_group(0)  # P V has read P
                 pipe_v.consumer_release(state_v)
