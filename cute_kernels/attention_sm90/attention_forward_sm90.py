@@ -30,6 +30,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cute_kernels.attention.mask import AttentionMask
+from cute_kernels.attention.tile_scheduler import GridTileScheduler, TileSchedulerParams
 from cute_kernels.common.log2_units import LOG2_E
 from cute_kernels.common.views import select_modes, transpose_view
 from layouts.attention_fwd_sm90 import SMEM_ALIGN, SMEM_LIMIT, AttentionFwdSm90Tiles
@@ -75,6 +76,7 @@ class AttentionForwardSm90:
         self.has_window = has_window
         self.varlen = varlen
         self.mask = AttentionMask(tiles.tile_m, tiles.tile_n, mask_type, has_window, varlen)
+        self.scheduler = GridTileScheduler(lpt=mask_type != 0)
         self.pingpong = pingpong(tiles)
 
     # ---------------------------------------------------------------------------- launch
@@ -133,9 +135,11 @@ class AttentionForwardSm90:
         if const_expr(self.varlen):
             m_blocks = cute.ceil_div(max_seqlen_q, t.tile_m)
             batches = mCuSeqlensQ.shape[0] - 1
-        # causal: the longest query blocks (the last) launch first; else a head's blocks are
+        # causal: the longest query blocks (the last) of every head launch first (a 1-D grid in the
+        # scheduler's heavy-first order, one chunk of all heads); else a head's blocks are
         # neighbours in launch order, so its K / V stay in L2 between them
-        grid = (heads, batches, m_blocks) if const_expr(self.mask_type != 0) else (m_blocks, heads, batches)
+        sched = TileSchedulerParams(m_blocks, heads, batches, heads * batches)
+        grid = (sched.total, 1, 1) if const_expr(self.scheduler.lpt) else (m_blocks, heads, batches)
         self.kernel(
             gQ_tma,
             gK_tma,
@@ -158,6 +162,7 @@ class AttentionForwardSm90:
             seqlen_q,
             seqlen_k,
             heads // mK.shape[2],
+            sched,
             softmax_scale * LOG2_E,
             window_size,
             SharedStorage,
@@ -188,12 +193,15 @@ class AttentionForwardSm90:
         seqlen_q: Int32,
         seqlen_k: Int32,
         group: Int32,
+        sched: TileSchedulerParams,
         scale_log2: Float32,
         window_size: Int32,
         SharedStorage: cutlass.Constexpr,
     ):
         t = self.tiles
-        m_block, head, batch = self.block_coords()
+        m_block, head, batch = self.scheduler.cta_coords(sched)
+        if const_expr(self.scheduler.lpt):  # heavy-first: the last query blocks see the most keys
+            m_block = sched.n_blocks - 1 - m_block
         offset_q, offset_k = Int32(0), Int32(0)
         if const_expr(self.varlen):  # where the CTA's sequence starts in the packed rows, its lengths
             offset_q, offset_k = mCuSeqlensQ[batch], mCuSeqlensK[batch]
@@ -357,17 +365,6 @@ class AttentionForwardSm90:
             return cute.domain_offset((row0, 0), g[None, None, head, 0])
         return g[None, None, head, batch]
 
-    @cute.jit
-    def block_coords(self):
-        """(query block, head, batch) of the CTA: causal grids walk the query blocks last to
-        first (the longest first), the others are (query block, head, batch)."""
-        bx, by, bz = cute.arch.block_idx()
-        gx, gy, gz = cute.arch.grid_dim()
-        if const_expr(self.mask_type != 0):
-            return gz - 1 - bz, bx, by
-        return bx, by, bz
-
-    # -------------------------------------------------------------------------- producer
     @cute.jit
     def load(self, q_tile, gK, gV, sQ, sK, sV, tma_Q, tma_K, tma_V, mbar_q, pipe_k, pipe_v, n_min, n_max):
         """Q, then the key / value blocks n_max - 1 down to n_min through the rings."""
