@@ -1,6 +1,6 @@
 """The torch face: validated, torch.library-registered ops and autograd modules."""
 
-from .attention import efficient_attention_backward, memory_efficient_attention
+from .attention import efficient_attention_backward, efficient_attention_forward, memory_efficient_attention
 from .attention_sdpa import use_for_sdpa
 from .attention_bwd_prepost import (
     attention_bwd_clear_dkv_accum,
@@ -24,6 +24,7 @@ __all__ = [
     "bias_dropout",
     "dropout_bias_backward",
     "efficient_attention_backward",
+    "efficient_attention_forward",
     "layer_norm",
     "layer_norm_backward",
     "memory_efficient_attention",

@@ -487,6 +487,45 @@ def memory_efficient_attention(
         out [B, Mq, H, Kv] in query's dtype (with ``return_lse``: (out, logsumexp)). Eager varlen calls read cu_seqlens back once to
         check them (non-decreasing from 0, within M, within max_seqlen).
     """
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    out, lse, _, _, _, _ = _forward(
+        query,
+        key,
+        value,
+        causal,
+        window_size,
+        scale,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        attn_bias,
+        dropout_p,
+        backend,
+        deterministic,
+    )
+    return (out, lse) if return_lse else out
+
+
+def _forward(
+    query,
+    key,
+    value,
+    causal,
+    window_size,
+    scale,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    attn_bias,
+    dropout_p,
+    backend,
+    deterministic,
+):
+    """The checks of ``memory_efficient_attention``, then its op: (out, lse, philox seed, philox
+    offset, max_seqlen_q, max_seqlen_k) with the longest lengths resolved."""
     check_backend(backend)
     deterministic = resolve_deterministic(deterministic)
     mask_type, window_size, max_q, max_k, scale = _validate(
@@ -503,9 +542,7 @@ def memory_efficient_attention(
             ("mea_bwd", query, key, value, attn_bias, mask_type, window_size, dropout_p > 0.0, backend),
             lambda: _check_backward_runs(query, key, value, mask_type, window_size, attn_bias, dropout_p, backend),
         )
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    out, lse, _, _ = _mea_forward(
+    out, lse, seed, offset = _mea_forward(
         query,
         key,
         value,
@@ -521,7 +558,59 @@ def memory_efficient_attention(
         backend,
         deterministic,
     )
-    return (out, lse) if return_lse else out
+    return out, lse, seed, offset, max_q, max_k
+
+
+_CAUSAL = {0: False, 1: "top_left", 2: "bottom_right"}
+
+
+def efficient_attention_forward(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    bias: Optional[Tensor],
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    max_seqlen_q: Optional[int],
+    max_seqlen_k: Optional[int],
+    dropout_p: float,
+    custom_mask_type: int,
+    compute_log_sumexp: bool = False,
+    *,
+    scale: Optional[float] = None,
+    seqlen_k: Optional[Tensor] = None,
+    window_size: Optional[int] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, int, int]:
+    """Our ``aten::_efficient_attention_forward``: (output, logsumexp, philox_seed, philox_offset,
+    max_seqlen_batch_q, max_seqlen_batch_k), same arguments and layouts. The forward is ours
+    where it applies (module notes), torch's otherwise; autograd differentiates it with our
+    backward. Beyond aten: grouped-query key / value heads. The logsumexp has no rows (its
+    last dim 0) unless ``compute_log_sumexp``; ``seqlen_k`` (per-batch key lengths) is not
+    taken (NotImplementedError: aten's op takes it)."""
+    if seqlen_k is not None:
+        raise NotImplementedError("seqlen_k (per-batch key lengths) is not taken; aten._efficient_attention_forward is")
+    check_int("custom_mask_type", custom_mask_type)
+    if int(custom_mask_type) not in _CAUSAL:
+        raise ValueError(f"custom_mask_type must be 0, 1 or 2, got {custom_mask_type}")
+    out, lse, seed, offset, max_q, max_k = _forward(
+        query,
+        key,
+        value,
+        _CAUSAL[int(custom_mask_type)],
+        window_size or None,
+        scale,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        bias,
+        dropout_p,
+        "auto",
+        resolve_deterministic(None),
+    )
+    if not compute_log_sumexp:
+        lse = lse.new_empty((*lse.shape[:-1], 0))
+    return out, lse, seed, offset, max_q, max_k
 
 
 def _check_backward_runs(query, key, value, mask_type, window_size, attn_bias, dropout_p, backend) -> None:
@@ -774,4 +863,4 @@ def _check_dropout(dropout_p, philox_seed, philox_offset) -> None:
             raise ValueError(f"dropout needs {name} as the forward returned it (an int64 scalar tensor), got {t!r}")
 
 
-__all__: List[str] = ["efficient_attention_backward", "memory_efficient_attention", "use_for_sdpa"]
+__all__: List[str] = ["efficient_attention_backward", "efficient_attention_forward", "memory_efficient_attention"]

@@ -94,3 +94,47 @@ def test_scale_and_strided_inputs():
     out, lse = A.attention_forward_sm90(q, k, v, 0.3, 1)
     ref_out, ref_lse = attention_forward_ref(q, k, v, custom_mask_type=1, scale=0.3)
     _check(out, lse[:, :, :333], ref_out, ref_lse, torch.bfloat16)
+
+
+def test_drop_in_matches_aten():
+    """``ops.efficient_attention_forward``: aten's arguments and outputs, our kernel."""
+    import ops
+
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(2, 300, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out, lse, seed, offset, mq, mk = ops.efficient_attention_forward(
+        q, k, v, None, None, None, None, None, 0.0, 1, True
+    )
+    ref_out, ref_lse = attention_forward_ref(q, k, v, custom_mask_type=1)
+    _check(out, lse[:, :, :300], ref_out, ref_lse, torch.bfloat16)
+    theirs = torch.ops.aten._efficient_attention_forward(q, k, v, None, None, None, None, None, 0.0, 1, True)
+    assert lse.shape == theirs[1].shape and (mq, mk) == (300, 300)
+    assert ops.efficient_attention_forward(q, k, v, None, None, None, None, None, 0.0, 1)[1].shape[-1] == 0
+
+
+def test_op_runs_our_forward_and_logs_it(caplog):
+    import logging
+
+    import ops
+
+    q, k, v = (torch.randn(1, 256, 2, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    with caplog.at_level(logging.DEBUG, logger="cute_kernels.attention"):
+        ops.memory_efficient_attention(q, k, v, causal=True)
+        ops.memory_efficient_attention(q, k, v, causal=True, dropout_p=0.1)
+    forwards = [r.getMessage() for r in caplog.records if "attention forward" in r.getMessage()]
+    assert forwards[0] == "attention forward: sm90" and "dropout" in forwards[1]
+
+
+def test_return_lse_and_its_gradient():
+    """``return_lse=True``: the LSE of our forward; training through O works, through the LSE it
+    raises NotImplementedError (not a silently missing gradient)."""
+    import ops
+
+    q, k, v = (torch.randn(1, 200, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out, lse = ops.memory_efficient_attention(q, k, v, causal=True, return_lse=True)
+    ref_out, ref_lse = attention_forward_ref(q.detach(), k.detach(), v.detach(), custom_mask_type=1)
+    _check(out.detach(), lse.detach()[:, :, :200], ref_out, ref_lse, torch.bfloat16)
+    out.sum().backward(retain_graph=True)
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    with pytest.raises(NotImplementedError, match="logsumexp"):
+        (out.sum() + lse[:, :, :200].sum()).backward()

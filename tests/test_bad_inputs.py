@@ -184,6 +184,19 @@ mea = _call(
     key=lambda: fc(1, 48, 2, 64),
     value=lambda: fc(1, 48, 2, 32),
 )
+eaf = _call(
+    ops.efficient_attention_forward,
+    query=lambda: fc(1, 40, 2, 64),
+    key=lambda: fc(1, 48, 2, 64),
+    value=lambda: fc(1, 48, 2, 32),
+    bias=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    dropout_p=0.0,
+    custom_mask_type=0,
+)
 mea_var = _call(
     ops.memory_efficient_attention,
     query=lambda: fc(1, 40, 2, 64),
@@ -1838,6 +1851,36 @@ USE_FOR_SDPA = [
     ),
 ]
 
+EFFICIENT_ATTENTION_FORWARD = [
+    C("efficient_attention_forward", "query-on-cpu", lambda: eaf(query=cpu(1, 40, 2, 64)), ValueError, "query", "CUDA"),
+    C(
+        "efficient_attention_forward",
+        "mask-type",
+        lambda: eaf(custom_mask_type=3),
+        ValueError,
+        "custom_mask_type",
+        "0, 1 or 2",
+    ),
+    C(
+        "efficient_attention_forward",
+        "mask-type-str",
+        lambda: eaf(custom_mask_type="1"),
+        TypeError,
+        "custom_mask_type",
+        "int",
+    ),
+    C(
+        "efficient_attention_forward",
+        "seqlen_k",
+        lambda: eaf(seqlen_k=fc(1, dtype=I32)),
+        NotImplementedError,
+        "seqlen_k",
+        "not taken",
+    ),
+    C("efficient_attention_forward", "key-heads", lambda: eaf(key=fc(1, 48, 3, 64)), ValueError, "key", "shape"),
+    C("efficient_attention_forward", "dropout", lambda: eaf(dropout_p=1.5), ValueError, "dropout_p", "[0, 1)"),
+]
+
 TABLES = {
     "dropout_bias_backward": DROPOUT_BIAS_BACKWARD,
     "bias_dropout": BIAS_DROPOUT,
@@ -1854,6 +1897,7 @@ TABLES = {
     "attention_bwd_clear_dkv_accum": CLEAR_DKV_ACCUM,
     "efficient_attention_backward": EFFICIENT_ATTENTION_BACKWARD,
     "memory_efficient_attention": MEMORY_EFFICIENT_ATTENTION,
+    "efficient_attention_forward": EFFICIENT_ATTENTION_FORWARD,
     "use_for_sdpa": USE_FOR_SDPA,
 }
 BAD = [p for table in TABLES.values() for p in table]
@@ -1879,6 +1923,7 @@ _ENTRIES = {
     "attention_bwd_clear_dkv_accum": [(P, "launch_clear_dkv_accum"), (P, "_clear_dkv_accum_op")],
     "efficient_attention_backward": [(A, "run_backward"), (A, "_op")],
     "memory_efficient_attention": [(A, "_mea_forward")],
+    "efficient_attention_forward": [(A, "_mea_forward")],
     "use_for_sdpa": [(torch.library, "Library")],
 }
 
