@@ -1,10 +1,12 @@
 """``use_for_sdpa()``: torch's efficient SDPA backend (``F.scaled_dot_product_attention``) on our
-attention backward.
+attention forward and backward.
 
-Opt-in and reversible: while on, ``aten::_scaled_dot_product_efficient_attention_backward`` (CUDA)
-runs ``ops.attention.efficient_attention_backward`` for the configurations it supports (attention
-bias with its gradient and dropout included) and torch's own kernel for the rest, logging the
-reason (logger ``cute_kernels``, level DEBUG).
+Opt-in and reversible: while on, ``aten::_scaled_dot_product_efficient_attention`` (CUDA) runs our
+Hopper forward (``ops.attention_fwd_sm90``) where it applies, and
+``aten::_scaled_dot_product_efficient_attention_backward`` runs
+``ops.attention.efficient_attention_backward`` for the configurations it supports (attention
+bias with its gradient and dropout included); torch's own kernels run the rest, with the reason
+logged (logger ``cute_kernels``, level DEBUG).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from layouts.attention_sm90 import TMA_ALIGN_BYTES  # the kernels' widest access: gradients are made dense otherwise
 
+from . import attention_fwd_sm90 as fwd_sm90
 from ._validate import kernel_ready
 from .attention import efficient_attention_backward
 from .attention_common import DTYPES
@@ -28,7 +31,9 @@ logger = logging.getLogger("cute_kernels")
 # ------------------------------------------------------------------- SDPA integration
 
 SDPA_BACKWARD = "aten::_scaled_dot_product_efficient_attention_backward"
+SDPA_FORWARD = "aten::_scaled_dot_product_efficient_attention"
 _SDPA_OP_NAME = "_scaled_dot_product_efficient_attention_backward"
+_SDPA_FORWARD_OP_NAME = "_scaled_dot_product_efficient_attention"
 _MAX_BATCH = (1 << 16) - 1  # torch's wrapper runs larger batches in chunks of this size
 
 
@@ -194,6 +199,41 @@ def _sdpa_backward_override(
     )
 
 
+def _sdpa_forward_override(
+    query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None
+):
+    """Our ``aten::_scaled_dot_product_efficient_attention`` (inputs [B, H, M, K]): our forward on
+    the [B, M, H, K] views where it applies, else what torch's CUDA kernel does
+    (``aten._efficient_attention_forward`` on the same views); (out [B, H, M, Kv] view, logsumexp,
+    philox seed, philox offset)."""
+    q_t, k_t, v_t = (x.transpose(1, 2) for x in (query, key, value))
+    reason = fwd_sm90.unsupported(q_t, k_t, v_t, mask_type=1 if is_causal else 0, bias=attn_bias, dropout_p=dropout_p)
+    if reason is None and query.dim() != 4:
+        reason = f"{query.dim()}-D inputs"
+    if reason is None:
+        out, lse = fwd_sm90.attention_forward_sm90(q_t, k_t, v_t, scale, 1 if is_causal else 0)
+        if not compute_log_sumexp:
+            lse = lse.new_empty((*lse.shape[:-1], 0))
+        seed, offset = (torch.empty((), dtype=torch.int64, device=query.device) for _ in range(2))
+        return out.transpose(1, 2), lse, seed, offset
+    logger.debug("SDPA efficient forward falls back to torch's kernel: %s", reason)
+    out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
+        q_t,
+        k_t,
+        v_t,
+        attn_bias,
+        None,
+        None,
+        None,
+        None,
+        dropout_p,
+        1 if is_causal else 0,
+        compute_log_sumexp,
+        scale=scale,
+    )
+    return out.transpose(1, 2), lse, seed, offset
+
+
 _sdpa_lock = threading.Lock()
 _sdpa_libs: dict = {}  # dispatch key -> the torch.library.Library holding our kernel
 
@@ -212,6 +252,7 @@ def _enable_sdpa(dispatch_key: str = "CUDA") -> None:
         with warnings.catch_warnings():  # torch warns when a kernel overrides a built-in one
             warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
             lib.impl(_SDPA_OP_NAME, _sdpa_backward_override, dispatch_key)
+            lib.impl(_SDPA_FORWARD_OP_NAME, _sdpa_forward_override, dispatch_key)
         _sdpa_libs[dispatch_key] = lib
 
 
@@ -228,14 +269,16 @@ def _sdpa_enabled(dispatch_key: str = "CUDA") -> bool:
 
 
 class use_for_sdpa:
-    """Make torch's efficient SDPA backend run our backward (opt-in, reversible).
+    """Make torch's efficient SDPA backend run our forward and backward (opt-in, reversible).
 
     As a context manager, ``with ops.use_for_sdpa(): ...`` turns it on (``enabled=False``:
     off) for the block and restores the previous state on exit; ``use_for_sdpa.enable()``,
     ``use_for_sdpa.disable()`` and ``use_for_sdpa.is_enabled()`` switch it for good.
 
-    It registers a CUDA kernel for ``aten::_scaled_dot_product_efficient_attention_backward``
-    that transposes the [B, H, M, K] inputs and calls ``efficient_attention_backward`` when
+    It registers CUDA kernels for ``aten::_scaled_dot_product_efficient_attention`` (our Hopper
+    forward where ``ops.attention_fwd_sm90.unsupported`` finds no reason against it, else what
+    torch's kernel does) and ``aten::_scaled_dot_product_efficient_attention_backward``; the
+    latter transposes the [B, H, M, K] inputs and calls ``efficient_attention_backward`` when
     the dtype is fp16 / bf16 / fp32 (attention bias, its gradient and dropout included) and
     our op does not raise NotImplementedError; anything else goes to
     ``aten._efficient_attention_backward`` exactly as torch's wrapper calls it (one DEBUG

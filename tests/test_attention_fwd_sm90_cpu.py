@@ -117,3 +117,17 @@ def test_the_op_takes_our_forward_where_it_applies():
     assert attention.forward_unsupported(q, k, v, 1, None, 0.0, "mem_eff", arch="sm_90a") == "backend='mem_eff'"
     assert "dropout" in attention.forward_unsupported(q, k, v, 1, None, 0.1, "auto", arch="sm_90a")
     assert "needs sm_90a" in attention.forward_unsupported(q, k, v, 1, None, 0.0, "auto", arch="sm_80")
+
+
+def test_use_for_sdpa_registers_and_restores_the_forward():
+    import ops
+    from ops import attention_sdpa as SD
+
+    def kernel_line():
+        lines = torch._C._dispatch_dump(SD.SDPA_FORWARD).splitlines()
+        return next((ln for ln in lines if ln.startswith("CUDA:")), None)
+
+    before = kernel_line()
+    with ops.use_for_sdpa():
+        assert "attention_sdpa.py" in kernel_line()
+    assert kernel_line() == before

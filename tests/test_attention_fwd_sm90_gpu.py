@@ -138,3 +138,30 @@ def test_return_lse_and_its_gradient():
     assert q.grad is not None and torch.isfinite(q.grad).all()
     with pytest.raises(NotImplementedError, match="logsumexp"):
         (out.sum() + lse[:, :, :200].sum()).backward()
+
+
+def test_use_for_sdpa_runs_our_forward(caplog):
+    """F.scaled_dot_product_attention on the efficient backend: our forward ([B, H, M, K] views),
+    our backward, against the fp64 reference; torch's forward where ours does not apply (bias)."""
+    import logging
+
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import ops
+
+    torch.manual_seed(7)
+    q, k, v = (torch.randn(2, 4, 300, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    with ops.use_for_sdpa(), sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        with caplog.at_level(logging.DEBUG, logger="cute_kernels"):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            bias = torch.randn(2, 4, 300, 300, device="cuda", dtype=torch.bfloat16)
+            F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), attn_mask=bias)
+        out.sum().backward()
+    ref_out, _ = attention_forward_ref(*(x.detach().transpose(1, 2) for x in (q, k, v)), custom_mask_type=1)
+    assert (out.detach().transpose(1, 2).double() - ref_out).abs().max().item() <= _tolerance(
+        out, ref_out, torch.bfloat16
+    )
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+    falls = [r.getMessage() for r in caplog.records if "SDPA efficient forward falls back" in r.getMessage()]
+    assert len(falls) == 1 and "bias" in falls[0]
