@@ -151,11 +151,11 @@ def test_use_for_sdpa_runs_our_forward(caplog):
     import ops
 
     torch.manual_seed(7)
-    q, k, v = (torch.randn(2, 4, 300, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(2, 4, 320, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     with ops.use_for_sdpa(), sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
         with caplog.at_level(logging.DEBUG, logger="cute_kernels"):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            bias = torch.randn(2, 4, 300, 300, device="cuda", dtype=torch.bfloat16)
+            bias = torch.randn(2, 4, 320, 320, device="cuda", dtype=torch.bfloat16)
             F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), attn_mask=bias)
         out.sum().backward()
     ref_out, _ = attention_forward_ref(*(x.detach().transpose(1, 2) for x in (q, k, v)), custom_mask_type=1)
