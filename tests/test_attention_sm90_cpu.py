@@ -55,7 +55,7 @@ def test_carry_dq_only_for_short_equal_tiles(monkeypatch):
 
     t = bwd_config.attention_sm90_tiles(64)
     most = 8
-    monkeypatch.setattr(tiling, "CARRY_DQ_MAX_STEPS", most)
+    monkeypatch.setattr(bwd_config, "CARRY_DQ_MAX_STEPS", most)
 
     def carries(tiles, mask, rows_q, group, window=False, deterministic=False, varlen=False, bias=False, dropout=False):
         schedule = AttentionBackwardSm90.tile_schedule(tiles, mask, window, deterministic, varlen, bias, dropout)
@@ -77,7 +77,7 @@ def test_carry_dq_only_for_short_equal_tiles(monkeypatch):
         assert not carries(t, mask, rows_q=1, group=1, **kw), (mask, kw)
     for d in (96, 128, 192):
         assert not carries(bwd_config.attention_sm90_tiles(d), 0, rows_q=1, group=1)
-    monkeypatch.setattr(tiling, "CARRY_DQ_MAX_STEPS", 0)
+    monkeypatch.setattr(bwd_config, "CARRY_DQ_MAX_STEPS", 0)
     assert not carries(t, 0, rows_q=1, group=1)
 
 
@@ -416,7 +416,7 @@ def test_d96_compiles_without_dq_per_wg(monkeypatch):
     """The dQ staging atom follows the warpgroups' 48-column slices, not the reduce-add box:
     one joint handoff of the whole tile compiles too (32-column atoms could not be partitioned)."""
     tiles = bwd_config.attention_sm90_tiles
-    monkeypatch.setattr(tiling, "attention_sm90_tiles", lambda d, *a, **kw: tiles(d, *a, dq_per_wg=False, **kw))
+    monkeypatch.setattr(bwd_config, "attention_sm90_tiles", lambda d, *a, **kw: tiles(d, *a, dq_per_wg=False, **kw))
     assert callable(S._build(S.Sm90Config(cutlass.BFloat16, 96, 96, 1, "sm_90a")))
 
 
@@ -581,7 +581,7 @@ def test_config_key_is_one_spelling_and_the_benchmark_precompiles_it(monkeypatch
     """``Sm90Config`` keeps one spelling per value (its repr names the disk-cache entry, and
     holds no address) and no device-side seed without dropout; the suite's precompile asks for
     the keys the op's calls will (causal top-left, features as flags, carry_dq by the steps a tile)."""
-    monkeypatch.setattr(tiling, "CARRY_DQ_MAX_STEPS", 8)
+    monkeypatch.setattr(bwd_config, "CARRY_DQ_MAX_STEPS", 8)
     bf16 = cutlass.BFloat16
     loose = S.Sm90Config(bf16, 128.0, 64, 2, "sm_90a", window=1, dropout=1, rng_on_device=1, tail_m=32.0)
     key = S.Sm90Config(bf16, 128, 64, 2, "sm_90a", window=True, dropout=True, rng_on_device=True, tail_m=32)
