@@ -3,7 +3,7 @@
 ``python -m benchmarks.sm90_schedule chunk [--cases B,H,S,D ...] [--chunks 1,2,...]``: the
 heavy-first order's chunk (``heads_per_chunk``) of causal cases against its model: the full
 backward (preprocess, kernel, convert_dq) with every chunk size given, beside FA4's, and each
-chunk's modelled makespan over the ideal (``layouts/lpt_order.py``).
+chunk's modelled makespan over the ideal (``cute_kernels/attention_sm90/lpt_order.py``).
 
 All bf16, [B, S, H, D]; the chunk is a runtime argument of the kernel (one compile
 per configuration); timings interleaved over ``--repeats`` (medians, L2 flushed). ``--out``
@@ -24,8 +24,8 @@ DEFAULT_CHUNKS = "1,2,3,4,6,8,12,16,0"  # 0: the largest chunk that fits L2 (the
 
 def model_ratio(tiles, b, h, s, chunk, num_sms):
     """The heavy-first order's modelled makespan with ``chunk`` heads a chunk over the ideal
-    (layouts/lpt_order.py): causal from the top-left, Sq == Sk == s, B x H pairs."""
-    from layouts.lpt_order import makespan_over_ideal
+    (cute_kernels/attention_sm90/lpt_order.py): causal from the top-left, Sq == Sk == s, B x H pairs."""
+    from cute_kernels.attention_sm90.lpt_order import makespan_over_ideal
 
     return makespan_over_ideal(tiles.key_block_steps(s, s, 1, 1), b * h, chunk, num_sms)
 
@@ -76,13 +76,13 @@ def interleaved(fns: dict, repeats: int) -> dict:
 
 def chunk_sweep(args, fa4, num_sms):
     import ops.attention_sm90 as sm90
-    from layouts import attention_sm90 as tiling
+    from cute_kernels.attention_sm90 import backward_config as config
 
     chosen = sm90._heads_per_chunk
     rows = []
     for spec in args.cases or DEFAULT_CASES:
         b, h, s, d = map(int, spec.split(","))
-        tiles = tiling.attention_sm90_tiles(d)
+        tiles = config.attention_sm90_tiles(d)
         fit = tiles.lpt_heads_per_chunk(s, 1, 2)
         auto = tiles.lpt_heads_per_chunk(s, 1, 2, seqlen_k=s, pairs=b * h, mask_type=1, num_sms=num_sms)
         chunks = sorted(

@@ -54,9 +54,6 @@ MAX_HEAD_DIM = 256
 # compute_delta also serves the memory-efficient backward, whose head dims go to 512
 MAX_DELTA_HEAD_DIM = 512
 NUM_THREADS = 128
-# ConvertDQReady: persistent CTAs per multiprocessor (each converts one 32-row tile at a time;
-# not swept: enough for the idle multiprocessors of a last wave to stream the accumulator)
-READY_CTAS_PER_SM = 8
 # CTAs launched back to back read the same rows of neighbouring heads: in a
 # [B, S, H, D] tensor those are adjacent, so DRAM pages are opened once, not per head.
 HEADS_FASTEST = True

@@ -1,7 +1,7 @@
 """The sm90 attention backward's shared-memory tiles on a CPU: their layouts in
 ``layouts.algebra`` form and every access the kernel makes to them (``layouts.access``).
 
-Per tile (``AttentionSm90Tiles`` flags decide which apply):
+Per tile (``AttentionSm90Layouts`` flags decide which apply):
 
 * Q / dO stage (tile_m x d, row-major): TMA load; wgmma B of S^T / dP^T (K-major: N the
   queries, K a 16-column slice of d); wgmma B of dK / dV (the MN-major view: N the head
@@ -24,17 +24,17 @@ from .attention_sm90 import (
     DKV_VECTOR_BITS,
     GRAD_BIAS_BOX_KEYS,
     NUM_CONSUMER_WG,
-    AttentionSm90Tiles,
-    AttentionSm90WideTiles,
+    AttentionSm90Layouts,
+    AttentionSm90WideLayouts,
     atom_cols,
 )
 from .spec import TiledCopySpec
 
 
-def smem_layouts_algebra(t: AttentionSm90Tiles) -> dict:
+def smem_layouts_algebra(t: AttentionSm90Layouts) -> dict:
     """The shared-memory tiles (one stage) in ``layouts.algebra`` form, for the catalogue and
     its pictures: element offsets, swizzles in element units. The kernel's DSL layouts
-    (``AttentionSm90Tiles.smem_layout_*``) swizzle byte addresses: S<B,4,3> on bytes (B = 3,
+    (``AttentionSm90Layouts.smem_layout_*``) swizzle byte addresses: S<B,4,3> on bytes (B = 3,
     2, 1 for 128-, 64-, 32-byte atom rows) is S<B,3,3> on 16-bit elements and S<B,2,3> on
     fp32 (tests/test_attention_sm90_cpu.py
     compares them). With Dqk != Dv, dO and V have their own entries (smem_do, smem_v)."""
@@ -62,7 +62,7 @@ def smem_layouts_algebra(t: AttentionSm90Tiles) -> dict:
     ds_what = "dS stage, queries contiguous: dQ A (MN-major)"
     if t.ds_keys_contiguous:
         ds_what = "dS stage, keys contiguous: dQ A (K-major), the bias gradient's TMA boxes"
-    if isinstance(t, AttentionSm90WideTiles):
+    if isinstance(t, AttentionSm90WideLayouts):
         ds_what = "P^T / dS^T stage, queries contiguous: dV / dK A (K-major), dQ A (MN-major)"
     forms = {
         "smem_q": (rows(tm, atom_cols(t.q_slice_cols, 16), 16), "bf16", q_what),
@@ -85,11 +85,11 @@ def smem_layouts_algebra(t: AttentionSm90Tiles) -> dict:
     return forms
 
 
-def _wide(t: AttentionSm90Tiles) -> bool:
-    return isinstance(t, AttentionSm90WideTiles)
+def _wide(t: AttentionSm90Layouts) -> bool:
+    return isinstance(t, AttentionSm90WideLayouts)
 
 
-def _q_accesses(t: AttentionSm90Tiles) -> tuple:
+def _q_accesses(t: AttentionSm90Layouts) -> tuple:
     d = t.head_dim
     wg_queries = t.tile_m // NUM_CONSUMER_WG if _wide(t) else t.tile_m  # S^T's N a warpgroup
     dkv_n = d // NUM_CONSUMER_WG if _wide(t) else d  # dK's N a warpgroup
@@ -100,7 +100,7 @@ def _q_accesses(t: AttentionSm90Tiles) -> tuple:
     )
 
 
-def _k_accesses(t: AttentionSm90Tiles) -> tuple:
+def _k_accesses(t: AttentionSm90Layouts) -> tuple:
     d, n = t.head_dim, t.tile_n
     out = [tma("TMA load of K / V", n, d), wgmma("wgmma A read of K / V by S^T / dP^T", "K-major", 64, 16)]
     if t.dq_swapab:
@@ -118,7 +118,7 @@ def _k_accesses(t: AttentionSm90Tiles) -> tuple:
     return tuple(out)
 
 
-def _ds_accesses(t: AttentionSm90Tiles) -> tuple:
+def _ds_accesses(t: AttentionSm90Layouts) -> tuple:
     what = "P^T and dS^T" if _wide(t) else "dS^T"
     if t.ds_keys_contiguous:  # stored transposed; dQ reads it K-major; the bias gradient leaves by TMA
         rows = t.dq_sub_tile[0]
@@ -138,7 +138,7 @@ def _ds_accesses(t: AttentionSm90Tiles) -> tuple:
     return tuple(out)
 
 
-def _dq_accesses(t: AttentionSm90Tiles) -> tuple:
+def _dq_accesses(t: AttentionSm90Layouts) -> tuple:
     if t.dq_swapab:
         store = fragment("dQ^T accumulator store", 32, 32, transpose=True)
     else:
@@ -147,7 +147,7 @@ def _dq_accesses(t: AttentionSm90Tiles) -> tuple:
     return (store, tma("TMA reduce-add read of dQ", *box))
 
 
-def smem_accesses(t: AttentionSm90Tiles) -> dict:
+def smem_accesses(t: AttentionSm90Layouts) -> dict:
     """Every access the kernel makes to each tile of ``smem_layouts_algebra`` (equal head
     dims: dO shares Q's layout and accesses, V K's)."""
     return {"smem_q": _q_accesses(t), "smem_k": _k_accesses(t), "smem_ds": _ds_accesses(t), "smem_dq": _dq_accesses(t)}

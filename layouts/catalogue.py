@@ -7,7 +7,9 @@ kernel entries are built from the same functions the kernels call
 
 An entry gives its pure-Python form (``layouts.algebra``) for analysis and pictures,
 and ``build()``, the DSL object, to be called inside a ``@cute.jit`` function. The
-kernels' entries are registered by ``kernel_entries``; a shared-memory tile lists the
+kernels' entries are registered by ``kernel_entries`` on the first ``get`` / ``names`` (it
+reads the kernels' configuration modules, ``cute_kernels.<family>.*config``, which import
+layouts from here: registering them while ``layouts`` is imported would be a cycle); a shared-memory tile lists the
 accesses the kernel makes to it (``layouts.access``), which ``analysis`` counts.
 """
 
@@ -237,16 +239,29 @@ def register(entry) -> None:
     _REGISTRY[entry.name] = entry
 
 
+_KERNELS_REGISTERED = []
+
+
+def _registry() -> Dict[str, object]:
+    """Every entry: the kernels' are registered on the first call (module docstring)."""
+    if not _KERNELS_REGISTERED:
+        _KERNELS_REGISTERED.append(True)
+        from . import kernel_entries
+
+        kernel_entries.register_all()
+    return _REGISTRY
+
+
 def get(name: str):
     try:
-        return _REGISTRY[name]
+        return _registry()[name]
     except KeyError:
         close = difflib.get_close_matches(name, _REGISTRY, n=3)
         raise KeyError(f"no layout {name!r}" + (f"; did you mean {', '.join(close)}?" if close else "")) from None
 
 
 def names(prefix: Optional[str] = None) -> List[str]:
-    return sorted(n for n in _REGISTRY if prefix is None or n.startswith(prefix))
+    return sorted(n for n in _registry() if prefix is None or n.startswith(prefix))
 
 
 # --------------------------------------------------------------- reference entries
@@ -304,7 +319,3 @@ def _register_reference() -> None:
 
 
 _register_reference()
-
-from . import kernel_entries  # noqa: E402  (registers every kernel's entries; needs the classes above)
-
-kernel_entries.register_all()

@@ -29,8 +29,6 @@ from .spec import TiledCopySpec
 MAX_VECTOR_BITS = 128
 THREADS = (16, 32)  # (rows, cols) of threads in a CTA
 ROWS_IN_FLIGHT = 8  # row blocks loaded before the first use (memory-level parallelism)
-CTAS_PER_SM = 1  # CTAs per SM when sizing the grid (512 threads at ~100 registers: one fits)
-MIN_ROWS_PER_CTA = 256  # below this a CTA's fixed cost (partials, reduction) dominates
 # Cache hints: every byte is touched once, so nothing is worth keeping in L1.
 LOAD_HINTS = dict(op="universal")
 STORE_HINTS = dict(op="universal")
@@ -79,19 +77,3 @@ def tiles(elem_bits: int, vec: int, arch: str = "sm_90a") -> DropoutBiasBwdTiles
     if vec < 1 or vec & (vec - 1) or vec * elem_bits > MAX_VECTOR_BITS:
         raise ValueError(f"vector of {vec} x {elem_bits} bits is not a legal access")
     return DropoutBiasBwdTiles(elem_bits=elem_bits, vec=vec)
-
-
-def row_chunks(rows: int, n: int, tiles_: DropoutBiasBwdTiles, num_sms: int) -> tuple:
-    """(chunks, row blocks per chunk): how the rows of a column tile split over CTAs.
-
-    Enough CTAs to keep ``CTAS_PER_SM`` resident per SM, each with at least
-    ``MIN_ROWS_PER_CTA`` rows, a whole number of ``rows_in_flight`` batches, and none
-    empty. ``chunks`` is also the leading dim of the fp32 partials.
-    """
-    tile_m, tile_n = tiles_.tile
-    col_tiles = tiles_.col_tiles(n)
-    row_blocks = max(1, -(-rows // tile_m))
-    target = max(1, (num_sms * CTAS_PER_SM) // col_tiles)
-    per_chunk = max(-(-MIN_ROWS_PER_CTA // tile_m), -(-row_blocks // target))
-    per_chunk = -(-per_chunk // tiles_.rows_in_flight) * tiles_.rows_in_flight
-    return -(-row_blocks // per_chunk), per_chunk

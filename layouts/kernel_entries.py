@@ -8,6 +8,8 @@ Shared-memory tiles carry the accesses the kernel makes to them (``layouts.acces
 
 from __future__ import annotations
 
+from cute_kernels.attention_sm90 import backward_config as sm90_config
+
 from . import attention_bwd_prepost as prepost
 from . import attention_sm90, attention_sm90_smem, dropout_bias, layer_norm, mem_eff_attention
 from .access import SmemAccess, copy, fragment, matrix_x4
@@ -293,7 +295,7 @@ def _register_mem_eff_features() -> None:
 
 # (name, head dim, options): with a bias or dropout d64 and d128 take 64-query tiles (other
 # layouts); the bias gradient stores dS keys-contiguous
-SM90_CONFIGS = tuple((f"d{d}", d, {}) for d in attention_sm90.HEAD_DIMS) + (
+SM90_CONFIGS = tuple((f"d{d}", d, {}) for d in sm90_config.HEAD_DIMS) + (
     ("d64_bias_or_dropout", 64, dict(bias_or_dropout=True)),
     ("d128_bias_or_dropout", 128, dict(bias_or_dropout=True)),
     ("d64_grad_bias", 64, dict(bias_or_dropout=True, ds_keys_contiguous=True)),
@@ -302,7 +304,7 @@ SM90_CONFIGS = tuple((f"d{d}", d, {}) for d in attention_sm90.HEAD_DIMS) + (
 
 def _register_attention_sm90() -> None:
     for config, d, options in SM90_CONFIGS:
-        t = attention_sm90.attention_sm90_tiles(d, **options)
+        t = sm90_config.attention_sm90_tiles(d, **options)
         base = f"attention_bwd_sm90.sm90.bf16.{config}"
         accesses = attention_sm90_smem.smem_accesses(t)
         for name, (layout, dtype, what) in attention_sm90_smem.smem_layouts_algebra(t).items():

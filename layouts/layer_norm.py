@@ -259,13 +259,6 @@ def ln_bwd_tiles(
     return t
 
 
-def ctas_per_col(rows: int, t: LnBwdTiles, num_sms: int) -> int:
-    """Persistent grid: CTAs along the rows (Apex ``ctas_per_col``), also the partials' count."""
-    row_blocks = max(1, -(-rows // t.rows_per_cta))
-    resident = max(1, num_sms * t.ctas_per_sm // t.ctas_per_row)
-    return min(row_blocks, resident)
-
-
 @dataclass(frozen=True)
 class LnBwdFinalizeTiles:
     """Column sums of the [ctas_per_col, N] fp32 partials: row threads walk the partials."""

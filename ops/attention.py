@@ -17,7 +17,7 @@
   "mem_eff" is ``ops.mem_eff_attention`` (any arch, fp16 / bf16 / fp32, head dims up to 512,
   key splits, shared dQ / dK / dV storage); "sm90" the Hopper-native ``ops.attention_sm90``
   (sm_90a, fp16 / bf16, head dims 64 / 96 / 128 / 192 / 256, V's may differ from Q's / K's
-  (layouts.attention_sm90.HEAD_DIM_PAIRS), masks 0 / 1 / 2 with or without a window,
+  (cute_kernels.attention_sm90.backward_config.HEAD_DIM_PAIRS), masks 0 / 1 / 2 with or without a window,
   grouped-query heads, deterministic mode, variable lengths, bias (with its gradient; not
   with variable lengths), dropout, TMA-aligned inputs); "auto" (default, and
   ``use_for_sdpa``'s) takes sm90 where ``attention_sm90.unsupported`` finds no reason

@@ -24,6 +24,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from cute_kernels.attention_bwd_prepost import config as prepost_config
 from layouts import attention_bwd_prepost as tiling
 
 from . import _compile as cc
@@ -578,7 +579,7 @@ def launch_convert_dq_ready(dq_accum, dq, scale, cu_seqlens_q, max_seqlen_q, rea
     if plan is not None:
         fn, batch, num_m_blocks = plan
         tiles, counts, group, expected = ready
-        ctas = min(batch * dq.shape[-2] * num_m_blocks, cc.num_sms(dq.device.index) * tiling.READY_CTAS_PER_SM)
+        ctas = min(batch * dq.shape[-2] * num_m_blocks, cc.num_sms(dq.device.index) * prepost_config.READY_CTAS_PER_SM)
         fn(dq_accum, dq, cu_seqlens_q, tiles, counts, float(scale), batch, num_m_blocks, group, expected, ctas)
 
 

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
+from cute_kernels.attention_sm90 import backward_config as bwd_config
 from cute_kernels.attention_sm90.attention_backward_sm90_wide import AttentionBackwardSm90Wide
 from layouts import attention_sm90 as tiling
 from layouts.attention_bwd_prepost import round_up
@@ -41,7 +42,7 @@ DTYPES = (torch.float16, torch.bfloat16)
 def _tiles(head_dim: int, head_dim_v: int, bias: bool, grad_bias: bool, dropout: bool):
     """The tiles a configuration compiles with (also read on the call path: deterministic
     mode's semaphore shape, the heavy-first chunk; cached by ``attention_sm90_tiles``)."""
-    return tiling.attention_sm90_tiles(
+    return bwd_config.attention_sm90_tiles(
         head_dim, head_dim_v=head_dim_v, ds_keys_contiguous=grad_bias, bias_or_dropout=bias or dropout
     )
 
@@ -94,7 +95,7 @@ def _build(config: Sm90Config):
     c = config
     tiles = _tiles(c.head_dim, c.head_dim_v, c.bias, c.grad_bias, c.dropout)
     # a head dim above 128: the 64 x 64 decomposition (P^T / dS^T through shared memory)
-    cls = AttentionBackwardSm90Wide if isinstance(tiles, tiling.AttentionSm90WideTiles) else AttentionBackwardSm90
+    cls = AttentionBackwardSm90Wide if isinstance(tiles, bwd_config.AttentionSm90WideTiles) else AttentionBackwardSm90
     kernel = cls(
         c.dtype,
         tiles,
@@ -153,7 +154,7 @@ compiled = cc.CompileCache("attention_bwd_sm90", _build)
 
 # convert_dq overlapping the kernel's last wave (_overlaps_convert): the kernel counts each key
 # block's dQ per (sequence, key head), ConvertDQReady (a programmatic dependent launch) converts
-# each head once its count is complete (where a head has at most tiling.DQ_READY_MAX_KEY_BLOCKS
+# each head once its count is complete (where a head has at most bwd_config.DQ_READY_MAX_KEY_BLOCKS
 # key blocks). H100, device time from the kernel's start to convert_dq's end (torch profiler,
 # medians of 7 x 7 calls): 4x16x2048x128 592.8 -> 579.1 us, 2x16x4096x128 1099.7 -> 1082.4,
 # 4x16x2048x96 535.0 -> 527.6, 8x16x1024x128 340.8 -> 339.5 (docs/attention_sm90.md)
@@ -169,7 +170,7 @@ def _overlaps_convert(schedule: str, mask_type: int, deterministic: bool, key_bl
         DQ_READY
         and schedule == "grid"
         and (mask_type == 0 or deterministic)
-        and key_blocks <= tiling.DQ_READY_MAX_KEY_BLOCKS
+        and key_blocks <= bwd_config.DQ_READY_MAX_KEY_BLOCKS
     )
 
 
@@ -213,7 +214,7 @@ def _zeroes_ahead(
     if not ZERO_AHEAD or store_first or not reached:
         return False
     if schedule == "persistent":
-        return key_blocks <= ctas and steps <= tiling.ZERO_AHEAD_MAX_STEPS
+        return key_blocks <= ctas and steps <= bwd_config.ZERO_AHEAD_MAX_STEPS
     return schedule == "dynamic" and ZERO_AHEAD_CAUSAL
 
 
@@ -304,7 +305,7 @@ def benchmark_configurations(cases, arch: str) -> list:
     ctas = PERSISTENT_CTAS or (cc.num_sms(torch.cuda.current_device()) if torch.cuda.is_available() else H100_SMS)
     keys = set()
     for (_, _, s, d), dtype_name, causal, *feature in cases:
-        if d not in tiling.HEAD_DIMS:
+        if d not in bwd_config.HEAD_DIMS:
             continue
         feature = feature[0] if feature else None
         # as attention_backward_sm90 calls it: causal is top-left, no window / determinism /
@@ -371,7 +372,7 @@ def _unsupported(query, key, value, grad_out, out, mask_type, arch) -> Optional[
     if query.dtype not in DTYPES:
         return f"dtype {query.dtype} (fp16 / bf16 only)"
     d, dv = query.shape[-1], value.shape[-1]
-    why = tiling.head_dims_unsupported(d, dv)
+    why = bwd_config.head_dims_unsupported(d, dv)
     if why is not None:
         return f"head dims {d} / {dv} ({why})"
     if key.shape[2] == 0 or query.shape[2] % key.shape[2]:
@@ -651,7 +652,7 @@ def _scratch_plan(
     seqs: int, h: int, rows_q: int, dq_accum_shape: tuple, int_shapes: tuple, fused_zeroing: bool
 ) -> _ScratchPlan:
     """``int_shapes``: the zeroed int32 parts' shapes in ``_ScratchPlan.int_parts``' order, None where absent."""
-    align = tiling.SCRATCH_ALIGN_BYTES // 4  # fp32 / int32 elements
+    align = bwd_config.SCRATCH_ALIGN_BYTES // 4  # fp32 / int32 elements
     up = lambda n: round_up(n, align)  # noqa: E731
     delta_shape = P.delta_shape(seqs, h, rows_q)
     n_delta = up(math.prod(delta_shape))
@@ -692,10 +693,10 @@ def _knobs() -> tuple:
         TAIL_BLOCK,
         _tiles,
         _zeroes_ahead,
-        tiling.attention_sm90_tiles,
-        tiling.CARRY_DQ_MAX_STEPS,
-        tiling.DQ_READY_MAX_KEY_BLOCKS,
-        tiling.ZERO_AHEAD_MAX_STEPS,
+        bwd_config.attention_sm90_tiles,
+        bwd_config.CARRY_DQ_MAX_STEPS,
+        bwd_config.DQ_READY_MAX_KEY_BLOCKS,
+        bwd_config.ZERO_AHEAD_MAX_STEPS,
     )
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from cute_kernels.common.activation import ACTIVATIONS
+from cute_kernels.dropout_bias import config as dropout_bias_config
 from layouts import dropout_bias as tiling
 
 from . import _compile as cc
@@ -127,7 +128,7 @@ class _Plan:
         arch = cc.device_arch(dev)
         t = tiling.tiles(8 * grad_out.element_size(), vec, arch)
         self.rows, self.n = dy.shape
-        self.chunks, self.per_chunk = tiling.row_chunks(self.rows, n, t, cc.num_sms(dev))
+        self.chunks, self.per_chunk = dropout_bias_config.row_chunks(self.rows, n, t, cc.num_sms(dev))
         self.col_tiles = t.col_tiles(n)
         self.fn = compiled(cc.cute_dtype(grad_out.dtype), cc.cute_dtype(grad_bias.dtype), activation, vec, arch)
         # whether t.view(rows, n) already gives the strides the kernel was planned with

@@ -16,6 +16,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from cute_kernels.layer_norm import config as ln_config
 from layouts import layer_norm as tiling
 
 from . import _compile as cc
@@ -143,7 +144,7 @@ class _Plan:
             n, in_dt.width, out_dt.width, w_dt.width, vec, arch, num_partials=max(1, int(has_gamma) + int(has_dbeta))
         )
         self.rows, self.n = xs.shape
-        self.ctas_per_col = tiling.ctas_per_col(self.rows, t, cc.num_sms(dev))
+        self.ctas_per_col = ln_config.ctas_per_col(self.rows, t, cc.num_sms(dev))
         self.fn = compiled(in_dt, out_dt, w_dt, t, is_rms, has_gamma, has_dbeta, arch)
         self.finalize = None
         if has_gamma or has_dbeta:

@@ -1,5 +1,5 @@
 """CPU: the Hopper-native attention backward (``ops.attention_sm90``) compiles for every
-configuration it serves, its tiles agree with the table of ``layouts/attention_sm90.py``,
+configuration it serves, its tiles agree with the table of ``cute_kernels/attention_sm90/backward_config.py``,
 ``unsupported()`` names each feature it does not take (without CUDA calls for CPU, meta
 or fake tensors), and the ``backend=`` dispatch of ``efficient_attention_backward`` /
 ``memory_efficient_attention`` picks the kernel the rules say, stopping before any launch
@@ -16,6 +16,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import ops
+from cute_kernels.attention_sm90 import backward_config as bwd_config
 from layouts import attention_sm90 as tiling
 from ops import _compile as cc
 from ops._disk_cache import stable_key
@@ -28,10 +29,12 @@ from ops.attention_common import AttentionBackwardArgs
 from .helpers import trace_custom_ops
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
-CONFIGS = [(dt, d, mask) for dt in (cutlass.BFloat16, cutlass.Float16) for d in tiling.HEAD_DIMS for mask in (0, 1, 2)]
+CONFIGS = [
+    (dt, d, mask) for dt in (cutlass.BFloat16, cutlass.Float16) for d in bwd_config.HEAD_DIMS for mask in (0, 1, 2)
+]
 # a sliding window comes with a causal mask only
 WINDOW_CONFIGS = [
-    (dt, d, mask) for dt in (cutlass.BFloat16, cutlass.Float16) for d in tiling.HEAD_DIMS for mask in (1, 2)
+    (dt, d, mask) for dt in (cutlass.BFloat16, cutlass.Float16) for d in bwd_config.HEAD_DIMS for mask in (1, 2)
 ]
 
 
@@ -50,9 +53,9 @@ def test_carry_dq_only_for_short_equal_tiles(monkeypatch):
     CARRY_DQ_MAX_STEPS steps (query blocks x the query heads of a key head; 0: never)."""
     from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
 
-    t = tiling.attention_sm90_tiles(64)
+    t = bwd_config.attention_sm90_tiles(64)
     most = 8
-    monkeypatch.setattr(tiling, "CARRY_DQ_MAX_STEPS", most)
+    monkeypatch.setattr(bwd_config, "CARRY_DQ_MAX_STEPS", most)
 
     def carries(tiles, mask, rows_q, group, window=False, deterministic=False, varlen=False, bias=False, dropout=False):
         schedule = AttentionBackwardSm90.tile_schedule(tiles, mask, window, deterministic, varlen, bias, dropout)
@@ -73,8 +76,8 @@ def test_carry_dq_only_for_short_equal_tiles(monkeypatch):
     ):
         assert not carries(t, mask, rows_q=1, group=1, **kw), (mask, kw)
     for d in (96, 128, 192):
-        assert not carries(tiling.attention_sm90_tiles(d), 0, rows_q=1, group=1)
-    monkeypatch.setattr(tiling, "CARRY_DQ_MAX_STEPS", 0)
+        assert not carries(bwd_config.attention_sm90_tiles(d), 0, rows_q=1, group=1)
+    monkeypatch.setattr(bwd_config, "CARRY_DQ_MAX_STEPS", 0)
     assert not carries(t, 0, rows_q=1, group=1)
 
 
@@ -133,10 +136,12 @@ def test_compiles_partial_last_block(mask_type, window, deterministic, tail_m):
 )
 def test_tail_rows(rows_q, tail):
     """The partial block's rows rounded up to 16, none where they would round to the whole 80."""
-    t = tiling.attention_sm90_tiles(128)
+    t = bwd_config.attention_sm90_tiles(128)
     assert t.tile_m == 80 and t.tail_block and t.tail_rows(rows_q) == tail
-    assert not tiling.attention_sm90_tiles(64).tail_block and tiling.attention_sm90_tiles(64).tail_rows(100) == 0
-    assert not tiling.attention_sm90_tiles(128, bias_or_dropout=True).tail_block
+    assert (
+        not bwd_config.attention_sm90_tiles(64).tail_block and bwd_config.attention_sm90_tiles(64).tail_rows(100) == 0
+    )
+    assert not bwd_config.attention_sm90_tiles(128, bias_or_dropout=True).tail_block
 
 
 def test_tail_m_only_where_the_kernel_takes_it(monkeypatch):
@@ -164,11 +169,11 @@ def test_tail_m_only_where_the_kernel_takes_it(monkeypatch):
     assert key(rows_q=4080).tail_m == 0
     monkeypatch.setattr(S, "TAIL_BLOCK", False)
     assert key().tail_m == 0
-    t = tiling.attention_sm90_tiles(128)
+    t = bwd_config.attention_sm90_tiles(128)
     with pytest.raises(ValueError, match="tail_m 24"):
         AttentionBackwardSm90(cutlass.BFloat16, t, 0, tail_m=24)
     with pytest.raises(ValueError, match="tail_m 16"):
-        AttentionBackwardSm90(cutlass.BFloat16, tiling.attention_sm90_tiles(64), 0, tail_m=16)
+        AttentionBackwardSm90(cutlass.BFloat16, bwd_config.attention_sm90_tiles(64), 0, tail_m=16)
     with pytest.raises(ValueError, match="without varlen"):
         AttentionBackwardSm90(cutlass.BFloat16, t, 0, varlen=True, tail_m=16)
     assert AttentionBackwardSm90(cutlass.BFloat16, t, 1, tail_m=64).tail_m == 64
@@ -235,7 +240,7 @@ def test_compiles_varlen(head_dim, mask_type, window, deterministic):
 # ------------------------------------------------------------- Dqk != Dv
 
 
-PAIRS = tiling.HEAD_DIM_PAIRS  # every supported (Dqk, Dv) with Dqk != Dv
+PAIRS = bwd_config.HEAD_DIM_PAIRS  # every supported (Dqk, Dv) with Dqk != Dv
 # each pair: bf16 without a mask and causal, fp16 bottom-right
 PAIR_CONFIGS = [
     (dt, dqk, dv, mask)
@@ -291,8 +296,8 @@ def test_compiles_unequal_head_dims_with_features(head_dim, head_dim_v, mask_typ
 def test_pairs_are_every_accepted_combination():
     """HEAD_DIM_PAIRS lists what head_dims_unsupported() accepts; Dqk 96 with a wide Dv is the
     one combination the tiles cannot take (its dQ quarters have no swizzle atom)."""
-    dims = tiling.HEAD_DIMS
-    accepted = {(a, b) for a in dims for b in dims if a != b and tiling.head_dims_unsupported(a, b) is None}
+    dims = bwd_config.HEAD_DIMS
+    accepted = {(a, b) for a in dims for b in dims if a != b and bwd_config.head_dims_unsupported(a, b) is None}
     assert set(PAIRS) == accepted and len(PAIRS) == len(set(PAIRS))
     assert {(128, 64), (64, 128), (192, 128)} <= accepted
     assert accepted.isdisjoint({(96, 192), (96, 256)})
@@ -307,7 +312,7 @@ def test_build_picks_the_kernel_class_for_pairs(monkeypatch, head_dim, head_dim_
     monkeypatch.setattr(cc, "compile_kernel", lambda kernel, *a, arch: built.append((kernel, a)))
     S._build(S.Sm90Config(cutlass.BFloat16, head_dim, head_dim_v, 1, "sm_90a"))
     ((kernel, args),) = built
-    wide = max(head_dim, head_dim_v) > tiling.WIDE_FROM
+    wide = max(head_dim, head_dim_v) > bwd_config.WIDE_FROM
     assert isinstance(kernel, AttentionBackwardSm90Wide) == wide
     assert (kernel.tiles.head_dim, kernel.tiles.head_dim_v) == (head_dim, head_dim_v)
     # q, k, v, do, lse, delta, dq_accum, dk, dv: Q / K / dQ / dK Dqk wide, V / dO / dV Dv wide
@@ -387,18 +392,18 @@ def test_compiles_unequal_head_dims_with_bias_and_dropout(head_dim, head_dim_v):
 def test_feature_flags_are_checked():
     from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
 
-    tiles = tiling.attention_sm90_tiles(64, bias_or_dropout=True)
+    tiles = bwd_config.attention_sm90_tiles(64, bias_or_dropout=True)
     with pytest.raises(ValueError, match="grad_bias needs has_bias"):
         AttentionBackwardSm90(cutlass.BFloat16, tiles, 0, grad_bias=True)
     with pytest.raises(NotImplementedError, match="variable lengths"):
         AttentionBackwardSm90(cutlass.BFloat16, tiles, 0, varlen=True, has_bias=True)
 
 
-@pytest.mark.parametrize("head_dim", tiling.HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", bwd_config.HEAD_DIMS)
 def test_keep_flags_fit(head_dim):
     """Dropout's two keep-flag buffers (a bit per element of the block) fit beside every tile
     set dropout runs on, and each consumer thread draws whole 16-key half-words of one query row."""
-    t = tiling.attention_sm90_tiles(head_dim, bias_or_dropout=True)
+    t = bwd_config.attention_sm90_tiles(head_dim, bias_or_dropout=True)
     keys, queries = t.sdp_wg_tile
     assert keys * queries * tiling.NUM_CONSUMER_WG == t.tile_m * t.tile_n  # the warpgroups cover the block
     assert t.keep_flag_keys % 16 == 0 and keys % t.keep_flag_keys == 0
@@ -410,8 +415,8 @@ def test_keep_flags_fit(head_dim):
 def test_d96_compiles_without_dq_per_wg(monkeypatch):
     """The dQ staging atom follows the warpgroups' 48-column slices, not the reduce-add box:
     one joint handoff of the whole tile compiles too (32-column atoms could not be partitioned)."""
-    tiles = tiling.attention_sm90_tiles
-    monkeypatch.setattr(tiling, "attention_sm90_tiles", lambda d, *a, **kw: tiles(d, *a, dq_per_wg=False, **kw))
+    tiles = bwd_config.attention_sm90_tiles
+    monkeypatch.setattr(bwd_config, "attention_sm90_tiles", lambda d, *a, **kw: tiles(d, *a, dq_per_wg=False, **kw))
     assert callable(S._build(S.Sm90Config(cutlass.BFloat16, 96, 96, 1, "sm_90a")))
 
 
@@ -424,17 +429,17 @@ def test_heavy_first_order_only_where_it_applies(mask_type, deterministic, lpt):
     from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
 
     kernel = AttentionBackwardSm90(
-        cutlass.BFloat16, tiling.attention_sm90_tiles(64), mask_type, deterministic=deterministic
+        cutlass.BFloat16, bwd_config.attention_sm90_tiles(64), mask_type, deterministic=deterministic
     )
     assert kernel.lpt is lpt
 
 
 @pytest.mark.parametrize("seqlen_q,group,d", [(4096, 1, 128), (8192, 4, 64), (1, 1, 96), (10**7, 8, 128)])
 def test_lpt_chunk_fits_the_l2_budget(seqlen_q, group, d):
-    t = tiling.attention_sm90_tiles(d)
+    t = bwd_config.attention_sm90_tiles(d)
     per_head = group * seqlen_q * d * (2 * 2 + 4)  # Q, dO (bf16) and the fp32 dQ accumulator
     chunk = t.lpt_heads_per_chunk(seqlen_q, group)
-    assert chunk >= 1 and (chunk == 1 or chunk * per_head <= tiling.LPT_L2_BYTES < (chunk + 1) * per_head)
+    assert chunk >= 1 and (chunk == 1 or chunk * per_head <= bwd_config.LPT_L2_BYTES < (chunk + 1) * per_head)
 
 
 def test_smem_bytes_is_the_structs_size():
@@ -442,14 +447,14 @@ def test_smem_bytes_is_the_structs_size():
     no keep-flag member: d64 with two dQ staging buffers (tile_m 128) then needs exactly the
     limit, and launched on the H100 (with a one-byte placeholder member the DSL sized it
     233472 bytes and refused the launch)."""
-    for d in tiling.HEAD_DIMS:
+    for d in bwd_config.HEAD_DIMS:
         for bias_or_dropout in (False, True):
-            t = tiling.attention_sm90_tiles(d, bias_or_dropout=bias_or_dropout)
+            t = bwd_config.attention_sm90_tiles(d, bias_or_dropout=bias_or_dropout)
             assert t.smem_bytes() % tiling.SMEM_ALIGN == 0 == t.smem_bytes(dropout=True) % tiling.SMEM_ALIGN
-    t = dataclasses.replace(tiling.attention_sm90_tiles(64), dq_stages=2, kv_buffers=1)
+    t = dataclasses.replace(bwd_config.attention_sm90_tiles(64), dq_stages=2, kv_buffers=1)
     assert t.tile_m == 128 and t.smem_bytes() == tiling.SMEM_LIMIT == 232448
     # the default d64 tiles spend the same 32 KiB on a second K / V buffer instead
-    t = tiling.attention_sm90_tiles(64)
+    t = bwd_config.attention_sm90_tiles(64)
     assert t.kv_buffers == 2 and t.smem_bytes() == tiling.SMEM_LIMIT
     assert t.smem_bytes() - dataclasses.replace(t, kv_buffers=1).smem_bytes() == 2 * 128 * 64 * 2
 
@@ -460,11 +465,11 @@ def test_kv_buffers_choose_the_persistent_kernel():
     per-CTA state (determinism's turns, bias, dropout); otherwise it uses the first buffer."""
     from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
 
-    t = tiling.attention_sm90_tiles(64)
+    t = bwd_config.attention_sm90_tiles(64)
     assert t.kv_buffers == 2 and t.kv_barriers == 4
     for d in (96, 128):
-        assert tiling.attention_sm90_tiles(d).kv_buffers == 1
-    assert tiling.attention_sm90_tiles(64, bias_or_dropout=True).kv_buffers == 1
+        assert bwd_config.attention_sm90_tiles(d).kv_buffers == 1
+    assert bwd_config.attention_sm90_tiles(64, bias_or_dropout=True).kv_buffers == 1
     k = AttentionBackwardSm90(cutlass.BFloat16, t, 0)
     assert k.persistent and not k.dynamic_tiles
     for mask in (1, 2):  # causal tiles differ in work: taken from a counter, heavy-first
@@ -476,29 +481,29 @@ def test_kv_buffers_choose_the_persistent_kernel():
     for kw in (dict(varlen=True), dict(deterministic=True)):
         assert not AttentionBackwardSm90(cutlass.BFloat16, t, 1, **kw).persistent, kw
         assert AttentionBackwardSm90.tile_schedule(t, 1, **kw) == "grid", kw
-    assert not AttentionBackwardSm90(cutlass.BFloat16, tiling.attention_sm90_tiles(128), 0).persistent
-    assert tiling.attention_sm90_tiles(128).tile_ring == 0 < t.tile_ring
+    assert not AttentionBackwardSm90(cutlass.BFloat16, bwd_config.attention_sm90_tiles(128), 0).persistent
+    assert bwd_config.attention_sm90_tiles(128).tile_ring == 0 < t.tile_ring
     # setmaxnreg.inc waits for registers the producer freed: the three warpgroups' counts must
     # fit the launch's 168 a thread slot (384 threads, 64 K registers), or the consumers hang
     launch_regs = 65536 // t.num_threads // 8 * 8
     for producer, consumer in (
-        (tiling.PRODUCER_REGS, tiling.CONSUMER_REGS),
-        (tiling.PRODUCER_REGS_PERSISTENT, tiling.CONSUMER_REGS_PERSISTENT),
+        (bwd_config.PRODUCER_REGS, bwd_config.CONSUMER_REGS),
+        (bwd_config.PRODUCER_REGS_PERSISTENT, bwd_config.CONSUMER_REGS_PERSISTENT),
     ):
         assert producer + tiling.NUM_CONSUMER_WG * consumer <= (1 + tiling.NUM_CONSUMER_WG) * launch_regs
         assert producer % 8 == 0 == consumer % 8 and 24 <= producer <= consumer <= 256
     with pytest.raises(ValueError, match="kv_buffers"):
-        tiling.attention_sm90_tiles(64, kv_buffers=3)
+        bwd_config.attention_sm90_tiles(64, kv_buffers=3)
     with pytest.raises(ValueError, match="carry_dq"):  # only over equal tiles
         AttentionBackwardSm90(cutlass.BFloat16, t, 1, carry_dq=True)
     with pytest.raises(ValueError, match="dq_defer"):
-        tiling.attention_sm90_tiles(128, kv_buffers=2)
+        bwd_config.attention_sm90_tiles(128, kv_buffers=2)
 
 
 def test_heavy_first_order_walks_every_tile_once():
-    """layouts/lpt_order.heavy_first_order: chunks of pairs, key blocks outer inside each,
+    """cute_kernels/attention_sm90/lpt_order.heavy_first_order: chunks of pairs, key blocks outer inside each,
     the last chunk narrower; every (key block, pair) exactly once."""
-    from layouts.lpt_order import heavy_first_order
+    from cute_kernels.attention_sm90.lpt_order import heavy_first_order
 
     order = heavy_first_order(3, 5, 2)
     assert sorted(order) == [(n, p) for n in range(3) for p in range(5)]
@@ -508,7 +513,7 @@ def test_heavy_first_order_walks_every_tile_once():
 
 def test_makespan_is_list_scheduling():
     """Each CTA, in order, takes the SM that frees up first."""
-    from layouts.lpt_order import makespan
+    from cute_kernels.attention_sm90.lpt_order import makespan
 
     assert makespan([3, 3, 2, 2, 2], 2) == 7  # 3 | 3, then 2 + 2 on one and 2 on the other
     assert makespan([5, 1, 1, 1, 1, 1], 2) == 5
@@ -524,7 +529,7 @@ def test_lpt_chunk_by_the_model(b, h, s, d, fit, chosen):
     docs/attention_sm90.md) comes within 3%; never more heads than fit."""
     from benchmarks.sm90_schedule import model_ratio
 
-    t = tiling.attention_sm90_tiles(d)
+    t = bwd_config.attention_sm90_tiles(d)
     assert t.lpt_heads_per_chunk(s, 1, 2) == fit
     got = t.lpt_heads_per_chunk(s, 1, 2, seqlen_k=s, pairs=b * h, mask_type=1, num_sms=132)
     assert got == chosen <= fit
@@ -536,20 +541,20 @@ def test_query_tiles_follow_bias_and_dropout():
     store warp: the staging atoms tile columns first, so those rows are one TMA box) and d128
     80 (dQ^T = K^T dS^T, one dS barrier), with or without a causal mask; a bias or dropout
     (registers, dropout's flags) keeps 64."""
-    t = tiling.attention_sm90_tiles(64)
+    t = bwd_config.attention_sm90_tiles(64)
     assert (t.tile_m, t.dq_order, t.dq_swapab) == (128, (1, 0), False)
     # each block's dQ a step late (its own dS barriers), both dQ buffers freed first
     assert (t.dq_defer, t.pds_split, t.dq_empty_early) == (True, False, True)
-    t = tiling.attention_sm90_tiles(64, bias_or_dropout=True)
+    t = bwd_config.attention_sm90_tiles(64, bias_or_dropout=True)
     assert (t.tile_m, t.dq_order, t.dq_defer) == (64, (0, 1), False)
-    assert not tiling.attention_sm90_tiles(128).dq_defer
-    t = tiling.attention_sm90_tiles(128)
+    assert not bwd_config.attention_sm90_tiles(128).dq_defer
+    t = bwd_config.attention_sm90_tiles(128)
     assert (t.tile_m, t.dq_swapab, t.pds_split, t.stats_stage_stride) == (80, True, False, 96)
-    assert not t.dq_empty_early and tiling.attention_sm90_tiles(96).dq_empty_early  # (measured per tile)
-    t = tiling.attention_sm90_tiles(128, bias_or_dropout=True)
+    assert not t.dq_empty_early and bwd_config.attention_sm90_tiles(96).dq_empty_early  # (measured per tile)
+    t = bwd_config.attention_sm90_tiles(128, bias_or_dropout=True)
     assert (t.tile_m, t.dq_swapab, t.pds_split, t.stats_stage_stride) == (64, False, True, 64)
     # dropout's flags fit beside every tile set it runs on, not beside tile_m 80
-    assert tiling.attention_sm90_tiles(128).smem_bytes(dropout=True) > tiling.SMEM_LIMIT
+    assert bwd_config.attention_sm90_tiles(128).smem_bytes(dropout=True) > tiling.SMEM_LIMIT
 
 
 def test_dkv_tma_store_on_the_base_tiles_only():
@@ -557,10 +562,10 @@ def test_dkv_tma_store_on_the_base_tiles_only():
     or dropout); the wide tiles split dK / dV's head dim between the warpgroups and store
     from registers."""
     for d, kw in ((64, {}), (96, {}), (128, {}), (128, dict(bias_or_dropout=True)), (64, dict(head_dim_v=128))):
-        assert tiling.attention_sm90_tiles(d, **kw).dkv_tma_store, (d, kw)
-    assert not tiling.attention_sm90_tiles(192).dkv_tma_store
+        assert bwd_config.attention_sm90_tiles(d, **kw).dkv_tma_store, (d, kw)
+    assert not bwd_config.attention_sm90_tiles(192).dkv_tma_store
     with pytest.raises(ValueError, match="dkv_tma_store False"):
-        tiling.attention_sm90_tiles(256, dkv_tma_store=True)
+        bwd_config.attention_sm90_tiles(256, dkv_tma_store=True)
 
 
 def test_grad_bias_needs_a_keys_contiguous_ds_tile():
@@ -568,15 +573,15 @@ def test_grad_bias_needs_a_keys_contiguous_ds_tile():
     from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
 
     with pytest.raises(ValueError, match="grad_bias needs tiles.ds_keys_contiguous"):
-        AttentionBackwardSm90(cutlass.BFloat16, tiling.attention_sm90_tiles(128), 0, has_bias=True, grad_bias=True)
-    AttentionBackwardSm90(cutlass.BFloat16, tiling.attention_sm90_tiles(128, ds_keys_contiguous=True), 0)
+        AttentionBackwardSm90(cutlass.BFloat16, bwd_config.attention_sm90_tiles(128), 0, has_bias=True, grad_bias=True)
+    AttentionBackwardSm90(cutlass.BFloat16, bwd_config.attention_sm90_tiles(128, ds_keys_contiguous=True), 0)
 
 
 def test_config_key_is_one_spelling_and_the_benchmark_precompiles_it(monkeypatch):
     """``Sm90Config`` keeps one spelling per value (its repr names the disk-cache entry, and
     holds no address) and no device-side seed without dropout; the suite's precompile asks for
     the keys the op's calls will (causal top-left, features as flags, carry_dq by the steps a tile)."""
-    monkeypatch.setattr(tiling, "CARRY_DQ_MAX_STEPS", 8)
+    monkeypatch.setattr(bwd_config, "CARRY_DQ_MAX_STEPS", 8)
     bf16 = cutlass.BFloat16
     loose = S.Sm90Config(bf16, 128.0, 64, 2, "sm_90a", window=1, dropout=1, rng_on_device=1, tail_m=32.0)
     key = S.Sm90Config(bf16, 128, 64, 2, "sm_90a", window=True, dropout=True, rng_on_device=True, tail_m=32)
@@ -613,12 +618,12 @@ def test_window_needs_a_causal_mask():
     from cute_kernels.attention_sm90.attention_backward_sm90_wide import AttentionBackwardSm90Wide
 
     with pytest.raises(ValueError, match="causal"):
-        AttentionBackwardSm90(cutlass.BFloat16, tiling.attention_sm90_tiles(64), 0, has_window=True)
+        AttentionBackwardSm90(cutlass.BFloat16, bwd_config.attention_sm90_tiles(64), 0, has_window=True)
     with pytest.raises(ValueError, match="causal"):
-        AttentionBackwardSm90Wide(cutlass.BFloat16, tiling.attention_sm90_tiles(256), 0, has_window=True)
+        AttentionBackwardSm90Wide(cutlass.BFloat16, bwd_config.attention_sm90_tiles(256), 0, has_window=True)
 
 
-@pytest.mark.parametrize("head_dim", tiling.HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", bwd_config.HEAD_DIMS)
 def test_build_picks_the_kernel_class(monkeypatch, head_dim):
     """d192 / d256 take the wide decomposition (its own tiles and kernel class), the others the base."""
     from cute_kernels.attention_sm90.attention_backward_sm90_wide import AttentionBackwardSm90Wide
@@ -627,18 +632,18 @@ def test_build_picks_the_kernel_class(monkeypatch, head_dim):
     monkeypatch.setattr(cc, "compile_kernel", lambda kernel, *a, arch: built.append(kernel))
     S._build(S.Sm90Config(cutlass.BFloat16, head_dim, head_dim, 1, "sm_90a"))
     (kernel,) = built
-    wide = head_dim > tiling.WIDE_FROM
+    wide = head_dim > bwd_config.WIDE_FROM
     assert isinstance(kernel, AttentionBackwardSm90Wide) == wide
-    assert isinstance(kernel.tiles, tiling.AttentionSm90WideTiles) == wide
+    assert isinstance(kernel.tiles, bwd_config.AttentionSm90WideTiles) == wide
 
 
 # --------------------------------------------------------------------------- tiles
 
 
 def _table():
-    """{head_dim: row} from the markdown table in the module docstring of layouts/attention_sm90.py."""
+    """{head_dim: row} from the markdown table in the module docstring of cute_kernels/attention_sm90/backward_config.py."""
     rows = {}
-    for line in tiling.__doc__.splitlines():
+    for line in bwd_config.__doc__.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if line.lstrip().startswith("|") and cells[0].isdigit():
             d, tile_m, tile_n, stages, ds_stages, consumers, smem = cells
@@ -655,13 +660,13 @@ def _table():
 
 
 def test_table_covers_the_head_dims():
-    assert sorted(_table()) == sorted(tiling.HEAD_DIMS)
+    assert sorted(_table()) == sorted(bwd_config.HEAD_DIMS)
 
 
-@pytest.mark.parametrize("head_dim", tiling.HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", bwd_config.HEAD_DIMS)
 def test_tiles_match_the_table(head_dim):
     row = _table()[head_dim]
-    t = tiling.attention_sm90_tiles(head_dim)
+    t = bwd_config.attention_sm90_tiles(head_dim)
     assert (t.tile_m, t.tile_n, t.stages, t.ds_stages) == (
         row["tile_m"],
         row["tile_n"],
@@ -671,15 +676,15 @@ def test_tiles_match_the_table(head_dim):
     assert row["consumers"] == (tiling.NUM_CONSUMER_WG, 128)
     assert t.num_threads == 128 * (tiling.NUM_CONSUMER_WG + 1) and t.num_mma_threads == 128 * tiling.NUM_CONSUMER_WG
     assert t.smem_bytes() <= tiling.SMEM_LIMIT and -(-t.smem_bytes() // 1024) == row["smem_kib"]
-    if head_dim > tiling.WIDE_FROM:
+    if head_dim > bwd_config.WIDE_FROM:
         # both warpgroups own all 64 keys and split the head dim of dK / dV (P^T and dS^T in shared memory)
-        assert isinstance(t, tiling.AttentionSm90WideTiles) and t.tile_n == 64 and t.ds_buffers == 2 * t.ds_stages
+        assert isinstance(t, bwd_config.AttentionSm90WideTiles) and t.tile_n == 64 and t.ds_buffers == 2 * t.ds_stages
         assert t.q_slice_cols == head_dim // 2 and t.dq_slice_cols == t.k_slice_cols == head_dim // 4
         assert not t.dq_per_wg  # a warpgroup's dQ columns are two quarters of d: one joint handoff
         # a thread's dK + dV accumulators (fp32) and one dQ quarter fit the consumers' registers with room
         assert 2 * t.tile_n * head_dim // t.num_mma_threads + t.tile_m * t.dq_slice_cols // 128 <= 160
     else:
-        assert not isinstance(t, tiling.AttentionSm90WideTiles)
+        assert not isinstance(t, bwd_config.AttentionSm90WideTiles)
         assert t.tile_n == 64 * tiling.NUM_CONSUMER_WG  # each consumer warpgroup owns 64 keys
         assert t.ds_buffers == t.ds_stages
     # the dQ product covers the tile with the warpgroups it has
@@ -693,19 +698,19 @@ def test_tiles_match_the_table(head_dim):
 
 @pytest.mark.parametrize("head_dim", [32, 80, 160, 224, 320])
 def test_other_head_dims_are_not_implemented(head_dim):
-    with pytest.raises(NotImplementedError, match=re.escape(str(tiling.HEAD_DIMS))):
-        tiling.attention_sm90_tiles(head_dim)
+    with pytest.raises(NotImplementedError, match=re.escape(str(bwd_config.HEAD_DIMS))):
+        bwd_config.attention_sm90_tiles(head_dim)
 
 
 # (Q / dO, K / V, fp32 dQ staging) swizzle-atom columns: the module docstring's paragraph
 ATOM_COLS = {64: (64, 64, 32), 96: (32, 16, 16), 128: (64, 64, 32), 192: (32, 16, 16), 256: (64, 64, 32)}
 
 
-@pytest.mark.parametrize("head_dim", tiling.HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", bwd_config.HEAD_DIMS)
 def test_swizzle_atoms(head_dim):
     """Every column slice a wgmma or a dQ reduce-add takes of a tile starts on a whole
     atom; d96's 192-byte rows get narrower atoms than the 128-byte ones."""
-    t = tiling.attention_sm90_tiles(head_dim)
+    t = bwd_config.attention_sm90_tiles(head_dim)
     q, k, dq = (
         tiling.atom_cols(t.q_slice_cols, 16),
         tiling.atom_cols(t.k_slice_cols, 16),
@@ -714,13 +719,13 @@ def test_swizzle_atoms(head_dim):
     assert (q, k, dq) == ATOM_COLS[head_dim]
     assert t.q_slice_cols % q == 0 and t.k_slice_cols % k == 0 and t.dq_slice_cols % dq == 0
     # one warpgroup's dQ columns (wide tiles: of each of the two halves computed in turn)
-    assert t.k_slice_cols == head_dim // t.dq_atoms[1] // (2 if head_dim > tiling.WIDE_FROM else 1)
+    assert t.k_slice_cols == head_dim // t.dq_atoms[1] // (2 if head_dim > bwd_config.WIDE_FROM else 1)
 
 
 def _pair_table():
-    """{(Dqk, Dv): row} from the Dqk != Dv table of layouts/attention_sm90.py."""
+    """{(Dqk, Dv): row} from the Dqk != Dv table of cute_kernels/attention_sm90/backward_config.py."""
     rows = {}
-    for line in tiling.__doc__.splitlines():
+    for line in bwd_config.__doc__.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if line.lstrip().startswith("|") and re.fullmatch(r"\d+ / \d+", cells[0]):
             dqk, dv = (int(x) for x in cells[0].split(" / "))
@@ -745,10 +750,10 @@ def test_pair_tiles_match_the_table(head_dim, head_dim_v):
     """The wider head dim picks the tiles; Q / K / dQ are Dqk wide, dO / V Dv wide, and a
     thread's dK + dV accumulators stay within the equal head dims' largest (128 fp32)."""
     row = _pair_table()[head_dim, head_dim_v]
-    t = tiling.attention_sm90_tiles(head_dim, head_dim_v=head_dim_v)
+    t = bwd_config.attention_sm90_tiles(head_dim, head_dim_v=head_dim_v)
     assert (t.head_dim, t.head_dim_v) == (head_dim, head_dim_v)
-    wide = max(head_dim, head_dim_v) > tiling.WIDE_FROM
-    assert isinstance(t, tiling.AttentionSm90WideTiles) == wide == row["wide"]
+    wide = max(head_dim, head_dim_v) > bwd_config.WIDE_FROM
+    assert isinstance(t, bwd_config.AttentionSm90WideTiles) == wide == row["wide"]
     assert (t.tile_m, t.tile_n, t.stages) == (row["tile_m"], row["tile_n"], row["stages"])
     assert t.smem_bytes() <= tiling.SMEM_LIMIT and -(-t.smem_bytes() // 1024) == row["smem_kib"]
     # base: 64 keys x (Dqk + Dv) per warpgroup; wide: 64 keys x (Dqk + Dv) / 2: tile_n (Dqk + Dv) / 256 either way
@@ -764,8 +769,8 @@ def test_pair_tiles_match_the_table(head_dim, head_dim_v):
 def test_swizzle_atoms_of_pairs(head_dim, head_dim_v):
     """dO's MN-major slices (dV's N) follow Dv, Q's and K's Dqk; V (read K-major only) takes
     the widest atom for its Dv columns. Every slice is whole atoms."""
-    t = tiling.attention_sm90_tiles(head_dim, head_dim_v=head_dim_v)
-    halves = 2 if isinstance(t, tiling.AttentionSm90WideTiles) else 1
+    t = bwd_config.attention_sm90_tiles(head_dim, head_dim_v=head_dim_v)
+    halves = 2 if isinstance(t, bwd_config.AttentionSm90WideTiles) else 1
     assert (t.q_slice_cols, t.do_slice_cols, t.v_slice_cols) == (head_dim // halves, head_dim_v // halves, head_dim_v)
     for cols, bits in (
         (t.q_slice_cols, 16),
@@ -781,42 +786,42 @@ def test_swizzle_atoms_of_pairs(head_dim, head_dim_v):
 def test_equal_head_dims_keep_their_layouts():
     """head_dim_v defaults to head_dim, and then V shares K's layout (its atoms follow K's
     dQ slices), as before Dqk != Dv."""
-    for d in tiling.HEAD_DIMS:
-        t = tiling.attention_sm90_tiles(d)
-        assert t.head_dim_v == d and t == tiling.attention_sm90_tiles(d, head_dim_v=d)
+    for d in bwd_config.HEAD_DIMS:
+        t = bwd_config.attention_sm90_tiles(d)
+        assert t.head_dim_v == d and t == bwd_config.attention_sm90_tiles(d, head_dim_v=d)
         assert t.v_slice_cols == t.k_slice_cols and t.do_slice_cols == t.q_slice_cols
 
 
 def test_tile_overrides_are_checked():
     with pytest.raises(ValueError, match="tile_m must be 64 or 128"):
-        tiling.attention_sm90_tiles(64, tile_m=32)
+        bwd_config.attention_sm90_tiles(64, tile_m=32)
     with pytest.raises(ValueError, match="tile_n"):
-        tiling.attention_sm90_tiles(128, tile_n=64)
+        bwd_config.attention_sm90_tiles(128, tile_n=64)
     with pytest.raises(ValueError, match="need tile_m 64 and tile_n 64"):
-        tiling.attention_sm90_tiles(256, tile_n=128)
+        bwd_config.attention_sm90_tiles(256, tile_n=128)
     with pytest.raises(ValueError, match="ds_stages 2"):
-        tiling.attention_sm90_tiles(192, ds_stages=1)
+        bwd_config.attention_sm90_tiles(192, ds_stages=1)
     with pytest.raises(ValueError, match="dq_per_wg False"):
-        tiling.attention_sm90_tiles(256, dq_per_wg=True)
+        bwd_config.attention_sm90_tiles(256, dq_per_wg=True)
     with pytest.raises(ValueError, match="bytes of shared memory"):
-        tiling.attention_sm90_tiles(256, stages=2)  # two Q / dO stages of d256: 257 KiB
+        bwd_config.attention_sm90_tiles(256, stages=2)  # two Q / dO stages of d256: 257 KiB
     # dq_defer: two dS buffers at least, every wgmma of a step in the step, its own barriers
     with pytest.raises(ValueError, match="ds_stages >= 2"):
-        tiling.attention_sm90_tiles(64, ds_stages=1)
+        bwd_config.attention_sm90_tiles(64, ds_stages=1)
     with pytest.raises(ValueError, match="overlap 'none'"):
-        tiling.attention_sm90_tiles(64, overlap="s")
+        bwd_config.attention_sm90_tiles(64, overlap="s")
     with pytest.raises(ValueError, match="pds_split False"):
-        tiling.attention_sm90_tiles(64, pds_split=True)
+        bwd_config.attention_sm90_tiles(64, pds_split=True)
     with pytest.raises(ValueError, match="dq_defer False"):
-        tiling.attention_sm90_tiles(192, dq_defer=True)
-    tiling.attention_sm90_tiles(128, dq_defer=True)  # d128 may take it (measured slower: it spills)
+        bwd_config.attention_sm90_tiles(192, dq_defer=True)
+    bwd_config.attention_sm90_tiles(128, dq_defer=True)  # d128 may take it (measured slower: it spills)
     # dK / dV by every consumer thread's 16-byte stores: staged in shared memory, whole rows a pass
     with pytest.raises(ValueError, match="dkv_vector_store stores the dK / dV that dkv_tma_store stages"):
-        tiling.attention_sm90_tiles(64, dkv_tma_store=False)
+        bwd_config.attention_sm90_tiles(64, dkv_tma_store=False)
     with pytest.raises(ValueError, match="do not split evenly"):
-        tiling.attention_sm90_tiles(96, dkv_vector_store=True)
+        bwd_config.attention_sm90_tiles(96, dkv_vector_store=True)
     assert [
-        tiling.attention_sm90_tiles(d, head_dim_v=dv).dkv_vector_store
+        bwd_config.attention_sm90_tiles(d, head_dim_v=dv).dkv_vector_store
         for d, dv in ((64, 64), (128, 128), (128, 64), (96, 96), (96, 128), (192, 192))
     ] == [True] * 3 + [False] * 3
 
@@ -825,7 +830,7 @@ def test_dq_defer_without_bias_or_dropout():
     """The deferred dQ's barriers do not order the bias gradient's stores or the keep flags."""
     from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
 
-    t = tiling.attention_sm90_tiles(64)
+    t = bwd_config.attention_sm90_tiles(64)
     for kw in (dict(has_bias=True), dict(dropout=True)):
         with pytest.raises(ValueError, match="without a bias or dropout"):
             AttentionBackwardSm90(cutlass.BFloat16, t, 0, **kw)
@@ -1069,9 +1074,9 @@ def test_convert_overlaps_where_the_grid_has_an_idle_tail(monkeypatch, mask_type
     ((tiles, counts_, group, expected),) = readies
     assert counts_ is counts and counts.shape == (2, 2) and counts.dtype == torch.int32 and not counts.any()
     assert tiles.shape == (1,) and not tiles.any() and tiles.data_ptr() + 4 == counts.data_ptr()
-    assert group == 2 and expected == -(-130 // tiling.attention_sm90_tiles(128).tile_n)
+    assert group == 2 and expected == -(-130 // bwd_config.attention_sm90_tiles(128).tile_n)
     # nor where a head has more key blocks than DQ_READY_MAX_KEY_BLOCKS
-    blocks = tiling.DQ_READY_MAX_KEY_BLOCKS
+    blocks = bwd_config.DQ_READY_MAX_KEY_BLOCKS
     assert S._overlaps_convert("grid", mask_type, deterministic, blocks)
     assert not S._overlaps_convert("grid", mask_type, deterministic, blocks + 1)
     # d64's persistent CTAs never count
@@ -1173,8 +1178,8 @@ def test_dq_ready_needs_a_cta_per_tile():
     from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
 
     with pytest.raises(ValueError, match="dq_ready"):
-        AttentionBackwardSm90(cutlass.BFloat16, tiling.attention_sm90_tiles(64), 0, dq_ready=True)
-    assert AttentionBackwardSm90(cutlass.BFloat16, tiling.attention_sm90_tiles(128), 0, dq_ready=True).dq_ready
+        AttentionBackwardSm90(cutlass.BFloat16, bwd_config.attention_sm90_tiles(64), 0, dq_ready=True)
+    assert AttentionBackwardSm90(cutlass.BFloat16, bwd_config.attention_sm90_tiles(128), 0, dq_ready=True).dq_ready
 
 
 @pytest.mark.compile
@@ -1214,9 +1219,9 @@ def test_store_first_where_every_query_block_is_seen():
     block sees every query block and the adds are not ordered or per sequence."""
     from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
 
-    t = tiling.attention_sm90_tiles(128)
-    assert t.store_first and not tiling.attention_sm90_tiles(64).store_first
-    assert not tiling.attention_sm90_tiles(128, bias_or_dropout=True).store_first
+    t = bwd_config.attention_sm90_tiles(128)
+    assert t.store_first and not bwd_config.attention_sm90_tiles(64).store_first
+    assert not bwd_config.attention_sm90_tiles(128, bias_or_dropout=True).store_first
     first = lambda mask, sq, sk, **kw: S._stores_first(
         kw.get("tiles", t),
         mask,
@@ -1231,7 +1236,7 @@ def test_store_first_where_every_query_block_is_seen():
     assert not first(2, 900, 400)  # bottom-right, Sq > Sk: the first query blocks see no key
     assert not first(1, 500, 500, window=True) and not first(0, 500, 500, det=True)
     assert not first(0, 500, 500, varlen=True) and not first(0, 500, 0)
-    assert not first(0, 500, 500, tiles=tiling.attention_sm90_tiles(64))  # (measured slower there)
+    assert not first(0, 500, 500, tiles=bwd_config.attention_sm90_tiles(64))  # (measured slower there)
     for kw in (dict(deterministic=True), dict(varlen=True)):
         with pytest.raises(ValueError, match="store_first"):
             AttentionBackwardSm90(cutlass.BFloat16, t, 0, store_first=True, **kw)
@@ -1265,7 +1270,7 @@ def test_store_first_call_hands_over_flags_not_zeros(monkeypatch):
     _sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
     assert keys[-1].store_first is True and zeroing == [False]
     acc, counts, flags = launches[-1][6], launches[-1][11], launches[-1][12]
-    blocks = -(-q.shape[1] // tiling.attention_sm90_tiles(128).tile_m)
+    blocks = -(-q.shape[1] // bwd_config.attention_sm90_tiles(128).tile_m)
     assert acc.shape[1] >= q.shape[1] and acc.dtype == torch.float32  # (TMA clips a block past its rows)
     assert flags.shape == (2, 4, blocks) and flags.dtype == torch.int32 and not flags.any()
     assert flags.data_ptr() == counts.data_ptr() + 4 * counts.numel()
@@ -1318,14 +1323,14 @@ def test_zero_ahead_where_persistent_ctas_know_their_next_tile():
     jobs. Without a mask the key blocks share a head's query blocks, each owned once."""
     from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
 
-    most = tiling.ZERO_AHEAD_MAX_STEPS
+    most = bwd_config.ZERO_AHEAD_MAX_STEPS
     assert S._zeroes_ahead("persistent", False, 8, 132, 8) and S._zeroes_ahead("persistent", False, 132, 132, most)
     assert not S._zeroes_ahead("persistent", False, 133, 132, 8)  # 16896+ keys a head on an H100
     assert not S._zeroes_ahead("persistent", False, 8, 132, most + 1)  # long tiles: the per-step cost wins
     assert S._zeroes_ahead("dynamic", False, 8, 132, 8) and S._zeroes_ahead("dynamic", False, 200, 132, 200)
     assert not S._zeroes_ahead("dynamic", False, 8, 132, 8, reached=False)  # a window, bottom-right Sq > Sk
     assert not S._zeroes_ahead("grid", False, 8, 132, 8) and not S._zeroes_ahead("persistent", True, 8, 132, 8)
-    t64, t128 = tiling.attention_sm90_tiles(64), tiling.attention_sm90_tiles(128)
+    t64, t128 = bwd_config.attention_sm90_tiles(64), bwd_config.attention_sm90_tiles(128)
     assert AttentionBackwardSm90(cutlass.BFloat16, t64, 0, zero_ahead=True).zero_ahead
     assert AttentionBackwardSm90(cutlass.BFloat16, t64, 1, zero_ahead=True).dynamic_tiles
     for args, kw in (
@@ -1362,7 +1367,7 @@ def test_zero_ahead_call_hands_over_flags_not_zeros(monkeypatch):
     _sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 0)
     assert keys[-1].zero_ahead is True and keys[-1].store_first is False and zeroing == [False]
     acc, flags = launches[-1][6], launches[-1][12]
-    blocks = -(-q.shape[1] // tiling.attention_sm90_tiles(64).tile_m)
+    blocks = -(-q.shape[1] // bwd_config.attention_sm90_tiles(64).tile_m)
     assert acc.shape[1] >= q.shape[1] and acc.dtype == torch.float32
     assert flags.shape == (2, 4, blocks) and flags.dtype == torch.int32 and not flags.any()
     monkeypatch.setattr(S, "PERSISTENT_CTAS", 1)  # 2 key blocks a head (130 keys)
@@ -1758,8 +1763,11 @@ def test_suite_compile_only_covers_ours_sm90(monkeypatch):
     # overlaps convert_dq up to 32 key blocks a head (not 1x16x8192x128's 64); d128's tiles without a bias or dropout
     # store each query block's first dQ (tiles.store_first; Sq == Sk) and run the partial last query block on
     # narrower products, per Sq (2048 = 25 x 80 + 48, 4096 = 51 x 80 + 16, 8192 = 102 x 80 + 32)
-    carry, first = tiling.CARRY_DQ_MAX_STEPS >= 8, S.STORE_FIRST and tiling.attention_sm90_tiles(128).store_first
-    tail = tiling.attention_sm90_tiles(128).tail_rows if S.TAIL_BLOCK else (lambda rows: 0)
+    carry, first = (
+        bwd_config.CARRY_DQ_MAX_STEPS >= 8,
+        S.STORE_FIRST and bwd_config.attention_sm90_tiles(128).store_first,
+    )
+    tail = bwd_config.attention_sm90_tiles(128).tail_rows if S.TAIL_BLOCK else (lambda rows: 0)
     zero_ahead = lambda m: S.ZERO_AHEAD and (m == 0 or S.ZERO_AHEAD_CAUSAL)  # noqa: E731
     plain = {
         S.Sm90Config(bf16, 64, 64, m, "sm_90a", carry_dq=carry and m == 0, zero_ahead=zero_ahead(m)) for m in (0, 1)
@@ -1848,7 +1856,7 @@ def test_suite_sm90_row_runs_features(monkeypatch, feature):
 # ------------------------------------------------------------------ catalogue
 
 
-CATALOGUE_DIMS = [(d, d) for d in tiling.HEAD_DIMS] + [(128, 64), (64, 96), (192, 128), (256, 96)]
+CATALOGUE_DIMS = [(d, d) for d in bwd_config.HEAD_DIMS] + [(128, 64), (64, 96), (192, 128), (256, 96)]
 # with a bias or dropout d64 / d128 take other tiles; the bias gradient a keys-contiguous dS
 CATALOGUE_OPTIONS = [(d, d, dict(bias_or_dropout=True)) for d in (64, 128)] + [
     (64, 64, dict(bias_or_dropout=True, ds_keys_contiguous=True))
@@ -1866,7 +1874,7 @@ def test_catalogue_forms_match_the_kernel_layouts(d, dv, options):
     from layouts.algebra import Swizzle, parse_layout
     from layouts.attention_sm90_smem import smem_layouts_algebra
 
-    t = tiling.attention_sm90_tiles(d, head_dim_v=dv, **options)
+    t = bwd_config.attention_sm90_tiles(d, head_dim_v=dv, **options)
     printed = {}
     bf16 = cutlass.BFloat16
     layouts = {  # made while tracing

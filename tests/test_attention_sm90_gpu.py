@@ -44,7 +44,7 @@ import pytest
 import torch
 
 import ops
-from layouts import attention_sm90 as tiling
+from cute_kernels.attention_sm90 import backward_config as bwd_config
 from ops import _compile as cc
 from ops.reference import attention_backward_ref, attention_forward_ref
 
@@ -576,12 +576,12 @@ def test_persistent_ctas_walk_several_tiles(case, carry, ctas, monkeypatch, capl
 
     dtype, b, h, hk, sq, sk, d, mask_type = case[:8]
     window = case[8] if len(case) > 8 else 0
-    assert tiling.attention_sm90_tiles(d).kv_buffers == 2
+    assert bwd_config.attention_sm90_tiles(d).kv_buffers == 2
     monkeypatch.setattr(sm90_ops, "PERSISTENT_CTAS", ctas)
     if carry is not None:
-        steps = (h // hk) * -(-sq // tiling.attention_sm90_tiles(d).tile_m)
+        steps = (h // hk) * -(-sq // bwd_config.attention_sm90_tiles(d).tile_m)
         assert steps <= 8  # so that carry_dq is on with the limit below
-        monkeypatch.setattr(tiling, "CARRY_DQ_MAX_STEPS", 8 if carry else 0)
+        monkeypatch.setattr(bwd_config, "CARRY_DQ_MAX_STEPS", 8 if carry else 0)
     q, _, _, do = make_inputs(b, h, sq, sk, d, dtype, seed=sq + ctas)
     _, k, v, _ = make_inputs(b, hk, sq, sk, d, dtype, seed=sk + ctas)
     kw = dict(window_size=window) if window else {}
@@ -1171,7 +1171,7 @@ def test_grouped_heads_with_bias_and_dropout(deterministic):
 
 # ------------------------------------------------------------------------ Dqk != Dv
 
-# every supported pair (layouts.attention_sm90.HEAD_DIM_PAIRS; the wider head dim picks the
+# every supported pair (cute_kernels.attention_sm90.backward_config.HEAD_DIM_PAIRS; the wider head dim picks the
 # tiles: base 64 / 128 x 128 up to 128, wide 64 x 64 above), both dtypes, shapes looped
 # inside (one compile per dtype, pair and mask). (B, H, Hk, Sq, Sk, mask):
 PAIR_SHAPES = [
@@ -1182,11 +1182,11 @@ PAIR_SHAPES = [
     (1, 6, 1, 130, 300, 2),  # multi-query, bottom-right
     (2, 2, 2, 300, 100, 2),  # bottom-right, Sq > Sk: out / logsumexp from the reference forward
 ]
-PAIR_IDS = [f"d{a}-dv{b}" for a, b in tiling.HEAD_DIM_PAIRS]
+PAIR_IDS = [f"d{a}-dv{b}" for a, b in bwd_config.HEAD_DIM_PAIRS]
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("head_dim,head_dim_v", tiling.HEAD_DIM_PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("head_dim,head_dim_v", bwd_config.HEAD_DIM_PAIRS, ids=PAIR_IDS)
 def test_unequal_head_dims(head_dim, head_dim_v, dtype, caplog):
     """dQ / dK Dqk wide, dV Dv wide: against fp64 and against the memory-efficient kernel on
     the same out / logsumexp (torch's forward, or the reference's where torch's is wrong)."""

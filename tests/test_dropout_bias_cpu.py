@@ -9,6 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import ops
 from cute_kernels.common.activation import ACTIVATIONS
+from cute_kernels.dropout_bias import config as dropout_bias_config
 from layouts import dropout_bias as tiling
 from ops import _compile as cc
 from ops.reference import activation_grad_ref, dropout_bias_backward_ref
@@ -37,7 +38,7 @@ def test_row_chunks_cover_rows_without_empty_chunks():
     t = tiling.tiles(16, 8)
     for rows in (1, 15, 16, 17, 1000, 8192, 16384, 65536, 1 << 20):
         for n in (1, 256, 1000, 4096):
-            chunks, per = tiling.row_chunks(rows, n, t, 132)
+            chunks, per = dropout_bias_config.row_chunks(rows, n, t, 132)
             blocks = math.ceil(rows / t.tile[0])
             assert chunks * per >= blocks, "rows left uncovered"
             assert (chunks - 1) * per < blocks, "an empty chunk"

@@ -9,6 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import ops
+from cute_kernels.layer_norm import config as ln_config
 from layouts import layer_norm as tiling
 from ops import norm as N
 from ops.reference import norm_backward_ref
@@ -148,10 +149,10 @@ def test_documented_table_matches_the_rule():
 
 def test_grid_is_persistent_and_covers_rows():
     t = tiling.ln_bwd_tiles(4096, 16, 16, 32, 8)
-    assert tiling.ctas_per_col(1, t, 132) == 1
-    assert tiling.ctas_per_col(10**6, t, 132) == 132 * t.ctas_per_sm
+    assert ln_config.ctas_per_col(1, t, 132) == 1
+    assert ln_config.ctas_per_col(10**6, t, 132) == 132 * t.ctas_per_sm
     t = tiling.ln_bwd_tiles(64, 16, 16, 32, 8)
-    assert tiling.ctas_per_col(100, t, 132) == -(-100 // t.rows_per_cta)
+    assert ln_config.ctas_per_col(100, t, 132) == -(-100 // t.rows_per_cta)
 
 
 def test_finalize_tiles():

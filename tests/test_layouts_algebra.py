@@ -289,10 +289,10 @@ def _record_dsl():
             rec[name] = str(obj)
     import cutlass
 
-    from layouts import attention_sm90
+    from cute_kernels.attention_sm90 import backward_config as sm90_config
 
-    for d in attention_sm90.HEAD_DIMS:  # the kernel's own dK / dV row copy, against its catalogue entry
-        t = attention_sm90.attention_sm90_tiles(d)
+    for d in sm90_config.HEAD_DIMS:  # the kernel's own dK / dV row copy, against its catalogue entry
+        t = sm90_config.attention_sm90_tiles(d)
         if t.dkv_vector_store:
             rec[f"s2g_copy_dkv.d{d}"] = str(t.s2g_copy_dkv(cutlass.BFloat16, d).layout_tv_tiled)
     for thr_shape, order, val_shape in [((4, 8), (0, 1), (2, 2)), ((8, 4), (1, 0), (4, 1)), ((2, 16), (0, 1), (1, 4))]:

@@ -24,7 +24,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, note, seed, settings
 from hypothesis import strategies as st
 
-from layouts import attention_sm90 as sm90_tiling
+from cute_kernels.attention_sm90 import backward_config as sm90_config
 from ops import _compile as cc
 from ops import attention_sm90 as S
 
@@ -195,7 +195,7 @@ def test_auto_runs_the_sm90_kernel_for_every_class():
     """Each class's anchor is an sm90 problem (so "auto" means the Hopper kernel here)."""
     for c in CLASSES:
         d, dv = c["dims"]
-        assert sm90_tiling.head_dims_unsupported(d, dv) is None, class_id(c)
+        assert sm90_config.head_dims_unsupported(d, dv) is None, class_id(c)
     assert all(class_sizes(ci) for ci in range(NUM_CLASSES))
 
 

@@ -54,18 +54,20 @@ from cute_kernels.common.log2_units import LOG2_E
 from cute_kernels.common.views import select_modes
 from layouts.attention_bwd_prepost import SEQLEN_ROUND, VARLEN_ACCUM_PAD
 from layouts.attention_sm90 import (
-    CONSUMER_REGS,
-    DKV_STORE_WARPS,
     GRAD_BIAS_BOX_KEYS,
     KEEP_FLAG_BUFFERS,
-    PRODUCER_REGS,
     SMEM_ALIGN,
     SMEM_LIMIT,
     STATS_ALIGN,
     TAIL_ROWS_ALIGN,
-    AttentionSm90Tiles,
 )
 
+from .backward_config import (
+    CONSUMER_REGS,
+    DKV_STORE_WARPS,
+    PRODUCER_REGS,
+    AttentionSm90Tiles,
+)
 from .consumer_steps import ConsumerStepsMixin
 from .dq_accumulator import DqAccumulatorMixin
 from .epilogue import EpilogueMixin

@@ -9,7 +9,8 @@ from cutlass.cute.nvgpu import cpasync
 
 from cute_kernels.attention.named_barrier import NamedBarrier, cyclic
 from layouts.attention_bwd_prepost import VARLEN_ACCUM_PAD
-from layouts.attention_sm90 import (
+
+from .backward_config import (
     DKV_STORE_WARPS,
 )
 

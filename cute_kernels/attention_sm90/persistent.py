@@ -5,7 +5,8 @@ import cutlass.pipeline as pipeline
 from cutlass import Int32, const_expr
 
 from cute_kernels.attention.named_barrier import NamedBarrier, named_barrier
-from layouts.attention_sm90 import (
+
+from .backward_config import (
     CONSUMER_REGS_PERSISTENT,
     DKV_STORE_WARPS,
     PRODUCER_REGS_PERSISTENT,
