@@ -32,6 +32,7 @@ from cute_kernels.attention.named_barrier import NamedBarrier
 from cute_kernels.common.log2_units import LOG2_E
 from cute_kernels.common.views import transpose_view
 
+from .arguments import MmaArgs
 from .attention_backward_sm90 import AttentionBackwardSm90
 from .wgmma import wgmma
 
@@ -43,22 +44,7 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
     @cute.jit
     def mma(
         self,
-        sQ,
-        sdO,
-        sK,
-        sV,
-        sdS,
-        sdQ,
-        sLSE,
-        sDelta,
-        dkv_out,
-        tiled_mma_sdp,
-        tiled_mma_dkv,
-        tiled_mma_dv,
-        tiled_mma_dq,
-        pipe_q,
-        pipe_do,
-        mbar_kv,
+        ma: MmaArgs,
         tidx,
         n_block,
         batch,
@@ -70,12 +56,16 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
         window_size,
         feat,
     ):
+        """The consumers' steps of one tile, then its dK / dV (the base's ``mma``, a CTA per tile)."""
         t = self.tiles
         d = t.head_dim
-        head_kv, group, m_min, m_max, _ = work
-        steps = group * (m_max - m_min)
+        steps = work.steps
         wg = cute.arch.make_warp_uniform(tidx // 128)
         scale_log2 = softmax_scale * LOG2_E
+        sQ, sdO, sK, sV, sdS, sdQ = ma.sQ, ma.sdO, ma.sK, ma.sV, ma.sdS, ma.sdQ
+        sLSE, sDelta, pipe_q, pipe_do = ma.sLSE, ma.sDelta, ma.pipe_q, ma.pipe_do
+        tiled_mma_sdp, tiled_mma_dq = ma.tiled_mma_sdp, ma.tiled_mma_dq
+        tiled_mma_dkv, tiled_mma_dv = ma.tiled_mma_dkv, ma.tiled_mma_dv
 
         # S^T = K Q^T, dP^T = V dO^T (all keys, this warpgroup's queries)
         tSrK, tSrQ, tPrV, tPrdO, shape_sdp, cS_mn = self.sdp_operands(tiled_mma_sdp, tidx, wg, sK, sQ, sV, sdO)
@@ -113,8 +103,8 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
         acc_S = cute.make_rmem_tensor(shape_sdp, Float32)
         acc_dP = cute.make_rmem_tensor(shape_sdp, Float32)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
-        if m_min < m_max:
-            cute.arch.mbarrier_wait(mbar_kv, 0)
+        if work.m_min < work.m_max:
+            cute.arch.mbarrier_wait(ma.mbar_kv, 0)
         # every wgmma group is issued and waited for within its step (none crosses the
         # loop's back edge, which would make ptxas serialise them all); the loop stays
         # outside the if (0 steps without work), as the base's (docs/attention_sm90.md)
@@ -175,14 +165,14 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
         self.epilogue(
             acc_dK,
             acc_dV,
-            dkv_out,
+            ma.dkv_out,
             sK,
             sV,
             tiled_mma_dkv,
             tiled_mma_dv,
             tidx,
             n_block,
-            head_kv,
+            work.head_kv,
             batch,
             rows,
             seqlen_k,

@@ -3,7 +3,8 @@ copies of a step (``StepOperands``), what a tile's steps share (``StepEnv``), an
 the products."""
 
 import dataclasses
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import cutlass
 import cutlass.cute as cute
@@ -14,7 +15,8 @@ from cute_kernels.common.views import rows_view, transpose_view
 from .wgmma import acc_mn_layout, wgmma
 
 
-class StepOperands(NamedTuple):
+@dataclass(frozen=True)
+class StepOperands:
     """One kind of consumer step's products (``block_step``): tiled MMAs, operand fragments,
     accumulators and register-to-shared copies of a whole query block, or of a partial one
     (``tail_operands``)."""
@@ -43,7 +45,8 @@ class StepOperands(NamedTuple):
     tdQs: Any
 
 
-class StepEnv(NamedTuple):
+@dataclass(frozen=True)
+class StepEnv:
     """What every consumer step of a tile shares (``mma``, ``block_step``)."""
 
     pipe_q: Any
