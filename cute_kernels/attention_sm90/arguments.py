@@ -1,6 +1,6 @@
 """What the sm90 backward's roles are handed, as frozen dataclasses read by field: the kernel's
 grouped arguments (``DqFirst``, ``DkvTma``, ``GradBiasTma``: they cross the ``@cute.kernel``
-boundary as ``TileSchedulerParams`` does, field by field), a tile's work and rows, and each
+boundary as ``TileSchedulerParams`` does, field by field), a tile's work, and each
 role's operands (``LoadArgs``, ``StoreArgs``, ``MmaArgs``)."""
 
 from dataclasses import dataclass
@@ -73,14 +73,6 @@ class Work:
     def steps(self):
         """(query head, query block) steps of the key block."""
         return self.group * (self.m_max - self.m_min)
-
-
-@dataclass(frozen=True)
-class Rows:
-    """The first packed row of the sequence's queries and keys (varlen; 0 otherwise)."""
-
-    offset_q: Any
-    offset_k: Any
 
 
 @dataclass(frozen=True)

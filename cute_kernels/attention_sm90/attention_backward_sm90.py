@@ -39,7 +39,8 @@ preprocess (nothing in between on the stream).
 """
 
 import functools
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -48,9 +49,9 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Uint8, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from cute_kernels.attention.mask import AttentionMask
-from cute_kernels.attention.seqlen_info import SeqlenInfo
 from cute_kernels.attention.dropout import PhiloxArgs
+from cute_kernels.attention.mask import AttentionMask
+from cute_kernels.attention.seqlen_info import Rows, SeqlenInfo
 from cute_kernels.attention.tile_scheduler import TileRing, TileSchedulerParams, tile_scheduler
 from cute_kernels.common.log2_units import LOG2_E
 from cute_kernels.common.views import select_modes
@@ -68,7 +69,7 @@ from layouts.attention_sm90 import (
     AttentionSm90Tiles,
 )
 
-from .arguments import DkvOut, DkvTma, DqFirst, GradBiasTma, LoadArgs, MmaArgs, Rows, StoreArgs
+from .arguments import DkvOut, DkvTma, DqFirst, GradBiasTma, LoadArgs, MmaArgs, StoreArgs
 from .consumer_steps import ConsumerStepsMixin
 from .dq_accumulator import DqAccumulatorMixin
 from .epilogue import EpilogueMixin
@@ -77,6 +78,30 @@ from .operands import OperandsMixin, StepEnv
 from .persistent import PersistentRolesMixin
 from .producer import ProducerMixin
 from .work import WorkMixin
+
+
+@dataclass(frozen=True)
+class KernelPipelines:
+    """The CTA's pipelines: Q / LSE and dO / Δ, K / V (persistent CTAs, else None) and the tile
+    ring (``dynamic_tiles``: ``TileRing``, else None)."""
+
+    q: Any
+    do: Any
+    kv: Any
+    tile_ring: Any
+
+
+@dataclass(frozen=True)
+class OutputAtoms:
+    """What the kernel writes by TMA: the dQ accumulator's reduce-add (atom, coordinate tensor),
+    store_first's plain store (else None), dK / dV's ``DkvTma`` (else None) and the bias
+    gradient's ``GradBiasTma``."""
+
+    tma_dQ: Any
+    gdQ_tma: Any
+    tma_dQ_store: Any
+    dkv_tma: Any
+    grad_bias_tma: Any
 
 
 class AttentionBackwardSm90(
@@ -320,61 +345,17 @@ class AttentionBackwardSm90(
         tma_Delta, gDelta_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mDelta, cute.make_layout(t.tile_m), (t.tile_m,)
         )
-        # the reduce-add of a block's dQ, and with store_first the plain store of its first one
-        dq_box = (
-            (t.smem_layout_dq_sub(), t.dq_sub_tile)
-            if const_expr(t.dq_per_wg)
-            else (cute.select(sdQ_layout, mode=[0, 1]), (t.tile_m, d))
-        )
-        tma_dQ, gdQ_tma = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, *dq_box)
-        tma_dQ_store = None
-        if const_expr(self.store_first):
-            tma_dQ_store, _ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mdQaccum, *dq_box)
-
-        dkv_tma = None  # (the vector stores read sK / sV and write mdK / mdV directly)
-        if const_expr(t.dkv_by_tma):
-            tma_dK, gdK_tma = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), mdK, sK_layout, (t.tile_n, d)
-            )
-            tma_dV, gdV_tma = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), mdV, sV_layout, (t.tile_n, dv)
-            )
-            dkv_tma = DkvTma(tma_dK, gdK_tma, tma_dV, gdV_tma)
-
-        tma_dB = gdB_tma = None
-        if const_expr(self.grad_bias):  # (queries, keys, heads, batch): boxes of the keys-contiguous dS tile
-            tma_dB, gdB_tma = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(),
-                select_modes(mdBias, (2, 3, 1, 0)),
-                t.smem_layout_grad_bias_box(self.dtype),
-                (t.tile_m, GRAD_BIAS_BOX_KEYS),
-            )
+        out = self.output_atoms(mdQaccum, mdK, mdV, mdBias, sdQ_layout, sK_layout, sV_layout)
+        tma_dQ, gdQ_tma, tma_dQ_store, dkv_tma = out.tma_dQ, out.gdQ_tma, out.tma_dQ_store, out.dkv_tma
 
         elem = self.dtype.width // 8
         self.q_bytes = t.tile_m * d * elem + t.tile_m * 4  # Q + LSE
         self.do_bytes = t.tile_m * dv * elem + t.tile_m * 4  # dO + Δ
         self.kv_bytes = t.tile_n * (d + dv) * elem
 
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * t.stages]
-            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * t.stages]
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, t.kv_barriers]
-            if const_expr(t.tile_ring > 0):  # (reserved with two K / V buffers: smem_bytes counts it)
-                mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * t.tile_ring]
-                sTile: cute.struct.MemRange[Int32, t.tile_ring]
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], STATS_ALIGN]
-            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], STATS_ALIGN]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], SMEM_ALIGN]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], SMEM_ALIGN]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], SMEM_ALIGN]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], SMEM_ALIGN]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], SMEM_ALIGN]
-            if const_expr(self.dropout):  # no placeholder without it: a byte there rounds the struct up by 1 KiB
-                sKeep: cute.struct.Align[
-                    cute.struct.MemRange[Uint8, KEEP_FLAG_BUFFERS * t.keep_flag_bytes], STATS_ALIGN
-                ]
+        SharedStorage = self.shared_storage(
+            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, sStat_layout
+        )
 
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
@@ -411,7 +392,7 @@ class AttentionBackwardSm90(
             mCuSeqlensQ,
             mCuSeqlensK,
             mBias,
-            GradBiasTma(tma_dB, gdB_tma),
+            out.grad_bias_tma,
             dkv_tma,
             tma_Q,
             tma_dO,
@@ -440,6 +421,70 @@ class AttentionBackwardSm90(
             rng,
             SharedStorage,
         ).launch(grid=grid, block=[t.num_threads, 1, 1], min_blocks_per_mp=1, stream=stream, use_pdl=True)
+
+    @cute.jit
+    def output_atoms(self, mdQaccum, mdK, mdV, mdBias, sdQ_layout, sK_layout, sV_layout) -> OutputAtoms:
+        """The TMA atoms and coordinate tensors of what the kernel writes (``OutputAtoms``)."""
+        t = self.tiles
+        d, dv = t.head_dim, t.head_dim_v
+        # the reduce-add of a block's dQ, and with store_first the plain store of its first one
+        dq_box = (
+            (t.smem_layout_dq_sub(), t.dq_sub_tile)
+            if const_expr(t.dq_per_wg)
+            else (cute.select(sdQ_layout, mode=[0, 1]), (t.tile_m, d))
+        )
+        tma_dQ, gdQ_tma = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, *dq_box)
+        tma_dQ_store = None
+        if const_expr(self.store_first):
+            tma_dQ_store, _ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mdQaccum, *dq_box)
+
+        dkv_tma = None  # (the vector stores read sK / sV and write mdK / mdV directly)
+        if const_expr(t.dkv_by_tma):
+            tma_dK, gdK_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mdK, sK_layout, (t.tile_n, d)
+            )
+            tma_dV, gdV_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mdV, sV_layout, (t.tile_n, dv)
+            )
+            dkv_tma = DkvTma(tma_dK, gdK_tma, tma_dV, gdV_tma)
+
+        tma_dB = gdB_tma = None
+        if const_expr(self.grad_bias):  # (queries, keys, heads, batch): boxes of the keys-contiguous dS tile
+            tma_dB, gdB_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(),
+                select_modes(mdBias, (2, 3, 1, 0)),
+                t.smem_layout_grad_bias_box(self.dtype),
+                (t.tile_m, GRAD_BIAS_BOX_KEYS),
+            )
+        return OutputAtoms(tma_dQ, gdQ_tma, tma_dQ_store, dkv_tma, GradBiasTma(tma_dB, gdB_tma))
+
+    def shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, sStat_layout):
+        """The kernel's shared memory (the module docstring's table): mbarriers, the tile ring,
+        the statistics, the operand tiles, the dQ staging buffers and the keep flags."""
+        t = self.tiles
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * t.stages]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * t.stages]
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, t.kv_barriers]
+            if const_expr(t.tile_ring > 0):  # (reserved with two K / V buffers: smem_bytes counts it)
+                mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * t.tile_ring]
+                sTile: cute.struct.MemRange[Int32, t.tile_ring]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], STATS_ALIGN]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], STATS_ALIGN]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], SMEM_ALIGN]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], SMEM_ALIGN]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], SMEM_ALIGN]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], SMEM_ALIGN]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], SMEM_ALIGN]
+            if const_expr(self.dropout):  # no placeholder without it: a byte there rounds the struct up by 1 KiB
+                sKeep: cute.struct.Align[
+                    cute.struct.MemRange[Uint8, KEEP_FLAG_BUFFERS * t.keep_flag_bytes], STATS_ALIGN
+                ]
+
+        return SharedStorage
 
     # ------------------------------------------------------------------------------ kernel
     @cute.kernel
@@ -495,19 +540,9 @@ class AttentionBackwardSm90(
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = self.scheduler.cta_coords(sched)
         if warp_idx == 0:
-            if const_expr(self.dq_ready):
-                # ConvertDQReady, behind on the stream, may take the multiprocessors this grid's
-                # CTAs leave once every one has started (it waits for each head's count)
-                cute.arch.griddepcontrol_launch_dependents()
-            for atom in (tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ):
-                cpasync.prefetch_descriptor(atom)
-            if const_expr(self.grad_bias):
-                cpasync.prefetch_descriptor(grad_bias_tma.atom)
-            if const_expr(self.store_first):
-                cpasync.prefetch_descriptor(dq_first.tma_store)
-            if const_expr(t.dkv_by_tma):
-                cpasync.prefetch_descriptor(dkv_tma.tma_dK)
-                cpasync.prefetch_descriptor(dkv_tma.tma_dV)
+            self.warp0_start(
+                (tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ), grad_bias_tma, dq_first, dkv_tma
+            )
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -531,55 +566,10 @@ class AttentionBackwardSm90(
         if const_expr(self.dropout):  # bytes; keep_flag_halves views them
             sKeep = storage.sKeep.get_tensor(cute.make_layout(KEEP_FLAG_BUFFERS * t.keep_flag_bytes))
 
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, t.num_mma_threads // 32)
-        pipe_kv = None
-        if const_expr(self.persistent):
-            # K / V double-buffered across the CTA's tiles; a buffer is free once the dK / dV
-            # store warps have read the tile's dK / dV staged there
-            pipe_kv = pipeline.PipelineTmaAsync.create(
-                barrier_storage=mbar_kv,
-                num_stages=t.kv_buffers,
-                producer_group=producer,
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, len(DKV_STORE_WARPS)),
-                tx_count=self.kv_bytes,
-                defer_sync=True,
-            )
-        else:
-            if warp_idx == 0:
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_init(mbar_kv, 1)
-            if const_expr(t.kv_buffers > 1):  # one tile a CTA: the first buffer alone
-                sK, sV = sK[None, None, 0], sV[None, None, 0]
-        tiles_args = None  # dynamic_tiles: TileRing
-        if const_expr(self.dynamic_tiles):
-            # the producer warp takes tiles from the counter and hands them to the other warps
-            pipe_tile = pipeline.PipelineAsync.create(
-                barrier_storage=storage.mbar_tile.data_ptr(),
-                num_stages=t.tile_ring,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.num_threads - 32),
-                defer_sync=True,
-            )
-            tiles_args = TileRing(pipe_tile, storage.sTile.get_tensor(cute.make_layout(t.tile_ring)), mTileCounter)
-        pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(),
-            num_stages=t.stages,
-            producer_group=producer,
-            consumer_group=consumers,
-            tx_count=self.q_bytes,
-            defer_sync=True,
-        )
-        pipe_do = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_do.data_ptr(),
-            num_stages=t.stages,
-            producer_group=producer,
-            consumer_group=consumers,
-            tx_count=self.do_bytes,
-            defer_sync=True,
-        )
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        pipes = self.make_pipelines(storage, warp_idx, mbar_kv, mTileCounter)
+        pipe_q, pipe_do, pipe_kv, tiles_args = pipes.q, pipes.do, pipes.kv, pipes.tile_ring
+        if const_expr(not self.persistent and t.kv_buffers > 1):  # one tile a CTA: the first buffer alone
+            sK, sV = sK[None, None, 0], sV[None, None, 0]
 
         # where the CTA's sequence starts in the packed rows (varlen) and its lengths
         cu_seqlens = (mCuSeqlensQ, mCuSeqlensK) if const_expr(self.varlen) else (None, None)
@@ -649,7 +639,55 @@ class AttentionBackwardSm90(
                 mma_args,
                 sdK_carry,
             )
-        elif warp_idx < 4:
+        else:
+            self.tile_roles(
+                warp_idx,
+                tidx,
+                load_args,
+                store_args,
+                mma_args,
+                n_block,
+                batch,
+                work,
+                rows,
+                group,
+                sched,
+                seqlen_q,
+                seqlen_k,
+                softmax_scale,
+                window_size,
+                mBias,
+                grad_bias_tma,
+                sKeep,
+                rng,
+            )
+
+    @cute.jit
+    def tile_roles(
+        self,
+        warp_idx,
+        tidx,
+        load_args: LoadArgs,
+        store_args: StoreArgs,
+        mma_args: MmaArgs,
+        n_block,
+        batch,
+        work,
+        rows,
+        group,
+        sched,
+        seqlen_q,
+        seqlen_k,
+        softmax_scale,
+        window_size,
+        mBias,
+        grad_bias_tma,
+        sKeep,
+        rng,
+    ):
+        """A CTA per tile: the producer warp's loads, the dQ-store warp's adds and the consumers'
+        steps (with the bias and dropout of the CTA's batch, ``features``)."""
+        if warp_idx < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
                 self.load(load_args, n_block, batch, work, rows)
@@ -671,6 +709,79 @@ class AttentionBackwardSm90(
                 window_size,
                 feat,
             )
+
+    @cute.jit
+    def warp0_start(self, atoms, grad_bias_tma: GradBiasTma, dq_first: DqFirst, dkv_tma: Optional[DkvTma]):
+        """Warp 0 at the CTA's start: with dq_ready the dependent launch let go; the TMA
+        descriptors of ``atoms`` and of the features in use prefetched."""
+        t = self.tiles
+        if const_expr(self.dq_ready):
+            # ConvertDQReady, behind on the stream, may take the multiprocessors this grid's
+            # CTAs leave once every one has started (it waits for each head's count)
+            cute.arch.griddepcontrol_launch_dependents()
+        for atom in atoms:
+            cpasync.prefetch_descriptor(atom)
+        if const_expr(self.grad_bias):
+            cpasync.prefetch_descriptor(grad_bias_tma.atom)
+        if const_expr(self.store_first):
+            cpasync.prefetch_descriptor(dq_first.tma_store)
+        if const_expr(t.dkv_by_tma):
+            cpasync.prefetch_descriptor(dkv_tma.tma_dK)
+            cpasync.prefetch_descriptor(dkv_tma.tma_dV)
+
+    @cute.jit
+    def make_pipelines(self, storage, warp_idx, mbar_kv, mTileCounter) -> KernelPipelines:
+        """The Q / dO pipelines, K / V's (persistent CTAs; else the one mbarrier ``mbar_kv``
+        initialised) and the tile ring's (``dynamic_tiles``), initialised and visible to the CTA."""
+        t = self.tiles
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, t.num_mma_threads // 32)
+        pipe_kv = None
+        if const_expr(self.persistent):
+            # K / V double-buffered across the CTA's tiles; a buffer is free once the dK / dV
+            # store warps have read the tile's dK / dV staged there
+            pipe_kv = pipeline.PipelineTmaAsync.create(
+                barrier_storage=mbar_kv,
+                num_stages=t.kv_buffers,
+                producer_group=producer,
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, len(DKV_STORE_WARPS)),
+                tx_count=self.kv_bytes,
+                defer_sync=True,
+            )
+        else:
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_init(mbar_kv, 1)
+        tiles_args = None  # dynamic_tiles: TileRing
+        if const_expr(self.dynamic_tiles):
+            # the producer warp takes tiles from the counter and hands them to the other warps
+            pipe_tile = pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar_tile.data_ptr(),
+                num_stages=t.tile_ring,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.num_threads - 32),
+                defer_sync=True,
+            )
+            tiles_args = TileRing(pipe_tile, storage.sTile.get_tensor(cute.make_layout(t.tile_ring)), mTileCounter)
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(),
+            num_stages=t.stages,
+            producer_group=producer,
+            consumer_group=consumers,
+            tx_count=self.q_bytes,
+            defer_sync=True,
+        )
+        pipe_do = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_do.data_ptr(),
+            num_stages=t.stages,
+            producer_group=producer,
+            consumer_group=consumers,
+            tx_count=self.do_bytes,
+            defer_sync=True,
+        )
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        return KernelPipelines(pipe_q, pipe_do, pipe_kv, tiles_args)
 
     # ---------------------------------------------------------------------------- producer
 
@@ -709,21 +820,7 @@ class AttentionBackwardSm90(
         sK_both = None
         if const_expr(carry is not None):
             done, sK_both = carry.done, carry.sK_both
-        full_ops = self.step_operands(
-            ma.tiled_mma_sdp,
-            ma.tiled_mma_dq,
-            ma.tiled_mma_dkv,
-            ma.tiled_mma_dv,
-            tidx,
-            wg,
-            ma.sQ,
-            ma.sdO,
-            ma.sK,
-            ma.sV,
-            ma.sdS,
-            ma.sdQ,
-            sK_both=sK_both,
-        )
+        full_ops = self.step_operands(ma, tidx, wg, sK_both=sK_both)
         acc_dV, acc_dK = self.dkv_accumulators(ma.tiled_mma_dkv, ma.tiled_mma_dv, tidx)
 
         offset = self.mask.causal_offset(seqlen_q, seqlen_k)
@@ -785,19 +882,7 @@ class AttentionBackwardSm90(
             # the partial last query block on products tail_m queries wide, its step peeled out of
             # the loops of whole blocks (one loop taking either kind of step made ptxas rebuild the
             # whole blocks' wgmma descriptors every step: ~40 instructions a step more)
-            tail_operands = functools.partial(
-                self.tail_operands,
-                tidx=tidx,
-                wg=wg,
-                sQ=ma.sQ,
-                sdO=ma.sdO,
-                sK=ma.sK,
-                sV=ma.sV,
-                sdS=ma.sdS,
-                sdQ=ma.sdQ,
-                tiled_mma_dkv=ma.tiled_mma_dkv,
-                tiled_mma_dv=ma.tiled_mma_dv,
-            )
+            tail_operands = functools.partial(self.tail_operands, ma, tidx, wg)
             self.steps_with_tail(full_ops, env, work, state, head, m_block, seqlen_q, tail_operands)
         else:
             for i in cutlass.range(first_step, first_step + steps, unroll=1):

@@ -9,13 +9,14 @@ import cutlass.pipeline as pipeline
 from cutlass import Int32, const_expr
 
 from cute_kernels.attention.named_barrier import NamedBarrier, named_barrier
+from cute_kernels.attention.seqlen_info import Rows
 from layouts.attention_sm90 import (
     CONSUMER_REGS_PERSISTENT,
     DKV_STORE_WARPS,
     PRODUCER_REGS_PERSISTENT,
 )
 
-from .arguments import Carry, LoadArgs, MmaArgs, Rows, StoreArgs
+from .arguments import Carry, LoadArgs, MmaArgs, StoreArgs
 
 
 @dataclass(frozen=True)
