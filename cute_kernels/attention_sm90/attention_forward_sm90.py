@@ -30,6 +30,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cute_kernels.attention.mask import AttentionMask
+from cute_kernels.attention.seqlen_info import Rows
 from cute_kernels.common.log2_units import LOG2_E
 from cute_kernels.common.views import select_modes, transpose_view
 from layouts.attention_fwd_sm90 import SMEM_ALIGN, SMEM_LIMIT, AttentionFwdSm90Tiles
@@ -220,7 +221,7 @@ class AttentionForwardSm90:
                 m_block,
                 head,
                 batch,
-                (offset_q, offset_k),
+                Rows(offset_q, offset_k),
                 seqlen_q,
                 seqlen_k,
                 group,
@@ -261,7 +262,7 @@ class AttentionForwardSm90:
     ):
         """One query block: the shared memory, the pipelines, then the producer and consumer roles."""
         t = self.tiles
-        offset_q, offset_k = rows
+        offset_q, offset_k = rows.offset_q, rows.offset_k
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_Q, tma_K, tma_V, tma_O):
