@@ -427,7 +427,9 @@ class AttentionForwardSm90:
         acc_O.fill(0.0)
         rP = cute.make_rmem_tensor(shape_S, self.dtype)
         tOrP = cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout))
-        coords = tuple(self.coords_mn(tiled_mma_qk.get_slice(thread), (t.tile_m, t.tile_n)) for thread in (tidx, 0))
+        # the mask compares thread 0's columns, compile-time constants (AttentionMask.apply)
+        cS = self.coords_mn(tiled_mma_qk.get_slice(tidx), (t.tile_m, t.tile_n))
+        t0S = self.coords_mn(tiled_mma_qk.get_slice(0), (t.tile_m, t.tile_n))
         S = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
         rows = cute.size(S, mode=[0])
         row_max = cute.make_rmem_tensor(rows, Float32)
@@ -447,7 +449,7 @@ class AttentionForwardSm90:
             wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(state)
-            self.mask.apply(S, coords, q0, (n_max - 1) * t.tile_n, seqlen_k, offset, window_size)
+            self.mask.apply(S, cS, t0S, q0, (n_max - 1) * t.tile_n, seqlen_k, offset, window_size)
             self.online_softmax(S, row_max, row_sum, scale_log2, None)
             rP.store(acc_S.load().to(self.dtype))
             for i in cutlass.range(1, n_max - n_min, unroll=1):
@@ -463,7 +465,7 @@ class AttentionForwardSm90:
                 warpgroup.wait_group(1)  # S done, P V may still run
                 pipe_k.consumer_release(state)
                 if self.mask.needs_masking(q0, key0, seqlen_q, seqlen_k, offset, window_size):
-                    self.mask.apply(S, coords, q0, key0, seqlen_k, offset, window_size)
+                    self.mask.apply(S, cS, t0S, q0, key0, seqlen_k, offset, window_size)
                 self.online_softmax(S, row_max, row_sum, scale_log2, row_scale)
                 warpgroup.wait_group(0)  # P V has read P
                 pipe_v.consumer_release(state_v)
