@@ -572,8 +572,9 @@ class AttentionBackwardSm90(
             sK, sV = sK[None, None, 0], sV[None, None, 0]
 
         # where the CTA's sequence starts in the packed rows (varlen) and its lengths
-        cu_seqlens = (mCuSeqlensQ, mCuSeqlensK) if const_expr(self.varlen) else (None, None)
-        seq = SeqlenInfo.create(batch, seqlen_q, seqlen_k, *cu_seqlens)
+        cu_seqlens_q = mCuSeqlensQ if const_expr(self.varlen) else None
+        cu_seqlens_k = mCuSeqlensK if const_expr(self.varlen) else None
+        seq = SeqlenInfo.create(batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k)
         seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         rows = Rows(seq.offset_q, seq.offset_k)
         # the CTA's work: (query head of the group, query block) pairs, heads outer

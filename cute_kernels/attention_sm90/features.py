@@ -89,7 +89,8 @@ class FeaturesMixin:
         words q * Sk + k of the (batch, head) stream, 4 per Philox call), as bits (bit k % 16
         of half-word k / 16 of row q). Called while the tensor cores compute the block's S^T and
         dP^T (drawing a step ahead, behind the gradient products, measured no faster: the Philox
-        rounds cost issue slots, not latency; docs/attention_sm90.md)."""
+        rounds cost issue slots, not latency; docs/attention_sm90.md). The draw and the packing are
+        the shared ``keep_flags`` / ``flag_half`` (``cute_kernels/attention/dropout.py``)."""
         t = self.tiles
         keys, _ = t.sdp_wg_tile
         per_thread = t.keep_flag_keys
