@@ -155,13 +155,12 @@ class AttentionMask:
                     S[r, c] = Float32(0.0)
 
     @cute.jit
-    def apply(self, S, coords, q0, key0, seqlen_k, offset, window_size):
+    def apply(self, S, cS, t0S, q0, key0, seqlen_k, offset, window_size):
         """-inf on the masked values of a (query, key) fragment ``S`` (rows x columns, as S of a
-        forward's Q K^T; rows past the sequence are left, nothing reads them). ``coords``: (the
-        thread's, thread 0's) (query, key) in the block of each value. Columns are compared as
+        forward's Q K^T; rows past the sequence are left, nothing reads them). ``cS``, ``t0S``:
+        the thread's and thread 0's (query, key) in the block of each value. Columns are compared as
         thread 0's, compile-time constants, against limits shifted by the thread's column
         offset, so no per-value coordinate stays live in a register (a compile-time mask)."""
-        cS, t0S = coords
         col_off = cS[0, 0][1]
         seqlen_limit = seqlen_k - key0 - col_off
         for r in cutlass.range_constexpr(cute.size(S, mode=[0])):

@@ -8,6 +8,14 @@ from cutlass import Int32
 
 
 @dataclass(frozen=True)
+class Rows:
+    """The first packed row of a sequence's queries and keys (0 for fixed lengths)."""
+
+    offset_q: Any
+    offset_k: Any
+
+
+@dataclass(frozen=True)
 class SeqlenInfo:
     """Sequence ``batch``'s first packed row of queries / keys (0 for fixed lengths) and its
     lengths."""

@@ -38,7 +38,9 @@ preprocess (nothing in between on the stream).
 (``dq_ready``, ``tail_m``: ``DqAccumulatorMixin``, ``ConsumerStepsMixin``.)
 """
 
-from typing import Optional
+import functools
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -47,8 +49,9 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Uint8, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from cute_kernels.attention.dropout import PhiloxArgs
 from cute_kernels.attention.mask import AttentionMask
-from cute_kernels.attention.seqlen_info import SeqlenInfo
+from cute_kernels.attention.seqlen_info import Rows, SeqlenInfo
 from cute_kernels.attention.tile_scheduler import TileRing, TileSchedulerParams, tile_scheduler
 from cute_kernels.common.log2_units import LOG2_E
 from cute_kernels.common.views import select_modes
@@ -62,6 +65,7 @@ from layouts.attention_sm90 import (
     TAIL_ROWS_ALIGN,
 )
 
+from .arguments import DkvOut, DkvTma, DqFirst, GradBiasTma, LoadArgs, MmaArgs, StoreArgs
 from .backward_config import (
     CONSUMER_REGS,
     DKV_STORE_WARPS,
@@ -76,6 +80,30 @@ from .operands import OperandsMixin, StepEnv
 from .persistent import PersistentRolesMixin
 from .producer import ProducerMixin
 from .work import WorkMixin
+
+
+@dataclass(frozen=True)
+class KernelPipelines:
+    """The CTA's pipelines: Q / LSE and dO / Δ, K / V (persistent CTAs, else None) and the tile
+    ring (``dynamic_tiles``: ``TileRing``, else None)."""
+
+    q: Any
+    do: Any
+    kv: Any
+    tile_ring: Any
+
+
+@dataclass(frozen=True)
+class OutputAtoms:
+    """What the kernel writes by TMA: the dQ accumulator's reduce-add (atom, coordinate tensor),
+    store_first's plain store (else None), dK / dV's ``DkvTma`` (else None) and the bias
+    gradient's ``GradBiasTma``."""
+
+    tma_dQ: Any
+    gdQ_tma: Any
+    tma_dQ_store: Any
+    dkv_tma: Any
+    grad_bias_tma: Any
 
 
 class AttentionBackwardSm90(
@@ -319,61 +347,17 @@ class AttentionBackwardSm90(
         tma_Delta, gDelta_tma = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mDelta, cute.make_layout(t.tile_m), (t.tile_m,)
         )
-        # the reduce-add of a block's dQ, and with store_first the plain store of its first one
-        dq_box = (
-            (t.smem_layout_dq_sub(), t.dq_sub_tile)
-            if const_expr(t.dq_per_wg)
-            else (cute.select(sdQ_layout, mode=[0, 1]), (t.tile_m, d))
-        )
-        tma_dQ, gdQ_tma = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, *dq_box)
-        tma_dQ_store = None
-        if const_expr(self.store_first):
-            tma_dQ_store, _ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mdQaccum, *dq_box)
-
-        dkv_tma = None  # (the vector stores read sK / sV and write mdK / mdV directly)
-        if const_expr(t.dkv_by_tma):
-            tma_dK, gdK_tma = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), mdK, sK_layout, (t.tile_n, d)
-            )
-            tma_dV, gdV_tma = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), mdV, sV_layout, (t.tile_n, dv)
-            )
-            dkv_tma = (tma_dK, gdK_tma, tma_dV, gdV_tma)
-
-        tma_dB = gdB_tma = None
-        if const_expr(self.grad_bias):  # (queries, keys, heads, batch): boxes of the keys-contiguous dS tile
-            tma_dB, gdB_tma = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(),
-                select_modes(mdBias, (2, 3, 1, 0)),
-                t.smem_layout_grad_bias_box(self.dtype),
-                (t.tile_m, GRAD_BIAS_BOX_KEYS),
-            )
+        out = self.output_atoms(mdQaccum, mdK, mdV, mdBias, sdQ_layout, sK_layout, sV_layout)
+        tma_dQ, gdQ_tma, tma_dQ_store, dkv_tma = out.tma_dQ, out.gdQ_tma, out.tma_dQ_store, out.dkv_tma
 
         elem = self.dtype.width // 8
         self.q_bytes = t.tile_m * d * elem + t.tile_m * 4  # Q + LSE
         self.do_bytes = t.tile_m * dv * elem + t.tile_m * 4  # dO + Δ
         self.kv_bytes = t.tile_n * (d + dv) * elem
 
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * t.stages]
-            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * t.stages]
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, t.kv_barriers]
-            if const_expr(t.tile_ring > 0):  # (reserved with two K / V buffers: smem_bytes counts it)
-                mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * t.tile_ring]
-                sTile: cute.struct.MemRange[Int32, t.tile_ring]
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], STATS_ALIGN]
-            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], STATS_ALIGN]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], SMEM_ALIGN]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], SMEM_ALIGN]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], SMEM_ALIGN]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], SMEM_ALIGN]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], SMEM_ALIGN]
-            if const_expr(self.dropout):  # no placeholder without it: a byte there rounds the struct up by 1 KiB
-                sKeep: cute.struct.Align[
-                    cute.struct.MemRange[Uint8, KEEP_FLAG_BUFFERS * t.keep_flag_bytes], STATS_ALIGN
-                ]
+        SharedStorage = self.shared_storage(
+            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, sStat_layout
+        )
 
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
@@ -392,7 +376,7 @@ class AttentionBackwardSm90(
         sched = TileSchedulerParams(n_blocks, heads_kv, batches, heads_per_chunk)
         rng = None
         if const_expr(self.dropout):
-            rng = (philox_seed, philox_offset, dropout_p, dropout_scale, dropout_bh_elems)
+            rng = PhiloxArgs(philox_seed, philox_offset, dropout_p, dropout_scale, dropout_bh_elems)
         self.kernel(
             gQ_tma,
             gdO_tma,
@@ -406,11 +390,11 @@ class AttentionBackwardSm90(
             mSemaphore,
             mTileCounter,
             mDqReady,
-            (mDqFirst, tma_dQ_store, mdQaccum),
+            DqFirst(mDqFirst, tma_dQ_store, mdQaccum),
             mCuSeqlensQ,
             mCuSeqlensK,
             mBias,
-            (tma_dB, gdB_tma),
+            out.grad_bias_tma,
             dkv_tma,
             tma_Q,
             tma_dO,
@@ -440,6 +424,70 @@ class AttentionBackwardSm90(
             SharedStorage,
         ).launch(grid=grid, block=[t.num_threads, 1, 1], min_blocks_per_mp=1, stream=stream, use_pdl=True)
 
+    @cute.jit
+    def output_atoms(self, mdQaccum, mdK, mdV, mdBias, sdQ_layout, sK_layout, sV_layout) -> OutputAtoms:
+        """The TMA atoms and coordinate tensors of what the kernel writes (``OutputAtoms``)."""
+        t = self.tiles
+        d, dv = t.head_dim, t.head_dim_v
+        # the reduce-add of a block's dQ, and with store_first the plain store of its first one
+        dq_box = (
+            (t.smem_layout_dq_sub(), t.dq_sub_tile)
+            if const_expr(t.dq_per_wg)
+            else (cute.select(sdQ_layout, mode=[0, 1]), (t.tile_m, d))
+        )
+        tma_dQ, gdQ_tma = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, *dq_box)
+        tma_dQ_store = None
+        if const_expr(self.store_first):
+            tma_dQ_store, _ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mdQaccum, *dq_box)
+
+        dkv_tma = None  # (the vector stores read sK / sV and write mdK / mdV directly)
+        if const_expr(t.dkv_by_tma):
+            tma_dK, gdK_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mdK, sK_layout, (t.tile_n, d)
+            )
+            tma_dV, gdV_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mdV, sV_layout, (t.tile_n, dv)
+            )
+            dkv_tma = DkvTma(tma_dK, gdK_tma, tma_dV, gdV_tma)
+
+        tma_dB = gdB_tma = None
+        if const_expr(self.grad_bias):  # (queries, keys, heads, batch): boxes of the keys-contiguous dS tile
+            tma_dB, gdB_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(),
+                select_modes(mdBias, (2, 3, 1, 0)),
+                t.smem_layout_grad_bias_box(self.dtype),
+                (t.tile_m, GRAD_BIAS_BOX_KEYS),
+            )
+        return OutputAtoms(tma_dQ, gdQ_tma, tma_dQ_store, dkv_tma, GradBiasTma(tma_dB, gdB_tma))
+
+    def shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, sStat_layout):
+        """The kernel's shared memory (the module docstring's table): mbarriers, the tile ring,
+        the statistics, the operand tiles, the dQ staging buffers and the keep flags."""
+        t = self.tiles
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * t.stages]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * t.stages]
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, t.kv_barriers]
+            if const_expr(t.tile_ring > 0):  # (reserved with two K / V buffers: smem_bytes counts it)
+                mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * t.tile_ring]
+                sTile: cute.struct.MemRange[Int32, t.tile_ring]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], STATS_ALIGN]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], STATS_ALIGN]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], SMEM_ALIGN]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], SMEM_ALIGN]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], SMEM_ALIGN]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], SMEM_ALIGN]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], SMEM_ALIGN]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], SMEM_ALIGN]
+            if const_expr(self.dropout):  # no placeholder without it: a byte there rounds the struct up by 1 KiB
+                sKeep: cute.struct.Align[
+                    cute.struct.MemRange[Uint8, KEEP_FLAG_BUFFERS * t.keep_flag_bytes], STATS_ALIGN
+                ]
+
+        return SharedStorage
+
     # ------------------------------------------------------------------------------ kernel
     @cute.kernel
     def kernel(
@@ -456,12 +504,12 @@ class AttentionBackwardSm90(
         mSemaphore: Optional[cute.Tensor],
         mTileCounter: Optional[cute.Tensor],
         mDqReady: Optional[cute.Tensor],
-        dq_first: tuple,
+        dq_first: DqFirst,
         mCuSeqlensQ: Optional[cute.Tensor],
         mCuSeqlensK: Optional[cute.Tensor],
         mBias: Optional[cute.Tensor],
-        grad_bias_tma: tuple,
-        dkv_tma: Optional[tuple],
+        grad_bias_tma: GradBiasTma,
+        dkv_tma: Optional[DkvTma],
         tma_Q: cute.CopyAtom,
         tma_dO: cute.CopyAtom,
         tma_K: cute.CopyAtom,
@@ -486,7 +534,7 @@ class AttentionBackwardSm90(
         softmax_scale: Float32,
         window_size: Int32,
         sched: TileSchedulerParams,
-        rng: Optional[tuple],
+        rng: Optional[PhiloxArgs],
         SharedStorage: cutlass.Constexpr,
     ):
         t = self.tiles
@@ -494,19 +542,9 @@ class AttentionBackwardSm90(
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = self.scheduler.cta_coords(sched)
         if warp_idx == 0:
-            if const_expr(self.dq_ready):
-                # ConvertDQReady, behind on the stream, may take the multiprocessors this grid's
-                # CTAs leave once every one has started (it waits for each head's count)
-                cute.arch.griddepcontrol_launch_dependents()
-            for atom in (tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ):
-                cpasync.prefetch_descriptor(atom)
-            if const_expr(self.grad_bias):
-                cpasync.prefetch_descriptor(grad_bias_tma[0])
-            if const_expr(self.store_first):
-                cpasync.prefetch_descriptor(dq_first[1])
-            if const_expr(t.dkv_by_tma):
-                cpasync.prefetch_descriptor(dkv_tma[0])
-                cpasync.prefetch_descriptor(dkv_tma[2])
+            self.warp0_start(
+                (tma_Q, tma_dO, tma_K, tma_V, tma_LSE, tma_Delta, tma_dQ), grad_bias_tma, dq_first, dkv_tma
+            )
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -530,6 +568,175 @@ class AttentionBackwardSm90(
         if const_expr(self.dropout):  # bytes; keep_flag_halves views them
             sKeep = storage.sKeep.get_tensor(cute.make_layout(KEEP_FLAG_BUFFERS * t.keep_flag_bytes))
 
+        pipes = self.make_pipelines(storage, warp_idx, mbar_kv, mTileCounter)
+        pipe_q, pipe_do, pipe_kv, tiles_args = pipes.q, pipes.do, pipes.kv, pipes.tile_ring
+        if const_expr(not self.persistent and t.kv_buffers > 1):  # one tile a CTA: the first buffer alone
+            sK, sV = sK[None, None, 0], sV[None, None, 0]
+
+        # where the CTA's sequence starts in the packed rows (varlen) and its lengths
+        cu_seqlens_q = mCuSeqlensQ if const_expr(self.varlen) else None
+        cu_seqlens_k = mCuSeqlensK if const_expr(self.varlen) else None
+        seq = SeqlenInfo.create(batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k)
+        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
+        rows = Rows(seq.offset_q, seq.offset_k)
+        # the CTA's work: (query head of the group, query block) pairs, heads outer
+        work = self.work_of(n_block, head_kv, group, seqlen_q, seqlen_k, window_size)
+
+        load_args = LoadArgs(
+            gQ_tma,
+            gdO_tma,
+            gK_tma,
+            gV_tma,
+            gLSE_tma,
+            gDelta_tma,
+            sQ,
+            sdO,
+            sK,
+            sV,
+            sLSE,
+            sDelta,
+            tma_Q,
+            tma_dO,
+            tma_K,
+            tma_V,
+            tma_LSE,
+            tma_Delta,
+            pipe_q,
+            pipe_do,
+            mbar_kv,
+            pipe_kv,
+        )
+        store_args = StoreArgs(gdQ_tma, sdQ, tma_dQ, mSemaphore, dq_first, mDqReady)
+        mma_args = MmaArgs(
+            sQ,
+            sdO,
+            sK,
+            sV,
+            sdS,
+            sdQ,
+            sLSE,
+            sDelta,
+            DkvOut(mdK, mdV, dkv_tma),
+            tiled_mma_sdp,
+            tiled_mma_dkv,
+            tiled_mma_dv,
+            tiled_mma_dq,
+            pipe_q,
+            pipe_do,
+            mbar_kv,
+            pipe_kv,
+        )
+        if const_expr(self.persistent):
+            self.persistent_roles(
+                warp_idx,
+                tidx,
+                sched,
+                group,
+                seqlen_q,
+                seqlen_k,
+                window_size,
+                softmax_scale,
+                tiles_args,
+                load_args,
+                store_args,
+                mma_args,
+                sdK_carry,
+            )
+        else:
+            self.tile_roles(
+                warp_idx,
+                tidx,
+                load_args,
+                store_args,
+                mma_args,
+                n_block,
+                batch,
+                work,
+                rows,
+                group,
+                sched,
+                seqlen_q,
+                seqlen_k,
+                softmax_scale,
+                window_size,
+                mBias,
+                grad_bias_tma,
+                sKeep,
+                rng,
+            )
+
+    @cute.jit
+    def tile_roles(
+        self,
+        warp_idx,
+        tidx,
+        load_args: LoadArgs,
+        store_args: StoreArgs,
+        mma_args: MmaArgs,
+        n_block,
+        batch,
+        work,
+        rows,
+        group,
+        sched,
+        seqlen_q,
+        seqlen_k,
+        softmax_scale,
+        window_size,
+        mBias,
+        grad_bias_tma,
+        sKeep,
+        rng,
+    ):
+        """A CTA per tile: the producer warp's loads, the dQ-store warp's adds and the consumers'
+        steps (with the bias and dropout of the CTA's batch, ``features``)."""
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp_idx == 0:
+                self.load(load_args, n_block, batch, work, rows)
+            if warp_idx == 1:
+                self.store_dq(store_args, n_block, batch, work, rows, seqlen_q, seqlen_k)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            feat = self.features(mBias, grad_bias_tma, sKeep, rng, batch, group * sched.heads_kv)  # query heads
+            self.mma(
+                mma_args,
+                tidx - 128,
+                n_block,
+                batch,
+                work,
+                rows,
+                seqlen_q,
+                seqlen_k,
+                softmax_scale,
+                window_size,
+                feat,
+            )
+
+    @cute.jit
+    def warp0_start(self, atoms, grad_bias_tma: GradBiasTma, dq_first: DqFirst, dkv_tma: Optional[DkvTma]):
+        """Warp 0 at the CTA's start: with dq_ready the dependent launch let go; the TMA
+        descriptors of ``atoms`` and of the features in use prefetched."""
+        t = self.tiles
+        if const_expr(self.dq_ready):
+            # ConvertDQReady, behind on the stream, may take the multiprocessors this grid's
+            # CTAs leave once every one has started (it waits for each head's count)
+            cute.arch.griddepcontrol_launch_dependents()
+        for atom in atoms:
+            cpasync.prefetch_descriptor(atom)
+        if const_expr(self.grad_bias):
+            cpasync.prefetch_descriptor(grad_bias_tma.atom)
+        if const_expr(self.store_first):
+            cpasync.prefetch_descriptor(dq_first.tma_store)
+        if const_expr(t.dkv_by_tma):
+            cpasync.prefetch_descriptor(dkv_tma.tma_dK)
+            cpasync.prefetch_descriptor(dkv_tma.tma_dV)
+
+    @cute.jit
+    def make_pipelines(self, storage, warp_idx, mbar_kv, mTileCounter) -> KernelPipelines:
+        """The Q / dO pipelines, K / V's (persistent CTAs; else the one mbarrier ``mbar_kv``
+        initialised) and the tile ring's (``dynamic_tiles``), initialised and visible to the CTA."""
+        t = self.tiles
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, t.num_mma_threads // 32)
         pipe_kv = None
@@ -548,8 +755,6 @@ class AttentionBackwardSm90(
             if warp_idx == 0:
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_init(mbar_kv, 1)
-            if const_expr(t.kv_buffers > 1):  # one tile a CTA: the first buffer alone
-                sK, sV = sK[None, None, 0], sV[None, None, 0]
         tiles_args = None  # dynamic_tiles: TileRing
         if const_expr(self.dynamic_tiles):
             # the producer warp takes tiles from the counter and hands them to the other warps
@@ -579,134 +784,7 @@ class AttentionBackwardSm90(
         )
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-
-        # where the CTA's sequence starts in the packed rows (varlen) and its lengths
-        cu_seqlens = (mCuSeqlensQ, mCuSeqlensK) if const_expr(self.varlen) else (None, None)
-        seq = SeqlenInfo.create(batch, seqlen_q, seqlen_k, *cu_seqlens)
-        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
-        rows = (seq.offset_q, seq.offset_k)
-        # the CTA's work: (query head of the group, query block) pairs, heads outer
-        work = self.work_of(n_block, head_kv, group, seqlen_q, seqlen_k, window_size)
-
-        if const_expr(self.persistent):
-            self.persistent_roles(
-                warp_idx,
-                tidx,
-                sched,
-                group,
-                seqlen_q,
-                seqlen_k,
-                window_size,
-                softmax_scale,
-                tiles_args,
-                (
-                    gQ_tma,
-                    gdO_tma,
-                    gK_tma,
-                    gV_tma,
-                    gLSE_tma,
-                    gDelta_tma,
-                    sQ,
-                    sdO,
-                    sK,
-                    sV,
-                    sLSE,
-                    sDelta,
-                    tma_Q,
-                    tma_dO,
-                    tma_K,
-                    tma_V,
-                    tma_LSE,
-                    tma_Delta,
-                    pipe_q,
-                    pipe_do,
-                    pipe_kv,
-                ),
-                (gdQ_tma, sdQ, tma_dQ, mSemaphore, dq_first),
-                (
-                    sQ,
-                    sdO,
-                    sdS,
-                    sdQ,
-                    sLSE,
-                    sDelta,
-                    (mdK, mdV, dkv_tma),
-                    tiled_mma_sdp,
-                    tiled_mma_dkv,
-                    tiled_mma_dv,
-                    tiled_mma_dq,
-                    pipe_q,
-                    pipe_do,
-                    mbar_kv,
-                ),
-                sdK_carry,
-            )
-        elif warp_idx < 4:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            if warp_idx == 0:
-                self.load(
-                    gQ_tma,
-                    gdO_tma,
-                    gK_tma,
-                    gV_tma,
-                    gLSE_tma,
-                    gDelta_tma,
-                    sQ,
-                    sdO,
-                    sK,
-                    sV,
-                    sLSE,
-                    sDelta,
-                    tma_Q,
-                    tma_dO,
-                    tma_K,
-                    tma_V,
-                    tma_LSE,
-                    tma_Delta,
-                    pipe_q,
-                    pipe_do,
-                    mbar_kv,
-                    n_block,
-                    batch,
-                    work,
-                    rows,
-                )
-            if warp_idx == 1:
-                self.store_dq(
-                    gdQ_tma, sdQ, tma_dQ, mSemaphore, n_block, batch, work, rows, seqlen_q, seqlen_k, mDqReady, dq_first
-                )
-        else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            feat = self.features(mBias, grad_bias_tma, sKeep, rng, batch, group * sched.heads_kv)  # query heads
-            dkv_out = (mdK, mdV, dkv_tma)
-            self.mma(
-                sQ,
-                sdO,
-                sK,
-                sV,
-                sdS,
-                sdQ,
-                sLSE,
-                sDelta,
-                dkv_out,
-                tiled_mma_sdp,
-                tiled_mma_dkv,
-                tiled_mma_dv,
-                tiled_mma_dq,
-                pipe_q,
-                pipe_do,
-                mbar_kv,
-                tidx - 128,
-                n_block,
-                batch,
-                work,
-                rows,
-                seqlen_q,
-                seqlen_k,
-                softmax_scale,
-                window_size,
-                feat,
-            )
+        return KernelPipelines(pipe_q, pipe_do, pipe_kv, tiles_args)
 
     # ---------------------------------------------------------------------------- producer
 
@@ -714,22 +792,7 @@ class AttentionBackwardSm90(
     @cute.jit
     def mma(
         self,
-        sQ,
-        sdO,
-        sK,
-        sV,
-        sdS,
-        sdQ,
-        sLSE,
-        sDelta,
-        dkv_out,
-        tiled_mma_sdp,
-        tiled_mma_dkv,
-        tiled_mma_dv,
-        tiled_mma_dq,
-        pipe_q,
-        pipe_do,
-        mbar_kv,
+        ma: MmaArgs,
         tidx,
         n_block,
         batch,
@@ -740,18 +803,17 @@ class AttentionBackwardSm90(
         softmax_scale,
         window_size,
         feat,
-        kv=None,
+        kv_state=None,
+        state=None,
         carry=None,
     ):
-        """The consumers' steps of one tile, then its dK / dV. ``kv``: persistent CTAs' (K / V
-        pipeline, its state, the Q / dO pipelines' state), both returned advanced past the tile
-        with the steps done so far; sK / sV are then the tile's buffer. ``carry`` (carry_dq):
-        (the steps of the CTA's tiles before, both K buffers, dK's staging view over the dS
-        buffers): step 0 computes the previous tile's last dQ on its K, dS buffers and named
-        barriers alternate with the CTA's step count, and dK is staged in a dS buffer."""
+        """The consumers' steps of one tile, then its dK / dV. Persistent CTAs: ``kv_state``, the
+        K / V pipeline's state, and ``state``, the Q / dO pipelines', both returned advanced past
+        the tile with the steps done so far; ma.sK / ma.sV are then the tile's buffer. ``carry``
+        (carry_dq): ``Carry``: step 0 computes the previous tile's last dQ on its K, dS buffers
+        and named barriers alternate with the CTA's step count, and dK is staged in a dS buffer."""
         t = self.tiles
-        head_kv, group, m_min, m_max, _ = work
-        steps = group * (m_max - m_min)
+        steps = work.steps
         wg = cute.arch.make_warp_uniform(tidx // 128)
         scale_log2 = softmax_scale * LOG2_E
 
@@ -760,28 +822,13 @@ class AttentionBackwardSm90(
         done = Int32(0)
         sK_both = None
         if const_expr(carry is not None):
-            done, sK_both, sdK_both = carry
-        full_ops = self.step_operands(
-            tiled_mma_sdp,
-            tiled_mma_dq,
-            tiled_mma_dkv,
-            tiled_mma_dv,
-            tidx,
-            wg,
-            sQ,
-            sdO,
-            sK,
-            sV,
-            sdS,
-            sdQ,
-            sK_both=sK_both,
-        )
-        acc_dV, acc_dK = self.dkv_accumulators(tiled_mma_dkv, tiled_mma_dv, tidx)
+            done, sK_both = carry.done, carry.sK_both
+        full_ops = self.step_operands(ma, tidx, wg, sK_both=sK_both)
+        acc_dV, acc_dK = self.dkv_accumulators(ma.tiled_mma_dkv, ma.tiled_mma_dv, tidx)
 
         offset = self.mask.causal_offset(seqlen_q, seqlen_k)
         key0 = n_block * t.tile_n
         if const_expr(self.persistent):
-            pipe_kv, kv_state, state = kv
             state_next = state  # (no overlap with dq_defer)
         else:
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
@@ -793,24 +840,26 @@ class AttentionBackwardSm90(
         # block). Measured: d128 gains 16% without it, d64 loses 4% (docs/attention_sm90.md).
         prefetch = const_expr(t.overlap != "none")
         if const_expr(self.persistent):
-            pipe_kv.consumer_wait(kv_state)  # also for a tile without steps (dK / dV zeros)
-        elif m_min < m_max:
-            cute.arch.mbarrier_wait(mbar_kv, 0)
+            ma.pipe_kv.consumer_wait(kv_state)  # also for a tile without steps (dK / dV zeros)
+        elif work.m_min < work.m_max:
+            cute.arch.mbarrier_wait(ma.mbar_kv, 0)
             if const_expr(prefetch):
-                self.issue_s(pipe_q, state_next, tiled_mma_sdp, full_ops.acc_S, full_ops.tSrK, full_ops.tSrQ)
+                self.issue_s(ma.pipe_q, state_next, ma.tiled_mma_sdp, full_ops.acc_S, full_ops.tSrK, full_ops.tSrQ)
                 if const_expr(t.overlap == "sdp"):
-                    self.issue_dp(pipe_do, state_next, tiled_mma_sdp, full_ops.acc_dP, full_ops.tPrV, full_ops.tPrdO)
+                    self.issue_dp(
+                        ma.pipe_do, state_next, ma.tiled_mma_sdp, full_ops.acc_dP, full_ops.tPrV, full_ops.tPrdO
+                    )
                 state_next.advance()
         env = StepEnv(
-            pipe_q=pipe_q,
-            pipe_do=pipe_do,
+            pipe_q=ma.pipe_q,
+            pipe_do=ma.pipe_do,
             state_next=state_next,
-            sLSE=sLSE,
-            sDelta=sDelta,
-            sdS=sdS,
+            sLSE=ma.sLSE,
+            sDelta=ma.sDelta,
+            sdS=ma.sdS,
             feat=feat,
-            tiled_mma_dkv=tiled_mma_dkv,
-            tiled_mma_dv=tiled_mma_dv,
+            tiled_mma_dkv=ma.tiled_mma_dkv,
+            tiled_mma_dv=ma.tiled_mma_dv,
             acc_dV=acc_dV,
             acc_dK=acc_dK,
             wg=wg,
@@ -836,61 +885,69 @@ class AttentionBackwardSm90(
             # the partial last query block on products tail_m queries wide, its step peeled out of
             # the loops of whole blocks (one loop taking either kind of step made ptxas rebuild the
             # whole blocks' wgmma descriptors every step: ~40 instructions a step more)
-            self.steps_with_tail(
-                full_ops,
-                env,
-                work,
-                state,
-                head,
-                m_block,
-                seqlen_q,
-                (tidx, wg, sQ, sdO, sK, sV, sdS, sdQ, tiled_mma_dkv, tiled_mma_dv),
-            )
+            tail_operands = functools.partial(self.tail_operands, ma, tidx, wg)
+            self.steps_with_tail(full_ops, env, work, state, head, m_block, seqlen_q, tail_operands)
         else:
             for i in cutlass.range(first_step, first_step + steps, unroll=1):
                 self.block_step(full_ops, env, i, state, head, m_block)
                 state.advance()
                 head, m_block = self.next_work_item(work, head, m_block)
+        return self.finish_tile(ma, full_ops, env, state, work, batch, rows, softmax_scale)
 
-        if const_expr(t.dq_defer and carry is None):
+    @cute.jit
+    def finish_tile(self, ma: MmaArgs, full_ops, env, state, work, batch, rows, softmax_scale):
+        """After a tile's steps: with dq_defer the last block's dQ, then dK / dV: staged in the
+        tile's K / V buffer for the store warps (persistent CTAs; returns the pipelines' states
+        and the CTA's step count, ``mma``'s), else stored (``epilogue``)."""
+        t = self.tiles
+        acc_dK, acc_dV, tidx, wg, steps = env.acc_dK, env.acc_dV, env.tidx, env.wg, env.steps
+        if const_expr(t.dq_defer and env.carry is None):
             # the last block's dQ (computed without a block, and not staged, when there is none)
             last = steps - 1
             if steps > 0:
                 self.ds_half_barrier(1 - wg, last, False)
             acc_dQ = self.issue_dq(
-                tiled_mma_dq, full_ops.shape_dq, full_ops.tQrdS, full_ops.tQrK, (last + t.ds_stages) % t.ds_stages
+                ma.tiled_mma_dq, full_ops.shape_dq, full_ops.tQrdS, full_ops.tQrK, (last + t.ds_stages) % t.ds_stages
             )
             warpgroup.wait_group(0)
             if steps > 0:
                 self.stage_dq(acc_dQ, full_ops.r2s_dq, full_ops.thr_r2s_dq, full_ops.tdQs, last % t.dq_stages, wg)
         if const_expr(self.persistent):
             # dK / dV staged in this tile's K / V buffer for the store warps, which free it
+            kv_state = env.kv_state
+            done = env.done
             acc_dK.store(acc_dK.load() * softmax_scale)
-            if const_expr(carry is not None):
+            if const_expr(env.carry is not None):
                 # K stays for the next step 0: dK goes to the dS buffer the last block left free
                 done += steps
                 self.stage_dkv(
-                    acc_dK, acc_dV, sdK_both[None, None, done % t.ds_stages], sV, tiled_mma_dkv, tiled_mma_dv, tidx
+                    acc_dK,
+                    acc_dV,
+                    env.carry.sdK_both[None, None, done % t.ds_stages],
+                    ma.sV,
+                    ma.tiled_mma_dkv,
+                    ma.tiled_mma_dv,
+                    tidx,
                 )
             else:
-                self.stage_dkv(acc_dK, acc_dV, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx)
+                self.stage_dkv(acc_dK, acc_dV, ma.sK, ma.sV, ma.tiled_mma_dkv, ma.tiled_mma_dv, tidx)
             self.dkv_staged_barrier(kv_state.index, True)
             kv_state.advance()
             return state, kv_state, done
         self.epilogue(
             acc_dK,
             acc_dV,
-            dkv_out,
-            sK,
-            sV,
-            tiled_mma_dkv,
-            tiled_mma_dv,
+            ma.dkv_out,
+            ma.sK,
+            ma.sV,
+            ma.tiled_mma_dkv,
+            ma.tiled_mma_dv,
             tidx,
-            n_block,
-            head_kv,
+            env.n_block,
+            work.head_kv,
             batch,
             rows,
-            seqlen_k,
+            env.seqlen_k,
             softmax_scale,
         )
 

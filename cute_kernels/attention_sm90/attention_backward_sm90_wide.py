@@ -22,6 +22,9 @@ P^T lives in the sdS allocation (buffers [0, ds_stages), dS^T in [ds_stages, 2 d
 Layouts: layouts/attention_sm90.py.
 """
 
+from dataclasses import dataclass
+from typing import Any
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -32,8 +35,44 @@ from cute_kernels.attention.named_barrier import NamedBarrier
 from cute_kernels.common.log2_units import LOG2_E
 from cute_kernels.common.views import transpose_view
 
+from .arguments import MmaArgs
 from .attention_backward_sm90 import AttentionBackwardSm90
 from .wgmma import wgmma
+
+
+@dataclass(frozen=True)
+class WideOperands:
+    """What every step of a tile shares: the S^T / dP^T operand fragments, accumulator shape and
+    (key, query) coordinates, dV / dK's B fragments and accumulators, the P^T / dS^T A fragment,
+    dQ's fragments (K's two column halves) and accumulator shape, the register-to-shared copies
+    (dQ's two halves), the causal offset, the block's first key and the S^T / dP^T accumulators."""
+
+    tSrK: Any
+    tSrQ: Any
+    tPrV: Any
+    tPrdO: Any
+    shape_sdp: Any
+    cS_mn: Any
+    tVrdO: Any
+    tKrQ: Any
+    acc_dV: Any
+    acc_dK: Any
+    tKVrPdS: Any
+    tQrdS: Any
+    tQrK0: Any
+    tQrK1: Any
+    shape_dq: Any
+    r2s_ds: Any
+    thr_r2s_ds: Any
+    tdSs: Any
+    r2s_dq: Any
+    thr_r2s_dq: Any
+    tdQs0: Any
+    tdQs1: Any
+    offset: Any
+    key0: Any
+    acc_S: Any
+    acc_dP: Any
 
 
 class AttentionBackwardSm90Wide(AttentionBackwardSm90):
@@ -43,22 +82,7 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
     @cute.jit
     def mma(
         self,
-        sQ,
-        sdO,
-        sK,
-        sV,
-        sdS,
-        sdQ,
-        sLSE,
-        sDelta,
-        dkv_out,
-        tiled_mma_sdp,
-        tiled_mma_dkv,
-        tiled_mma_dv,
-        tiled_mma_dq,
-        pipe_q,
-        pipe_do,
-        mbar_kv,
+        ma: MmaArgs,
         tidx,
         n_block,
         batch,
@@ -70,12 +94,51 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
         window_size,
         feat,
     ):
+        """The consumers' steps of one tile, then its dK / dV (the base's ``mma``, a CTA per tile)."""
         t = self.tiles
-        d = t.head_dim
-        head_kv, group, m_min, m_max, _ = work
-        steps = group * (m_max - m_min)
+        steps = work.steps
         wg = cute.arch.make_warp_uniform(tidx // 128)
         scale_log2 = softmax_scale * LOG2_E
+        w = self.wide_operands(ma, tidx, wg, n_block, seqlen_q, seqlen_k)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
+        if work.m_min < work.m_max:
+            cute.arch.mbarrier_wait(ma.mbar_kv, 0)
+        # every wgmma group is issued and waited for within its step (none crosses the
+        # loop's back edge, which would make ptxas serialise them all); the loop stays
+        # outside the if (0 steps without work), as the base's (docs/attention_sm90.md)
+        head, m_block = self.work_item(work, 0)
+        for i in cutlass.range(steps, unroll=1):
+            self.wide_step(
+                ma, w, feat, i, state, head, m_block, tidx, wg, n_block, seqlen_q, seqlen_k, window_size, scale_log2
+            )
+            state.advance()
+            head, m_block = self.next_work_item(work, head, m_block)
+
+        self.epilogue(
+            w.acc_dK,
+            w.acc_dV,
+            ma.dkv_out,
+            ma.sK,
+            ma.sV,
+            ma.tiled_mma_dkv,
+            ma.tiled_mma_dv,
+            tidx,
+            n_block,
+            work.head_kv,
+            batch,
+            rows,
+            seqlen_k,
+            softmax_scale,
+        )
+
+    @cute.jit
+    def wide_operands(self, ma: MmaArgs, tidx, wg, n_block, seqlen_q, seqlen_k) -> WideOperands:
+        """The fragments, accumulators and copies every step of a tile shares (``WideOperands``)."""
+        t = self.tiles
+        d = t.head_dim
+        sQ, sdO, sK, sV, sdS, sdQ = ma.sQ, ma.sdO, ma.sK, ma.sV, ma.sdS, ma.sdQ
+        tiled_mma_sdp, tiled_mma_dq = ma.tiled_mma_sdp, ma.tiled_mma_dq
+        tiled_mma_dkv, tiled_mma_dv = ma.tiled_mma_dkv, ma.tiled_mma_dv
 
         # S^T = K Q^T, dP^T = V dO^T (all keys, this warpgroup's queries)
         tSrK, tSrQ, tPrV, tPrdO, shape_sdp, cS_mn = self.sdp_operands(tiled_mma_sdp, tidx, wg, sK, sQ, sV, sdO)
@@ -112,79 +175,112 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
         key0 = n_block * t.tile_n
         acc_S = cute.make_rmem_tensor(shape_sdp, Float32)
         acc_dP = cute.make_rmem_tensor(shape_sdp, Float32)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
-        if m_min < m_max:
-            cute.arch.mbarrier_wait(mbar_kv, 0)
-        # every wgmma group is issued and waited for within its step (none crosses the
-        # loop's back edge, which would make ptxas serialise them all); the loop stays
-        # outside the if (0 steps without work), as the base's (docs/attention_sm90.md)
-        head, m_block = self.work_item(work, 0)
-        for i in cutlass.range(steps, unroll=1):
-            stage = state.index
-            p_buf = i % t.ds_stages
-            ds_buf = t.ds_stages + p_buf
-            q0 = m_block * t.tile_m
-            self.issue_s(pipe_q, state, tiled_mma_sdp, acc_S, tSrK, tSrQ)
-            self.issue_dp(pipe_do, state, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
-            # bias values and dropout flags while the tensor cores work (None without)
-            rBias, keep = self.block_features(feat, head, i, q0, key0, seqlen_q, seqlen_k, cS_mn, shape_sdp, wg, tidx)
-            warpgroup.wait_group(1)
-            self.probs(acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2, rBias)
-            rP = self.p_operand(acc_S, cS_mn, keep, feat)
-            cute.copy(r2s_ds, thr_r2s_ds.retile(rP), tdSs[None, None, None, p_buf])
-            warpgroup.wait_group(0)
-            self.grad_scores(acc_dP, acc_S, cS_mn, sDelta, stage, keep, feat)
-            rdS = cute.make_rmem_tensor(shape_sdp, self.dtype)
-            rdS.store(acc_dP.load().to(self.dtype))
-            cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_buf])
-            # both warpgroups' query halves written and visible to the async proxy. With
-            # two buffers this one barrier a block suffices: a warpgroup writes buffer
-            # i % 2 again (block i + 2) only after the other arrived here for block i + 1,
-            # which it does after waiting for its block-i products
-            cute.arch.fence_view_async_shared()
-            self.grad_bias_wait(tidx == 0)  # its last bias-gradient store has read its buffer
-            cute.arch.barrier(barrier_id=NamedBarrier.PDS, number_of_threads=t.num_mma_threads)
-            if const_expr(self.grad_bias):
-                if tidx == 0:  # dB = dS: the whole block is one TMA box
-                    self.store_grad_bias(feat, sdS, ds_buf, 0, head, m_block, n_block)
-
-            wgmma(
-                tiled_mma_dv, acc_dV, tKVrPdS[None, None, None, p_buf], tVrdO[None, None, None, stage], zero_init=False
-            )
-            acc_dQ = cute.make_rmem_tensor(shape_dq, Float32)
-            wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_buf], tQrK0, zero_init=True)
-            wgmma(
-                tiled_mma_dkv, acc_dK, tKVrPdS[None, None, None, ds_buf], tKrQ[None, None, None, stage], zero_init=False
-            )
-            warpgroup.wait_group(1)  # dV and dQ's first half done
-            pipe_do.consumer_release(state)
-            # dQ -> sdQ for the store warp's reduce-add of the whole tile, one half at a
-            # time (with dK running): both halves' accumulators at once would not fit
-            buf = i % t.dq_stages
-            cute.arch.barrier(barrier_id=NamedBarrier.DQ_EMPTY, number_of_threads=t.dq_handoff_threads)
-            cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQs0[None, None, None, buf])
-            wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_buf], tQrK1, zero_init=True)
-            warpgroup.wait_group(0)
-            cute.copy(r2s_dq, thr_r2s_dq.retile(acc_dQ), tdQs1[None, None, None, buf])
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier_arrive(barrier_id=NamedBarrier.DQ_FULL, number_of_threads=t.dq_handoff_threads)
-            pipe_q.consumer_release(state)
-            state.advance()
-            head, m_block = self.next_work_item(work, head, m_block)
-
-        self.epilogue(
-            acc_dK,
-            acc_dV,
-            dkv_out,
-            sK,
-            sV,
-            tiled_mma_dkv,
-            tiled_mma_dv,
-            tidx,
-            n_block,
-            head_kv,
-            batch,
-            rows,
-            seqlen_k,
-            softmax_scale,
+        return WideOperands(
+            tSrK=tSrK,
+            tSrQ=tSrQ,
+            tPrV=tPrV,
+            tPrdO=tPrdO,
+            shape_sdp=shape_sdp,
+            cS_mn=cS_mn,
+            tVrdO=tVrdO,
+            tKrQ=tKrQ,
+            acc_dV=acc_dV,
+            acc_dK=acc_dK,
+            tKVrPdS=tKVrPdS,
+            tQrdS=tQrdS,
+            tQrK0=tQrK0,
+            tQrK1=tQrK1,
+            shape_dq=shape_dq,
+            r2s_ds=r2s_ds,
+            thr_r2s_ds=thr_r2s_ds,
+            tdSs=tdSs,
+            r2s_dq=r2s_dq,
+            thr_r2s_dq=thr_r2s_dq,
+            tdQs0=tdQs0,
+            tdQs1=tdQs1,
+            offset=offset,
+            key0=key0,
+            acc_S=acc_S,
+            acc_dP=acc_dP,
         )
+
+    @cute.jit
+    def wide_step(
+        self,
+        ma: MmaArgs,
+        w: WideOperands,
+        feat,
+        i,
+        state,
+        head,
+        m_block,
+        tidx,
+        wg,
+        n_block,
+        seqlen_q,
+        seqlen_k,
+        window_size,
+        scale_log2,
+    ):
+        """Step ``i``: query block ``m_block`` of query head ``head`` (Q / dO in pipeline ``state``),
+        its products and the dS / dQ handoffs; the Q / dO stages freed."""
+        t = self.tiles
+        stage = state.index
+        p_buf = i % t.ds_stages
+        ds_buf = t.ds_stages + p_buf
+        q0 = m_block * t.tile_m
+        self.issue_s(ma.pipe_q, state, ma.tiled_mma_sdp, w.acc_S, w.tSrK, w.tSrQ)
+        self.issue_dp(ma.pipe_do, state, ma.tiled_mma_sdp, w.acc_dP, w.tPrV, w.tPrdO)
+        # bias values and dropout flags while the tensor cores work (None without)
+        rBias, keep = self.block_features(feat, head, i, q0, w.key0, seqlen_q, seqlen_k, w.cS_mn, w.shape_sdp, wg, tidx)
+        warpgroup.wait_group(1)
+        self.probs(
+            w.acc_S, w.cS_mn, ma.sLSE, stage, q0, w.key0, seqlen_q, seqlen_k, w.offset, window_size, scale_log2, rBias
+        )
+        rP = self.p_operand(w.acc_S, w.cS_mn, keep, feat)
+        cute.copy(w.r2s_ds, w.thr_r2s_ds.retile(rP), w.tdSs[None, None, None, p_buf])
+        warpgroup.wait_group(0)
+        self.grad_scores(w.acc_dP, w.acc_S, w.cS_mn, ma.sDelta, stage, keep, feat)
+        rdS = cute.make_rmem_tensor(w.shape_sdp, self.dtype)
+        rdS.store(w.acc_dP.load().to(self.dtype))
+        cute.copy(w.r2s_ds, w.thr_r2s_ds.retile(rdS), w.tdSs[None, None, None, ds_buf])
+        # both warpgroups' query halves written and visible to the async proxy. With
+        # two buffers this one barrier a block suffices: a warpgroup writes buffer
+        # i % 2 again (block i + 2) only after the other arrived here for block i + 1,
+        # which it does after waiting for its block-i products
+        cute.arch.fence_view_async_shared()
+        self.grad_bias_wait(tidx == 0)  # its last bias-gradient store has read its buffer
+        cute.arch.barrier(barrier_id=NamedBarrier.PDS, number_of_threads=t.num_mma_threads)
+        if const_expr(self.grad_bias):
+            if tidx == 0:  # dB = dS: the whole block is one TMA box
+                self.store_grad_bias(feat, ma.sdS, ds_buf, 0, head, m_block, n_block)
+
+        wgmma(
+            ma.tiled_mma_dv,
+            w.acc_dV,
+            w.tKVrPdS[None, None, None, p_buf],
+            w.tVrdO[None, None, None, stage],
+            zero_init=False,
+        )
+        acc_dQ = cute.make_rmem_tensor(w.shape_dq, Float32)
+        wgmma(ma.tiled_mma_dq, acc_dQ, w.tQrdS[None, None, None, ds_buf], w.tQrK0, zero_init=True)
+        wgmma(
+            ma.tiled_mma_dkv,
+            w.acc_dK,
+            w.tKVrPdS[None, None, None, ds_buf],
+            w.tKrQ[None, None, None, stage],
+            zero_init=False,
+        )
+        warpgroup.wait_group(1)  # dV and dQ's first half done
+        ma.pipe_do.consumer_release(state)
+        # dQ -> sdQ for the store warp's reduce-add of the whole tile, one half at a
+        # time (with dK running): both halves' accumulators at once would not fit
+        buf = i % t.dq_stages
+        cute.arch.barrier(barrier_id=NamedBarrier.DQ_EMPTY, number_of_threads=t.dq_handoff_threads)
+        cute.copy(w.r2s_dq, w.thr_r2s_dq.retile(acc_dQ), w.tdQs0[None, None, None, buf])
+        wgmma(ma.tiled_mma_dq, acc_dQ, w.tQrdS[None, None, None, ds_buf], w.tQrK1, zero_init=True)
+        warpgroup.wait_group(0)
+        cute.copy(w.r2s_dq, w.thr_r2s_dq.retile(acc_dQ), w.tdQs1[None, None, None, buf])
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier_arrive(barrier_id=NamedBarrier.DQ_FULL, number_of_threads=t.dq_handoff_threads)
+        ma.pipe_q.consumer_release(state)

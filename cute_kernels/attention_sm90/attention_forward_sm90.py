@@ -30,6 +30,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cute_kernels.attention.mask import AttentionMask
+from cute_kernels.attention.seqlen_info import Rows
 from cute_kernels.attention.tile_scheduler import GridTileScheduler, TileSchedulerParams
 from cute_kernels.common.log2_units import LOG2_E
 from cute_kernels.common.views import select_modes, transpose_view
@@ -228,7 +229,7 @@ class AttentionForwardSm90:
                 m_block,
                 head,
                 batch,
-                (offset_q, offset_k),
+                Rows(offset_q, offset_k),
                 seqlen_q,
                 seqlen_k,
                 group,
@@ -269,7 +270,7 @@ class AttentionForwardSm90:
     ):
         """One query block: the shared memory, the pipelines, then the producer and consumer roles."""
         t = self.tiles
-        offset_q, offset_k = rows
+        offset_q, offset_k = rows.offset_q, rows.offset_k
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_Q, tma_K, tma_V, tma_O):
@@ -423,7 +424,9 @@ class AttentionForwardSm90:
         acc_O.fill(0.0)
         rP = cute.make_rmem_tensor(shape_S, self.dtype)
         tOrP = cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout))
-        coords = tuple(self.coords_mn(tiled_mma_qk.get_slice(thread), (t.tile_m, t.tile_n)) for thread in (tidx, 0))
+        # the mask compares thread 0's columns, compile-time constants (AttentionMask.apply)
+        cS = self.coords_mn(tiled_mma_qk.get_slice(tidx), (t.tile_m, t.tile_n))
+        t0S = self.coords_mn(tiled_mma_qk.get_slice(0), (t.tile_m, t.tile_n))
         S = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
         rows = cute.size(S, mode=[0])
         row_max = cute.make_rmem_tensor(rows, Float32)
@@ -443,7 +446,7 @@ class AttentionForwardSm90:
             wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(state)
-            self.mask.apply(S, coords, q0, (n_max - 1) * t.tile_n, seqlen_k, offset, window_size)
+            self.mask.apply(S, cS, t0S, q0, (n_max - 1) * t.tile_n, seqlen_k, offset, window_size)
             self.online_softmax(S, row_max, row_sum, scale_log2, None)
             rP.store(acc_S.load().to(self.dtype))
             for i in cutlass.range(1, n_max - n_min, unroll=1):
@@ -459,7 +462,7 @@ class AttentionForwardSm90:
                 warpgroup.wait_group(1)  # S done, P V may still run
                 pipe_k.consumer_release(state)
                 if self.mask.needs_masking(q0, key0, seqlen_q, seqlen_k, offset, window_size):
-                    self.mask.apply(S, coords, q0, key0, seqlen_k, offset, window_size)
+                    self.mask.apply(S, cS, t0S, q0, key0, seqlen_k, offset, window_size)
                 self.online_softmax(S, row_max, row_sum, scale_log2, row_scale)
                 warpgroup.wait_group(0)  # P V has read P
                 pipe_v.consumer_release(state_v)

@@ -1,6 +1,8 @@
 """The sm90 backward consumers' steps: a block's products and softmax gradient, the dS / dQ
 handoffs (pds_split, dq_defer, carry_dq) and their named barriers."""
 
+import functools
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
@@ -30,13 +32,13 @@ class ConsumerStepsMixin:
     its last dQ after the loop (``carried_dq_tail``)."""
 
     @cute.jit
-    def steps_with_tail(self, full_ops, env, work, state, head, m_block, seqlen_q, tail_args):
+    def steps_with_tail(self, full_ops, env, work, state, head, m_block, seqlen_q, tail_operands):
         """``mma``'s steps with ``tail_m``: each query head's walk (``work_item``'s order: from
         its rotation round) as the whole blocks before the partial one, the partial block on
-        ``tail_operands``, the whole blocks after it. A key block whose query blocks stop
-        short of the partial one (a window) walks whole blocks only."""
+        ``tail_operands()``'s products, the whole blocks after it. A key block whose query blocks
+        stop short of the partial one (a window) walks whole blocks only."""
         t = self.tiles
-        _, group, m_min, m_max, rot = work
+        group, m_min, m_max, rot = work.group, work.m_min, work.m_max, work.rot
         blocks = m_max - m_min
         m_tail = seqlen_q // t.tile_m  # the partial block (the caller's tail_m says there is one)
         before = blocks
@@ -60,7 +62,7 @@ class ConsumerStepsMixin:
                     head, m_block = self.next_work_item(work, head, m_block)
                     i = i + 1
                 if part == 0 and before < blocks:
-                    self.block_step(self.tail_operands(*tail_args), env, i, state, head, m_block)
+                    self.block_step(tail_operands(), env, i, state, head, m_block)
                     state.advance()
                     head, m_block = self.next_work_item(work, head, m_block)
                     i = i + 1
@@ -69,183 +71,154 @@ class ConsumerStepsMixin:
     def block_step(self, ops, env, i, state, head, m_block):
         """The consumers' step ``i``: query block ``m_block`` of query head ``head`` (Q / dO in
         pipeline ``state``). ``ops``: ``StepOperands`` of a whole block, or ``tail_operands``'
-        for a partial last block; ``env``: ``StepEnv``, what every step shares (both unpacked in
-        their fields' order)."""
+        for a partial last block; ``env``: ``StepEnv``, what every step shares. S^T and dP^T,
+        P^T and dS^T in registers here; the products on them and the handoffs of dS and dQ in
+        ``deferred_step`` (dq_defer), ``split_step`` (pds_split) or ``joint_step``."""
         t = self.tiles
-        (
-            tiled_mma_sdp,
-            acc_S,
-            acc_dP,
-            tSrK,
-            tSrQ,
-            tPrV,
-            tPrdO,
-            shape_sdp,
-            cS_mn,
-            tVrdO,
-            tKrQ,
-            tiled_mma_dq,
-            tQrdS,
-            tQrK,
-            tQrK_both,
-            shape_dq,
-            r2s_ds,
-            thr_r2s_ds,
-            tdSs,
-            r2s_dq,
-            thr_r2s_dq,
-            tdQs,
-        ) = ops
-        (
-            pipe_q,
-            pipe_do,
-            state_next,
-            sLSE,
-            sDelta,
-            sdS,
-            feat,
-            tiled_mma_dkv,
-            tiled_mma_dv,
-            acc_dV,
-            acc_dK,
-            wg,
-            tidx,
-            n_block,
-            key0,
-            offset,
-            seqlen_q,
-            seqlen_k,
-            window_size,
-            scale_log2,
-            steps,
-            carry,
-            kv_state,
-            done,
-        ) = env
         prefetch = const_expr(t.overlap != "none")
         stage = state.index
         ds_stage = i % t.ds_stages
         q0 = m_block * t.tile_m
         if const_expr(not prefetch):
-            self.issue_s(pipe_q, state, tiled_mma_sdp, acc_S, tSrK, tSrQ)
-        lse = self.read_stats(sLSE, stage, cS_mn) if const_expr(t.stats_early) else None
+            self.issue_s(env.pipe_q, state, ops.tiled_mma_sdp, ops.acc_S, ops.tSrK, ops.tSrQ)
+        lse = self.read_stats(env.sLSE, stage, ops.cS_mn) if const_expr(t.stats_early) else None
         # S^T (and with overlap "sdp" dP^T) of this block are in flight already
         if const_expr(t.overlap != "sdp"):
-            self.issue_dp(pipe_do, state, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
+            self.issue_dp(env.pipe_do, state, ops.tiled_mma_sdp, ops.acc_dP, ops.tPrV, ops.tPrdO)
         # bias values and dropout flags while the tensor cores work (None without)
-        rBias, keep = self.block_features(feat, head, i, q0, key0, seqlen_q, seqlen_k, cS_mn, shape_sdp, wg, tidx)
+        rBias, keep = self.block_features(
+            env.feat, head, i, q0, env.key0, env.seqlen_q, env.seqlen_k, ops.cS_mn, ops.shape_sdp, env.wg, env.tidx
+        )
 
         warpgroup.wait_group(1)
-        self.probs(acc_S, cS_mn, sLSE, stage, q0, key0, seqlen_q, seqlen_k, offset, window_size, scale_log2, rBias, lse)
-        delta = self.read_stats(sDelta, stage, cS_mn) if const_expr(t.stats_early) else None
+        self.probs(
+            ops.acc_S,
+            ops.cS_mn,
+            env.sLSE,
+            stage,
+            q0,
+            env.key0,
+            env.seqlen_q,
+            env.seqlen_k,
+            env.offset,
+            env.window_size,
+            env.scale_log2,
+            rBias,
+            lse,
+        )
+        delta = self.read_stats(env.sDelta, stage, ops.cS_mn) if const_expr(t.stats_early) else None
         warpgroup.wait_group(0)
-        self.grad_scores(acc_dP, acc_S, cS_mn, sDelta, stage, keep, feat, delta)
+        self.grad_scores(ops.acc_dP, ops.acc_S, ops.cS_mn, env.sDelta, stage, keep, env.feat, delta)
         # (converted before the dP^T wait instead, ptxas sinks it below the wait: same SASS)
-        rP = self.p_operand(acc_S, cS_mn, keep, feat)
+        rP = self.p_operand(ops.acc_S, ops.cS_mn, keep, env.feat)
 
         # dV += P^T dO (P^T from registers); dS^T -> sdS; once both warpgroups' halves are
         # there (and visible to the async proxy): dQ = dS K, then dK += dS^T Q, so dQ can
         # leave while dK runs. With dq_defer the dQ is the previous block's (deferred_step)
-        rdS = cute.make_rmem_tensor(shape_sdp, self.dtype)
+        rdS = cute.make_rmem_tensor(ops.shape_sdp, self.dtype)
         if const_expr(t.dq_defer):
-            rdS.store(acc_dP.load().to(self.dtype))
+            rdS.store(ops.acc_dP.load().to(self.dtype))
         else:
             if const_expr(t.ds_before_dv):
-                rdS.store(acc_dP.load().to(self.dtype))
-                cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_stage])
+                rdS.store(ops.acc_dP.load().to(self.dtype))
+                cute.copy(ops.r2s_ds, ops.thr_r2s_ds.retile(rdS), ops.tdSs[None, None, None, ds_stage])
             wgmma(
-                tiled_mma_dv,
-                acc_dV,
+                env.tiled_mma_dv,
+                env.acc_dV,
                 cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout)),
-                tVrdO[None, None, None, stage],
+                ops.tVrdO[None, None, None, stage],
                 zero_init=False,
             )
             if const_expr(not t.ds_before_dv):
-                rdS.store(acc_dP.load().to(self.dtype))
-                cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, ds_stage])
+                rdS.store(ops.acc_dP.load().to(self.dtype))
+                cute.copy(ops.r2s_ds, ops.thr_r2s_ds.retile(rdS), ops.tdSs[None, None, None, ds_stage])
             cute.arch.fence_view_async_shared()
-        dbias = (feat, sdS, head, m_block, n_block)  # the bias gradient's stores (grad_bias)
+        # the bias gradient's stores of this block's dS (grad_bias), the key boxes to name
+        store_dbias = functools.partial(
+            self.store_grad_bias,
+            feat=env.feat,
+            sdS=env.sdS,
+            buf=ds_stage,
+            head=head,
+            m_block=m_block,
+            n_block=env.n_block,
+        )
         if const_expr(t.dq_defer):
-            carry_in = None
-            tQrK_step = tQrK
-            if const_expr(carry is not None):
-                # step 0's product is the previous tile's last block, on that tile's K
-                kb = kv_state.index
-                tQrK_step = tQrK_both[None, None, None, cutlass.select_(i > done, kb, 1 - kb)]
-                carry_in = (i, done)
-            self.deferred_step(
-                i,
-                wg,
-                stage,
-                tiled_mma_dq,
-                tiled_mma_dv,
-                tiled_mma_dkv,
-                acc_dV,
-                acc_dK,
-                rP,
-                rdS,
-                tVrdO,
-                tKrQ,
-                tQrdS,
-                tQrK_step,
-                shape_dq,
-                r2s_ds,
-                thr_r2s_ds,
-                tdSs,
-                r2s_dq,
-                thr_r2s_dq,
-                tdQs,
-                carry_in,
-            )
-            pipe_do.consumer_release(state)
-            pipe_q.consumer_release(state)
+            self.deferred_step(ops, env, i, state, rP, rdS)
         elif const_expr(t.pds_split):
-            acc_dQ = self.dq_dk_split(
-                wg, stage, ds_stage, tiled_mma_dq, tiled_mma_dkv, acc_dK, rdS, tKrQ, tQrdS, tQrK, shape_dq, tidx, dbias
-            )
-            pipe_do.consumer_release(state)
-            pipe_q.consumer_release(state)
-            if const_expr(prefetch):
-                if i + 1 < steps:
-                    self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
-                    state_next.advance()
-            self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, i % t.dq_stages, wg)
+            self.split_step(ops, env, i, state, ds_stage, rdS, store_dbias)
         else:
-            self.grad_bias_wait(tidx == 0)
-            cute.arch.barrier(barrier_id=NamedBarrier.PDS, number_of_threads=t.num_mma_threads)
-            if const_expr(self.grad_bias):
-                if tidx == 0:  # both halves are written
-                    self.store_grad_bias(
-                        feat, sdS, ds_stage, list(range(t.tile_n // GRAD_BIAS_BOX_KEYS)), head, m_block, n_block
-                    )
-            acc_dQ = self.issue_dq(tiled_mma_dq, shape_dq, tQrdS, tQrK, ds_stage)
-            wgmma(
-                tiled_mma_dkv,
-                acc_dK,
-                cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
-                tKrQ[None, None, None, stage],
-                zero_init=False,
-            )
-            warpgroup.wait_group(1)  # dV and dQ done
-            pipe_do.consumer_release(state)
+            self.joint_step(ops, env, i, state, ds_stage, rdS, store_dbias)
 
-            # dQ -> sdQ for the store warp's reduce-add, while dK runs
-            self.stage_dq(acc_dQ, r2s_dq, thr_r2s_dq, tdQs, i % t.dq_stages, wg)
-            # the next block's S^T (and dP^T) go to the tensor cores behind dK
-            if const_expr(prefetch):
-                if i + 1 < steps:
-                    self.issue_s(pipe_q, state_next, tiled_mma_sdp, acc_S, tSrK, tSrQ)
-                    if const_expr(t.overlap == "sdp"):
-                        self.issue_dp(pipe_do, state_next, tiled_mma_sdp, acc_dP, tPrV, tPrdO)
-                        warpgroup.wait_group(2)  # dK done
-                    else:
-                        warpgroup.wait_group(1)
-                    state_next.advance()
+    @cute.jit
+    def split_step(self, ops, env, i, state, ds_stage, rdS, store_dbias):
+        """``block_step``'s products with ``pds_split``: dK and dQ (``dq_dk_split``), the Q / dO
+        stages freed, the next block's S^T issued (overlap), dQ staged."""
+        t = self.tiles
+        acc_dQ = self.dq_dk_split(
+            env.wg,
+            state.index,
+            ds_stage,
+            ops.tiled_mma_dq,
+            env.tiled_mma_dkv,
+            env.acc_dK,
+            rdS,
+            ops.tKrQ,
+            ops.tQrdS,
+            ops.tQrK,
+            ops.shape_dq,
+            env.tidx,
+            store_dbias,
+        )
+        env.pipe_do.consumer_release(state)
+        env.pipe_q.consumer_release(state)
+        if const_expr(t.overlap != "none"):
+            if i + 1 < env.steps:
+                self.issue_s(env.pipe_q, env.state_next, ops.tiled_mma_sdp, ops.acc_S, ops.tSrK, ops.tSrQ)
+                env.state_next.advance()
+        self.stage_dq(acc_dQ, ops.r2s_dq, ops.thr_r2s_dq, ops.tdQs, i % t.dq_stages, env.wg)
+
+    @cute.jit
+    def joint_step(self, ops, env, i, state, ds_stage, rdS, store_dbias):
+        """``block_step``'s products behind one barrier of both warpgroups (dS written): the bias
+        gradient's stores, dQ then dK issued, dQ staged while dK runs, the next block's S^T (and
+        dP^T) issued behind dK (overlap), the Q / dO stages freed."""
+        t = self.tiles
+        stage = state.index
+        tidx = env.tidx
+        self.grad_bias_wait(tidx == 0)
+        cute.arch.barrier(barrier_id=NamedBarrier.PDS, number_of_threads=t.num_mma_threads)
+        if const_expr(self.grad_bias):
+            if tidx == 0:  # both halves are written
+                store_dbias(boxes=list(range(t.tile_n // GRAD_BIAS_BOX_KEYS)))
+        acc_dQ = self.issue_dq(ops.tiled_mma_dq, ops.shape_dq, ops.tQrdS, ops.tQrK, ds_stage)
+        wgmma(
+            env.tiled_mma_dkv,
+            env.acc_dK,
+            cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
+            ops.tKrQ[None, None, None, stage],
+            zero_init=False,
+        )
+        warpgroup.wait_group(1)  # dV and dQ done
+        env.pipe_do.consumer_release(state)
+
+        # dQ -> sdQ for the store warp's reduce-add, while dK runs
+        self.stage_dq(acc_dQ, ops.r2s_dq, ops.thr_r2s_dq, ops.tdQs, i % t.dq_stages, env.wg)
+        # the next block's S^T (and dP^T) go to the tensor cores behind dK
+        if const_expr(t.overlap != "none"):
+            if i + 1 < env.steps:
+                self.issue_s(env.pipe_q, env.state_next, ops.tiled_mma_sdp, ops.acc_S, ops.tSrK, ops.tSrQ)
+                if const_expr(t.overlap == "sdp"):
+                    self.issue_dp(env.pipe_do, env.state_next, ops.tiled_mma_sdp, ops.acc_dP, ops.tPrV, ops.tPrdO)
+                    warpgroup.wait_group(2)  # dK done
                 else:
-                    warpgroup.wait_group(0)
+                    warpgroup.wait_group(1)
+                env.state_next.advance()
             else:
                 warpgroup.wait_group(0)
-            pipe_q.consumer_release(state)
+        else:
+            warpgroup.wait_group(0)
+        env.pipe_q.consumer_release(state)
 
     @cute.jit
     def probs(
@@ -332,13 +305,27 @@ class ConsumerStepsMixin:
 
     @cute.jit
     def dq_dk_split(
-        self, wg, stage, ds_stage, tiled_mma_dq, tiled_mma_dkv, acc_dK, rdS, tKrQ, tQrdS, tQrK, shape_dq, tidx, dbias
+        self,
+        wg,
+        stage,
+        ds_stage,
+        tiled_mma_dq,
+        tiled_mma_dkv,
+        acc_dK,
+        rdS,
+        tKrQ,
+        tQrdS,
+        tQrK,
+        shape_dq,
+        tidx,
+        store_dbias,
     ):
         """dS handoff by two one-way barriers: each warpgroup announces its half of dS, issues
         dK (registers only) and only then waits for the other half, so the wait overlaps dK.
         A warpgroup announces block i+1 after its dQ of block i completed (and, with the bias
         gradient, its store of the other half of block i has read it), which keeps the two dS
-        buffers safe. Returns dQ with dK and dQ both done."""
+        buffers safe. ``store_dbias``: the bias gradient's stores of the block (``block_step``).
+        Returns dQ with dK and dQ both done."""
         t = self.tiles
         storing = tidx % 128 == 0  # the bias gradient: this warpgroup's thread that stores the other half
         self.grad_bias_wait(storing)
@@ -359,8 +346,7 @@ class ConsumerStepsMixin:
             cute.arch.barrier(barrier_id=NamedBarrier.PDS, number_of_threads=t.num_mma_threads)
         if const_expr(self.grad_bias):
             if storing:  # the other warpgroup's keys: its half is written and fenced
-                feat, sdS, head, m_block, n_block = dbias
-                self.store_grad_bias(feat, sdS, ds_stage, 1 - wg, head, m_block, n_block)
+                store_dbias(boxes=1 - wg)
         if const_expr(t.dq_wait_dkv):
             warpgroup.wait_group(0)  # P^T / dS^T operand registers free before dQ's accumulator
         acc_dQ = self.issue_dq(tiled_mma_dq, shape_dq, tQrdS, tQrK, ds_stage)
@@ -368,66 +354,59 @@ class ConsumerStepsMixin:
         return acc_dQ
 
     @cute.jit
-    def deferred_step(
-        self,
-        i,
-        wg,
-        stage,
-        tiled_mma_dq,
-        tiled_mma_dv,
-        tiled_mma_dkv,
-        acc_dV,
-        acc_dK,
-        rP,
-        rdS,
-        tVrdO,
-        tKrQ,
-        tQrdS,
-        tQrK,
-        shape_dq,
-        r2s_ds,
-        thr_r2s_ds,
-        tdSs,
-        r2s_dq,
-        thr_r2s_dq,
-        tdQs,
-        carry_in=None,
-    ):
+    def deferred_step(self, ops, env, i, state, rP, rdS):
         """The products of step ``i`` once its dS is in registers (``dq_defer``): this block's
         dS^T stored (after the other warpgroup announced block i - 1, a step ago as a rule: it
         announces a block only once its dQ of the block before has read the buffer written
         here), the previous block's dQ and this block's dV issued, this half announced once
         that dQ has read its buffer (the other warpgroup writes block i + 1 there), dK issued
-        and the previous block's dQ staged. Step 0 has no previous block: its dQ product runs
-        on the unused buffer and is dropped, which keeps the wgmma groups the same every step
-        (ptxas serialises wgmmas whose issue depends on a branch). Returns with all done.
-        ``carry_in`` (carry_dq): (this step's index among the CTA's steps, the tile's first):
-        the previous block may be the previous tile's last (tQrK is then that tile's K); its
-        dS buffer is the one the store warps read the previous tile's dK from."""
+        and the previous block's dQ staged, then the Q / dO stages freed. Step 0 has no previous
+        block: its dQ product runs on the unused buffer and is dropped, which keeps the wgmma
+        groups the same every step (ptxas serialises wgmmas whose issue depends on a branch).
+        Returns with all done. With carry_dq ``i`` counts the CTA's steps and the previous block
+        may be the previous tile's last (dQ then runs on that tile's K); its dS buffer is the one
+        the store warps read the previous tile's dK from."""
+        tQrK = ops.tQrK
+        tile_first = None  # carry_dq: the CTA's step count at the tile's step 0
+        if const_expr(env.carry is not None):
+            # step 0's product is the previous tile's last block, on that tile's K
+            kb = env.kv_state.index
+            tQrK = ops.tQrK_both[None, None, None, cutlass.select_(i > env.done, kb, 1 - kb)]
+            tile_first = env.done
+        self.deferred_products(ops, env, i, state.index, rP, rdS, tQrK, tile_first)
+        env.pipe_do.consumer_release(state)
+        env.pipe_q.consumer_release(state)
+
+    @cute.jit
+    def deferred_products(self, ops, env, g, stage, rP, rdS, tQrK, tile_first=None):
+        """``deferred_step``'s products and handoffs of step ``g`` (Q / dO in ``stage``), dQ on
+        ``tQrK``; ``tile_first`` (carry_dq): the tile's first step."""
         t = self.tiles
+        wg = env.wg
+        tiled_mma_dq, tiled_mma_dv, tiled_mma_dkv = ops.tiled_mma_dq, env.tiled_mma_dv, env.tiled_mma_dkv
+        acc_dV, acc_dK = env.acc_dV, env.acc_dK
+        r2s_ds, thr_r2s_ds, tdSs = ops.r2s_ds, ops.thr_r2s_ds, ops.tdSs
+        r2s_dq, thr_r2s_dq, tdQs = ops.r2s_dq, ops.thr_r2s_dq, ops.tdQs
         n_handoff = t.dkv_handoff_threads
-        g = i
-        if const_expr(carry_in is not None):
-            g = carry_in[0]
         prev = g - 1
         if g > 0:
             self.ds_half_barrier(1 - wg, prev, False)
-            if const_expr(carry_in is not None):
-                if g == carry_in[1]:  # the tile's step 0: the previous tile's dK has left this buffer
+            if const_expr(tile_first is not None):
+                if g == tile_first:  # the tile's step 0: the previous tile's dK has left this buffer
                     named_barrier(NamedBarrier.DS_FREE, n_handoff, False)
         cute.copy(r2s_ds, thr_r2s_ds.retile(rdS), tdSs[None, None, None, cyclic(g, t.ds_stages)])
-        acc_dQ = self.issue_dq(tiled_mma_dq, shape_dq, tQrdS, tQrK, cyclic(g + t.ds_stages - 1, t.ds_stages))
+        acc_dQ = self.issue_dq(tiled_mma_dq, ops.shape_dq, ops.tQrdS, tQrK, cyclic(g + t.ds_stages - 1, t.ds_stages))
         wgmma(
             tiled_mma_dv,
             acc_dV,
             cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout)),
-            tVrdO[None, None, None, stage],
+            ops.tVrdO[None, None, None, stage],
             zero_init=False,
         )
         warpgroup.wait_group(1)  # dQ of block i - 1 done: its dS buffer is read
-        if const_expr(carry_in is not None):
+        if const_expr(tile_first is not None):
             if g > 0:
-                if g == carry_in[1]:  # ... and the previous tile's K: its buffer may be refilled
+                if g == tile_first:  # ... and the previous tile's K: its buffer may be refilled
                     named_barrier(NamedBarrier.K_FREE, n_handoff, True)
         cute.arch.fence_view_async_shared()
         self.ds_half_barrier(wg, g, True)
@@ -435,7 +414,7 @@ class ConsumerStepsMixin:
             tiled_mma_dkv,
             acc_dK,
             cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
-            tKrQ[None, None, None, stage],
+            ops.tKrQ[None, None, None, stage],
             zero_init=False,
         )
         if g > 0:

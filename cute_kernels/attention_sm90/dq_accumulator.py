@@ -2,6 +2,9 @@
 stores) of each block's staged dQ, deterministic turns, store_first claims, zero_ahead zeroing
 and the dq_ready counts."""
 
+from dataclasses import dataclass
+from typing import Any
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
@@ -13,6 +16,25 @@ from layouts.attention_bwd_prepost import VARLEN_ACCUM_PAD
 from .backward_config import (
     DKV_STORE_WARPS,
 )
+
+from .arguments import StoreArgs
+
+
+@dataclass(frozen=True)
+class DqBlock:
+    """The dQ-store warp's step ``i``: query block ``m_block`` of query head ``head`` (key block
+    ``n_block`` of sequence ``batch``, whose accumulator rows start at ``acc_row0``), its
+    deterministic semaphore (else None) and store_first flag index, and the warp's lane."""
+
+    i: Any
+    head: Any
+    m_block: Any
+    batch: Any
+    n_block: Any
+    acc_row0: Any
+    sem: Any
+    flag: Any
+    lane: Any
 
 
 class DqAccumulatorMixin:
@@ -50,36 +72,17 @@ class DqAccumulatorMixin:
     heads (``zero_jobs``); the dQ-store warps' takeover is the same."""
 
     @cute.jit
-    def store_dq(
-        self,
-        gdQ_tma,
-        sdQ,
-        tma_dQ,
-        mSemaphore,
-        n_block,
-        batch,
-        work,
-        rows,
-        seqlen_q,
-        seqlen_k,
-        mDqReady=None,
-        dq_first=(None, None),
-        pending=None,
-    ):
+    def store_dq(self, sa: StoreArgs, n_block, batch, work, rows, seqlen_q, seqlen_k, pending=None):
         """Add each query block's dQ (staged in sdQ by the consumers) into the fp32 accumulator
         (``store_first``: store it where this CTA claimed the block); with ``dq_ready`` then
         count the key block into its (sequence, key head)'s counter. ``pending`` (persistent
         CTAs, store_first): the last stored block's flag of the tile before, published here;
         this tile's is returned unpublished (the next tile's first handoff publishes it)."""
         t = self.tiles
-        head_kv, group, m_min, m_max, _ = work
         # varlen: sequence b's accumulator rows start VARLEN_ACCUM_PAD * b rows further down
-        acc_row0 = rows[0] + batch * VARLEN_ACCUM_PAD if const_expr(self.varlen) else rows[0]
-        handoff = t.dq_handoff_threads
-        am, an = t.dq_atoms
-        sub = t.dq_sub_tile
+        acc_row0 = rows.offset_q + batch * VARLEN_ACCUM_PAD if const_expr(self.varlen) else rows.offset_q
         lane = cute.arch.lane_idx()
-        mDqFirst, tma_dQ_store = dq_first[0], dq_first[1]
+        mDqFirst = sa.dq_first.flags
         # store_first: the flag of the block this CTA stored last, published once the next
         # block's copies are issued (its store has landed by then: no wait on the handoff's path)
         groups = 2 if const_expr(t.dq_per_wg) else 1  # bulk groups a block
@@ -89,80 +92,19 @@ class DqAccumulatorMixin:
         # the preprocess launch has zeroed the accumulator, or the store_first flags (PDL)
         cute.arch.griddepcontrol_wait()
         seen = Int32(0)  # zero_ahead: the blocks of the current 32-block window seen zeroed
-        for i in cutlass.range(group * (m_max - m_min), unroll=1):
+        for i in cutlass.range(work.steps, unroll=1):
             head, m_block = self.work_item(work, i)
             sem = None
             if const_expr(self.deterministic):
-                sem = mSemaphore.iterator + cute.crd2idx((m_block, head, batch), mSemaphore.layout)
+                sem = sa.mSemaphore.iterator + cute.crd2idx((m_block, head, batch), sa.mSemaphore.layout)
             flag = Int32(0)
-            claim = Int32(0)  # store_first: the flag's value before this CTA's claim (0: stored here)
             if const_expr(self.store_first):
                 flag = Int32(cute.crd2idx((m_block, head, batch), mDqFirst.layout))
+            block = DqBlock(i, head, m_block, batch, n_block, acc_row0, sem, flag, lane)
             if const_expr(t.dq_per_wg):
-                # each warpgroup's part of a block's dQ is its own reduce-add and handoff
-                gdQ = cute.local_tile(
-                    self.seq_tile_view(gdQ_tma, head, batch, acc_row0), sub, (None, None)
-                )  # (rows, cols, m, n)
-                if const_expr(t.dq_empty_early):
-                    # both buffers free before waiting for either: a warpgroup never waits for
-                    # the other's handoff (the reduce-add of w's buffer dq_stages blocks back
-                    # was committed 2 dq_stages - 1 - w groups ago)
-                    for w in cutlass.range_constexpr(2):
-                        cute.arch.cp_async_bulk_wait_group(2 * t.dq_stages - 1 - w, read=True)
-                        cute.arch.barrier_arrive(
-                            barrier_id=NamedBarrier.DQ_EMPTY if w == 0 else NamedBarrier.DQ_EMPTY_WG1,
-                            number_of_threads=handoff,
-                        )
-                    if const_expr(self.store_first):
-                        claim = self.claim_block(mDqFirst.iterator + flag, lane)
-                    seen = self.wait_zeroed(dq_first, work, batch, i, seen, lane)
-                for w in cutlass.range_constexpr(2):
-                    wm, wn = (w, 0) if am == 2 else (0, w)
-                    sdQ_w = cute.local_tile(sdQ[None, None, i % t.dq_stages], sub, (wm, wn))
-                    tdQs, tdQg = cpasync.tma_partition(
-                        tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_w, 0, 2), cute.group_modes(gdQ, 0, 2)
-                    )
-                    if const_expr(not t.dq_empty_early):
-                        # this part's reduce-add dq_stages blocks back has read it (two groups a block)
-                        cute.arch.cp_async_bulk_wait_group(2 * t.dq_stages - 1, read=True)
-                        cute.arch.barrier_arrive(
-                            barrier_id=NamedBarrier.DQ_EMPTY if w == 0 else NamedBarrier.DQ_EMPTY_WG1,
-                            number_of_threads=handoff,
-                        )
-                        if const_expr(self.store_first and w == 0):
-                            claim = self.claim_block(mDqFirst.iterator + flag, lane)
-                        if const_expr(w == 0):
-                            seen = self.wait_zeroed(dq_first, work, batch, i, seen, lane)
-                    cute.arch.barrier(
-                        barrier_id=NamedBarrier.DQ_FULL if w == 0 else NamedBarrier.DQ_FULL_WG1,
-                        number_of_threads=handoff,
-                    )
-                    if const_expr(self.deterministic and w == 0):
-                        self.spin_until(sem, self.dq_turn(m_block, n_block, seqlen_q, seqlen_k), lane)
-                    if const_expr(self.store_first and w == 0):
-                        claim, pending = self.wait_stored(mDqFirst, flag, claim, pending, lane)
-                    self.copy_dq(tma_dQ, tma_dQ_store, tdQs, tdQg[None, m_block * am + wm, wn], claim)
-                    cute.arch.cp_async_bulk_commit_group()
+                claim, pending, seen = self.copy_block_halves(sa, work, block, seqlen_q, seqlen_k, pending, seen)
             else:
-                gdQ = cute.local_tile(
-                    self.seq_tile_view(gdQ_tma, head, batch, acc_row0), (t.tile_m, t.head_dim), (m_block, 0)
-                )
-                tdQs, tdQg = cpasync.tma_partition(
-                    tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2)
-                )
-                # the buffer of this block is free once the reduce-add dq_stages blocks back has read it
-                cute.arch.cp_async_bulk_wait_group(t.dq_stages - 1, read=True)
-                cute.arch.barrier_arrive(barrier_id=NamedBarrier.DQ_EMPTY, number_of_threads=handoff)
-                if const_expr(self.store_first):
-                    claim = self.claim_block(mDqFirst.iterator + flag, lane)
-                seen = self.wait_zeroed(dq_first, work, batch, i, seen, lane)
-                cute.arch.barrier(barrier_id=NamedBarrier.DQ_FULL, number_of_threads=handoff)
-                if const_expr(self.deterministic):
-                    self.spin_until(sem, self.dq_turn(m_block, n_block, seqlen_q, seqlen_k), lane)
-                if const_expr(self.store_first):
-                    claim, pending = self.wait_stored(mDqFirst, flag, claim, pending, lane)
-                self.copy_dq(tma_dQ, tma_dQ_store, tdQs[None, i % t.dq_stages], tdQg, claim)
-                cute.arch.cp_async_bulk_commit_group()
+                claim, pending, seen = self.copy_block(sa, work, block, seqlen_q, seqlen_k, pending, seen)
             if const_expr(self.store_first):
                 # the block stored a step back: its store is older than this block's groups
                 pending = self.publish_stored(mDqFirst, pending, lane, groups)
@@ -177,12 +119,100 @@ class DqAccumulatorMixin:
             pending = self.publish_stored(mDqFirst, pending, lane, 0)
         if const_expr(self.dq_ready):
             cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds written, not only read
-            self.count_dq_ready(mDqReady, Int32(cute.crd2idx((batch, head_kv), mDqReady.layout)), lane)
+            self.count_dq_ready(sa.mDqReady, Int32(cute.crd2idx((batch, work.head_kv), sa.mDqReady.layout)), lane)
         else:
             # sdQ read before the CTA leaves; the adds themselves are complete with the grid
             # (the next kernel, convert_dq, is stream-ordered behind it), as after a TMA store
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         return pending
+
+    @cute.jit
+    def copy_block(self, sa: StoreArgs, work, block, seqlen_q, seqlen_k, pending, seen):
+        """One block's dQ, staged jointly by both warpgroups, into the accumulator: the staging
+        buffer handed back, the block claimed (store_first) or its zeroing checked (zero_ahead),
+        the staged dQ waited for, deterministic mode's turn, then one copy. Returns (claim,
+        pending, seen) as ``store_dq`` carries them."""
+        t = self.tiles
+        handoff = t.dq_handoff_threads
+        mDqFirst, lane = sa.dq_first.flags, block.lane
+        claim = Int32(0)  # store_first: the flag's value before this CTA's claim (0: stored here)
+        gdQ = cute.local_tile(
+            self.seq_tile_view(sa.gdQ_tma, block.head, block.batch, block.acc_row0),
+            (t.tile_m, t.head_dim),
+            (block.m_block, 0),
+        )
+        tdQs, tdQg = cpasync.tma_partition(
+            sa.tma_dQ, 0, cute.make_layout(1), cute.group_modes(sa.sdQ, 0, 2), cute.group_modes(gdQ, 0, 2)
+        )
+        # the buffer of this block is free once the reduce-add dq_stages blocks back has read it
+        cute.arch.cp_async_bulk_wait_group(t.dq_stages - 1, read=True)
+        cute.arch.barrier_arrive(barrier_id=NamedBarrier.DQ_EMPTY, number_of_threads=handoff)
+        if const_expr(self.store_first):
+            claim = self.claim_block(mDqFirst.iterator + block.flag, lane)
+        seen = self.wait_zeroed(sa.dq_first, work, block.batch, block.i, seen, lane)
+        cute.arch.barrier(barrier_id=NamedBarrier.DQ_FULL, number_of_threads=handoff)
+        if const_expr(self.deterministic):
+            self.spin_until(block.sem, self.dq_turn(block.m_block, block.n_block, seqlen_q, seqlen_k), lane)
+        if const_expr(self.store_first):
+            claim, pending = self.wait_stored(mDqFirst, block.flag, claim, pending, lane)
+        self.copy_dq(sa.tma_dQ, sa.dq_first.tma_store, tdQs[None, block.i % t.dq_stages], tdQg, claim)
+        cute.arch.cp_async_bulk_commit_group()
+        return claim, pending, seen
+
+    @cute.jit
+    def copy_block_halves(self, sa: StoreArgs, work, block, seqlen_q, seqlen_k, pending, seen):
+        """``copy_block`` with ``dq_per_wg``: each warpgroup's part of the block is its own handoff
+        and copy (a bulk group each)."""
+        t = self.tiles
+        handoff = t.dq_handoff_threads
+        am, an = t.dq_atoms
+        sub = t.dq_sub_tile
+        mDqFirst, lane = sa.dq_first.flags, block.lane
+        claim = Int32(0)  # store_first: the flag's value before this CTA's claim (0: stored here)
+        gdQ = cute.local_tile(
+            self.seq_tile_view(sa.gdQ_tma, block.head, block.batch, block.acc_row0), sub, (None, None)
+        )  # (rows, cols, m, n)
+        if const_expr(t.dq_empty_early):
+            # both buffers free before waiting for either: a warpgroup never waits for
+            # the other's handoff (the reduce-add of w's buffer dq_stages blocks back
+            # was committed 2 dq_stages - 1 - w groups ago)
+            for w in cutlass.range_constexpr(2):
+                cute.arch.cp_async_bulk_wait_group(2 * t.dq_stages - 1 - w, read=True)
+                cute.arch.barrier_arrive(
+                    barrier_id=NamedBarrier.DQ_EMPTY if w == 0 else NamedBarrier.DQ_EMPTY_WG1,
+                    number_of_threads=handoff,
+                )
+            if const_expr(self.store_first):
+                claim = self.claim_block(mDqFirst.iterator + block.flag, lane)
+            seen = self.wait_zeroed(sa.dq_first, work, block.batch, block.i, seen, lane)
+        for w in cutlass.range_constexpr(2):
+            wm, wn = (w, 0) if am == 2 else (0, w)
+            sdQ_w = cute.local_tile(sa.sdQ[None, None, block.i % t.dq_stages], sub, (wm, wn))
+            tdQs, tdQg = cpasync.tma_partition(
+                sa.tma_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ_w, 0, 2), cute.group_modes(gdQ, 0, 2)
+            )
+            if const_expr(not t.dq_empty_early):
+                # this part's reduce-add dq_stages blocks back has read it (two groups a block)
+                cute.arch.cp_async_bulk_wait_group(2 * t.dq_stages - 1, read=True)
+                cute.arch.barrier_arrive(
+                    barrier_id=NamedBarrier.DQ_EMPTY if w == 0 else NamedBarrier.DQ_EMPTY_WG1,
+                    number_of_threads=handoff,
+                )
+                if const_expr(self.store_first and w == 0):
+                    claim = self.claim_block(mDqFirst.iterator + block.flag, lane)
+                if const_expr(w == 0):
+                    seen = self.wait_zeroed(sa.dq_first, work, block.batch, block.i, seen, lane)
+            cute.arch.barrier(
+                barrier_id=NamedBarrier.DQ_FULL if w == 0 else NamedBarrier.DQ_FULL_WG1,
+                number_of_threads=handoff,
+            )
+            if const_expr(self.deterministic and w == 0):
+                self.spin_until(block.sem, self.dq_turn(block.m_block, block.n_block, seqlen_q, seqlen_k), lane)
+            if const_expr(self.store_first and w == 0):
+                claim, pending = self.wait_stored(mDqFirst, block.flag, claim, pending, lane)
+            self.copy_dq(sa.tma_dQ, sa.dq_first.tma_store, tdQs, tdQg[None, block.m_block * am + wm, wn], claim)
+            cute.arch.cp_async_bulk_commit_group()
+        return claim, pending, seen
 
     @cute.jit
     def wait_zeroed(self, dq_first, work, batch, i, seen, lane):
@@ -198,12 +228,12 @@ class DqAccumulatorMixin:
         same speed with the writers' fence alone). Placed where claim_block is: after the staging
         buffer's handback."""
         if const_expr(self.zero_ahead):
-            mFlags = dq_first[0]
+            mFlags = dq_first.flags
             w = cyclic(i, 32)
             if w == 0:
                 j = i + lane
                 ok = Int32(1)
-                if j < work[1] * (work[3] - work[2]):
+                if j < work.steps:
                     ok = Int32(
                         cute.arch.load(self.zero_flag(mFlags, work, batch, j), Int32, sem="acquire", scope="gpu") == 2
                     )
@@ -219,11 +249,10 @@ class DqAccumulatorMixin:
     @cute.jit
     def zero_flag(self, mFlags, work, batch, j):
         """zero_ahead: the flag of the tile's j-th block (``work_item``'s order, no rotation)."""
-        head_kv, group, m_min, m_max, _ = work
-        blocks = m_max - m_min
+        blocks = work.m_max - work.m_min
         g = j // blocks
-        m = m_min + j - g * blocks
-        return mFlags.iterator + cute.crd2idx((m, head_kv * group + g, batch), mFlags.layout)
+        m = work.m_min + j - g * blocks
+        return mFlags.iterator + cute.crd2idx((m, work.head_kv * work.group + g, batch), mFlags.layout)
 
     @cute.jit
     def owned_blocks(self, n_block, seqlen_q, seqlen_k):
@@ -286,7 +315,7 @@ class DqAccumulatorMixin:
         async proxy and publish it (release 2: the warp's barrier orders its lanes' stores before
         lane 0's release). Returns whether this warp zeroed it."""
         t = self.tiles
-        mFlags, mAcc = dq_first[0], dq_first[2]
+        mFlags, mAcc = dq_first.flags, dq_first.accum
         flag = mFlags.iterator + cute.crd2idx((m_block, head, batch), mFlags.layout)
         old = Int32(0)
         if lane == 0:

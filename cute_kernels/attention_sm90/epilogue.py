@@ -1,12 +1,16 @@
 """The sm90 backward's dK / dV epilogues: by rows from registers, through shared memory by
 TMA or 16-byte vectors, and the persistent CTAs' staged tiles."""
 
+import functools
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from cute_kernels.attention.named_barrier import NamedBarrier
+
+from .arguments import DkvOut
 
 
 class EpilogueMixin:
@@ -17,7 +21,7 @@ class EpilogueMixin:
         self,
         acc_dK,
         acc_dV,
-        dkv_out,
+        dkv_out: DkvOut,
         sK,
         sV,
         tiled_mma_dkv,
@@ -32,29 +36,43 @@ class EpilogueMixin:
     ):
         """After the last block: the bias-gradient stores have read shared memory (a thread
         without any returns at once); dK scaled by the softmax scale (dS was not) and dK / dV
-        stored, rows past seqlen_k dropped. ``dkv_out``: (mdK, mdV, their TMA atoms and
-        coordinate tensors or None)."""
+        stored, rows past seqlen_k dropped."""
         t = self.tiles
-        mdK, mdV, dkv_tma = dkv_out
+        mdK, mdV = dkv_out.mdK, dkv_out.mdV
         self.grad_bias_wait(tidx % 128 == 0)
         acc_dK.store(acc_dK.load() * softmax_scale)
-        by_rows = (
-            acc_dK,
-            acc_dV,
-            mdK,
-            mdV,
-            tiled_mma_dkv,
-            tiled_mma_dv,
-            tidx,
-            n_block,
-            head_kv,
-            batch,
-            rows[1],
-            seqlen_k,
+        by_rows = functools.partial(
+            self.store_dkv_rows,
+            acc_dK=acc_dK,
+            acc_dV=acc_dV,
+            mdK=mdK,
+            mdV=mdV,
+            tiled_mma_dkv=tiled_mma_dkv,
+            tiled_mma_dv=tiled_mma_dv,
+            tidx=tidx,
+            n_block=n_block,
+            head_kv=head_kv,
+            batch=batch,
+            offset_k=rows.offset_k,
+            seqlen_k=seqlen_k,
         )
-        by_tma = (acc_dK, acc_dV, dkv_tma, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx, n_block, head_kv, batch, rows[1])
+        by_tma = functools.partial(
+            self.store_tiles_tma,
+            acc_dK=acc_dK,
+            acc_dV=acc_dV,
+            dkv_tma=dkv_out.tma,
+            sK=sK,
+            sV=sV,
+            tiled_mma_dkv=tiled_mma_dkv,
+            tiled_mma_dv=tiled_mma_dv,
+            tidx=tidx,
+            n_block=n_block,
+            head_kv=head_kv,
+            batch=batch,
+            offset_k=rows.offset_k,
+        )
         if const_expr(not t.dkv_tma_store):
-            self.store_dkv_rows(*by_rows)
+            by_rows()
         elif const_expr(t.dkv_vector_store):
             self.store_tiles_vectors(
                 acc_dK,
@@ -69,18 +87,18 @@ class EpilogueMixin:
                 n_block,
                 head_kv,
                 batch,
-                rows[1],
+                rows.offset_k,
                 seqlen_k,
             )
         elif const_expr(self.varlen):
             # TMA drops rows past the tensor's end, not past a packed sequence's: a block
             # reaching past seqlen_k takes the row-predicated stores
             if (n_block + 1) * t.tile_n <= seqlen_k:
-                self.store_tiles_tma(*by_tma)
+                by_tma()
             else:
-                self.store_dkv_rows(*by_rows)
+                by_rows()
         else:
-            self.store_tiles_tma(*by_tma)
+            by_tma()
 
     @cute.jit
     def store_dkv_rows(
@@ -111,7 +129,7 @@ class EpilogueMixin:
         leave as whole 128-byte lines and the warps are done at once (H100, 8x16x1024x64: 0.246
         ms against 0.260 with 32-bit stores straight from registers, docs/attention_sm90.md)."""
         t = self.tiles
-        tma_dK, gdK_tma, tma_dV, gdV_tma = dkv_tma
+        tma_dK, gdK_tma, tma_dV, gdV_tma = dkv_tma.tma_dK, dkv_tma.gdK, dkv_tma.tma_dV, dkv_tma.gdV
         self.stage_dkv(acc_dK, acc_dV, sK, sV, tiled_mma_dkv, tiled_mma_dv, tidx)
         cute.arch.fence_view_async_shared()  # visible to the TMA unit
         cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE, number_of_threads=t.num_mma_threads)

@@ -3,16 +3,18 @@ TMA stores, the keep-flag buffers and bits."""
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int64, Uint16, Uint32, Uint64, const_expr
+from cutlass import Uint16, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
+from cute_kernels.attention.bias import load_bias_fragment
+from cute_kernels.attention.dropout import PhiloxArgs, apply_keep, flag_half, keep_flags, philox_stream
 from cute_kernels.attention.named_barrier import NamedBarrier
-from cute_kernels.common.philox import keep_flags_quads, philox_scalar
 from layouts.attention_sm90 import (
     GRAD_BIAS_BOX_KEYS,
     KEEP_FLAG_BUFFERS,
 )
 
+from .arguments import Features, GradBiasTma
 from .wgmma import acc_mn_layout
 
 
@@ -20,30 +22,25 @@ class FeaturesMixin:
     """Bias and dropout per CTA and per block (``AttentionBackwardSm90``'s configuration)."""
 
     @cute.jit
-    def features(self, mBias, grad_bias_tma, sKeep, rng, batch, heads):
-        """What the consumers need of bias and dropout, per CTA (None where unused): the
-        batch's bias view (H, Sq, Sk), the bias gradient's TMA atom and (Sq, Sk, H) view, the
-        keep-flag buffers and the Philox key, this batch's first stream word, p, 1 / (1 - p)
-        and the words per head."""
+    def features(self, mBias, grad_bias_tma: GradBiasTma, sKeep, rng: PhiloxArgs, batch, heads) -> Features:
+        """What the consumers need of bias and dropout, per CTA (``Features``, None where unused):
+        the batch's bias view (H, Sq, Sk), the bias gradient's TMA atom and (Sq, Sk, H) view, the
+        keep-flag buffers and the batch's Philox stream of ``heads`` query heads."""
         bias = mBias[batch, None, None, None] if const_expr(self.has_bias) else None
         grad_bias = None
         if const_expr(self.grad_bias):
-            grad_bias = (grad_bias_tma[0], grad_bias_tma[1][None, None, None, batch])
+            grad_bias = GradBiasTma(grad_bias_tma.atom, grad_bias_tma.coords[None, None, None, batch])
         philox = None
         if const_expr(self.dropout):
-            seed, offset, p, scale, bh_elems = rng
-            seed = philox_scalar(seed)
-            # curand_init(seed, 0, offset + (batch * H + head) * Mq * Mk), as the forward
-            base = philox_scalar(offset) + Int64(batch) * Int64(heads) * Int64(bh_elems)
-            philox = (Uint32(seed), Uint32(seed >> Int64(32)), base, Float32(p), Float32(scale), Int64(bh_elems))
-        return bias, grad_bias, sKeep, philox
+            philox = philox_stream(rng, batch, heads)
+        return Features(bias, grad_bias, sKeep, philox)
 
     @cute.jit
     def block_features(self, feat, head, i, q0, key0, seqlen_q, seqlen_k, cS_mn, shape_sdp, wg, tidx):
         """(bias fragment, keep bits) of step ``i``'s block (None where unused)."""
         rBias, keep = None, None
         if const_expr(self.has_bias):
-            rBias = self.load_bias(feat[0], head, q0, key0, seqlen_q, seqlen_k, cS_mn, shape_sdp)
+            rBias = self.load_bias(feat.bias, head, q0, key0, seqlen_q, seqlen_k, cS_mn, shape_sdp)
         if const_expr(self.dropout):
             self.draw_keep_flags(feat, head, i, q0, key0, seqlen_k, wg, tidx)
             keep = self.keep_bits(feat, i, cS_mn, wg)
@@ -56,10 +53,7 @@ class FeaturesMixin:
         gB = bias[head, None, None]
         rB = cute.make_rmem_tensor(shape_sdp, self.dtype)
         B = cute.make_tensor(rB.iterator, acc_mn_layout(rB.layout))
-        for c in cutlass.range_constexpr(cute.size(B, mode=[1])):
-            q = cutlass.min(q0 + cS_mn[0, c][1], seqlen_q - 1)
-            for r in cutlass.range_constexpr(cute.size(B, mode=[0])):
-                B[r, c] = gB[q, cutlass.min(key0 + cS_mn[r, c][0], seqlen_k - 1)]
+        load_bias_fragment(gB, B, cS_mn, q0, key0, seqlen_q, seqlen_k, keys_as_rows=True)
         return rB
 
     @cute.jit
@@ -68,7 +62,7 @@ class FeaturesMixin:
         keys each; an index or a list) to query block m_block, key block n_block (TMA drops
         what lies past the sequences). Called by one thread after dS is written and fenced."""
         t = self.tiles
-        tma_dB, gdB = feat[1]
+        tma_dB, gdB = feat.grad_bias.atom, feat.grad_bias.coords
         box = (t.tile_m, GRAD_BIAS_BOX_KEYS)
         per_block = t.tile_n // GRAD_BIAS_BOX_KEYS
         g = cute.local_tile(gdB[None, None, head], box, (None, None))  # (rows, keys, m, n)
@@ -95,26 +89,19 @@ class FeaturesMixin:
         words q * Sk + k of the (batch, head) stream, 4 per Philox call), as bits (bit k % 16
         of half-word k / 16 of row q). Called while the tensor cores compute the block's S^T and
         dP^T (drawing a step ahead, behind the gradient products, measured no faster: the Philox
-        rounds cost issue slots, not latency; docs/attention_sm90.md)."""
+        rounds cost issue slots, not latency; docs/attention_sm90.md). The draw and the packing are
+        the shared ``keep_flags`` / ``flag_half`` (``cute_kernels/attention/dropout.py``)."""
         t = self.tiles
-        k0, k1, base, p, _, bh_elems = feat[3]
         keys, _ = t.sdp_wg_tile
         per_thread = t.keep_flag_keys
         key_org, q_org = t.sdp_wg_origin(wg)
         lt = tidx % 128
         row = q_org + lt // (keys // per_thread)
         col = key_org + (lt % (keys // per_thread)) * per_thread
-        word = base + Int64(head) * bh_elems + Int64(q0 + row) * Int64(seqlen_k) + Int64(key0 + col)
-        flags = keep_flags_quads(Uint64(word), k0, k1, p, per_thread // 4)
-        s16 = self.keep_flag_halves(feat[2])
-        # flag j of quad c is bit 8 j of flags[c]: 4 quads make a 16-bit half-word
+        flags = keep_flags(feat.philox, head, q0, row, key0, col, seqlen_k, per_thread)
+        s16 = self.keep_flag_halves(feat.keep)
         for h in cutlass.range_constexpr(per_thread // 16):
-            half = Uint32(0)
-            for c in cutlass.range_constexpr(4):
-                f = flags[4 * h + c]
-                nibble = (f | (f >> Uint32(7)) | (f >> Uint32(14)) | (f >> Uint32(21))) & Uint32(0xF)
-                half = half | (nibble << Uint32(4 * c))
-            s16[row, col // 16 + h, i % KEEP_FLAG_BUFFERS] = Uint16(half)
+            s16[row, col // 16 + h, i % KEEP_FLAG_BUFFERS] = Uint16(flag_half(flags, h))
 
     def keep_flag_halves(self, sKeep):
         """The keep-flag buffers as (query, 16-key half-word, buffer) Uint16."""
@@ -134,7 +121,7 @@ class FeaturesMixin:
 
         Rows 2 m and 2 m + 1 of a wgmma accumulator fragment are keys 8 apart in one 16-key
         group (row r0 * 8 + lane / 4 of the warp's 16), so one half-word serves both."""
-        s16 = self.keep_flag_halves(feat[2])
+        s16 = self.keep_flag_halves(feat.keep)
         buf = i % KEEP_FLAG_BUFFERS
         # static barrier ids (a register id makes ptxas reserve all 16)
         if wg == 0:
@@ -156,8 +143,7 @@ class FeaturesMixin:
     @cute.jit
     def dropped(self, keep, e, x, feat):
         """x / (1 - p) where element ``e`` of the fragment is kept, else 0."""
-        kept = (keep[e // 32] & Uint32(1 << (e % 32))) != Uint32(0)
-        return Float32(cutlass.select_(kept, x * feat[3][4], Float32(0.0)))
+        return apply_keep(keep, e, x, feat.philox.scale)
 
     @cute.jit
     def p_operand(self, acc_P, cS_mn, keep, feat):

@@ -3,7 +3,8 @@ copies of a step (``StepOperands``), what a tile's steps share (``StepEnv``), an
 the products."""
 
 import dataclasses
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import cutlass
 import cutlass.cute as cute
@@ -14,7 +15,8 @@ from cute_kernels.common.views import rows_view, transpose_view
 from .wgmma import acc_mn_layout, wgmma
 
 
-class StepOperands(NamedTuple):
+@dataclass(frozen=True)
+class StepOperands:
     """One kind of consumer step's products (``block_step``): tiled MMAs, operand fragments,
     accumulators and register-to-shared copies of a whole query block, or of a partial one
     (``tail_operands``)."""
@@ -43,7 +45,8 @@ class StepOperands(NamedTuple):
     tdQs: Any
 
 
-class StepEnv(NamedTuple):
+@dataclass(frozen=True)
+class StepEnv:
     """What every consumer step of a tile shares (``mma``, ``block_step``)."""
 
     pipe_q: Any
@@ -123,27 +126,18 @@ class OperandsMixin:
         return tVrdO, tKrQ
 
     @cute.jit
-    def step_operands(
-        self,
-        tiled_mma_sdp,
-        tiled_mma_dq,
-        tiled_mma_dkv,
-        tiled_mma_dv,
-        tidx,
-        wg,
-        sQ,
-        sdO,
-        sK,
-        sV,
-        sdS,
-        sdQ,
-        tile_m: cutlass.Constexpr = None,
-        sK_both=None,
-    ):
-        """``block_step``'s ``StepOperands`` over blocks of ``tile_m`` queries (the tiles' by
-        default; a partial block's with its own S^T / dP^T / dQ^T tiled MMAs and the shared
-        tiles' first rows, ``tail_operands``). ``sK_both``: carry_dq's two K buffers (dQ's K
-        fragments over both)."""
+    def step_operands(self, ma, tidx, wg, tile_m: cutlass.Constexpr = None, sK_both=None):
+        """``block_step``'s ``StepOperands`` over blocks of ``tile_m`` queries of ``MmaArgs`` ``ma``
+        (the tiles' by default; a partial block's with its own S^T / dP^T / dQ^T tiled MMAs and
+        the shared tiles' first rows, ``tail_operands``). ``sK_both``: carry_dq's two K buffers
+        (dQ's K fragments over both)."""
+        tiled_mma_sdp, tiled_mma_dq, tiled_mma_dkv, tiled_mma_dv = (
+            ma.tiled_mma_sdp,
+            ma.tiled_mma_dq,
+            ma.tiled_mma_dkv,
+            ma.tiled_mma_dv,
+        )
+        sQ, sdO, sK, sV, sdS, sdQ = ma.sQ, ma.sdO, ma.sK, ma.sV, ma.sdS, ma.sdQ
         tSrK, tSrQ, tPrV, tPrdO, shape_sdp, cS_mn = self.sdp_operands(tiled_mma_sdp, tidx, wg, sK, sQ, sV, sdO, tile_m)
         tVrdO, tKrQ = self.dkv_b_operands(tiled_mma_dkv, tiled_mma_dv, wg, sQ, sdO)
         tQrdS, tQrK, shape_dq = self.dq_operands(tiled_mma_dq, tidx, wg, sK, sdS, tile_m)
@@ -182,7 +176,7 @@ class OperandsMixin:
         )
 
     @cute.jit
-    def tail_operands(self, tidx, wg, sQ, sdO, sK, sV, sdS, sdQ, tiled_mma_dkv, tiled_mma_dv):
+    def tail_operands(self, ma, tidx, wg):
         """``step_operands`` for a partial last query block (``tail_m``): S^T, dP^T and dQ^T
         tail_m queries wide (their own tiled MMAs), dV / dK over tail_m queries (the first
         k-blocks of Q / dO's transposed views), the shared tiles' first tail_m rows (the TMA
@@ -190,22 +184,17 @@ class OperandsMixin:
         buffer, whose rows past tail_m land beyond the sequence, in the accumulator's padding
         or past its end)."""
         tail_tiles = dataclasses.replace(self.tiles, tile_m=self.tail_m)
-        sQ_t, sdO_t, sdS_t, sdQ_t = (rows_view(x, self.tail_m) for x in (sQ, sdO, sdS, sdQ))
-        return self.step_operands(
-            tail_tiles.tiled_mma_sdp(self.dtype),
-            tail_tiles.tiled_mma_dq(self.dtype),
-            tiled_mma_dkv,
-            tiled_mma_dv,
-            tidx,
-            wg,
-            sQ_t,
-            sdO_t,
-            sK,
-            sV,
-            sdS_t,
-            sdQ_t,
-            self.tail_m,
+        sQ_t, sdO_t, sdS_t, sdQ_t = (rows_view(x, self.tail_m) for x in (ma.sQ, ma.sdO, ma.sdS, ma.sdQ))
+        tail = dataclasses.replace(
+            ma,
+            tiled_mma_sdp=tail_tiles.tiled_mma_sdp(self.dtype),
+            tiled_mma_dq=tail_tiles.tiled_mma_dq(self.dtype),
+            sQ=sQ_t,
+            sdO=sdO_t,
+            sdS=sdS_t,
+            sdQ=sdQ_t,
         )
+        return self.step_operands(tail, tidx, wg, self.tail_m)
 
     @cute.jit
     def dq_operands(self, tiled_mma_dq, tidx, wg, sK, sdS, tile_m: cutlass.Constexpr = None):
