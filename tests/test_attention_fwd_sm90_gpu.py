@@ -74,6 +74,8 @@ def test_varlen(case, dtype):
         q, k, v, custom_mask_type=mask, window_size=window, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k
     )
     for i, n in enumerate(lens_q):  # the padding past each sequence is torch's business: +inf or unwritten
+        if n == 0:  # an empty sequence: nothing to compare (its neighbours are)
+            continue
         _check(
             out[:, cu_q[i] : cu_q[i + 1]], lse[i, :, :n], ref_out[:, cu_q[i] : cu_q[i + 1]], ref_lse[i, :, :n], dtype
         )
