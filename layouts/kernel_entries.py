@@ -9,9 +9,10 @@ Shared-memory tiles carry the accesses the kernel makes to them (``layouts.acces
 from __future__ import annotations
 
 from cute_kernels.attention_sm90 import backward_config as sm90_config
+from cute_kernels.mem_eff_attention import config as mem_eff_config
 
 from . import attention_bwd_prepost as prepost
-from . import attention_sm90, attention_sm90_smem, dropout_bias, layer_norm, mem_eff_attention
+from . import attention_sm90, attention_sm90_smem, dropout_bias, layer_norm
 from .access import SmemAccess, copy, fragment, matrix_x4
 from .algebra import Layout, TVLayout, make_layout, make_ordered_layout, make_tiled_copy_tv, product, sm80_mma_16x8x16
 from .catalogue import ARCHS, DTYPES, CopyEntry, MmaEntry, SmemEntry, register
@@ -90,7 +91,7 @@ def _mem_eff_tile_accesses(cfg, copy_name: str) -> dict:
 def _register_mem_eff_attention() -> None:
     for arch_key, arch in ARCHS.items():
         for max_k in (64, 128, 256):
-            cfg = mem_eff_attention.attention_backward_config(16, max_k, max_k, True, arch)
+            cfg = mem_eff_config.attention_backward_config(16, max_k, max_k, True, arch)
             base = f"mem_eff_attention_bwd.{arch_key}.bf16.k{max_k}"
             tiles = {
                 "smem_q": (
@@ -163,7 +164,7 @@ def _simt_read(label: str, rows: int, cols: int, along_rows: bool, by_tm: bool) 
 
 def _register_mem_eff_fp32() -> None:
     """fp32 (SIMT FMA): plain tiles, operands read element by element through the MMA's partitions."""
-    cfg = mem_eff_attention.attention_backward_config(32, 64, 64, True, "sm_90a")
+    cfg = mem_eff_config.attention_backward_config(32, 64, 64, True, "sm_90a")
     base = "mem_eff_attention_bwd.sm90.fp32.k64"
     i, j, k = cfg.block_size_i, cfg.block_size_j, cfg.max_k
     copy_name = f"{base}.gmem_qkv"
@@ -224,7 +225,7 @@ def _register_mem_eff_fp32() -> None:
 
 def _register_mem_eff_features() -> None:
     """The bias and dropout tiles (their own configuration) and the unaligned copy."""
-    cfg = mem_eff_attention.attention_backward_config(
+    cfg = mem_eff_config.attention_backward_config(
         16, 64, 64, True, "sm_90a", has_bias=True, bias_aligned=True, grad_bias=True, apply_dropout=True
     )
     base = "mem_eff_attention_bwd.sm90.bf16.k64"
@@ -279,7 +280,7 @@ def _register_mem_eff_features() -> None:
             ),
         )
     )
-    unaligned = mem_eff_attention.attention_backward_config(16, 64, 64, False, "sm_90a")
+    unaligned = mem_eff_config.attention_backward_config(16, 64, 64, False, "sm_90a")
     register(
         CopyEntry(
             f"{base}.gmem_qkv_unaligned",

@@ -1,10 +1,16 @@
-"""Tiles of the memory-efficient attention backward (``AttentionBackwardKernel``).
+"""Layouts of the memory-efficient attention backward (``AttentionBackwardKernel``).
 
-Seed: PyTorch's ``kernel_backward.h`` (originally xformers). Its template parameters
-are :class:`AttentionBackwardConfig`'s fields; everything the C++ derives from them
-(``kOutputInRF``, ``kNumWarpsPerBlock``, ``kMinBlocksPerSm``, ``kNeedsAccumGradQ``...)
-is a property here, and every layout the five matmuls use is a method, so a layout
-change here is a kernel change.
+Seed: PyTorch's ``kernel_backward.h`` (originally xformers). Its template parameters that
+shape the tiles (scalar_t, kIsAligned, kBlockSizeI / J, kMaxK, the warps, the buffers and
+the features that own shared memory) are :class:`AttentionBackwardLayouts`' fields; what
+the C++ derives from them for the tiles (``kNumWarpsPerBlock``, the column loops, the
+``GradQTempStorage`` words...) is a property here, and every layout the five matmuls use is
+a method, so a layout change here is a kernel change. The algorithm switches (kPreload,
+kKeysQueriesAlignedToBlockSize, the dQ reductions), the register budget that decides
+kOutputInRF, kMinBlocksPerSm, and the measured tile table
+(``attention_backward_config``) with its head-dim thresholds are
+``cute_kernels/mem_eff_attention/config.py`` (``AttentionBackwardConfig``, which extends
+:class:`AttentionBackwardLayouts`; the kernel reads that one object).
 
 The five matmuls of one (query block i, key block j) step, their MMA shape (M x N x K)
 and where their operands come from (sm80 ``mma.sync`` m16n8k16, fp32 accumulators):
@@ -22,13 +28,8 @@ attn_T transposed from shared memory, element by element): with dPᵀ in the sam
 fragment layout as attn_T, dS = (dP - Δ)·P is formed in registers and stored once,
 as ``tmp_T``; both dQ and dK read it, one of them through a transposed view.
 
-Tiles (``attention_backward_config``; half types, output in registers):
-
-| max_k (padded head dim) | block_size_i (queries) | block_size_j (keys) | warps | QK/DOIVJ warps | GradV/GradK warps | GradQ warps |
-|-------------------------|------------------------|---------------------|-------|----------------|-------------------|-------------|
-| 32 .. 128               | 64                     | 128                 | 8     | 4 x 2          | 4 x 2             | 2 x 4 (4 x 2 when max_k % 64) |
-| 160 .. 256              | 64                     | 64                  | 8     | 4 x 2          | 4 x 2             | 2 x 4 (4 x 2 when max_k % 64) |
-| 320 .. 512 (x 64)       | 64                     | 32                  | 8     | 2 x 4          | 2 x 4             | 2 x 4                         |
+The tiles picked per head dim (block sizes, warps): ``cute_kernels/mem_eff_attention/config.py``'s
+table.
 
 Head dims above 256 (``output_in_rf`` false, the C++'s kOutputInRF = false): max_k is
 rounded up to 64 (288 runs as 320) and MatmulGradV, MatmulGradK and MatmulGradQ loop
@@ -60,12 +61,7 @@ from typing import Tuple
 from .spec import SmemLayoutSpec, TiledCopySpec, TiledMmaSpec
 
 WARP_SIZE = 32
-HEAD_DIM_ROUND = 32
-MAX_K_IN_RF = 256  # largest padded head dim whose dK/dV accumulators stay in registers
-MAX_K = 512  # largest head dim (fp16 / bf16): above MAX_K_IN_RF, dK/dV accumulate in the workspace
-MAX_K_FP32 = 256  # largest head dim of the fp32 (SIMT) path
-GMEM_ACCUM_K_ROUND = 64  # above MAX_K_IN_RF, max_k is a multiple of the 2 x 4 warps' N tile
-MAX_OUTPUT_RF_FLOATS = 128  # dK + dV accumulator floats per thread (the C++: kMaxK <= kBlockSizeI)
+HEAD_DIM_ROUND = 32  # max_k is a multiple of this
 SMEM_CAPACITY = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024, "sm_90a": 227 * 1024}
 GMEM_TILE_ACCESS = 4  # floats per GmemTile access (128 bits)
 GRAD_Q_HEADER_WORDS = 4  # GradQTempStorage: lock, counter, pad[2]
@@ -92,17 +88,18 @@ def _swizzled_atom(cols: int, elem_bits: int) -> Tuple[Tuple[int, int], Tuple[in
 
 
 @dataclass(frozen=True)
-class AttentionBackwardConfig:
-    """``AttentionBackwardKernel``'s template parameters plus our warp layouts."""
+class AttentionBackwardLayouts:
+    """``AttentionBackwardKernel``'s template parameters that shape its tiles, plus our warp
+    layouts. ``output_in_rf`` (kOutputInRF: a register budget) is the configuration's
+    (``cute_kernels/mem_eff_attention/config.py``'s ``AttentionBackwardConfig``, the class the
+    kernel reads); the column loops and workspaces here follow it."""
 
     elem_bits: int  # scalar_t
     is_aligned: bool  # kIsAligned: 128-bit global accesses (strides multiples of 8 halves)
     apply_dropout: bool  # kApplyDropout: Zij (keep flags) drawn per block, applied to dV's P and to dP
-    preload: bool  # kPreload: prefetch the next matmul's operands (Q/dO of the next block)
     block_size_i: int  # kBlockSizeI: queries per block
     block_size_j: int  # kBlockSizeJ: keys per block (one key block per CTA step)
     max_k: int  # kMaxK: upper bound of max(head_dim, head_dim_value), a multiple of 32
-    keys_queries_aligned_to_block_size: bool = False  # kKeysQueriesAlignedToBlockSize
     num_warps: int = 8  # kNumWarpsPerBlock (the C++: I * J / 1024)
     warps_sdp: Tuple[int, int] = (4, 2)  # MatmulQK / MatmulDOIVJ: warps over (keys, queries)
     warps_dkv: Tuple[int, int] = (4, 2)  # MatmulGradV / MatmulGradK: warps over (keys, head dim)
@@ -110,13 +107,9 @@ class AttentionBackwardConfig:
     stages_q: int = 2  # buffers of Q_i / dO_i / LSE / Δ: 2 prefetches the next query block
     # tmp_T in its own bytes (not over attn_T's): dS is stored before GradV and the three
     # gradient matmuls run behind one barrier instead of three. Measured on the H100:
-    # 0.97-1.01x (more shared memory, less L1), so off; kept as a switch.
+    # 0.97-1.01x (more shared memory, less L1), so off; kept as a switch. A switch that
+    # shapes the shared storage, so a field here (as the sm90 layouts' layout-shaping flags).
     tmp_own_buffer: bool = False
-    # dQ partials added into GradQTempStorage with fire-and-forget reductions (red.add,
-    # 128-bit on sm_90) instead of the lock-ordered load / add / store: the round trip
-    # leaves the critical path of every step; the counter still elects the writer of dQ.
-    grad_q_atomic: bool = True
-    grad_q_red_floats: int = 4  # floats per reduction: 4 (red.global.add.v4.f32) needs sm_90
     # Attention bias (the C++'s bias_ptr != nullptr, a compile-time flag here so that the
     # no-bias kernel pays nothing): BiasLoader tiles it through shared memory.
     has_bias: bool = False
@@ -159,8 +152,6 @@ class AttentionBackwardConfig:
         for size, tile, what in checks:
             if size % tile:
                 raise ValueError(f"{what}={size} is not a multiple of the warp tile {tile}")
-        if self.grad_q_red_floats not in (1, 2, 4):
-            raise ValueError(f"grad_q_red_floats must be 1, 2 or 4, got {self.grad_q_red_floats}")
         if self.stages_q not in (1, 2):
             raise ValueError(f"stages_q must be 1 or 2, got {self.stages_q}")
         if self.block_size_i > self.num_threads:
@@ -185,21 +176,12 @@ class AttentionBackwardConfig:
 
     @property
     def output_in_rf(self) -> bool:
-        """kOutputInRF: dK_j / dV_j accumulate in registers across the query blocks."""
-        floats = 2 * self.block_size_j * self.max_k // self.num_threads
-        return self.max_k <= MAX_K_IN_RF and floats <= MAX_OUTPUT_RF_FLOATS
-
-    @property
-    def kernel_computes_delta(self) -> bool:  # kKernelComputesDelta (sm80+)
-        return True
-
-    @property
-    def min_blocks_per_sm(self) -> int:  # kMinBlocksPerSm = warps per SM / warps per block
-        return max(1, (12 if self.is_half else 8) // self.num_warps)
-
-    @property
-    def needs_accum_grad_q(self) -> bool:  # kNeedsAccumGradQ (split keys are on for sm70+)
-        return True
+        """kOutputInRF: dK_j / dV_j accumulate in registers across the query blocks. A register
+        budget, so the configuration's (config.py's AttentionBackwardConfig overrides this)."""
+        raise NotImplementedError(
+            "AttentionBackwardLayouts is the geometry only: use cute_kernels.mem_eff_attention.config."
+            "AttentionBackwardConfig (it decides output_in_rf)"
+        )
 
     @property
     def needs_accum_grad_k(self) -> bool:  # kNeedsAccumGradK
@@ -405,70 +387,15 @@ class AttentionBackwardConfig:
         return "\n".join(lines)
 
 
-def _sm_major(arch: str) -> int:
-    digits = "".join(ch for ch in arch.removeprefix("sm_") if ch.isdigit())
-    return int(digits[:-1] or 0)
+# The configuration's names, once here: read from cute_kernels/mem_eff_attention/config.py
+# on first use (a lazy import: importing layouts imports no config module).
+# (scripts written against the old place: /out's PTX snapshots call attention_backward_config here).
+_MOVED_TO_CONFIG = ("AttentionBackwardConfig", "attention_backward_config")
 
 
-def max_k_for(head_dim: int, head_dim_value: int) -> int:
-    return round_up(max(head_dim, head_dim_value, 1), HEAD_DIM_ROUND)
+def __getattr__(name):
+    if name in _MOVED_TO_CONFIG:
+        from cute_kernels.mem_eff_attention import config
 
-
-def _max_head_dim_for(cap: int) -> int:
-    """The largest half-precision head dim above MAX_K_IN_RF whose tiles fit ``cap`` bytes."""
-    best = MAX_K_IN_RF
-    for k in range(MAX_K_IN_RF + GMEM_ACCUM_K_ROUND, MAX_K + 1, GMEM_ACCUM_K_ROUND):
-        cfg = AttentionBackwardConfig(16, True, False, False, 64, 32, k, warps_sdp=(2, 4), warps_dkv=(2, 4), stages_q=1)
-        if cfg.smem_bytes() <= cap:
-            best = k
-    return best
-
-
-def attention_backward_config(
-    elem_bits: int, head_dim: int, head_dim_value: int, is_aligned: bool, arch: str = "sm_90a", **overrides
-) -> AttentionBackwardConfig:
-    """The tiles for (dtype, head dims, alignment, arch); see the module table."""
-    max_k = max_k_for(head_dim, head_dim_value)
-    biggest = max(head_dim, head_dim_value)
-    if elem_bits == 32 and max_k > MAX_K_FP32:
-        raise NotImplementedError(
-            f"fp32 head dims above {MAX_K_FP32} (got {biggest}) are not implemented: the SIMT path has no "
-            "column loop (use fp16 / bf16, which go to 512)"
-        )
-    if max_k > MAX_K:
-        raise NotImplementedError(f"head dims above {MAX_K} are not implemented (got {biggest})")
-    warps = {}
-    if elem_bits == 32:  # SIMT: smaller tiles (fp32 operands take twice the bytes)
-        block_i = block_j = 64 if max_k <= 128 else 32
-    elif max_k <= MAX_K_IN_RF:
-        block_i, block_j = 64, (128 if max_k <= 128 else 64)
-    else:  # dK / dV accumulated in the workspace, column loops of 128 (or 64)
-        max_k = round_up(max_k, GMEM_ACCUM_K_ROUND)
-        block_i, block_j = 64, 32
-        warps = dict(warps_sdp=(2, 4), warps_dkv=(2, 4))
-    fields = dict(
-        elem_bits=elem_bits,
-        is_aligned=is_aligned,
-        apply_dropout=False,
-        preload=False,
-        block_size_i=block_i,
-        block_size_j=block_j,
-        max_k=max_k,
-        # MatmulGradQ's N tile is 16 x warps: 4 warps along the head dim need it % 64
-        warps_dq=(2, 4) if max_k % 64 == 0 else (4, 2),
-        grad_q_red_floats=4 if _sm_major(arch) >= 9 else 1,
-        **warps,
-    )
-    fields.update(overrides)
-    cfg = AttentionBackwardConfig(**fields)
-    cap = SMEM_CAPACITY.get(arch, SMEM_CAPACITY["sm_80"])
-    if cfg.smem_bytes() > cap and "stages_q" not in overrides:
-        cfg = replace(cfg, stages_q=1)  # no room to prefetch the next query block
-    if cfg.smem_bytes() > cap:
-        hint = ""
-        if max_k > MAX_K_IN_RF:
-            hint = (
-                f" (head dim {biggest}: {arch} serves head dims up to {_max_head_dim_for(cap)}; sm_90 serves {MAX_K})"
-            )
-        raise NotImplementedError(f"{cfg} needs {cfg.smem_bytes()} bytes of shared memory, {arch} has {cap}{hint}")
-    return cfg
+        return getattr(config, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

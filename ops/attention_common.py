@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from layouts import mem_eff_attention as mem_eff_tiling
+from cute_kernels.mem_eff_attention import config as mem_eff_config
 from layouts.attention_bwd_prepost import round_up
 
 from ._validate import check_cuda, check_dtype, check_same_device, check_tensor, validate_once
@@ -127,7 +127,7 @@ def grad_bias_buffer(query: Tensor, mk: int, mask_type: int) -> Tensor:
 
 def max_head_dim(dtype: torch.dtype) -> int:
     """The largest head dim the memory-efficient backward takes (the widest of all backends)."""
-    return mem_eff_tiling.MAX_K_FP32 if dtype == torch.float32 else mem_eff_tiling.MAX_K
+    return mem_eff_config.MAX_K_FP32 if dtype == torch.float32 else mem_eff_config.MAX_K
 
 
 # -------------------------------------------------------------------------- checks

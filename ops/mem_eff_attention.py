@@ -33,14 +33,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from cute_kernels.mem_eff_attention import config as mem_eff_config
 from cute_kernels.mem_eff_attention.attention_backward_kernel import AttentionBackwardKernel
 from cute_kernels.mem_eff_attention.params import Params, choose_num_splits_key
-from layouts import mem_eff_attention as tiling
 
 from . import _compile as cc
 from .attention_bwd_prepost import compute_delta, may_have_blind_rows, zero_blind_delta
 from .attention_common import AttentionBackwardArgs, grad_bias_buffer
-
 
 # ----------------------------------------------------------------------------- compile
 
@@ -48,12 +47,12 @@ from .attention_common import AttentionBackwardArgs, grad_bias_buffer
 @dataclass(frozen=True)
 class MemEffConfig:
     """One compiled configuration, the ``compiled`` key: bias, its gradient and dropout are
-    ``kernel_config``'s flags (``layouts.mem_eff_attention.AttentionBackwardConfig``);
+    ``kernel_config``'s flags (``cute_kernels.mem_eff_attention.config.AttentionBackwardConfig``);
     ``computes_delta``: the kernel computes Δ itself; ``rng_on_device``: the dropout seed and
     offset are read from device tensors (``_compile.dropout_args``)."""
 
     dtype: type
-    kernel_config: tiling.AttentionBackwardConfig
+    kernel_config: mem_eff_config.AttentionBackwardConfig
     varlen: bool
     computes_delta: bool
     arch: str
@@ -91,7 +90,7 @@ def _build(config: MemEffConfig):
     return cc.compile_kernel(kernel, *tensors, *scalars, *rng, cc.fake_stream(), arch=config.arch)
 
 
-def _fake_workspaces(cfg: tiling.AttentionBackwardConfig) -> tuple:
+def _fake_workspaces(cfg: mem_eff_config.AttentionBackwardConfig) -> tuple:
     """The fp32 dQ workspace [B * H, query blocks, words] and, with dK / dV outside the
     registers (head dims above 256), their accumulators [B * H, splits, 2 * words]."""
     words = cfg.grad_q_temp_storage_words
@@ -152,7 +151,7 @@ def compile_configurations(arch: str, dtypes=(cutlass.Float16, cutlass.BFloat16)
     for dt in dtypes:
         for d in head_dims:
             try:
-                cfg = tiling.attention_backward_config(dt.width, d, d, True, arch)
+                cfg = mem_eff_config.attention_backward_config(dt.width, d, d, True, arch)
             except NotImplementedError:
                 continue
             for varlen in (False, True):
@@ -176,7 +175,7 @@ def benchmark_configurations(cases, arch: str) -> list:
             "bias_grad": dict(has_bias=True, bias_aligned=True, grad_bias=True),
         }[feature]
         dt = cc.cute_dtype(getattr(torch, dtype_name))
-        cfg = tiling.attention_backward_config(dt.width, d, d, True, arch, **features)
+        cfg = mem_eff_config.attention_backward_config(dt.width, d, d, True, arch, **features)
         for computes_delta in (False, True):
             # the philox seed / offset as host values (the suite's forward runs outside capture)
             keys[MemEffConfig(dt, cfg, False, computes_delta, arch)] = None
@@ -219,7 +218,7 @@ def _plan(
     features = dict(apply_dropout=bool(dropout))
     if bias_mode is not None:
         features.update(has_bias=True, bias_aligned=bias_mode[0], grad_bias=bias_mode[1])
-    cfg = tiling.attention_backward_config(elem_bits, dqk, dv, aligned, arch, **features)
+    cfg = mem_eff_config.attention_backward_config(elem_bits, dqk, dv, aligned, arch, **features)
     params = Params(
         cfg,
         seqs,

@@ -90,3 +90,33 @@ def test_mask_block_ranges_and_predicates(jit_ranges, mask_type, window, tiles, 
             )
             need = mask.needs_masking(m * tm, n * tn, sq, sk, offset, window)
             assert need or not edge, (m, n)
+
+
+@pytest.mark.parametrize("mask_type,window,tiles,sq,sk", CASES)
+def test_mask_walk_forms(jit_ranges, mask_type, window, tiles, sq, sk):
+    """The memory-efficient walk's forms (plain Python, the C++'s rounding, rows) against the
+    brute-force mask, and against the sm90 walk's ``m_block_range``: the same first query block
+    wherever a key block is seen."""
+    tm, tn = tiles
+    mask = AttentionMask(tm, tn, mask_type, has_window=None)
+    offset, m_ranges, _ = jit_ranges[mask_type, window, tiles, sq, sk]
+    assert mask.walk_offset(sq, sk) == offset
+    assert mask.query_end(sq) == -(-sq // tm) * tm
+    m_blocks, n_blocks = -(-sq // tm), -(-sk // tn)
+    sees = {(m, n): False for m in range(m_blocks) for n in range(n_blocks)}
+    for q in range(sq):
+        for k in range(sk):
+            if _sees(mask_type, window, q, k, sq, sk):
+                sees[q // tm, k // tn] = True
+    for n in range(n_blocks):
+        seen = [m for m in range(m_blocks) if sees[m, n]]
+        first = mask.first_query_for_key(n * tn, sq, sk, window)
+        if not seen:
+            assert first == mask.query_end(sq), n
+            continue
+        assert first == seen[0] * tm == m_ranges[n][0] * tm, (n, first, seen, m_ranges[n])
+        if window:
+            assert min(mask.last_query_for_key(n * tn, sq, sk, window), sq - 1) // tm == seen[-1], n
+    for m in range(m_blocks):
+        seen = [n for n in range(n_blocks) if sees[m, n]]
+        assert mask.key_blocks_for_query(m * tm, sq, sk, window) == len(seen), (m, seen)

@@ -6,6 +6,7 @@ import cutlass
 import pytest
 import torch
 
+from cute_kernels.mem_eff_attention import config as mem_eff_config
 from cute_kernels.mem_eff_attention.params import Params, choose_num_splits_key
 from cute_kernels.mem_eff_attention.shared_storage import make_shared_storage, print_size
 from layouts import mem_eff_attention as tiling
@@ -34,11 +35,11 @@ CONFIGS = [
 @pytest.mark.parametrize("d,dv,aligned", CONFIGS)
 def test_compiles(arch, d, dv, aligned):
     dtype = cutlass.BFloat16 if d % 64 == 0 else cutlass.Float16
-    if arch == "sm_80" and tiling.max_k_for(d, dv) > 384:  # Q_i, dO_i, K_j, V_j do not fit 163 KB
+    if arch == "sm_80" and mem_eff_config.max_k_for(d, dv) > 384:  # Q_i, dO_i, K_j, V_j do not fit 163 KB
         with pytest.raises(NotImplementedError, match="sm_80 serves head dims up to 384"):
-            tiling.attention_backward_config(16, d, dv, aligned, arch)
+            mem_eff_config.attention_backward_config(16, d, dv, aligned, arch)
         return
-    cfg = tiling.attention_backward_config(16, d, dv, aligned, arch)
+    cfg = mem_eff_config.attention_backward_config(16, d, dv, aligned, arch)
     assert cfg.smem_bytes() <= tiling.SMEM_CAPACITY[arch]
     if arch == "sm_80" and cfg.max_k == 256:
         assert cfg.stages_q == 1  # no room to prefetch on an A100
@@ -55,7 +56,7 @@ CONFIGS_FP32 = [(64, 64, True), (128, 96, True), (256, 256, True), (40, 72, Fals
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 @pytest.mark.parametrize("d,dv,aligned", CONFIGS_FP32)
 def test_compiles_fp32(arch, d, dv, aligned):
-    cfg = tiling.attention_backward_config(32, d, dv, aligned, arch)
+    cfg = mem_eff_config.attention_backward_config(32, d, dv, aligned, arch)
     assert cfg.smem_bytes() <= tiling.SMEM_CAPACITY[arch]
     varlen, computes_delta = d % 128 == 0, d != 256
     assert callable(M.compiled(M.MemEffConfig(cutlass.Float32, cfg, varlen, computes_delta, arch)))
@@ -63,7 +64,7 @@ def test_compiles_fp32(arch, d, dv, aligned):
 
 @pytest.mark.compile
 def test_compiles_all_variants_of_one_config():
-    cfg = tiling.attention_backward_config(16, 128, 128, True, "sm_90a")
+    cfg = mem_eff_config.attention_backward_config(16, 128, 128, True, "sm_90a")
     for varlen in (False, True):
         for computes_delta in (False, True):
             assert callable(M.compiled(M.MemEffConfig(cutlass.Float16, cfg, varlen, computes_delta, "sm_90a")))
@@ -71,12 +72,12 @@ def test_compiles_all_variants_of_one_config():
 
 @pytest.mark.parametrize("d", [32, 64, 96, 128, 160, 192, 224, 256])
 def test_config_table(d):
-    cfg = tiling.attention_backward_config(16, d, d, True, "sm_90a")
+    cfg = mem_eff_config.attention_backward_config(16, d, d, True, "sm_90a")
     assert cfg.max_k == d and cfg.output_in_rf and cfg.kernel_computes_delta
     assert cfg.block_size_i == 64 and cfg.block_size_j == (128 if d <= 128 else 64)
     assert cfg.num_threads == 256 and cfg.min_blocks_per_sm == 1
     # the accumulators fit the register budget the table promises
-    assert 2 * cfg.block_size_j * cfg.max_k // cfg.num_threads <= tiling.MAX_OUTPUT_RF_FLOATS
+    assert 2 * cfg.block_size_j * cfg.max_k // cfg.num_threads <= mem_eff_config.MAX_OUTPUT_RF_FLOATS
     assert cfg.smem_bytes() <= tiling.SMEM_CAPACITY["sm_90a"]
     assert cfg.stages_q == 2
 
@@ -85,7 +86,7 @@ def test_config_table(d):
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 def test_config_table_fp32(d, arch):
     """fp32: SIMT FMA over 16 x 16 threads, 64 x 64 tiles (32 x 32 above a head dim of 128)."""
-    cfg = tiling.attention_backward_config(32, d, d, True, arch)
+    cfg = mem_eff_config.attention_backward_config(32, d, d, True, arch)
     assert not cfg.is_half and cfg.output_in_rf and cfg.kernel_computes_delta
     assert (cfg.block_size_i, cfg.block_size_j) == ((64, 64) if d <= 128 else (32, 32))
     assert cfg.mma_qk().op == cfg.mma_grad_kv().op == cfg.mma_grad_q().op == "fma"
@@ -98,7 +99,7 @@ def test_config_table_fp32(d, arch):
 @pytest.mark.parametrize("d,dv", [(288, 288), (320, 320), (384, 384), (448, 448), (512, 512), (512, 320), (64, 300)])
 def test_config_table_gmem_accum(d, dv):
     """Above 256: max_k a multiple of 64, 64 x 32 tiles, 2 x 4 warps, dK / dV in the workspace."""
-    cfg = tiling.attention_backward_config(16, d, dv, True, "sm_90a")
+    cfg = mem_eff_config.attention_backward_config(16, d, dv, True, "sm_90a")
     assert cfg.max_k == tiling.round_up(max(d, dv), 64) and not cfg.output_in_rf
     assert cfg.needs_accum_grad_k and cfg.needs_accum_grad_v
     assert (cfg.block_size_i, cfg.block_size_j) == (64, 32)
@@ -117,20 +118,20 @@ def test_config_table_gmem_accum(d, dv):
 
 def test_config_refuses():
     with pytest.raises(NotImplementedError, match="512"):
-        tiling.attention_backward_config(16, 544, 512, True)
+        mem_eff_config.attention_backward_config(16, 544, 512, True)
     with pytest.raises(NotImplementedError, match="fp32 head dims above 256"):
-        tiling.attention_backward_config(32, 288, 64, True)
+        mem_eff_config.attention_backward_config(32, 288, 64, True)
     with pytest.raises(NotImplementedError, match="sm_80 serves head dims up to 384"):
-        tiling.attention_backward_config(16, 512, 64, True, "sm_80")
+        mem_eff_config.attention_backward_config(16, 512, 64, True, "sm_80")
     with pytest.raises(ValueError, match="warp tile"):
-        tiling.AttentionBackwardConfig(16, True, False, False, 64, 128, 96, warps_dq=(2, 4))
+        mem_eff_config.AttentionBackwardConfig(16, True, False, 64, 128, 96, warps_dq=(2, 4))
     with pytest.raises(ValueError, match="warps"):
-        tiling.AttentionBackwardConfig(16, True, False, False, 64, 128, 128, warps_sdp=(2, 2))
+        mem_eff_config.AttentionBackwardConfig(16, True, False, 64, 128, 128, warps_sdp=(2, 2))
 
 
 @pytest.mark.parametrize("d", [64, 128, 256, 320, 512])
 def test_shared_storage_matches_layouts(d):
-    cfg = tiling.attention_backward_config(16, d, d, True, "sm_90a")
+    cfg = mem_eff_config.attention_backward_config(16, d, d, True, "sm_90a")
     storage = make_shared_storage(cfg, cutlass.BFloat16)
     sizes = cfg.shared_storage_sizes()
     # the struct is the table plus alignment padding, and the parts overlap (a union)
@@ -143,7 +144,7 @@ def test_shared_storage_matches_layouts(d):
 
 
 def _params(**kw):
-    cfg = tiling.attention_backward_config(16, 128, 128, True, **kw.pop("cfg", {}))
+    cfg = mem_eff_config.attention_backward_config(16, 128, 128, True, **kw.pop("cfg", {}))
     base = dict(cfg=cfg, num_batches=2, num_heads=3, num_queries=1000, num_keys=700, head_dim=128, head_dim_value=128)
     base.update(kw)
     return Params(**base)
@@ -217,7 +218,7 @@ def test_op_refuses_before_launch():
 @pytest.mark.compile
 def test_compiles_tmp_own_buffer_variant():
     """The measured alternative (tmp_T not aliasing attn_T) stays compilable."""
-    cfg = tiling.attention_backward_config(16, 128, 128, True, "sm_90a", tmp_own_buffer=True)
+    cfg = mem_eff_config.attention_backward_config(16, 128, 128, True, "sm_90a", tmp_own_buffer=True)
     assert cfg.shared_storage_sizes()["part1"]["tmp_shared_storage"] > 0
     assert callable(M.compiled(M.MemEffConfig(cutlass.BFloat16, cfg, False, True, "sm_90a")))
 
@@ -261,7 +262,7 @@ FEATURES = [
 @pytest.mark.parametrize("bits,d,arch,features,varlen,computes_delta", FEATURES)
 def test_compiles_bias_and_dropout(bits, d, arch, features, varlen, computes_delta):
     dtype = {32: cutlass.Float32, 16: cutlass.BFloat16 if d % 64 == 0 else cutlass.Float16}[bits]
-    cfg = tiling.attention_backward_config(bits, d, d, True, arch, **features)
+    cfg = mem_eff_config.attention_backward_config(bits, d, d, True, arch, **features)
     assert cfg.smem_bytes() <= tiling.SMEM_CAPACITY[arch]
     sizes = cfg.shared_storage_sizes()["part1"]
     assert (sizes["bias"] > 0) == cfg.has_bias and (sizes["zij"] > 0) == cfg.apply_dropout
@@ -269,18 +270,18 @@ def test_compiles_bias_and_dropout(bits, d, arch, features, varlen, computes_del
 
 
 def test_bias_and_dropout_refused_where_unsupported():
-    cfg = tiling.attention_backward_config(16, 64, 64, True, "sm_90a", has_bias=True)
+    cfg = mem_eff_config.attention_backward_config(16, 64, 64, True, "sm_90a", has_bias=True)
     with pytest.raises(NotImplementedError, match="cu_seqlens"):
         M.AttentionBackwardKernel(cutlass.BFloat16, cfg, True, True)
     with pytest.raises(ValueError, match="grad_bias needs has_bias"):
-        tiling.attention_backward_config(16, 64, 64, True, "sm_90a", grad_bias=True)
+        mem_eff_config.attention_backward_config(16, 64, 64, True, "sm_90a", grad_bias=True)
 
 
 @pytest.mark.parametrize("bits,d", [(16, 64), (16, 128), (16, 256), (16, 512), (32, 64), (32, 256)])
 def test_zij_draw_covers_the_tile(bits, d):
     """Every (query, key) of a block gets its flag from exactly one thread's quads, in the
     C++'s split (threads per row = threads / queries, contiguous runs of keys)."""
-    cfg = tiling.attention_backward_config(bits, d, d, True, "sm_90a", apply_dropout=True)
+    cfg = mem_eff_config.attention_backward_config(bits, d, d, True, "sm_90a", apply_dropout=True)
     tpr, quads = cfg.zij_threads_per_row, cfg.zij_quads_per_thread
     seen = set()
     for t in range(cfg.num_threads):
@@ -295,7 +296,7 @@ def test_zij_draw_covers_the_tile(bits, d):
 
 def test_no_feature_config_is_unchanged():
     """The flags are off by default: the plain kernel's storage has no bias / Zij bytes."""
-    cfg = tiling.attention_backward_config(16, 128, 128, True, "sm_90a")
+    cfg = mem_eff_config.attention_backward_config(16, 128, 128, True, "sm_90a")
     assert not (cfg.has_bias or cfg.grad_bias or cfg.apply_dropout)
     sizes = cfg.shared_storage_sizes()["part1"]
     assert sizes["bias"] == 0 and sizes["zij"] == 0

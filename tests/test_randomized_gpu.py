@@ -636,7 +636,7 @@ ME_SEQLENS = st.one_of(st.integers(1, 300), st.sampled_from([1, 63, 64, 65, 127,
 
 
 def me_block_j(max_k):
-    return 128 if max_k <= 128 else 64  # layouts.mem_eff_attention's block_size_j
+    return 128 if max_k <= 128 else 64  # cute_kernels/mem_eff_attention/config.py's block_size_j
 
 
 def _me_layout(aligned, nd=4):

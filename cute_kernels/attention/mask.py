@@ -23,6 +23,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from cute_kernels.common.host_or_dsl import align_up, cdiv_trunc, ceil_div, max_, min_, or_, select
+
 NO_MASK = 0
 CAUSAL_TOP_LEFT = 1
 CAUSAL_BOTTOM_RIGHT = 2
@@ -174,3 +176,64 @@ class AttentionMask:
                     masked = masked or col <= diagonal - window_size
                 if masked:
                     S[r, c] = -Float32.inf
+
+    # ---- the memory-efficient backward's walk ------------------------------------------------
+    # PyTorch's kernel_backward.h walks, for each key block, the query blocks that see it, with
+    # its own formulas: these are they, in the C++'s order and rounding (so the kernel traced
+    # from them stays the C++ port's). Unlike ``m_block_range`` (the sm90 backward's form:
+    # cute.jit, block indices, Python ``if``), they are plain Python over host ints and DSL Int32
+    # alike (``cute_kernels/common/host_or_dsl.py``: every choice a ``select``), answer in query
+    # rows (a block's first query), and read the mask type and the window at runtime
+    # (window_size 0: no window; ``has_window`` is not consulted). ``tile_m`` / ``tile_n`` are
+    # the C++'s kBlockSizeI / kBlockSizeJ; users: ``cute_kernels/mem_eff_attention/iteration.py``.
+
+    def query_end(self, seqlen_q):
+        """getQueryEnd: seqlen_q rounded up to whole query blocks (the end of a key block's walk,
+        and ``first_query_for_key``'s answer for a key block that no query sees)."""
+        return align_up(seqlen_q, self.tile_m)
+
+    def walk_offset(self, seqlen_q, seqlen_k):
+        """``causal_offset`` as the C++'s shift: a select on the mask type (0 from the top-left,
+        seqlen_k - seqlen_q from the bottom-right)."""
+        return select(self.mask_type == CAUSAL_BOTTOM_RIGHT, seqlen_k - seqlen_q, 0)
+
+    def first_query_for_key(self, key_start, seqlen_q, seqlen_k, window_size):
+        """getSmallestQueryForKey: the first query block (as its first row, a multiple of tile_m)
+        with an unmasked element in the key block starting at key ``key_start``; ``query_end``
+        when the mask hides the whole key block; 0 without a mask."""
+        shift = self.walk_offset(seqlen_q, seqlen_k)
+        window = select(window_size == 0, seqlen_q + seqlen_k, window_size)
+        last_key_for_block = min_(key_start + self.tile_n, seqlen_k) - 1
+        first_query = key_start - shift
+        last_query = last_key_for_block - shift + window - 1
+        empty = or_(last_query < 0, first_query >= seqlen_q)
+        # Clamped to >= 0 before dividing (as the C++), so floor == trunc.
+        first_block = (max_(0, first_query) // self.tile_m) * self.tile_m
+        masked = select(empty, self.query_end(seqlen_q), first_block)
+        return select(self.mask_type == NO_MASK, 0, masked)
+
+    def last_query_for_key(self, key_start, seqlen_q, seqlen_k, window_size):
+        """The last query row that sees the key block starting at ``key_start`` through a window
+        (its last key's window's far end; may be past the queries or negative). Meaningful with
+        window_size > 0 only: incrIteration's stop for a windowed walk."""
+        shift = self.walk_offset(seqlen_q, seqlen_k)
+        last_key_for_block = min_(key_start + self.tile_n, seqlen_k) - 1
+        return last_key_for_block - shift + window_size - 1
+
+    def key_blocks_for_query(self, query_start, seqlen_q, seqlen_k, window_size):
+        """How many key blocks have an unmasked element for the query block starting at row
+        ``query_start`` (getNumParallelBlocksForQuery before its min with the key splits):
+        every key block without a mask; with one, those from the first query's window start to
+        the last query's diagonal, in C++ integer arithmetic (truncating division)."""
+        bj = self.tile_n
+        shift = self.walk_offset(seqlen_q, seqlen_k)
+        last_query_for_block = min_(query_start + self.tile_m, seqlen_q) - 1
+        last_key_for_block = min_(last_query_for_block + shift, seqlen_k - 1)
+        no_window = window_size == 0
+        first_key_for_block = select(no_window, 0, max_(query_start - window_size + 1 + shift, 0))
+        # last_key_for_block may be negative here: C++ truncates (the result is then
+        # overridden by the `< 0` test below, but keep C++ arithmetic anyway).
+        last_kb = cdiv_trunc(last_key_for_block, bj)
+        masked_blocks = select(no_window, last_kb + 1, last_kb - first_key_for_block // bj + 1)
+        masked_blocks = select(or_(last_key_for_block < 0, first_key_for_block >= seqlen_k), 0, masked_blocks)
+        return select(self.mask_type == NO_MASK, ceil_div(seqlen_k, bj), masked_blocks)

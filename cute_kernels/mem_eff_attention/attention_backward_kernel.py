@@ -51,14 +51,14 @@ from cute_kernels.common.log2_units import LOG2_E
 from cute_kernels.common.philox import keep_flags_quads, philox_scalar
 from cute_kernels.common.views import transpose_view
 from layouts.attention_bwd_prepost import ComputeDeltaTiles
-from layouts.mem_eff_attention import AttentionBackwardConfig
 
+from .config import AttentionBackwardConfig
+from .grad_accumulation import GradAccumulationMixin, _operands, _view
 from .iteration import (
     IterationParams,
     get_query_start,
     incr_iteration,
 )
-from .grad_accumulation import GradAccumulationMixin, _operands, _view
 from .shared_storage import make_shared_storage
 from .warp_mma import gemm_smem
 

@@ -5,20 +5,34 @@ A CTA (split ``split_key`` of ``num_splits_key``) owns key blocks ``split_key``,
 see an unmasked element of it. These are the C++ ``getQueryStartShift``,
 ``getQueryEnd``, ``getSmallestQueryForKey``, ``getQueryStart``,
 ``getNumParallelBlocksForQuery``, ``incrIteration`` and the ``isLast`` lambda.
+What the mask decides (the first / last query a key block's keys can see, the
+key blocks a query block sees, the walk's end) is ``AttentionMask``'s
+(``cute_kernels/attention/mask.py``: ``first_query_for_key``, ``last_query_for_key``,
+``key_blocks_for_query``, ``query_end``, ``walk_offset``, the C++'s forms); this module
+keeps the split bookkeeping around them (the start shift of unmasked split-key runs,
+the next block, the last visit of a query block).
 
 One source for two worlds: every function takes Python ints (host, tests) or DSL
 ``Int32`` values (traced into a kernel). So no Python ``if``/``and``/``or``/``min``/
 ``max`` touches a value that may be dynamic; both branches are computed and picked
-with ``_select``. Block sizes are compile-time Python ints.
+with ``_select`` (``cute_kernels/common/host_or_dsl.py``). Block sizes are compile-time
+Python ints.
 """
 
 from typing import Any, NamedTuple
 
-import cutlass
+from cute_kernels.attention.mask import CAUSAL_BOTTOM_RIGHT, CAUSAL_TOP_LEFT, NO_MASK, AttentionMask
+from cute_kernels.common.host_or_dsl import and_ as _and
+from cute_kernels.common.host_or_dsl import cdiv_trunc as _cdiv_trunc  # noqa: F401 (the tests' name)
+from cute_kernels.common.host_or_dsl import max_ as _max
+from cute_kernels.common.host_or_dsl import min_ as _min
+from cute_kernels.common.host_or_dsl import not_ as _not
+from cute_kernels.common.host_or_dsl import or_ as _or
+from cute_kernels.common.host_or_dsl import select as _select
 
-NO_CUSTOM_MASK = 0
-CAUSAL_FROM_TOP_LEFT = 1
-CAUSAL_FROM_BOTTOM_RIGHT = 2
+NO_CUSTOM_MASK = NO_MASK
+CAUSAL_FROM_TOP_LEFT = CAUSAL_TOP_LEFT
+CAUSAL_FROM_BOTTOM_RIGHT = CAUSAL_BOTTOM_RIGHT
 
 
 class IterationParams(NamedTuple):
@@ -31,88 +45,18 @@ class IterationParams(NamedTuple):
     block_size_i: int  # kBlockSizeI (queries), compile time
     block_size_j: int  # kBlockSizeJ (keys), compile time
 
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def _is_py(x) -> bool:
-    return isinstance(x, (bool, int))
-
-
-def _is_bool(x) -> bool:
-    return isinstance(x, (bool, cutlass.Boolean))
-
-
-def _min(a, b):
-    return cutlass.min(a, b)  # Python ints in -> Python int out
-
-
-def _max(a, b):
-    return cutlass.max(a, b)
-
-
-def _select(cond, a, b):
-    if isinstance(cond, bool):
-        return a if cond else b
-    # arith.select needs both operands of one type.
-    ty = cutlass.Boolean if _is_bool(a) and _is_bool(b) else cutlass.Int32
-    return ty(cutlass.select_(cond, ty(a), ty(b)))
-
-
-def _and(a, b):
-    # A Python bool on either side is folded, so static flags cost nothing.
-    if isinstance(a, bool):
-        return b if a else False
-    if isinstance(b, bool):
-        return a if b else False
-    return a & b
-
-
-def _or(a, b):
-    if isinstance(a, bool):
-        return True if a else b
-    if isinstance(b, bool):
-        return True if b else a
-    return a | b
-
-
-def _not(a):
-    if isinstance(a, bool):
-        return not a
-    return cutlass.not_(a)
-
-
-def _cdiv_trunc(a, b: int):
-    """C++ ``a / b`` (truncates toward zero) for a positive compile-time ``b``.
-
-    Python ``//`` floors; DSL ``Int32 //`` is ``arith.floordivsi`` (also floors),
-    while DSL ``Int32 %`` is ``arith.remsi`` (truncates, unlike Python ``%``).
-    """
-    if _is_py(a):
-        q = abs(a) // b
-        return q if a >= 0 else -q
-    q = a // b
-    return _select(_and(a < 0, q * b != a), q + 1, q)
-
-
-def _ceil_div(a, b: int):
-    return (a + (b - 1)) // b  # a >= 0: floor == trunc
-
-
-def _align_up(a, b: int):
-    return _ceil_div(a, b) * b
-
-
-def _mask_shift(p):
-    """Diagonal offset: 0 from top-left, num_keys - num_queries from bottom-right."""
-    return _select(p.custom_mask_type == CAUSAL_FROM_BOTTOM_RIGHT, p.num_keys - p.num_queries, 0)
+    @property
+    def mask(self) -> AttentionMask:
+        """The walk's mask: query blocks of block_size_i, key blocks of block_size_j, the
+        mask type and window read at runtime."""
+        return AttentionMask(self.block_size_i, self.block_size_j, self.custom_mask_type, has_window=None)
 
 
 # ----------------------------------------------------------------------------- iteration order
 
 
 def get_query_end(p: IterationParams):
-    return _align_up(p.num_queries, p.block_size_i)
+    return p.mask.query_end(p.num_queries)
 
 
 def get_query_start_shift(p: IterationParams):
@@ -128,16 +72,7 @@ def get_query_start_shift(p: IterationParams):
 def get_smallest_query_for_key(p: IterationParams, key_start):
     """First query block (as a row) with an unmasked element in key block
     ``key_start``; get_query_end(p) when the key block is fully masked."""
-    shift = _mask_shift(p)
-    window_size = _select(p.window_size == 0, p.num_queries + p.num_keys, p.window_size)
-    last_key_for_block = _min(key_start + p.block_size_j, p.num_keys) - 1
-    first_query = key_start - shift
-    last_query = last_key_for_block - shift + window_size - 1
-    empty = _or(last_query < 0, first_query >= p.num_queries)
-    # Clamped to >= 0 before dividing (as the C++), so floor == trunc.
-    first_block = (_max(0, first_query) // p.block_size_i) * p.block_size_i
-    masked = _select(empty, get_query_end(p), first_block)
-    return _select(p.custom_mask_type == NO_CUSTOM_MASK, 0, masked)
+    return p.mask.first_query_for_key(key_start, p.num_queries, p.num_keys, p.window_size)
 
 
 def get_query_start(p: IterationParams, key_start):
@@ -146,18 +81,7 @@ def get_query_start(p: IterationParams, key_start):
 
 def get_num_parallel_blocks_for_query(p: IterationParams, query_start):
     """How many splits write dQ block ``query_start`` (the dQ counter's target)."""
-    bj = p.block_size_j
-    shift = _mask_shift(p)
-    last_query_for_block = _min(query_start + p.block_size_i, p.num_queries) - 1
-    last_key_for_block = _min(last_query_for_block + shift, p.num_keys - 1)
-    no_window = p.window_size == 0
-    first_key_for_block = _select(no_window, 0, _max(query_start - p.window_size + 1 + shift, 0))
-    # last_key_for_block may be negative here: C++ truncates (the result is then
-    # overridden by the `< 0` test below, but keep C++ arithmetic anyway).
-    last_kb = _cdiv_trunc(last_key_for_block, bj)
-    masked_blocks = _select(no_window, last_kb + 1, last_kb - first_key_for_block // bj + 1)
-    masked_blocks = _select(_or(last_key_for_block < 0, first_key_for_block >= p.num_keys), 0, masked_blocks)
-    num_key_blocks = _select(p.custom_mask_type == NO_CUSTOM_MASK, _ceil_div(p.num_keys, bj), masked_blocks)
+    num_key_blocks = p.mask.key_blocks_for_query(query_start, p.num_queries, p.num_keys, p.window_size)
     return _min(p.num_splits_key, num_key_blocks)
 
 
@@ -176,9 +100,7 @@ def incr_iteration(p: IterationParams, query_start, key_start):
     shift_next_key = _and(_not(wrap), back_at_shift)
     # Without: stay while next_query is a query row, and (local window) not past the
     # last query that sees this key block.
-    shift = _mask_shift(p)
-    last_key_for_block = _min(key_start + p.block_size_j, p.num_keys) - 1
-    last_query = last_key_for_block - shift + p.window_size - 1
+    last_query = p.mask.last_query_for_key(key_start, p.num_queries, p.num_keys, p.window_size)
     stay_window = _and(next_query <= last_query, next_query < p.num_queries)
     stay = _select(p.window_size > 0, stay_window, next_query < p.num_queries)
     go_next_key = _select(has_shift, shift_next_key, _not(stay))

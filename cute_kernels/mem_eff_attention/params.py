@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from layouts.mem_eff_attention import AttentionBackwardConfig
+from .config import AttentionBackwardConfig
 
 NO_CUSTOM_MASK, CAUSAL_FROM_TOP_LEFT, CAUSAL_FROM_BOTTOM_RIGHT = 0, 1, 2
 NUM_CUSTOM_MASK_TYPES = 3

@@ -17,7 +17,7 @@ shared memory allows (``tmp_own_buffer``), tmp_T gets bytes of its own in part1 
 import cutlass
 import cutlass.cute as cute
 
-from layouts.mem_eff_attention import AttentionBackwardConfig
+from .config import AttentionBackwardConfig
 
 ALIGN = 128  # bytes; ldmatrix rows and cp.async destinations are 16-byte chunks
 
