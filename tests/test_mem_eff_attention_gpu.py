@@ -582,7 +582,7 @@ def test_use_for_sdpa_dispatch_table_on_cuda():
         return [ln for ln in torch._C._dispatch_dump(SD.SDPA_BACKWARD).splitlines() if ln.startswith("CUDA:")][0]
 
     before = cuda_line()
-    assert "attention.py" not in before  # torch's own kernel
+    assert "attention_sdpa.py" not in before  # torch's own kernel
     with ops.use_for_sdpa():
-        assert "attention.py" in cuda_line()
+        assert "attention_sdpa.py" in cuda_line()
     assert cuda_line() == before
