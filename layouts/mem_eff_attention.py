@@ -385,17 +385,3 @@ class AttentionBackwardLayouts:
             lines.append(f"  {part}: {sum(s[part].values())}b")
             lines.extend(f"    {name}: {size}b" for name, size in s[part].items())
         return "\n".join(lines)
-
-
-# The configuration's names, once here: read from cute_kernels/mem_eff_attention/config.py
-# on first use (a lazy import: importing layouts imports no config module).
-# (scripts written against the old place: /out's PTX snapshots call attention_backward_config here).
-_MOVED_TO_CONFIG = ("AttentionBackwardConfig", "attention_backward_config")
-
-
-def __getattr__(name):
-    if name in _MOVED_TO_CONFIG:
-        from cute_kernels.mem_eff_attention import config
-
-        return getattr(config, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
