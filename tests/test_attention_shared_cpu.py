@@ -120,3 +120,11 @@ def test_mask_walk_forms(jit_ranges, mask_type, window, tiles, sq, sk):
     for m in range(m_blocks):
         seen = [n for n in range(n_blocks) if sees[m, n]]
         assert mask.key_blocks_for_query(m * tm, sq, sk, window) == len(seen), (m, seen)
+
+
+def test_forward_barrier_ids_distinct_and_turns_consecutive():
+    from cute_kernels.attention.named_barrier import NamedBarrierFwd as B
+
+    ids = [int(b) for b in B]
+    assert len(ids) == len(set(ids)) and all(0 < i < 16 for i in ids)
+    assert [B.TURN_WG0, B.TURN_WG1, B.TURN_WG2] == [B.TURN_WG0 + w for w in range(3)]

@@ -25,6 +25,17 @@ class NamedBarrier(IntEnum):
     K_FREE = 15  # carry_dq: the consumers' last product on the previous tile's K is done
 
 
+class NamedBarrierFwd(IntEnum):
+    """The Hopper forward's ids. A consumer warpgroup w's turn is TURN_WG0 + w (consecutive ids:
+    the warpgroup index is a runtime value)."""
+
+    EPILOGUE = 1  # the consumers: every product has read Q, then O is staged in its buffer
+    EPILOGUE_STAGED = 2  # the consumers: O is staged, one thread stores it
+    TURN_WG0 = 3  # ping-pong: consumer warpgroup 0 may issue its products
+    TURN_WG1 = 4  # ... warpgroup 1
+    TURN_WG2 = 5  # ... warpgroup 2 (tiles of three consumer warpgroups)
+
+
 def named_barrier(barrier_id: int, threads: int, arrive: bool):
     """Arrive at named barrier ``barrier_id`` (and go on) or wait there for ``threads`` in all."""
     if arrive:

@@ -19,7 +19,6 @@ store; the LSE rows [B, H, lse_rows] are written by the threads that own them, +
 sequence (torch's padded rows).
 """
 
-import enum
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -30,6 +29,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cute_kernels.attention.mask import AttentionMask
+from cute_kernels.attention.named_barrier import NamedBarrierFwd
 from cute_kernels.attention.seqlen_info import Rows
 from cute_kernels.attention.tile_scheduler import GridTileScheduler, TileSchedulerParams
 from cute_kernels.common.log2_units import LOG2_E
@@ -41,14 +41,6 @@ from .wgmma import acc_as_operand_a, acc_mn_layout, wgmma
 
 LN_2 = 0.6931471805599453
 PARTIALS = 4  # independent max / sum chains of a softmax row
-
-
-class NamedBarrierFwd(enum.IntEnum):
-    """Named barriers of the forward (0 is __syncthreads)."""
-
-    EPILOGUE = 1  # the consumers: every product has read Q, then O is staged in its buffer
-    EPILOGUE_STAGED = 2  # the consumers: O is staged, one thread stores it
-    TURN_WG0 = 3  # ping-pong: consumer warpgroup 0 may issue its products (1: 4, 2: 5)
 
 
 class AttentionForwardSm90:
