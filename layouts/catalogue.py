@@ -3,7 +3,7 @@
 Names read ``<kernel>.<arch>.<dtype>.<what>`` (``dropout_bias_bwd.sm90.bf16.gmem_dy``)
 or ``reference.<...>`` for textbook layouts the known-answer tests pin down. The
 kernel entries are built from the same functions the kernels call
-(``dropout_bias.tiles(...)``), so what is drawn and analysed here is what runs.
+(``cute_kernels.dropout_bias.config.tiles(...)``), so what is drawn and analysed here is what runs.
 
 An entry gives its pure-Python form (``layouts.algebra``) for analysis and pictures,
 and ``build()``, the DSL object, to be called inside a ``@cute.jit`` function. The

@@ -12,7 +12,8 @@ partials the last-arriving CTA sums in a fixed order (``common/column_partials``
 | fp16  | 8              | 16 x 32               | 16 x 256               | 8                       |
 | bf16  | 8              | 16 x 32               | 16 x 256               | 8                       |
 
-Chosen on the H100 (docs/dropout_bias.md): 16 x 32 threads with 8
+The threads and rows in flight are chosen by ``tiles`` in ``cute_kernels/dropout_bias/config.py``,
+on the H100 (docs/dropout_bias.md): 16 x 32 threads with 8
 rows in flight and one CTA per SM beat 8 x 32 / 4 rows and more CTAs per SM by 1-5%
 at 16384 x 4096; L1/L2 cache hints (no-allocate, streaming, evict-first) cost 1-3%.
 
@@ -27,8 +28,6 @@ from dataclasses import dataclass
 from .spec import TiledCopySpec
 
 MAX_VECTOR_BITS = 128
-THREADS = (16, 32)  # (rows, cols) of threads in a CTA
-ROWS_IN_FLIGHT = 8  # row blocks loaded before the first use (memory-level parallelism)
 # Cache hints: every byte is touched once, so nothing is worth keeping in L1.
 LOAD_HINTS = dict(op="universal")
 STORE_HINTS = dict(op="universal")
@@ -38,8 +37,8 @@ STORE_HINTS = dict(op="universal")
 class DropoutBiasBwdTiles:
     elem_bits: int
     vec: int
-    threads: tuple = THREADS
-    rows_in_flight: int = ROWS_IN_FLIGHT
+    threads: tuple  # (rows, cols) of threads in a CTA
+    rows_in_flight: int  # row blocks loaded before the first use
 
     @property
     def num_threads(self) -> int:
@@ -63,17 +62,3 @@ class DropoutBiasBwdTiles:
 
     def col_tiles(self, n: int) -> int:
         return -(-n // self.tile[1])
-
-
-def tiles(elem_bits: int, vec: int, arch: str = "sm_90a") -> DropoutBiasBwdTiles:
-    """Tiles for ``elem_bits``-bit elements moved ``vec`` at a time on ``arch``.
-
-    ``vec`` is the widest vector (at most 128 bits) that the row length, the strides
-    and the addresses allow; the host finds it. sm_80 and sm_90 use the same tiles:
-    a pure streaming kernel is served best on both by 128-bit accesses and enough
-    rows in flight.
-    """
-    del arch
-    if vec < 1 or vec & (vec - 1) or vec * elem_bits > MAX_VECTOR_BITS:
-        raise ValueError(f"vector of {vec} x {elem_bits} bits is not a legal access")
-    return DropoutBiasBwdTiles(elem_bits=elem_bits, vec=vec)

@@ -38,10 +38,12 @@ def register_all() -> None:
 
 
 def _register_dropout_bias() -> None:
+    from cute_kernels.dropout_bias import config as dropout_bias_config
+
     for arch_key, arch in ARCHS.items():
         for dtype in ("bf16", "fp16", "fp32"):
             bits = DTYPES[dtype]
-            t = dropout_bias.tiles(bits, dropout_bias.MAX_VECTOR_BITS // bits, arch)
+            t = dropout_bias_config.tiles(bits, dropout_bias.MAX_VECTOR_BITS // bits, arch)
             base = f"dropout_bias_bwd.{arch_key}.{dtype}"
             register(
                 CopyEntry(f"{base}.gmem_dy", f"dY / x global load, {t.vec} x {dtype} per thread", t.gmem_load(), dtype)
@@ -332,9 +334,11 @@ def _register_attention_sm90() -> None:
 
 
 def _register_layer_norm() -> None:
+    from cute_kernels.layer_norm import config as ln_config
+
     for n in LN_ROWS:
         vec = layer_norm.widest_vec(n, 16)
-        t = layer_norm.ln_bwd_tiles(n, 16, 16, 16, vec, "sm_90a")
+        t = ln_config.ln_bwd_tiles(n, 16, 16, 16, vec, "sm_90a")
         base = f"layer_norm_bwd.sm90.bf16.n{n}"
         shape = (
             f"{t.rows_per_cta} row(s) x {t.threads_per_row} threads a CTA, {t.ldgs} vectors of {t.vec} a "
@@ -375,7 +379,9 @@ def _register_layer_norm() -> None:
 
 
 def _register_ln_finalize() -> None:
-    f = layer_norm.finalize_tiles(4096)
+    from cute_kernels.layer_norm import config as ln_config
+
+    f = ln_config.finalize_tiles(4096)
     base = "layer_norm_bwd_finalize.sm90.fp32"
     rows_t, cols_t = f.threads
     register(

@@ -1,46 +1,12 @@
 """Tiles of the LayerNorm / RMSNorm backward (seed: Apex ``fast_layer_norm`` ``ln_bwd_kernel``).
 
-Apex fixes one kernel-traits instance per hidden size. We keep its decomposition as
-named configuration and derive it from (N, dtypes, arch) with one rule:
-
-* ``vec`` (Apex ``ELTS_PER_LDG``): elements per access, 128 bits of the widest of x, dz,
-  dx; the host narrows it when N, a stride or an address does not allow it.
-* ``ldgs`` (``LDGS``): vectors per thread per row, at most ``ELEMS_PER_THREAD // vec``
-  so that a thread's fp32 dgamma/dbeta accumulators stay in registers.
-* ``threads_per_row`` (``THREADS_PER_ROW`` = 32 * ``WARPS_N``): the power of two that
-  covers the row with that many vectors per thread; rows shorter than a warp share a
-  warp (the all-reduce then runs over the row's lanes only).
-* ``ctas_per_row`` (``CTAS_PER_ROW``): a row needing more than ``MAX_THREADS_PER_ROW``
-  threads is split over a thread-block cluster (sm_90), whose CTAs exchange their row
-  sums through distributed shared memory. Its CTAs then have ``CLUSTER_THREADS_PER_ROW``
-  threads holding ``MAX_ELEMS_PER_THREAD`` elements each, one CTA per SM and
-  ``CLUSTER_STAGES`` ring stages (512 threads only for rows too long for that).
-* ``cluster_exchange`` (clusters only): ``"mbarrier"`` sends each warp's sums with
-  ``st.async`` and waits on a per-buffer transaction-count mbarrier; ``"barrier"``
-  stores them and waits at a full ``barrier.cluster`` per row (the original path).
-* ``rows_per_cta`` (``ROWS_PER_CTA``, ``WARPS_M`` rows of warps): a CTA has at least
-  ``MIN_THREADS_PER_CTA`` threads; short rows stack.
-* ``stages``: depth of the shared-memory ring that cp.async fills ahead of the
-  compute (memory-level parallelism without registers): each thread copies and later
-  reads back only its own vectors, so the ring needs no barrier, only
-  ``cp.async.wait_group``. Enough stages for ``BYTES_IN_FLIGHT`` per SM.
-* ``ctas_per_sm``: persistent grid size from an estimate of registers per thread.
-
-| N (bf16)      | vec | ldgs | threads/row | CTAs/row | rows/CTA |
-|---------------|-----|------|-------------|----------|----------|
-| 1             | 1   | 1    | 1           | 1        | 128      |
-| 7             | 1   | 7    | 1           | 1        | 128      |
-| 64            | 8   | 2    | 4           | 1        | 32       |
-| 1000          | 8   | 2    | 64          | 1        | 2        |
-| 4096          | 8   | 2    | 256         | 1        | 1        |
-| 8192          | 8   | 2    | 512         | 1        | 1        |
-| 16384         | 8   | 4    | 256         | 2        | 1        |
-| 65536         | 8   | 4    | 256         | 8        | 1        |
-| 131072        | 8   | 4    | 512         | 8        | 1        |
-
-(tests/test_layer_norm_cpu.py checks this table against the rule.) fp32 halves
-``vec`` and doubles ``ldgs``. sm_80 has no clusters: rows needing more than one CTA raise
-``NotImplementedError`` there.
+``LnBwdTiles`` is one Apex kernel-traits instance (``vec`` = ``ELTS_PER_LDG``, ``ldgs`` =
+``LDGS``, ``threads_per_row`` = 32 * ``WARPS_N``, ``ctas_per_row`` = ``CTAS_PER_ROW``,
+``rows_per_cta`` = ``ROWS_PER_CTA``, plus the cp.async ring's ``stages`` and the persistent
+grid's ``ctas_per_sm``) with the copies, the ring and the shared-memory footprint that follow
+from it; ``LnBwdFinalizeTiles`` is the finalize's column-sum tile and its fold. The rule
+that picks both from (N, dtypes, arch), its measured constants and its table are
+``cute_kernels/layer_norm/config.py`` (``ln_bwd_tiles``, ``finalize_tiles``).
 """
 
 from __future__ import annotations
@@ -50,34 +16,15 @@ from dataclasses import dataclass, replace
 from .spec import TiledCopySpec
 
 MAX_VECTOR_BITS = 128
-ELEMS_PER_THREAD = 16  # elements of a row per thread: 2x16 fp32 accumulators + data in registers
-MAX_ELEMS_PER_THREAD = 32  # beyond the largest cluster, threads take more of the row
-MAX_THREADS_PER_ROW = 512  # per CTA; more threads per row go to more CTAs of a cluster
-# A row split over a cluster: 256 threads per CTA holding 32 elements each, one CTA per SM,
-# 3 ring stages (4096x16384 bf16 with the mbarrier exchange: 161 us; 512 threads x 16: 189 us)
-CLUSTER_THREADS_PER_ROW = 256
-CLUSTER_STAGES = 3
-MIN_THREADS_PER_CTA = 128
 MAX_CLUSTER = 8  # portable cluster size on sm_90
 CLUSTER_EXCHANGES = ("mbarrier", "barrier")
-BYTES_IN_FLIGHT = (
-    64 * 1024
-)  # per SM: x and dz bytes the cp.async ring keeps loading (96 KiB: 3 stages at N=4096 bf16, 9% slower)
-MAX_STAGES = 8
-SMEM_PER_SM = 200 * 1024  # of the 227 KiB an H100 SM offers, what the rings may take
 REG_FILE = 65536  # 32-bit registers per SM (sm_80, sm_90)
 MAX_THREADS_PER_SM = 2048
 MAX_CTAS_PER_SM = 16
-BASE_REGS = 24  # addresses, indices, row statistics
 # min blocks per SM is passed to ptxas (Apex's launch bounds); the carveout stays the driver's default
 SMEM_CARVEOUT = -1
 # Loads read each byte once: cp.async .cg (L2 only) where the access is 16 bytes.
 STORE_HINTS = dict(op="universal")
-
-# finalize: (row threads, column threads) per CTA, fp32 vector per thread
-FINALIZE_THREADS = (64, 8)  # 32 columns per CTA: N=4096 spreads over 128 CTAs (64 were 2x slower)
-FINALIZE_VEC = 4
-FINALIZE_ROWS_UNROLL = 4  # partial rows each thread loads before adding them
 
 
 def widest_vec(n: int, bits: int) -> int:
@@ -88,16 +35,9 @@ def widest_vec(n: int, bits: int) -> int:
     return v
 
 
-def _pow2_at_least(x: int) -> int:
-    p = 1
-    while p < x:
-        p *= 2
-    return p
-
-
 @dataclass(frozen=True)
 class LnBwdTiles:
-    """The Apex kernel traits of one configuration (see the module table)."""
+    """The Apex kernel traits of one configuration (``cute_kernels/layer_norm/config.py`` has the table)."""
 
     vec: int
     ldgs: int
@@ -185,87 +125,13 @@ class LnBwdTiles:
         return ring + red + fold
 
 
-def register_estimate(t: LnBwdTiles, in_bits: int, out_bits: int, w_bits: int, num_partials: int) -> int:
-    """Accumulators, gamma (fp32), one row's raw data and its fp32 y and dy."""
-    elems = t.ldgs * t.vec
-    return BASE_REGS + (num_partials + 1 + 2) * elems + elems * (in_bits + out_bits) // 32
-
-
-def ln_bwd_tiles(
-    n: int,
-    in_bits: int,
-    out_bits: int,
-    w_bits: int,
-    vec: int,
-    arch: str = "sm_90a",
-    num_partials: int = 2,
-    **overrides,
-) -> LnBwdTiles:
-    """The tiles for a row of ``n`` elements (x/dx ``in_bits``, dz ``out_bits``, weight ``w_bits``).
-
-    ``vec`` is the widest legal vector the host found; ``num_partials`` is how many
-    fp32 column sums the kernel keeps (dgamma and/or dbeta). ``overrides`` replace
-    fields (measurement sweeps).
-    """
-    widest = max(in_bits, out_bits)
-    if vec < 1 or vec & (vec - 1) or vec * widest > MAX_VECTOR_BITS:
-        raise ValueError(f"vector of {vec} x {widest} bits is not a legal access")
-    if n < 1:
-        raise ValueError(f"row length must be >= 1, got {n}")
-    vectors = -(-n // vec)
-    ldgs = max(1, ELEMS_PER_THREAD // vec)
-    tpr = _pow2_at_least(-(-vectors // ldgs))
-    cpr = 1
-    if tpr > MAX_THREADS_PER_ROW:
-        full = MAX_ELEMS_PER_THREAD // vec  # vectors per thread when threads hold the most
-        cpr = _pow2_at_least(-(-vectors // (CLUSTER_THREADS_PER_ROW * full)))
-        if cpr <= MAX_CLUSTER:
-            tpr = CLUSTER_THREADS_PER_ROW
-        else:  # the longest rows: more threads per CTA
-            cpr = min(MAX_CLUSTER, tpr // MAX_THREADS_PER_ROW)
-            tpr = MAX_THREADS_PER_ROW
-        if cpr > 1 and not arch.startswith("sm_9"):
-            raise NotImplementedError(
-                f"N={n} needs {cpr} CTAs per row, which uses sm_90 thread-block clusters; "
-                f"on {arch} rows up to {MAX_THREADS_PER_ROW * ldgs * vec} elements are supported"
-            )
-    ldgs = -(-vectors // (tpr * cpr))
-    if ldgs * vec > MAX_ELEMS_PER_THREAD:
-        raise NotImplementedError(
-            f"N={n} is longer than the largest supported row "
-            f"({MAX_CLUSTER * MAX_THREADS_PER_ROW * MAX_ELEMS_PER_THREAD} elements)"
-        )
-    num_threads = max(tpr, MIN_THREADS_PER_CTA)
-    rows_per_cta = num_threads // tpr
-    t = LnBwdTiles(vec, ldgs, tpr, cpr, rows_per_cta, 2, 1)
-    t = replace(t, **{k: v for k, v in overrides.items() if k not in ("ctas_per_sm", "stages")})
-    regs = -(-register_estimate(t, in_bits, out_bits, w_bits, num_partials) // 8) * 8
-    ctas_per_sm = max(1, min(REG_FILE // (regs * t.num_threads), MAX_THREADS_PER_SM // t.num_threads, MAX_CTAS_PER_SM))
-    if t.num_threads <= MAX_THREADS_PER_SM // 8 and t.ctas_per_row == 1:
-        # ptxas fits two CTAs (min blocks per SM) with few spills; measured faster than one
-        ctas_per_sm = max(ctas_per_sm, 2)
-    ctas_per_sm = overrides.get("ctas_per_sm", ctas_per_sm)
-    stage = t.stage_bytes(in_bits, out_bits)
-    stages = max(2, min(MAX_STAGES, -(-BYTES_IN_FLIGHT // (stage * ctas_per_sm))))
-    if t.ctas_per_row > 1:
-        stages = max(stages, CLUSTER_STAGES)
-    while (
-        stages > 1 and ctas_per_sm * t.replace_stages(stages).smem_bytes(in_bits, out_bits, num_partials) > SMEM_PER_SM
-    ):
-        stages -= 1
-    t = replace(t, ctas_per_sm=ctas_per_sm, stages=overrides.get("stages", stages))
-    if t.max_n < n:
-        raise ValueError(f"tiles cover {t.max_n} columns, fewer than N={n}")
-    return t
-
-
 @dataclass(frozen=True)
 class LnBwdFinalizeTiles:
     """Column sums of the [ctas_per_col, N] fp32 partials: row threads walk the partials."""
 
     vec: int
-    threads: tuple = FINALIZE_THREADS
-    rows_unroll: int = FINALIZE_ROWS_UNROLL
+    threads: tuple  # (row threads, column threads) per CTA
+    rows_unroll: int  # partial rows each thread loads before adding them
 
     @property
     def num_threads(self) -> int:
@@ -307,10 +173,3 @@ class LnBwdFinalizeTiles:
         import cutlass.cute as cute
 
         return cute.make_ordered_layout((self.fold_rows, self.tile_n), order=(1, 0))
-
-
-def finalize_tiles(n: int) -> LnBwdFinalizeTiles:
-    vec = FINALIZE_VEC
-    while n % vec:
-        vec //= 2
-    return LnBwdFinalizeTiles(vec)

@@ -40,7 +40,7 @@ def _build(dtype, dbias_dtype, activation, vec, arch):
 
     from cute_kernels.dropout_bias import DropoutBiasBwd
 
-    t = tiling.tiles(dtype.width, vec, arch)
+    t = dropout_bias_config.tiles(dtype.width, vec, arch)
     rows, n, chunks = cute.sym_int(), cute.sym_int(), cute.sym_int()
     with_act = activation is not None
     return cc.compile_kernel(
@@ -126,7 +126,7 @@ class _Plan:
         vec = cc.max_vector_elems(_MAX_VECTOR_BITS, *operands)
         dev = grad_out.device.index
         arch = cc.device_arch(dev)
-        t = tiling.tiles(8 * grad_out.element_size(), vec, arch)
+        t = dropout_bias_config.tiles(8 * grad_out.element_size(), vec, arch)
         self.rows, self.n = dy.shape
         self.chunks, self.per_chunk = dropout_bias_config.row_chunks(self.rows, n, t, cc.num_sms(dev))
         self.col_tiles = t.col_tiles(n)

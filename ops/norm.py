@@ -140,7 +140,7 @@ class _Plan:
         has_gamma, has_dbeta = weight is not None, bias is not None
         in_dt, out_dt = cc.cute_dtype(x.dtype), cc.cute_dtype(grad_out.dtype)
         w_dt = cc.cute_dtype(weight.dtype if has_gamma else x.dtype)
-        t = tiling.ln_bwd_tiles(
+        t = ln_config.ln_bwd_tiles(
             n, in_dt.width, out_dt.width, w_dt.width, vec, arch, num_partials=max(1, int(has_gamma) + int(has_dbeta))
         )
         self.rows, self.n = xs.shape
@@ -149,7 +149,7 @@ class _Plan:
         self.finalize = None
         if has_gamma or has_dbeta:
             b_dt = cc.cute_dtype(bias.dtype if has_dbeta else x.dtype)
-            self.finalize = compiled_finalize(w_dt, b_dt, tiling.finalize_tiles(n), has_gamma, has_dbeta, arch)
+            self.finalize = compiled_finalize(w_dt, b_dt, ln_config.finalize_tiles(n), has_gamma, has_dbeta, arch)
 
 
 _plans = Memo()

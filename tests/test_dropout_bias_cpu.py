@@ -10,7 +10,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import ops
 from cute_kernels.common.activation import ACTIVATIONS
 from cute_kernels.dropout_bias import config as dropout_bias_config
-from layouts import dropout_bias as tiling
 from ops import _compile as cc
 from ops.reference import activation_grad_ref, dropout_bias_backward_ref
 
@@ -35,7 +34,7 @@ def test_compiles_every_configuration(arch, dtype_name):
 
 
 def test_row_chunks_cover_rows_without_empty_chunks():
-    t = tiling.tiles(16, 8)
+    t = dropout_bias_config.tiles(16, 8)
     for rows in (1, 15, 16, 17, 1000, 8192, 16384, 65536, 1 << 20):
         for n in (1, 256, 1000, 4096):
             chunks, per = dropout_bias_config.row_chunks(rows, n, t, 132)
@@ -47,9 +46,9 @@ def test_row_chunks_cover_rows_without_empty_chunks():
 
 def test_tiles_reject_illegal_vectors():
     with pytest.raises(ValueError):
-        tiling.tiles(32, 8)  # 256 bits
+        dropout_bias_config.tiles(32, 8)  # 256 bits
     with pytest.raises(ValueError):
-        tiling.tiles(16, 3)
+        dropout_bias_config.tiles(16, 3)
 
 
 def test_max_vector_elems_follows_length_strides_and_address():

@@ -32,7 +32,7 @@ def test_compiles_configurations(arch, dtype_name):
     built = 0
     for n in ROW_LENGTHS:
         try:
-            t = tiling.ln_bwd_tiles(n, dtype.width, dtype.width, 32, tiling.widest_vec(n, dtype.width), arch)
+            t = ln_config.ln_bwd_tiles(n, dtype.width, dtype.width, 32, tiling.widest_vec(n, dtype.width), arch)
         except NotImplementedError:
             assert arch == "sm_80" and n > 8192  # clusters are sm_90 only
             continue
@@ -41,9 +41,9 @@ def test_compiles_configurations(arch, dtype_name):
         assert callable(N._build(dtype, dtype, f32, t, True, True, False, arch))
         built += 2
     assert built >= 14
-    ft = tiling.finalize_tiles(4096)
+    ft = ln_config.finalize_tiles(4096)
     assert callable(N._build_finalize(f32, dtype, ft, True, True, arch))
-    assert callable(N._build_finalize(dtype, dtype, tiling.finalize_tiles(7), True, False, arch))
+    assert callable(N._build_finalize(dtype, dtype, ln_config.finalize_tiles(7), True, False, arch))
 
 
 @pytest.mark.compile
@@ -53,15 +53,15 @@ def test_compiles_mixed_dtypes_and_flags(arch):
 
     bf16, f16, f32 = cutlass.BFloat16, cutlass.Float16, cutlass.Float32
     # fp32 x with bf16 dz, 4-wide vectors (the widest type decides)
-    t = tiling.ln_bwd_tiles(4096, 32, 16, 16, 4, arch)
+    t = ln_config.ln_bwd_tiles(4096, 32, 16, 16, 4, arch)
     assert callable(N._build(f32, bf16, bf16, t, False, True, True, arch))
     # no weight, only dbeta; no weight and no bias
-    t = tiling.ln_bwd_tiles(768, 16, 16, 16, 8, arch, num_partials=1)
+    t = ln_config.ln_bwd_tiles(768, 16, 16, 16, 8, arch, num_partials=1)
     assert callable(N._build(f16, f16, f16, t, False, False, True, arch))
     assert callable(N._build(f16, f16, f16, t, True, False, False, arch))
-    assert callable(N._build_finalize(f16, f32, tiling.finalize_tiles(768), False, True, arch))
+    assert callable(N._build_finalize(f16, f32, ln_config.finalize_tiles(768), False, True, arch))
     # 1-element vectors (N odd) take the synchronous copy instead of cp.async
-    t = tiling.ln_bwd_tiles(1001, 16, 16, 32, 1, arch)
+    t = ln_config.ln_bwd_tiles(1001, 16, 16, 32, 1, arch)
     assert t.gmem_copy(16, load=True).op == "universal"
     assert callable(N._build(bf16, bf16, f32, t, False, True, True, arch))
 
@@ -74,7 +74,7 @@ def test_compiles_cluster_exchanges(n, exchange):
     import cutlass
 
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
-    t = tiling.ln_bwd_tiles(n, 16, 16, 32, 8, "sm_90a", cluster_exchange=exchange)
+    t = ln_config.ln_bwd_tiles(n, 16, 16, 32, 8, "sm_90a", cluster_exchange=exchange)
     assert t.ctas_per_row > 1 and t.cluster_exchange == exchange
     assert t.exchange_mbarriers == (exchange == "mbarrier")
     assert callable(N._build(bf16, bf16, f32, t, False, True, True, "sm_90a"))
@@ -98,47 +98,49 @@ def test_compile_only_covers_suite(monkeypatch):
 @pytest.mark.parametrize("n", ROW_LENGTHS + (3, 100, 129, 4095, 5000, 100000, 131072))
 def test_tiles_cover_the_row(n, bits):
     vec = tiling.widest_vec(n, bits)
-    t = tiling.ln_bwd_tiles(n, bits, bits, 32, vec)
+    t = ln_config.ln_bwd_tiles(n, bits, bits, 32, vec)
     assert t.max_n >= n > (t.ldgs - 1) * t.threads_per_row * t.vec * t.ctas_per_row  # every ldg has columns
     assert t.threads_per_row & (t.threads_per_row - 1) == 0
     assert t.num_threads <= 1024 and t.num_threads % 32 == 0
     assert t.warps_m * t.warps_n * 32 == t.num_threads
     assert t.ctas_per_row <= tiling.MAX_CLUSTER
-    assert t.ldgs * t.vec <= tiling.MAX_ELEMS_PER_THREAD
-    assert 1 <= t.stages <= tiling.MAX_STAGES
+    assert t.ldgs * t.vec <= ln_config.MAX_ELEMS_PER_THREAD
+    assert 1 <= t.stages <= ln_config.MAX_STAGES
     assert t.smem_bytes(bits, bits, 2) * 1 <= 227 * 1024
     assert t.ctas_per_sm * t.num_threads <= tiling.MAX_THREADS_PER_SM
 
 
 def test_tiles_beyond_the_largest_row_and_on_sm80():
     with pytest.raises(NotImplementedError, match="longer than the largest"):
-        tiling.ln_bwd_tiles(131072 * 2, 16, 16, 32, 8)
+        ln_config.ln_bwd_tiles(131072 * 2, 16, 16, 32, 8)
     with pytest.raises(NotImplementedError, match="clusters"):
-        tiling.ln_bwd_tiles(65536, 16, 16, 32, 8, arch="sm_80")
-    assert tiling.ln_bwd_tiles(8192, 16, 16, 32, 8, arch="sm_80").ctas_per_row == 1
+        ln_config.ln_bwd_tiles(65536, 16, 16, 32, 8, arch="sm_80")
+    assert ln_config.ln_bwd_tiles(8192, 16, 16, 32, 8, arch="sm_80").ctas_per_row == 1
     with pytest.raises(ValueError, match="not a legal access"):
-        tiling.ln_bwd_tiles(64, 16, 16, 32, 16)
+        ln_config.ln_bwd_tiles(64, 16, 16, 32, 16)
     with pytest.raises(ValueError, match=">= 1"):
-        tiling.ln_bwd_tiles(0, 16, 16, 32, 1)
+        ln_config.ln_bwd_tiles(0, 16, 16, 32, 1)
 
 
 def test_cluster_exchange_default_and_override():
-    t = tiling.ln_bwd_tiles(16384, 16, 16, 32, 8)
+    t = ln_config.ln_bwd_tiles(16384, 16, 16, 32, 8)
     assert t.ctas_per_row == 2 and t.cluster_exchange == "mbarrier" and t.exchange_mbarriers
-    old = tiling.ln_bwd_tiles(16384, 16, 16, 32, 8, cluster_exchange="barrier", stages=3)
+    old = ln_config.ln_bwd_tiles(16384, 16, 16, 32, 8, cluster_exchange="barrier", stages=3)
     assert old.cluster_exchange == "barrier" and old.stages == 3 and not old.exchange_mbarriers
     assert t.smem_bytes(16, 16, 2) == old.replace_stages(t.stages).smem_bytes(16, 16, 2) + 16  # two mbarriers
-    assert not tiling.ln_bwd_tiles(4096, 16, 16, 32, 8).exchange_mbarriers  # one CTA per row: sync_threads
+    assert not ln_config.ln_bwd_tiles(4096, 16, 16, 32, 8).exchange_mbarriers  # one CTA per row: sync_threads
     with pytest.raises(ValueError, match="cluster_exchange"):
-        tiling.ln_bwd_tiles(16384, 16, 16, 32, 8, cluster_exchange="dsmem")
+        ln_config.ln_bwd_tiles(16384, 16, 16, 32, 8, cluster_exchange="dsmem")
 
 
 def test_documented_table_matches_the_rule():
     """Every row of the module's table is what ln_bwd_tiles returns for bf16."""
-    rows = re.findall(r"^\| (\d+)\s+\| (\d+)\s+\| (\d+)\s+\| (\d+)\s+\| (\d+)\s+\| (\d+)\s+\|$", tiling.__doc__, re.M)
+    rows = re.findall(
+        r"^\| (\d+)\s+\| (\d+)\s+\| (\d+)\s+\| (\d+)\s+\| (\d+)\s+\| (\d+)\s+\|$", ln_config.__doc__, re.M
+    )
     assert len(rows) >= 6
     for n, vec, ldgs, tpr, cpr, rpc in rows:
-        t = tiling.ln_bwd_tiles(int(n), 16, 16, 32, int(vec))
+        t = ln_config.ln_bwd_tiles(int(n), 16, 16, 32, int(vec))
         assert (t.ldgs, t.threads_per_row, t.ctas_per_row, t.rows_per_cta) == (
             int(ldgs),
             int(tpr),
@@ -148,18 +150,18 @@ def test_documented_table_matches_the_rule():
 
 
 def test_grid_is_persistent_and_covers_rows():
-    t = tiling.ln_bwd_tiles(4096, 16, 16, 32, 8)
+    t = ln_config.ln_bwd_tiles(4096, 16, 16, 32, 8)
     assert ln_config.ctas_per_col(1, t, 132) == 1
     assert ln_config.ctas_per_col(10**6, t, 132) == 132 * t.ctas_per_sm
-    t = tiling.ln_bwd_tiles(64, 16, 16, 32, 8)
+    t = ln_config.ln_bwd_tiles(64, 16, 16, 32, 8)
     assert ln_config.ctas_per_col(100, t, 132) == -(-100 // t.rows_per_cta)
 
 
 def test_finalize_tiles():
-    assert tiling.finalize_tiles(4096).vec == 4
-    assert tiling.finalize_tiles(1002).vec == 2
-    assert tiling.finalize_tiles(7).vec == 1
-    ft = tiling.finalize_tiles(4096)
+    assert ln_config.finalize_tiles(4096).vec == 4
+    assert ln_config.finalize_tiles(1002).vec == 2
+    assert ln_config.finalize_tiles(7).vec == 1
+    ft = ln_config.finalize_tiles(4096)
     assert ft.col_tiles(4096) * ft.tile_n >= 4096
 
 

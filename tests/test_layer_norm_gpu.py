@@ -127,7 +127,6 @@ def test_cluster_exchanges_agree(n):
     many times: the st.async + mbarrier exchange gives the bits of the barrier.cluster one,
     run after run."""
     from cute_kernels.layer_norm import config as ln_config
-    from layouts import layer_norm as tiling
     from ops import _compile as cc
 
     rows = 2053
@@ -138,7 +137,7 @@ def test_cluster_exchanges_agree(n):
     rdx, rdw, rdb = norm_backward_ref(dz, x, w, mean, rstd, True)
     outs = {}
     for mode in ("barrier", "mbarrier", "mbarrier"):
-        t = tiling.ln_bwd_tiles(n, 16, 16, 32, 8, arch, cluster_exchange=mode)
+        t = ln_config.ln_bwd_tiles(n, 16, 16, 32, 8, arch, cluster_exchange=mode)
         ctas = ln_config.ctas_per_col(rows, t, cc.num_sms(dev))
         assert t.ctas_per_row > 1 and rows // ctas >= 4
         fn = N.compiled(bf16, bf16, f32, t, False, True, True, arch)

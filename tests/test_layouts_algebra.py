@@ -242,11 +242,11 @@ def test_tv_same_function_and_owners():
 
 
 def test_kernel_spec_and_catalogue_share_the_layout():
-    from layouts import dropout_bias
+    from cute_kernels.dropout_bias import config as dropout_bias_config
 
-    t = dropout_bias.tiles(16, 8, "sm_90a")
+    t = dropout_bias_config.tiles(16, 8, "sm_90a")
     assert layouts.get("dropout_bias_bwd.sm90.bf16.gmem_dy").spec == t.gmem_load()
-    assert layouts.get("dropout_bias_bwd.sm80.fp32.gmem_mask").spec == dropout_bias.tiles(32, 4).gmem_load_mask()
+    assert layouts.get("dropout_bias_bwd.sm80.fp32.gmem_mask").spec == dropout_bias_config.tiles(32, 4).gmem_load_mask()
     with pytest.raises(KeyError, match="did you mean"):
         layouts.get("dropout_bias_bwd.sm90.bf16.gmem_dyy")
 

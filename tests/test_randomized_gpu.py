@@ -49,7 +49,7 @@ from hypothesis import HealthCheck, Phase, given, note, seed, settings
 from hypothesis import strategies as st
 
 import ops
-from layouts import layer_norm as ln_tiling
+from cute_kernels.layer_norm import config as ln_config
 from ops import attention_bwd_prepost as A
 from ops.reference import (
     attention_backward_ref,
@@ -342,10 +342,10 @@ def norm_key(combo, n):
     in_bits, out_bits = 8 * dt.itemsize, 8 * (dz_dt or dt).itemsize
     w_bits = 8 * (w_dt if has_w else dt).itemsize
     vec = _vec_of_len(n, 128 // max(in_bits, out_bits))
-    tiles = ln_tiling.ln_bwd_tiles(
+    tiles = ln_config.ln_bwd_tiles(
         n, in_bits, out_bits, w_bits, vec, NORM_ARCH, num_partials=max(1, int(has_w) + int(has_b))
     )
-    fin = ln_tiling.finalize_tiles(n).vec if (has_w or has_b) else None
+    fin = ln_config.finalize_tiles(n).vec if (has_w or has_b) else None
     return vec, tiles, fin
 
 

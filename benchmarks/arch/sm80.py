@@ -16,7 +16,8 @@ from .sm90 import (
 
 def _runs_here(case) -> bool:
     """Rows that need more than one CTA use sm_90 clusters: the A100 runs the others."""
-    from layouts.layer_norm import ln_bwd_tiles, widest_vec
+    from cute_kernels.layer_norm.config import ln_bwd_tiles
+    from layouts.layer_norm import widest_vec
 
     (_, n), dtype = case
     bits = 32 if dtype == "float32" else 16

@@ -77,6 +77,7 @@ def _configs(n: int, dtype, arch: str, rms: bool):
     None where the row needs clusters and ``arch`` has none."""
     import cutlass
 
+    from cute_kernels.layer_norm import config as ln_config
     from layouts import layer_norm as tiling
 
     from ..compile_check import Config
@@ -85,7 +86,7 @@ def _configs(n: int, dtype, arch: str, rms: bool):
 
     def tiles(partials):  # column sums kept: dgamma and dbeta (LayerNorm), dgamma (RMSNorm)
         vec = tiling.widest_vec(n, dtype.width)
-        return tiling.ln_bwd_tiles(n, dtype.width, dtype.width, f32.width, vec, arch, num_partials=partials)
+        return ln_config.ln_bwd_tiles(n, dtype.width, dtype.width, f32.width, vec, arch, num_partials=partials)
 
     try:
         configs = [Config("ops.norm:compiled", (dtype, dtype, f32, tiles(2), False, True, True, arch))]
@@ -93,7 +94,7 @@ def _configs(n: int, dtype, arch: str, rms: bool):
         return None
     if rms:
         configs.append(Config("ops.norm:compiled", (dtype, dtype, f32, tiles(1), True, True, False, arch)))
-    configs.append(Config("ops.norm:compiled_finalize", (f32, f32, tiling.finalize_tiles(n), True, True, arch)))
+    configs.append(Config("ops.norm:compiled_finalize", (f32, f32, ln_config.finalize_tiles(n), True, True, arch)))
     return configs
 
 
