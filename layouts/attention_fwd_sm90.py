@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 
-SMEM_ALIGN = 1024  # bytes: a buffer starts on a whole 128-byte-swizzle period (8 rows of 128 bytes)
-SMEM_LIMIT = 227 * 1024  # bytes of shared memory a CTA may use on H100 / H200
+# the Hopper kernels share these facts; the forward's kernel and host read them here
+from layouts.attention_sm90 import SMEM_ALIGN, SMEM_LIMIT, row_major_smem_layout, tma_align_elems  # noqa: F401
+
 MMA_ROWS = 64  # query rows of one consumer warpgroup (the wgmma M of an m64nNk16 atom)
 
 
@@ -81,29 +82,17 @@ class AttentionFwdSm90Tiles:
         return -(-off // SMEM_ALIGN) * SMEM_ALIGN
 
     # ---- DSL objects (called while tracing) -------------------------------------------
-    @staticmethod
-    def smem_layout_rows(dtype, rows: int, cols: int, stages=None):
-        """(rows, cols[, stages]) row-major with the widest swizzle atom ``cols`` allows."""
-        import cutlass.cute as cute
-        from cutlass.cute.nvgpu import warpgroup
-        from cutlass.tensor_utils import LayoutEnum
-        from cutlass.utils import hopper_helpers as hh
-
-        atom = warpgroup.make_smem_layout_atom(hh.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
-        shape = (rows, cols) if stages is None else (rows, cols, stages)
-        return cute.tile_to_shape(atom, shape, order=(0, 1) if stages is None else (0, 1, 2))
-
     def smem_layout_q(self, dtype):
-        return self.smem_layout_rows(dtype, self.tile_m, self.head_dim)
+        return row_major_smem_layout(dtype, self.tile_m, self.head_dim)
 
     def smem_layout_k(self, dtype):
-        return self.smem_layout_rows(dtype, self.tile_n, self.head_dim, self.stages)
+        return row_major_smem_layout(dtype, self.tile_n, self.head_dim, self.stages)
 
     def smem_layout_v(self, dtype):
-        return self.smem_layout_rows(dtype, self.tile_n, self.head_dim_v, self.stages)
+        return row_major_smem_layout(dtype, self.tile_n, self.head_dim_v, self.stages)
 
     def smem_layout_o(self, dtype):
-        return self.smem_layout_rows(dtype, self.tile_m, self.head_dim_v)
+        return row_major_smem_layout(dtype, self.tile_m, self.head_dim_v)
 
     def tiled_mma_qk(self, dtype):
         """S = Q K^T: M = queries (64 per consumer warpgroup), N = keys, K = Dqk; both K-major."""

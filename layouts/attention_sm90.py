@@ -92,6 +92,20 @@ KEEP_FLAG_BUFFERS = 2  # dropout keep-flag buffers: a warpgroup draws block i+1'
 GRAD_BIAS_BOX_KEYS = 64  # keys of one bias-gradient TMA store: one 128-byte swizzle atom row (16-bit types)
 
 
+def row_major_smem_layout(dtype, rows: int, cols: int, stages=None, slice_cols: Optional[int] = None):
+    """(rows, cols[, stages]) row-major in shared memory with the widest swizzle atom that
+    ``slice_cols`` (default: ``cols``) allows, the layout wgmma reads without bank conflicts."""
+    import cutlass.cute as cute
+    from cutlass.cute.nvgpu import warpgroup
+    from cutlass.tensor_utils import LayoutEnum
+    from cutlass.utils import hopper_helpers as hh
+
+    atom_cols = slice_cols or cols
+    atom = warpgroup.make_smem_layout_atom(hh.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, atom_cols), dtype)
+    shape = (rows, cols) if stages is None else (rows, cols, stages)
+    return cute.tile_to_shape(atom, shape, order=(0, 1) if stages is None else (0, 1, 2))
+
+
 def tma_align_elems(elem_bits: int) -> int:
     """Elements per TMA_ALIGN_BYTES (the divisibility of strides the sm90 path needs)."""
     return TMA_ALIGN_BYTES * 8 // elem_bits
@@ -379,15 +393,7 @@ class AttentionSm90Layouts:
     def smem_layout_rows(self, dtype, rows: int, stages, slice_cols: int, cols: Optional[int] = None):
         """(rows, cols[, stages]) row-major (cols: head_dim by default), swizzle atoms as wide
         as ``slice_cols`` allows: a wgmma's MN-major slice must start on a whole atom."""
-        import cutlass.cute as cute
-        from cutlass.cute.nvgpu import warpgroup
-        from cutlass.tensor_utils import LayoutEnum
-        from cutlass.utils import hopper_helpers as hh
-
-        cols = cols or self.head_dim
-        atom = warpgroup.make_smem_layout_atom(hh.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, slice_cols), dtype)
-        shape = (rows, cols) if stages is None else (rows, cols, stages)
-        return cute.tile_to_shape(atom, shape, order=(0, 1) if stages is None else (0, 1, 2))
+        return row_major_smem_layout(dtype, rows, cols or self.head_dim, stages, slice_cols)
 
     def smem_layout_q(self, dtype):
         """Q ring: (tile_m, head_dim, stages)."""

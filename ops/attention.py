@@ -64,13 +64,19 @@ from . import attention_fwd_sm90 as fwd_sm90
 from . import attention_sm90 as sm90
 from . import mem_eff_attention as mem_eff
 from ._validate import check_cuda, check_float, check_int, check_same_device, check_tensor, kernel_ready, validate_once
-from .attention_common import DTYPES, AttentionBackwardArgs, check_backward_args, check_bias, max_head_dim
+from .attention_common import (
+    DTYPES,
+    AttentionBackwardArgs,
+    check_backward_args,
+    check_bias,
+    lse_rows,
+    max_head_dim,
+)
 
 logger = logging.getLogger("cute_kernels")
 log = logging.getLogger("cute_kernels.attention")  # the backend each backward runs on
 
 BACKENDS = ("auto", "sm90", "mem_eff")
-LSE_ALIGN = 32  # kAlignLSE of torch's forward: logsumexp rows are padded to a multiple of it
 _MASK_TYPES = {"top_left": 1, "bottom_right": 2}
 
 
@@ -254,10 +260,6 @@ _BOTTOM_RIGHT_MSG = (
 # ---------------------------------------------------------------------- autograd op
 
 
-def _lse_len(max_seqlen_q):
-    return (max_seqlen_q + LSE_ALIGN - 1) // LSE_ALIGN * LSE_ALIGN
-
-
 @torch.library.custom_op("cute_kernels::memory_efficient_attention", mutates_args=(), device_types="cuda")
 def _mea_forward(
     query: Tensor,
@@ -377,7 +379,7 @@ def _(
     b, mq, h, _ = query.shape
     out = query.new_empty((b, mq, h, value.shape[3]))
     rows = cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else b
-    lse = query.new_empty((rows, h, _lse_len(max_seqlen_q)), dtype=torch.float32)
+    lse = query.new_empty((rows, h, lse_rows(max_seqlen_q)), dtype=torch.float32)
     seed, offset = (query.new_empty((), dtype=torch.int64) for _ in range(2))
     return out, lse, seed, offset
 

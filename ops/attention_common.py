@@ -6,6 +6,8 @@
 * ``check_backward_args`` / ``check_bias``: the checks of what the caller passed.
 * ``grad_bias_buffer``: the bias gradient either backend writes.
 * ``max_head_dim``: the widest head dim of all backends.
+* ``lse_rows``: the logsumexp's padded rows; ``tma_misaligned`` / ``remembered_verdict``: the
+  TMA-alignment reason and the per-metadata memo of the Hopper kernels' ``unsupported``.
 """
 
 from __future__ import annotations
@@ -19,10 +21,50 @@ from torch import Tensor
 
 from cute_kernels.mem_eff_attention import config as mem_eff_config
 from layouts.attention_bwd_prepost import round_up
+from layouts.attention_sm90 import TMA_ALIGN_BYTES, tma_align_elems
 
+from . import _compile as cc
 from ._validate import check_cuda, check_dtype, check_same_device, check_tensor, validate_once
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LSE_ALIGN = 32  # kAlignLSE of torch's forward: logsumexp rows are padded to a multiple of it
+
+
+def lse_rows(max_seqlen_q: int) -> int:
+    """The logsumexp's rows for ``max_seqlen_q`` queries (torch's padding)."""
+    return (max_seqlen_q + LSE_ALIGN - 1) // LSE_ALIGN * LSE_ALIGN
+
+
+def tma_misaligned(named_tensors) -> Optional[str]:
+    """The reason the first of (name, tensor) TMA cannot read (last stride 1, the other strides
+    and the address multiples of TMA_ALIGN_BYTES), or None. Fake and meta tensors have no
+    address to check (their real counterparts are checked at run time)."""
+    for name, t in named_tensors:
+        vec = tma_align_elems(8 * t.element_size())
+        address = 0 if t.device.type == "meta" or cc.is_fake_tensor(t) else t.data_ptr()
+        if t.stride(-1) != 1 or address % TMA_ALIGN_BYTES or any(s % vec for s in t.stride()[:-1]):
+            return (
+                f"{name} is not TMA-aligned (last stride 1, other strides and address multiples of "
+                f"{TMA_ALIGN_BYTES} bytes)"
+            )
+    return None
+
+
+def remembered_verdict(memo, tensors, flags, check) -> Optional[str]:
+    """``check()``, an ``unsupported`` reason (None: supported). For plain CUDA tensors at
+    TMA-aligned addresses the answer is remembered by ``flags`` and the tensors' metadata (the
+    whole check costs ~15-30 us of host time); the addresses are checked on every call."""
+    sig = None
+    if cc.eager(tensors[0]) and all(type(t) is Tensor and t.is_cuda for t in tensors):
+        addresses = 0
+        for t in tensors:
+            addresses |= t.data_ptr()
+        if addresses % TMA_ALIGN_BYTES == 0:  # else the whole check names the tensor
+            sig = (*flags, *((t.shape, t.stride(), t.dtype, t.device) for t in tensors))
+            if sig in memo:
+                return memo[sig]
+    reason = check()
+    return reason if sig is None else memo.put(sig, reason)
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)

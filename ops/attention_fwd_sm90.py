@@ -19,12 +19,13 @@ from torch import Tensor
 
 from cute_kernels.attention_sm90.attention_forward_sm90 import AttentionForwardSm90
 from cute_kernels.attention_sm90.forward_config import forward_tiles, forward_unsupported
+from layouts.attention_fwd_sm90 import tma_align_elems
 
 from . import _compile as cc
+from ._memo import Memo
+from .attention_common import lse_rows, remembered_verdict, tma_misaligned
 
 DTYPES = (torch.float16, torch.bfloat16)
-LSE_ALIGN = 32  # torch's forward pads the LSE rows to a multiple of 32 (kAlignLSE)
-TMA_ALIGN_BYTES = 16  # TMA: global strides (but the last) and addresses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +48,7 @@ def _build(config: ForwardConfig):
     kernel = AttentionForwardSm90(c.dtype, tiles, c.mask_type, c.window, c.varlen)
     b, h, hk, mq, mk, lse_rows = (cute.sym_int() for _ in range(6))
     seqs = cute.sym_int() if c.varlen else b  # the LSE's rows: per sequence
-    vec = TMA_ALIGN_BYTES * 8 // c.dtype.width
+    vec = tma_align_elems(c.dtype.width)
     q = cc.fake_tensor(c.dtype, (b, mq, h, c.head_dim), vec)
     k = cc.fake_tensor(c.dtype, (b, mk, hk, c.head_dim), vec)
     v = cc.fake_tensor(c.dtype, (b, mk, hk, c.head_dim_v), vec)
@@ -74,9 +75,23 @@ def _build(config: ForwardConfig):
 compiled = cc.CompileCache("attention_fwd_sm90", _build)
 
 
+_verdicts = Memo()  # unsupported's answers for plain CUDA tensors at TMA-aligned addresses, by metadata
+
+
 def unsupported(query, key, value, *, mask_type=0, bias=None, dropout_p=0.0, arch=None) -> Optional[str]:
     """Why the forward kernel cannot take this problem (None: it can); no CUDA call for CPU,
-    meta or fake tensors (they get the reason of their missing arch unless ``arch`` is given)."""
+    meta or fake tensors (they get the reason of their missing arch unless ``arch`` is given).
+    Remembered per metadata for plain CUDA tensors (``attention_common.remembered_verdict``)."""
+    return remembered_verdict(
+        _verdicts,
+        (query, key, value),
+        (arch, mask_type, bias is not None, dropout_p > 0.0),
+        lambda: _unsupported(query, key, value, mask_type, bias, dropout_p, arch),
+    )
+
+
+def _unsupported(query, key, value, mask_type, bias, dropout_p, arch) -> Optional[str]:
+    """unsupported's checks, all of them."""
     arch = arch or cc.tensor_arch(query)
     if arch != "sm_90a":
         return f"needs sm_90a, the device is {arch or f'{query.device} (no CUDA arch known)'}"
@@ -93,19 +108,7 @@ def unsupported(query, key, value, *, mask_type=0, bias=None, dropout_p=0.0, arc
         return f"query heads {query.shape[2]} not a multiple of key heads {key.shape[2]}"
     if mask_type not in (0, 1, 2):
         return f"mask type {mask_type}"
-    vec = TMA_ALIGN_BYTES // query.element_size()
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        address = 0 if t.device.type == "meta" or cc.is_fake_tensor(t) else t.data_ptr()
-        if t.stride(-1) != 1 or address % TMA_ALIGN_BYTES or any(s % vec for s in t.stride()[:-1]):
-            return (
-                f"{name} is not TMA-aligned (last stride 1, other strides and address multiples of "
-                f"{TMA_ALIGN_BYTES} bytes)"
-            )
-    return None
-
-
-def lse_rows(max_seqlen_q: int) -> int:
-    return -(-max_seqlen_q // LSE_ALIGN) * LSE_ALIGN
+    return tma_misaligned((("query", query), ("key", key), ("value", value)))
 
 
 def attention_forward_sm90(

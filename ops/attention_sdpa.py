@@ -207,9 +207,10 @@ def _sdpa_forward_override(
     (``aten._efficient_attention_forward`` on the same views); (out [B, H, M, Kv] view, logsumexp,
     philox seed, philox offset)."""
     q_t, k_t, v_t = (x.transpose(1, 2) for x in (query, key, value))
-    reason = fwd_sm90.unsupported(q_t, k_t, v_t, mask_type=1 if is_causal else 0, bias=attn_bias, dropout_p=dropout_p)
-    if reason is None and query.dim() != 4:
-        reason = f"{query.dim()}-D inputs"
+    reason = f"{query.dim()}-D inputs" if query.dim() != 4 else None
+    if reason is None:
+        mask_type = 1 if is_causal else 0
+        reason = fwd_sm90.unsupported(q_t, k_t, v_t, mask_type=mask_type, bias=attn_bias, dropout_p=dropout_p)
     if reason is None:
         out, lse = fwd_sm90.attention_forward_sm90(q_t, k_t, v_t, scale, 1 if is_causal else 0)
         if not compute_log_sumexp:

@@ -34,7 +34,7 @@ from layouts.attention_bwd_prepost import round_up
 from . import _compile as cc
 from . import attention_bwd_prepost as P
 from ._memo import Memo
-from .attention_common import AttentionBackwardArgs, grad_bias_buffer
+from .attention_common import AttentionBackwardArgs, grad_bias_buffer, remembered_verdict, tma_misaligned
 
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -352,16 +352,12 @@ def unsupported(
     CUDA tensors (no CUDA call for CPU, meta or fake ones: they get a reason). Each call
     checks the addresses; for plain CUDA tensors at aligned ones the rest of the answer is
     remembered by metadata (the whole check costs ~15-30 us of host time)."""
-    tensors = (query, key, value, grad_out, out)
-    sig = None
-    if cc.eager(query) and all(type(t) is Tensor and t.is_cuda for t in tensors):
-        addresses = query.data_ptr() | key.data_ptr() | value.data_ptr() | grad_out.data_ptr() | out.data_ptr()
-        if addresses % tiling.TMA_ALIGN_BYTES == 0:  # else the whole check names the tensor
-            sig = (arch, mask_type, *((t.shape, t.stride(), t.dtype, t.device) for t in tensors))
-            if sig in _verdicts:
-                return _verdicts[sig]
-    reason = _unsupported(query, key, value, grad_out, out, mask_type, arch)
-    return reason if sig is None else _verdicts.put(sig, reason)
+    return remembered_verdict(
+        _verdicts,
+        (query, key, value, grad_out, out),
+        (arch, mask_type),
+        lambda: _unsupported(query, key, value, grad_out, out, mask_type, arch),
+    )
 
 
 def _unsupported(query, key, value, grad_out, out, mask_type, arch) -> Optional[str]:
@@ -379,16 +375,7 @@ def _unsupported(query, key, value, grad_out, out, mask_type, arch) -> Optional[
         return f"query heads {query.shape[2]} not a multiple of key heads {key.shape[2]}"
     if mask_type not in (0, 1, 2):
         return f"mask type {mask_type}"
-    vec = tiling.tma_align_elems(8 * query.element_size())
-    for name, t in (("query", query), ("key", key), ("value", value), ("grad_out", grad_out), ("out", out)):
-        # fake / meta tensors have no address to check (their real counterparts are checked at run time)
-        address = 0 if t.device.type == "meta" or cc.is_fake_tensor(t) else t.data_ptr()
-        if t.stride(-1) != 1 or address % tiling.TMA_ALIGN_BYTES or any(s % vec for s in t.stride()[:-1]):
-            return (
-                f"{name} is not TMA-aligned (last stride 1, other strides and address multiples of "
-                f"{tiling.TMA_ALIGN_BYTES} bytes)"
-            )
-    return None
+    return tma_misaligned((("query", query), ("key", key), ("value", value), ("grad_out", grad_out), ("out", out)))
 
 
 def _heads_per_chunk(

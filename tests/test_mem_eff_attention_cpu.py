@@ -478,7 +478,7 @@ def test_traces_in_one_graph(monkeypatch):
 def _lse_padded(lse_ref, max_q):
     """The reference lse in torch's layout: fp32, rows padded with +inf to a multiple of 32."""
     rows, h, n = lse_ref.shape
-    lse = torch.full((rows, h, A._lse_len(max_q)), float("inf"), dtype=torch.float32)
+    lse = torch.full((rows, h, A.lse_rows(max_q)), float("inf"), dtype=torch.float32)
     lse[..., :n] = lse_ref
     return lse
 
@@ -533,7 +533,7 @@ class BackwardStandIn:
         assert isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)
         b, mq, h, kv = out.shape
         rows = b if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
-        assert logsumexp.dtype == torch.float32 and logsumexp.shape == (rows, h, A._lse_len(max_seqlen_q))
+        assert logsumexp.dtype == torch.float32 and logsumexp.shape == (rows, h, A.lse_rows(max_seqlen_q))
         assert grad_out_.shape == out.shape and query.shape[:3] == (b, mq, h)
         mask = None
         if dropout_p > 0.0:  # the forward's bits, from the seed / offset it returned

@@ -32,14 +32,13 @@ from cute_kernels.attention.mask import AttentionMask
 from cute_kernels.attention.named_barrier import NamedBarrierFwd
 from cute_kernels.attention.seqlen_info import Rows
 from cute_kernels.attention.tile_scheduler import GridTileScheduler, TileSchedulerParams
-from cute_kernels.common.log2_units import LOG2_E
+from cute_kernels.common.log2_units import LN_2, LOG2_E
 from cute_kernels.common.views import select_modes, transpose_view
 from layouts.attention_fwd_sm90 import SMEM_ALIGN, SMEM_LIMIT, AttentionFwdSm90Tiles
 
 from .forward_config import CONSUMER_REGS, PRODUCER_REGS, pingpong
 from .wgmma import acc_as_operand_a, acc_mn_layout, wgmma
 
-LN_2 = 0.6931471805599453
 PARTIALS = 4  # independent max / sum chains of a softmax row
 
 
