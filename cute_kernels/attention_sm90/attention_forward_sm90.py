@@ -32,6 +32,7 @@ from cute_kernels.attention.mask import AttentionMask
 from cute_kernels.attention.named_barrier import NamedBarrierFwd
 from cute_kernels.attention.seqlen_info import Rows
 from cute_kernels.attention.tile_scheduler import GridTileScheduler, TileSchedulerParams
+from cute_kernels.common.convert import convert_packed
 from cute_kernels.common.log2_units import LN_2, LOG2_E
 from cute_kernels.common.views import select_modes, transpose_view
 from layouts.attention_fwd_sm90 import SMEM_ALIGN, SMEM_LIMIT, AttentionFwdSm90Tiles
@@ -439,7 +440,7 @@ class AttentionForwardSm90:
             pipe_k.consumer_release(state)
             self.mask.apply(S, cS, t0S, q0, (n_max - 1) * t.tile_n, seqlen_k, offset, window_size)
             self.online_softmax(S, row_max, row_sum, scale_log2, None)
-            rP.store(acc_S.load().to(self.dtype))
+            convert_packed(acc_S, rP)
             for i in cutlass.range(1, n_max - n_min, unroll=1):
                 key0 = (n_max - 1 - i) * t.tile_n
                 state_v = state.clone()
@@ -458,7 +459,7 @@ class AttentionForwardSm90:
                 warpgroup.wait_group(0)  # P V has read P
                 pipe_v.consumer_release(state_v)
                 self.rescale_rows(acc_O, row_scale)
-                rP.store(acc_S.load().to(self.dtype))
+                convert_packed(acc_S, rP)
             pipe_v.consumer_wait(state)
             wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state.index], zero_init=False)
             warpgroup.wait_group(0)
@@ -561,7 +562,7 @@ class AttentionForwardSm90:
         r2s = t.r2s_copy_o(self.dtype, tiled_mma_pv)
         thr = r2s.get_slice(tidx)
         rO = cute.make_rmem_tensor(acc_O.shape, self.dtype)
-        rO.store(acc_O.load().to(self.dtype))
+        convert_packed(acc_O, rO)
         cute.copy(r2s, thr.retile(rO), thr.partition_D(sO))
 
     @cute.jit
