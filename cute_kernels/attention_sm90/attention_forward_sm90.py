@@ -14,9 +14,9 @@ at the end O / l and LSE = (m * scale * log2(e) + log2(l)) * ln(2) (natural log,
 A row that sees no key has O = 0 and LSE = 0, as torch's forward writes (every one of its
 probabilities is masked in the backward too).
 
-O leaves through shared memory (Q's buffer, which every product has read by then) by a TMA
-store; the LSE rows [B, H, lse_rows] are written by the threads that own them, +inf past the
-sequence (torch's padded rows).
+O leaves through shared memory (Q's buffer where Dv <= Dqk, which every product has read by
+then) by a TMA store; the LSE rows [B, H, lse_rows] are written by the threads that own them,
++inf past the sequence (torch's padded rows).
 """
 
 from typing import Optional
