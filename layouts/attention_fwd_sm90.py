@@ -10,10 +10,10 @@ key blocks it sees, ``tile_n`` keys at a time:
 
 Shared memory::
 
-    sQ  [tile_m, Dqk]            one TMA load per CTA; O's staging for its TMA store when Dqk = Dv
+    sQ  [tile_m, Dqk]            one TMA load per CTA; O's staging (its own layout) when Dv <= Dqk
     sK  [tile_n, Dqk, stages]    TMA ring (mbarrier pipeline) of key blocks
     sV  [tile_n, Dv, stages]     TMA ring of value blocks
-    sO  [tile_m, Dv]             only where Dqk != Dv
+    sO  [tile_m, Dv]             only where Dv > Dqk
 
 Every buffer is row-major with the widest swizzle atom its columns allow (128 bytes for a
 64-element bf16 / fp16 row), the layout wgmma reads without bank conflicts.
@@ -64,8 +64,9 @@ class AttentionFwdSm90Tiles:
 
     @property
     def o_in_q(self) -> bool:
-        """O is staged in Q's buffer (same shape), else in its own."""
-        return self.head_dim == self.head_dim_v
+        """O is staged in Q's buffer (no wider than Q: every product has read Q by then), else
+        in its own."""
+        return self.head_dim_v <= self.head_dim
 
     def smem_bytes(self, elem_bytes: int) -> int:
         """Bytes of the kernel's shared-storage struct (barriers first, then the aligned buffers)."""
@@ -130,11 +131,14 @@ class AttentionFwdSm90Tiles:
     def s2g_copy_o(self, dtype):
         """Staged O rows from shared to global memory by every consumer thread, 16 bytes a copy,
         a row's copies on consecutive threads (variable lengths: a row past its sequence is
-        skipped, which a TMA store of the packed rows could not do)."""
+        skipped, which a TMA store of the packed rows could not do). A row's copies go to the
+        largest power of two of threads that divides them (d96: 4 threads of 3 copies each), so
+        the threads tile whole rows."""
         import cutlass.cute as cute
 
         vec = 128 // dtype.width
-        per_row = self.head_dim_v // vec
+        copies = self.head_dim_v // vec
+        per_row = copies & -copies
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
         thr = cute.make_layout((self.num_mma_threads // per_row, per_row), stride=(per_row, 1))
         return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, vec)))

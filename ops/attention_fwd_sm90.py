@@ -44,7 +44,7 @@ class ForwardConfig:
 
 def _build(config: ForwardConfig):
     c = config
-    tiles = forward_tiles(c.head_dim, c.head_dim_v)
+    tiles = forward_tiles(c.head_dim, c.head_dim_v, c.window)
     kernel = AttentionForwardSm90(c.dtype, tiles, c.mask_type, c.window, c.varlen)
     b, h, hk, mq, mk, lse_rows = (cute.sym_int() for _ in range(6))
     seqs = cute.sym_int() if c.varlen else b  # the LSE's rows: per sequence

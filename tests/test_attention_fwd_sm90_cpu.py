@@ -17,7 +17,7 @@ BF16, F16 = cutlass.BFloat16, cutlass.Float16
 CONFIGS = [
     A.ForwardConfig(dt, d, d, mask, window, varlen, "sm_90a")
     for dt in (BF16, F16)
-    for d in F.HEAD_DIMS
+    for d in (64, 128)
     for mask, window, varlen in (
         (0, False, False),
         (1, False, False),
@@ -26,22 +26,50 @@ CONFIGS = [
         (2, True, True),
     )
 ]
+# the other head dims: each tile (a window's own at d192 / d256), variable lengths' row stores, both
+# dtypes for two of them
+CONFIGS += [
+    A.ForwardConfig(dt, d, dv, mask, window, varlen, "sm_90a")
+    for dt, d, dv, mask, window, varlen in (
+        (BF16, 96, 96, 0, False, False),
+        (BF16, 96, 96, 2, True, True),
+        (BF16, 192, 192, 1, False, False),
+        (BF16, 192, 192, 2, True, True),
+        (BF16, 256, 256, 0, False, False),
+        (BF16, 256, 256, 2, True, True),
+        (F16, 256, 256, 1, False, False),
+        (BF16, 192, 128, 1, False, True),
+        (BF16, 192, 128, 2, True, False),
+        (F16, 192, 128, 0, False, False),
+    )
+]
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize(
     "config",
     CONFIGS,
-    ids=lambda c: f"{c.dtype.__name__}-d{c.head_dim}-m{c.mask_type}-w{int(c.window)}-v{int(c.varlen)}",
+    ids=lambda c: (
+        f"{c.dtype.__name__}-d{c.head_dim}{'' if c.head_dim_v == c.head_dim else f'v{c.head_dim_v}'}"
+        f"-m{c.mask_type}-w{int(c.window)}-v{int(c.varlen)}"
+    ),
 )
 def test_compiles(config):
     assert callable(A._build(config))
 
 
-@pytest.mark.parametrize("head_dim", F.HEAD_DIMS)
-def test_tiles_fit(head_dim):
-    tiles = F.forward_tiles(head_dim, head_dim)
+def test_every_head_dim_pair_compiles_in_a_test():
+    assert {(c.head_dim, c.head_dim_v) for c in CONFIGS} == set(F.HEAD_DIMS)
+    assert {(c.head_dim, c.head_dim_v) for c in CONFIGS if c.window} == set(F.HEAD_DIMS)
+
+
+@pytest.mark.parametrize("window", [False, True], ids=["full", "window"])
+@pytest.mark.parametrize("dims", F.HEAD_DIMS, ids=lambda d: f"d{d[0]}v{d[1]}")
+def test_tiles_fit(dims, window):
+    tiles = F.forward_tiles(*dims, window)
+    assert (tiles.head_dim, tiles.head_dim_v) == dims
     assert tiles.smem_bytes(2) <= SMEM_LIMIT
+    assert tiles.o_in_q == (dims[1] <= dims[0])
     assert tiles.consumer_wgs in F.CONSUMER_REGS and tiles.num_threads == 128 * (tiles.consumer_wgs + 1)
     # the register budgets of one CTA fit the multiprocessor's 64K
     regs = 128 * F.PRODUCER_REGS[tiles.consumer_wgs] + tiles.num_mma_threads * F.CONSUMER_REGS[tiles.consumer_wgs]
@@ -76,8 +104,9 @@ def _meta(b, s, h, d, dtype=torch.bfloat16, hk=None, dv=None):
         ({}, _meta(1, 128, 2, 128), "needs sm_90a"),
         ({"arch": "sm_80"}, _meta(1, 128, 2, 128), "needs sm_90a"),
         ({"arch": "sm_90a"}, _meta(1, 128, 2, 128, torch.float32), "dtype"),
-        ({"arch": "sm_90a"}, _meta(1, 128, 2, 96), "head dims"),
+        ({"arch": "sm_90a"}, _meta(1, 128, 2, 80), "head dims"),
         ({"arch": "sm_90a"}, _meta(1, 128, 2, 128, dv=64), "head dims"),
+        ({"arch": "sm_90a"}, _meta(1, 128, 2, 128, dv=192), "head dims"),
         ({"arch": "sm_90a"}, _meta(1, 128, 3, 128, hk=2), "multiple of key heads"),
         ({"arch": "sm_90a", "dropout_p": 0.1}, _meta(1, 128, 2, 128), "dropout"),
         ({"arch": "sm_90a", "mask_type": 3}, _meta(1, 128, 2, 128), "mask type"),
@@ -93,18 +122,26 @@ def test_unsupported_names_a_misaligned_tensor():
     assert "query is not TMA-aligned" in A.unsupported(q, k, v, arch="sm_90a")
 
 
-def test_supported_problem():
-    assert A.unsupported(*_meta(2, 1000, 8, 128, hk=2), arch="sm_90a", mask_type=2) is None
+@pytest.mark.parametrize("dims", F.HEAD_DIMS, ids=lambda d: f"d{d[0]}v{d[1]}")
+def test_supported_problem(dims):
+    d, dv = dims
+    assert A.unsupported(*_meta(2, 1000, 8, d, hk=2, dv=dv), arch="sm_90a", mask_type=2) is None
 
 
 def test_benchmark_configurations_follow_the_cases():
     cases = [
         ((4, 16, 2048, 128), "bfloat16", False),
         ((2, 16, 4096, 64), "bfloat16", True),
-        ((2, 16, 4096, 96), "bfloat16", False),
+        ((2, 16, 4096, 80), "bfloat16", False),
+        ((2, 16, 4096, 192), "bfloat16", True, "dv128:window256"),
+        ((2, 16, 4096, 192), "bfloat16", False, "dv64"),
     ]
     keys = A.benchmark_configurations(cases, "sm_90a")
-    assert {(k.head_dim, k.mask_type) for k in keys} == {(128, 0), (64, 1)}
+    assert {(k.head_dim, k.head_dim_v, k.mask_type, k.window) for k in keys} == {
+        (128, 128, 0, False),
+        (64, 64, 1, False),
+        (192, 128, 1, True),
+    }
     assert A.benchmark_configurations(cases, "sm_80") == []
 
 

@@ -306,8 +306,8 @@ def _caches(configs):
 
 
 def test_fwd_configs_are_the_forward_kernels_keys():
-    """Our forward's keys: sm_90a only, Dqk = Dv of the head dims it compiles, the window and
-    variable-length cases their own keys, GQA alike."""
+    """Our forward's keys: sm_90a only, the head dims it compiles (Dqk 192 / Dv 128 its own key),
+    the window and variable-length cases their own keys, GQA alike."""
     assert attention_fwd.compile_configs("sm_80", False) == []
     full = attention_fwd.compile_configs("sm_90a", False)
     quick = attention_fwd.compile_configs("sm_90a", True)
@@ -318,6 +318,9 @@ def test_fwd_configs_are_the_forward_kernels_keys():
         (128, 128, 0, False, False),
         (128, 128, 1, False, False),
         (64, 64, 1, False, False),
+        (192, 192, 1, False, False),
+        (256, 256, 0, False, False),
+        (192, 128, 1, False, False),
     }
     assert keys == plain | {(128, 128, 1, True, False), (128, 128, 1, False, True)}
 
