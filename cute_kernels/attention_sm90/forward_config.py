@@ -7,24 +7,24 @@ from layouts.attention_fwd_sm90 import AttentionFwdSm90Tiles
 
 STAGES = 2  # K / V ring depth
 
-# (tile_m, tile_n) per (Dqk, Dv), and with a sliding window where it differs: two consumer
-# warpgroups of 64 query rows, each holding S (tile_n / 2 fp32 a thread), P (tile_n / 4) and O
-# (Dv / 2) in its setmaxnreg budget (ptxas reports the launch bound, 168 a thread for 384
-# threads, as the kernel's count; a real spill shows as spill stores). d64: 192 x 128 with three
-# consumer warpgroups (160 registers each) spilled 580 bytes and ran at 0.36x of 128 x 128 (H200,
-# 16x16x2048x64); 192 x 112 and 192 x 96 no longer spill but ran no faster (0.738 ms all three).
-# d128 takes 144 keys (H100, against 128: 4x32x2048x128 with 8 kv heads 0.470 / 0.474 ms,
-# 8x16x4096x128 1.686 / 1.783, 2x16x8192x128 1.726 / 1.735, causal 1x32x16384 3.511 / 3.492);
-# 128 x 176 and 128 x 192 spill. d96, d192, d256: FA4's sm90 tiles where its P V reads P from
-# registers as ours does (its d96 is 192 x 144 with P from shared memory), not measured here yet.
-# d96 128 x 144 does not spill either (a candidate), 128 x 160 spills 260 bytes. Shared memory
-# bounds d192 and d256 (Q, two K / V stages, O in Q's buffer): 112 keys at Dv 192 (217 KB),
-# 128 at Dv 128 (209 KB), 80 at d256 (225 KB of the 227). A window takes fewer keys a block at
-# d192 / d256 (FA4's choice: less of each edge block masked off).
+# (tile_m, tile_n) per (Dqk, Dv), and with a sliding window where it differs. Consumer warpgroups
+# of 64 query rows (tile_m / 64 of them) each hold S (tile_n / 2 fp32 a thread), P (tile_n / 4)
+# and O (Dv / 2) in their setmaxnreg budget (ptxas reports the launch bound as the kernel's
+# count; a real spill shows as spill stores). d64 takes three consumer warpgroups (160 registers
+# each; 128 x 128 leaves the exp unit idle while one warpgroup's short products run): 192 x 128,
+# H200, against 128 x 128: 16x16x2048x64 0.605 / 0.670 ms, 4x16x8192x64 causal 1.173 / 1.292.
+# d128: 128 x 160, H200, against 144 / 128 / 176 keys (ms): 4x32x2048x128 with 8 kv heads
+# 0.447 / 0.463 / 0.447 / 0.456, 8x16x4096x128 1.617 / 1.732 / 1.719 / 1.642, causal 1x32x16384
+# 3.377 / 3.374 / 3.673 / 3.569 (FA4 within 1% across the runs). d96, d192, d256: FA4's sm90
+# tiles where its P V reads P from registers as ours does (its d96 is 192 x 144 with P from
+# shared memory), not measured here yet; d96 128 x 144 does not spill either (a candidate).
+# Shared memory bounds d192 and d256 (Q, two K / V stages, O in Q's buffer): 112 keys at Dv 192
+# (217 KB), 128 at Dv 128 (209 KB), 80 at d256 (225 KB of the 227). A window takes fewer keys a
+# block at d192 / d256 (FA4's choice: less of each edge block masked off).
 TILES = {
-    (64, 64): (128, 128),
+    (64, 64): (192, 128),
     (96, 96): (128, 128),
-    (128, 128): (128, 144),
+    (128, 128): (128, 160),
     (192, 192): (128, 112),
     (192, 128): (128, 128),
     (256, 256): (128, 80),
