@@ -14,6 +14,8 @@ Shared memory::
     sK  [tile_n, Dqk, stages]    TMA ring (mbarrier pipeline) of key blocks
     sV  [tile_n, Dv, stages]     TMA ring of value blocks
     sO  [tile_m, Dv]             only where Dv > Dqk
+    sKeep [tile_m, tile_n / 8, 2] dropout only: a keep-flag bit per (query, key) of the block, two
+                                 buffers (a warpgroup draws block j + 1's while block j's is read)
 
 Every buffer is row-major with the widest swizzle atom its columns allow (128 bytes for a
 64-element bf16 / fp16 row), the layout wgmma reads without bank conflicts.
@@ -24,7 +26,15 @@ from __future__ import annotations
 import dataclasses
 
 # the Hopper kernels share these facts; the forward's kernel and host read them here
-from layouts.attention_sm90 import SMEM_ALIGN, SMEM_LIMIT, row_major_smem_layout, tma_align_elems  # noqa: F401
+from layouts.attention_sm90 import (  # noqa: F401
+    KEEP_FLAG_BUFFERS,
+    SMEM_ALIGN,
+    SMEM_LIMIT,
+    row_major_smem_layout,
+    tma_align_elems,
+)
+
+KEEP_FLAG_ALIGN = 16  # bytes: the keep-flag buffers (read as 16-bit words)
 
 MMA_ROWS = 64  # query rows of one consumer warpgroup (the wgmma M of an m64nNk16 atom)
 
@@ -68,8 +78,14 @@ class AttentionFwdSm90Tiles:
         in its own."""
         return self.head_dim_v <= self.head_dim
 
-    def smem_bytes(self, elem_bytes: int) -> int:
-        """Bytes of the kernel's shared-storage struct (barriers first, then the aligned buffers)."""
+    @property
+    def keep_flag_bytes(self) -> int:
+        """One buffer of dropout keep flags: a bit per (query, key) of the block, rows of queries."""
+        return self.tile_m * self.tile_n // 8
+
+    def smem_bytes(self, elem_bytes: int, dropout: bool = False) -> int:
+        """Bytes of the kernel's shared-storage struct (barriers first, then the aligned buffers;
+        ``dropout``: with the keep-flag buffers last)."""
 
         def place(off: int, size: int) -> int:
             return -(-off // SMEM_ALIGN) * SMEM_ALIGN + size
@@ -80,6 +96,8 @@ class AttentionFwdSm90Tiles:
         off = place(off, self.stages * self.tile_n * self.head_dim_v * elem_bytes)
         if not self.o_in_q:
             off = place(off, self.tile_m * self.head_dim_v * elem_bytes)
+        if dropout:
+            off = -(-off // KEEP_FLAG_ALIGN) * KEEP_FLAG_ALIGN + KEEP_FLAG_BUFFERS * self.keep_flag_bytes
         return -(-off // SMEM_ALIGN) * SMEM_ALIGN
 
     # ---- DSL objects (called while tracing) -------------------------------------------

@@ -3,7 +3,8 @@
 * ``memory_efficient_attention(q, k, v, ...)``: an autograd op in the [B, M, H, K] layout
   of ``torch.ops.aten._efficient_attention_forward``. Its forward is ours
   (``ops.attention_fwd_sm90``) where that kernel applies (sm_90a, fp16 / bf16, head dims 64 /
-  128, no bias or dropout; not with ``backend="mem_eff"``), else torch's
+  128, bias and dropout included; dropout not under CUDA-graph capture; not with
+  ``backend="mem_eff"``), else torch's
   ``aten._efficient_attention_forward``, logged at DEBUG on ``cute_kernels.attention``; its
   backward is ``efficient_attention_backward``. Registered as ``cute_kernels::memory_efficient_attention``
   (with a fake implementation and its autograd formula), so ``torch.compile(fullgraph=True)``
@@ -40,8 +41,9 @@ Conventions (torch's, checked on torch 2.11 and 2.13):
   multiple of 32, later entries are left unwritten). A query row that sees no key has
   out 0 and logsumexp 0.
 * attn_bias: broadcastable to [B, H, Mq, Mk], query's dtype, added to the scaled logits
-  (not with variable lengths); dropout_p: torch's forward draws the keep mask (philox
-  seed / offset), our backward redraws the same bits.
+  (not with variable lengths); dropout_p: the keep mask of torch's forward (philox seed /
+  offset from the default CUDA generator, as torch's forward takes them; ours draws the same
+  bits, and our backward redraws them).
 * causal: False (custom_mask_type 0), True / "top_left" (1: key m masked if m > n),
   "bottom_right" (2: masked if m > n + Mk - Mq, per sequence); ``window_size`` w > 0
   (causal only) also masks m <= n + shift - w.
@@ -281,10 +283,27 @@ def _mea_forward(
     if log.isEnabledFor(logging.DEBUG):
         log.debug("attention forward: %s", "sm90" if reason is None else f"torch's ({reason})")
     if reason is None:
+        seed = offset = None
+        if dropout_p > 0.0:  # from the generator as torch's forward takes them
+            words = fwd_sm90.dropout_words(query, key, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+            seed, offset = fwd_sm90.philox_state(query.device, words)
         out, lse = fwd_sm90.attention_forward_sm90(
-            query, key, value, scale, custom_mask_type, window_size, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
+            query,
+            key,
+            value,
+            scale,
+            custom_mask_type,
+            window_size,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            attn_bias,
+            dropout_p,
+            seed,
+            offset,
         )
-        return out, lse, *_rng_on_device(None, None, 0.0, query.device)
+        return out, lse, *_rng_on_device(seed, offset, dropout_p, query.device)
     return _torch_forward(
         query,
         key,
@@ -474,8 +493,8 @@ def memory_efficient_attention(
         attn_bias: added to the scaled logits; broadcastable to [B, H, Mq, Mk], query's dtype
             (not with cu_seqlens). With requires_grad it gets its gradient (summed over
             the broadcast dims, as autograd does).
-        dropout_p: dropout on the probabilities (torch's forward draws the mask, our
-            backward redraws it bit for bit from the forward's philox seed and offset).
+        dropout_p: dropout on the probabilities (torch's forward's mask for the generator's
+            philox state; the backward redraws it bit for bit from the forward's seed and offset).
         backend: the backward's kernel: "auto" (the Hopper-native sm90 kernel where it
             applies, else the memory-efficient one), "sm90" (the backward raises
             NotImplementedError where it does not apply) or "mem_eff"; see the

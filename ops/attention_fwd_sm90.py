@@ -4,12 +4,17 @@
 ``aten._efficient_attention_forward`` ([B, Mq, H, Dv] and fp32 [B, H, round_up(Mq, 32)], +inf
 on the padded rows), which the backwards read. ``unsupported`` says why the kernel cannot take a
 problem (None: it can); the attention ops then run torch's forward and log the reason.
+
+Dropout draws torch's keep mask from a philox seed and offset: ``philox_state`` takes them from
+the default CUDA generator as torch's forward does (attention.cu: ``gen->philox_cuda_state(B *
+num_heads * M * N)``), so ``torch.manual_seed`` reproduces the mask of torch's forward.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from typing import Optional, Tuple
 
 import cutlass
@@ -19,7 +24,7 @@ from torch import Tensor
 
 from cute_kernels.attention_sm90.attention_forward_sm90 import AttentionForwardSm90
 from cute_kernels.attention_sm90.forward_config import forward_tiles, forward_unsupported
-from layouts.attention_fwd_sm90 import tma_align_elems
+from layouts.attention_fwd_sm90 import SMEM_LIMIT, tma_align_elems
 
 from . import _compile as cc
 from ._memo import Memo
@@ -31,7 +36,8 @@ DTYPES = (torch.float16, torch.bfloat16)
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
     """One compiled forward: element type, head dims, mask (0 none, 1 causal top-left, 2
-    bottom-right), whether a sliding window applies, variable lengths, the DSL target."""
+    bottom-right), whether a sliding window applies, variable lengths, the DSL target, an
+    additive bias, dropout."""
 
     dtype: type
     head_dim: int
@@ -40,12 +46,14 @@ class ForwardConfig:
     window: bool
     varlen: bool
     arch: str
+    bias: bool = False
+    dropout: bool = False
 
 
 def _build(config: ForwardConfig):
     c = config
-    tiles = forward_tiles(c.head_dim, c.head_dim_v, c.window)
-    kernel = AttentionForwardSm90(c.dtype, tiles, c.mask_type, c.window, c.varlen)
+    tiles = forward_tiles(c.head_dim, c.head_dim_v, c.window, c.bias, c.dropout)
+    kernel = AttentionForwardSm90(c.dtype, tiles, c.mask_type, c.window, c.varlen, c.bias, c.dropout)
     b, h, hk, mq, mk, lse_rows = (cute.sym_int() for _ in range(6))
     seqs = cute.sym_int() if c.varlen else b  # the LSE's rows: per sequence
     vec = tma_align_elems(c.dtype.width)
@@ -55,6 +63,9 @@ def _build(config: ForwardConfig):
     o = cc.fake_tensor(c.dtype, (b, mq, h, c.head_dim_v), vec)
     lse = cc.fake_tensor(cutlass.Float32, (seqs, h, lse_rows), 1)
     cu_q, cu_k = (cc.fake_tensor(cutlass.Int32, (cute.sym_int(),), 1) if c.varlen else None for _ in range(2))
+    # the bias: any strides (0 for broadcast dims; read element by element), as the backward's
+    bias = cc.fake_tensor(c.dtype, (b, h, mq, mk), 1, leading_dim=None) if c.bias else None
+    rng = cc.fake_rng_args(False) if c.dropout else (None,) * 5
     return cc.compile_kernel(
         kernel,
         q,
@@ -67,6 +78,8 @@ def _build(config: ForwardConfig):
         cutlass.Int32(0),
         cutlass.Float32(1.0),
         cutlass.Int32(0),
+        bias,
+        *rng,
         cc.fake_stream(),
         arch=c.arch,
     )
@@ -81,11 +94,16 @@ _verdicts = Memo()  # unsupported's answers for plain CUDA tensors at TMA-aligne
 def unsupported(query, key, value, *, mask_type=0, bias=None, dropout_p=0.0, arch=None) -> Optional[str]:
     """Why the forward kernel cannot take this problem (None: it can); no CUDA call for CPU,
     meta or fake tensors (they get the reason of their missing arch unless ``arch`` is given).
-    Remembered per metadata for plain CUDA tensors (``attention_common.remembered_verdict``)."""
+    Remembered per metadata for plain CUDA tensors (``attention_common.remembered_verdict``),
+    except dropout under CUDA-graph capture (asked on every call)."""
+    if dropout_p > 0.0 and cc.capturing():
+        # the generator's offset cannot be read or advanced from Python during capture
+        return "dropout under CUDA-graph capture (the philox offset is not graph-safe from Python)"
+    bias_meta = None if bias is None else (bias.dtype, tuple(bias.shape))
     return remembered_verdict(
         _verdicts,
         (query, key, value),
-        (arch, mask_type, bias is not None, dropout_p > 0.0),
+        (arch, mask_type, bias_meta, dropout_p > 0.0),
         lambda: _unsupported(query, key, value, mask_type, bias, dropout_p, arch),
     )
 
@@ -100,15 +118,61 @@ def _unsupported(query, key, value, mask_type, bias, dropout_p, arch) -> Optiona
     why = forward_unsupported(query.shape[-1], value.shape[-1])
     if why is not None:
         return f"head dims {query.shape[-1]} / {value.shape[-1]} ({why})"
-    if bias is not None:
-        return "attention bias (not in the forward kernel yet)"
+    why = _bias_unsupported(query, key, bias)
+    if why is not None:
+        return why
     if dropout_p > 0.0:
-        return "dropout (not in the forward kernel yet)"
+        tiles = forward_tiles(query.shape[-1], value.shape[-1], bias=bias is not None, dropout=True)
+        if tiles.smem_bytes(query.element_size(), dropout=True) > SMEM_LIMIT:
+            return f"dropout with head dims {query.shape[-1]} / {value.shape[-1]} (its keep flags do not fit)"
     if key.shape[2] == 0 or query.shape[2] % key.shape[2]:
         return f"query heads {query.shape[2]} not a multiple of key heads {key.shape[2]}"
     if mask_type not in (0, 1, 2):
         return f"mask type {mask_type}"
     return tma_misaligned((("query", query), ("key", key), ("value", value)))
+
+
+def _bias_unsupported(query, key, bias) -> Optional[str]:
+    """Why the kernel cannot read this bias (None: it can, or there is none): any strides do."""
+    if bias is None:
+        return None
+    if bias.dtype != query.dtype:
+        return f"attention bias of dtype {bias.dtype} (query's {query.dtype} only)"
+    b, mq, h, _ = query.shape
+    full = (b, h, mq, key.shape[1])
+    if bias.dim() > 4 or any(n not in (1, f) for n, f in zip(reversed(bias.shape), reversed(full))):
+        return f"attention bias of shape {tuple(bias.shape)} (broadcastable to {full} only)"
+    return None
+
+
+_philox_lock = threading.Lock()
+
+
+def dropout_words(query, key, cu_seqlens_q=None, max_seqlen_q=None, max_seqlen_k=None) -> int:
+    """How far a dropout forward advances the philox offset: torch's B * num_heads * M * N of the
+    tensors' shapes (the packed lengths with ``cu_seqlens``), and with variable lengths at least
+    the words the kernels draw (sequence i's (i, head) stream at (i H + head) max_q max_k)."""
+    b, mq, h, _ = query.shape
+    words = b * h * mq * key.shape[1]
+    if cu_seqlens_q is not None:
+        words = max(words, (cu_seqlens_q.shape[0] - 1) * h * int(max_seqlen_q) * int(max_seqlen_k))
+    return words
+
+
+def philox_state(device: torch.device, words: int) -> Tuple[Tensor, Tensor]:
+    """(seed, offset) for a dropout forward that draws ``words`` stream words, as int64 CPU scalar
+    tensors (what torch's forward returns outside CUDA-graph capture): the default CUDA generator's
+    seed and offset, then the offset advanced by ``words`` rounded up to 4, as torch's forward takes
+    them (``CUDAGeneratorImpl::philox_cuda_state(increment)``). Not under capture (``unsupported``
+    refuses dropout there); a torch op drawing on another thread between the read and the advance
+    is not locked out (torch's own lock is the C++ generator's)."""
+    gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    with _philox_lock:
+        seed = gen.initial_seed()
+        offset = gen.get_offset()
+        gen.set_offset(offset + (words + 3) // 4 * 4)
+    seed = seed - (1 << 64) if seed >= 1 << 63 else seed  # torch's int64 view of the uint64 seed
+    return (torch.tensor(seed, dtype=torch.int64), torch.tensor(offset, dtype=torch.int64))
 
 
 def attention_forward_sm90(
@@ -121,23 +185,52 @@ def attention_forward_sm90(
     cu_seqlens_q: Optional[Tensor] = None,
     cu_seqlens_k: Optional[Tensor] = None,
     max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    bias: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    philox_seed: Optional[Tensor] = None,
+    philox_offset: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """O [B, Mq, H, Dv] and LSE [B, H, round_up(Mq, 32)] (natural log, fp32) of q [B, Mq, H, D],
     k [B, Mk, Hk, D], v [B, Mk, Hk, Dv] (``unsupported`` first). ``window_size`` > 0 (with a
     causal mask): key k also needs k > q + offset - window_size. Variable lengths: B = 1,
-    int32 ``cu_seqlens_q / _k`` [sequences + 1], the LSE [sequences, H, round_up(max_seqlen_q, 32)]."""
+    int32 ``cu_seqlens_q / _k`` [sequences + 1], the LSE [sequences, H, round_up(max_seqlen_q, 32)].
+
+    ``bias``: broadcastable to [B, H, Mq, Mk], query's dtype, added to the scaled scores (not with
+    variable lengths). ``dropout_p`` > 0: P V takes the keep mask of torch's forward for
+    ``philox_seed / philox_offset`` (int64 CPU scalars, ``philox_state``; with variable lengths
+    sequence i's (i, head) stream starts at (i H + head) max_seqlen_q max_seqlen_k, as the
+    backwards draw it); the LSE is the undropped softmax's."""
     b, mq, h, d = query.shape
     varlen = cu_seqlens_q is not None
+    if bias is not None and varlen:
+        raise NotImplementedError("attention bias with cu_seqlens is not supported (torch's forward refuses it too)")
     seqs, rows_q = (cu_seqlens_q.shape[0] - 1, int(max_seqlen_q)) if varlen else (b, mq)
     out = torch.empty((b, mq, h, value.shape[3]), dtype=query.dtype, device=query.device)
     lse = torch.empty((seqs, h, lse_rows(rows_q)), dtype=torch.float32, device=query.device)
     if out.numel() == 0 or key.shape[1] == 0 or seqs == 0:  # no launch: nothing to compute, or no key to see
         return out.zero_(), _empty_lse(lse, mq, cu_seqlens_q)
+    dropout = dropout_p > 0.0
     config = ForwardConfig(
-        cc.cute_dtype(query.dtype), d, value.shape[3], int(mask_type), window_size > 0, varlen, cc.tensor_arch(query)
+        cc.cute_dtype(query.dtype),
+        d,
+        value.shape[3],
+        int(mask_type),
+        window_size > 0,
+        varlen,
+        cc.tensor_arch(query),
+        bias is not None,
+        dropout,
     )
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
-    compiled(config)(query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, rows_q, scale, int(window_size))
+    if bias is not None:
+        bias = bias.expand(b, h, mq, key.shape[1])  # a view: broadcast dims get stride 0
+    rng = (None,) * 5
+    if dropout:
+        rows_k = int(max_seqlen_k) if varlen else key.shape[1]
+        rng = cc.dropout_args(dropout_p, philox_seed, philox_offset, rows_q, rows_k)
+    fn = compiled(config)
+    fn(query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, rows_q, scale, int(window_size), bias, *rng)
     return out, lse
 
 

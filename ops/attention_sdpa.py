@@ -212,10 +212,23 @@ def _sdpa_forward_override(
         mask_type = 1 if is_causal else 0
         reason = fwd_sm90.unsupported(q_t, k_t, v_t, mask_type=mask_type, bias=attn_bias, dropout_p=dropout_p)
     if reason is None:
-        out, lse = fwd_sm90.attention_forward_sm90(q_t, k_t, v_t, scale, 1 if is_causal else 0)
+        if dropout_p > 0.0:  # torch's CPU scalars, from the generator as torch's forward takes them
+            seed, offset = fwd_sm90.philox_state(query.device, fwd_sm90.dropout_words(q_t, k_t))
+        else:
+            seed, offset = (torch.empty((), dtype=torch.int64, device=query.device) for _ in range(2))
+        out, lse = fwd_sm90.attention_forward_sm90(
+            q_t,
+            k_t,
+            v_t,
+            scale,
+            1 if is_causal else 0,
+            bias=attn_bias,
+            dropout_p=dropout_p,
+            philox_seed=seed,
+            philox_offset=offset,
+        )
         if not compute_log_sumexp:
             lse = lse.new_empty((*lse.shape[:-1], 0))
-        seed, offset = (torch.empty((), dtype=torch.int64, device=query.device) for _ in range(2))
         return out.transpose(1, 2), lse, seed, offset
     logger.debug("SDPA efficient forward falls back to torch's kernel: %s", reason)
     out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(

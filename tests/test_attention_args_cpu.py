@@ -76,7 +76,7 @@ cutlass.min = min
 cute.size = lambda x, mode: len(x) if mode == [0] else len(x[0])
 from cutlass import Uint32
 from cute_kernels.attention.bias import load_bias_fragment
-from cute_kernels.attention.dropout import flag_half
+from cute_kernels.attention.dropout import flag_byte, flag_half
 
 class Grid:  # [r][c] lists indexed as x[r, c]
     def __init__(self, rows):
@@ -93,13 +93,15 @@ class Grid:  # [r][c] lists indexed as x[r, c]
 case = json.loads(sys.argv[1])
 halves = [[int(flag_half.__wrapped__([Uint32(f) for f in flags], h)) for h in range(len(flags) // 4)]
           for flags in case["flags"]]
+bytes_ = [[int(flag_byte.__wrapped__([Uint32(f) for f in flags], b)) for b in range(len(flags) // 2)]
+          for flags in case["flags"]]
 loaded = []
 for b in case["bias"]:
     B = Grid([[None] * b["cols"] for _ in range(b["rows"])])
     coords = Grid([[tuple(rc) for rc in row] for row in b["coords"]])
     load_bias_fragment.__wrapped__(Grid(b["gB"]), B, coords, b["q0"], b["key0"], b["sq"], b["sk"], b["keys_as_rows"])
     loaded.append(B.rows)
-print(json.dumps({"halves": halves, "bias": loaded}))
+print(json.dumps({"halves": halves, "bytes": bytes_, "bias": loaded}))
 """
 
 
@@ -126,7 +128,7 @@ def _bias_model(b):
     return out
 
 
-def test_dropout_flag_halves_and_bias_fragment():
+def test_dropout_flag_halves_bytes_and_bias_fragment():
     rng = random.Random(0)
     # keep_flags' quads: flag j of 4 consecutive keys in byte j
     flags = [[sum(rng.getrandbits(1) << (8 * j) for j in range(4)) for _ in range(8)] for _ in range(20)]
@@ -144,5 +146,8 @@ def test_dropout_flag_halves_and_bias_fragment():
     for quads, halves in zip(flags, got["halves"]):
         keys = [(quad >> (8 * j)) & 1 for quad in quads for j in range(4)]
         assert halves == [sum(keys[16 * h + j] << j for j in range(16)) for h in range(len(quads) // 4)]
+    for quads, bytes_ in zip(flags, got["bytes"]):
+        keys = [(quad >> (8 * j)) & 1 for quad in quads for j in range(4)]
+        assert bytes_ == [sum(keys[8 * b + j] << j for j in range(8)) for b in range(len(quads) // 2)]
     for b, loaded in zip(bias, got["bias"]):
         assert loaded == _bias_model(b)

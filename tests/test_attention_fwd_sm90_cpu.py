@@ -45,15 +45,25 @@ CONFIGS += [
 ]
 
 
+# bias / dropout: a few, the compile is the same for grouped-query heads (a runtime ratio)
+FEATURE_CONFIGS = [
+    A.ForwardConfig(BF16, 64, 64, 0, False, False, "sm_90a", bias=True),
+    A.ForwardConfig(F16, 128, 128, 1, False, False, "sm_90a", dropout=True),
+    A.ForwardConfig(BF16, 128, 128, 2, True, False, "sm_90a", bias=True, dropout=True),
+    A.ForwardConfig(F16, 64, 64, 1, False, True, "sm_90a", dropout=True),
+    A.ForwardConfig(BF16, 256, 256, 1, False, False, "sm_90a", dropout=True),
+    A.ForwardConfig(BF16, 192, 128, 2, True, False, "sm_90a", bias=True),
+]
+
+
+def _config_id(c):
+    dv = "" if c.head_dim_v == c.head_dim else f"v{c.head_dim_v}"
+    features = "-bias" * c.bias + "-dropout" * c.dropout
+    return f"{c.dtype.__name__}-d{c.head_dim}{dv}-m{c.mask_type}-w{int(c.window)}-v{int(c.varlen)}{features}"
+
+
 @pytest.mark.compile
-@pytest.mark.parametrize(
-    "config",
-    CONFIGS,
-    ids=lambda c: (
-        f"{c.dtype.__name__}-d{c.head_dim}{'' if c.head_dim_v == c.head_dim else f'v{c.head_dim_v}'}"
-        f"-m{c.mask_type}-w{int(c.window)}-v{int(c.varlen)}"
-    ),
-)
+@pytest.mark.parametrize("config", CONFIGS + FEATURE_CONFIGS, ids=_config_id)
 def test_compiles(config):
     assert callable(A._build(config))
 
@@ -63,13 +73,17 @@ def test_every_head_dim_pair_compiles_in_a_test():
     assert {(c.head_dim, c.head_dim_v) for c in CONFIGS if c.window} == set(F.HEAD_DIMS)
 
 
-@pytest.mark.parametrize("window", [False, True], ids=["full", "window"])
+@pytest.mark.parametrize(
+    "features",
+    [(), ("window",), ("bias",), ("dropout",), ("window", "bias", "dropout")],
+    ids=lambda f: "-".join(f) or "plain",
+)
 @pytest.mark.parametrize("dims", F.HEAD_DIMS, ids=lambda d: f"d{d[0]}v{d[1]}")
-def test_tiles_fit(dims, window):
-    tiles = F.forward_tiles(*dims, window)
+def test_tiles_fit(dims, features):
+    tiles = F.forward_tiles(*dims, **{f: True for f in features})
     assert (tiles.head_dim, tiles.head_dim_v) == dims
-    assert tiles.smem_bytes(2) <= SMEM_LIMIT
     assert tiles.o_in_q == (dims[1] <= dims[0])
+    assert tiles.smem_bytes(2, dropout="dropout" in features) <= SMEM_LIMIT
     assert tiles.consumer_wgs in F.CONSUMER_REGS and tiles.num_threads == 128 * (tiles.consumer_wgs + 1)
     # the register budgets of one CTA fit the multiprocessor's 64K
     regs = 128 * F.PRODUCER_REGS[tiles.consumer_wgs] + tiles.num_mma_threads * F.CONSUMER_REGS[tiles.consumer_wgs]
@@ -89,6 +103,10 @@ def test_config_key_is_stable_text():
     assert _disk_cache.stable_key(a) == _disk_cache.stable_key(b) is not None
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.head_dim = 1
+    keys = {
+        _disk_cache.stable_key(dataclasses.replace(a, bias=x, dropout=y)) for x in (False, True) for y in (False, True)
+    }
+    assert len(keys) == 4  # bias and dropout are compiled apart
 
 
 def _meta(b, s, h, d, dtype=torch.bfloat16, hk=None, dv=None):
@@ -108,8 +126,13 @@ def _meta(b, s, h, d, dtype=torch.bfloat16, hk=None, dv=None):
         ({"arch": "sm_90a"}, _meta(1, 128, 2, 128, dv=64), "head dims"),
         ({"arch": "sm_90a"}, _meta(1, 128, 2, 128, dv=192), "head dims"),
         ({"arch": "sm_90a"}, _meta(1, 128, 3, 128, hk=2), "multiple of key heads"),
-        ({"arch": "sm_90a", "dropout_p": 0.1}, _meta(1, 128, 2, 128), "dropout"),
         ({"arch": "sm_90a", "mask_type": 3}, _meta(1, 128, 2, 128), "mask type"),
+        ({"arch": "sm_90a", "bias": torch.empty(2, 128, 128, device="meta")}, _meta(1, 128, 2, 128), "dtype"),
+        (
+            {"arch": "sm_90a", "bias": torch.empty(3, 128, 128, dtype=torch.bfloat16, device="meta")},
+            _meta(1, 128, 2, 128),
+            "broadcastable",
+        ),
     ],
 )
 def test_unsupported_names_the_reason(kw, tensors, reason):
@@ -126,6 +149,66 @@ def test_unsupported_names_a_misaligned_tensor():
 def test_supported_problem(dims):
     d, dv = dims
     assert A.unsupported(*_meta(2, 1000, 8, d, hk=2, dv=dv), arch="sm_90a", mask_type=2) is None
+
+
+def test_supported_bias_and_dropout():
+    q, k, v = _meta(2, 1000, 8, 64, hk=2)
+    bias = torch.empty(1, 8, 1000, 1000, dtype=torch.bfloat16, device="meta").expand(2, 8, 1000, 1000)
+    assert A.unsupported(q, k, v, arch="sm_90a", mask_type=1, bias=bias, dropout_p=0.1) is None
+    assert A.unsupported(q, k, v, arch="sm_90a", bias=bias[0, 0, :1]) is None  # [1, Mk]: broadcast
+
+
+def test_dropout_under_graph_capture_is_refused_on_every_call(monkeypatch):
+    """The philox offset is not graph-safe from Python: under capture dropout runs torch's forward;
+    the verdict is not remembered (outside capture the same problem is ours again)."""
+    from ops import _compile as cc
+
+    q, k, v = _meta(1, 256, 2, 64)
+    monkeypatch.setattr(cc, "capturing", lambda: True)
+    assert "CUDA-graph capture" in A.unsupported(q, k, v, arch="sm_90a", dropout_p=0.1)
+    assert A.unsupported(q, k, v, arch="sm_90a") is None  # no dropout: capture is fine
+    monkeypatch.setattr(cc, "capturing", lambda: False)
+    assert A.unsupported(q, k, v, arch="sm_90a", dropout_p=0.1) is None
+
+
+def test_kernel_refuses_bias_with_varlen():
+    from cute_kernels.attention_sm90.attention_forward_sm90 import AttentionForwardSm90
+
+    with pytest.raises(NotImplementedError, match="variable lengths"):
+        AttentionForwardSm90(BF16, F.forward_tiles(64, 64), 0, varlen=True, has_bias=True)
+
+
+def test_dropout_words_and_philox_state(monkeypatch):
+    """The offset advances as torch's forward advances it: B * H * M * N rounded up to 4 (with
+    variable lengths at least the (sequence, head) streams of max_q * max_k words); the seed is
+    torch's int64 view of the generator's uint64 seed."""
+
+    class Generator:  # the default CUDA generator's face: seed, offset and its setter
+        def __init__(self, seed, offset):
+            self.seed, self.offset = seed, offset
+
+        def initial_seed(self):
+            return self.seed
+
+        def get_offset(self):
+            return self.offset
+
+        def set_offset(self, offset):
+            assert offset % 4 == 0
+            self.offset = offset
+
+    q, k, _ = _meta(2, 7, 3, 64)
+    k = torch.empty(2, 9, 1, 64, device="meta")  # grouped-query heads: torch's forward gets them repeated
+    assert A.dropout_words(q, k) == 2 * 3 * 7 * 9
+    qv, kv = torch.empty(1, 101, 3, 64, device="meta"), torch.empty(1, 101, 3, 64, device="meta")
+    cu = torch.empty(3, dtype=torch.int32, device="meta")  # two sequences of at most 100 rows
+    assert A.dropout_words(qv, kv, cu, 100, 100) == 2 * 3 * 100 * 100
+    assert A.dropout_words(qv, kv, cu, 60, 60) == 3 * 101 * 101
+    gen = Generator(2**64 - 5, 8)
+    monkeypatch.setattr(torch.cuda, "default_generators", (gen,))
+    seed, offset = A.philox_state(torch.device("cuda", 0), 2 * 3 * 7 * 9)
+    assert (seed.item(), offset.item(), gen.offset) == (-5, 8, 8 + 380)
+    assert seed.dtype == offset.dtype == torch.int64 and seed.device.type == "cpu" and seed.dim() == 0
 
 
 def test_benchmark_configurations_follow_the_cases():
@@ -152,7 +235,9 @@ def test_the_op_takes_our_forward_where_it_applies():
     assert attention.forward_unsupported(q, k, v, 1, None, 0.0, "auto", arch="sm_90a") is None
     assert attention.forward_unsupported(q, k, v, 1, None, 0.0, "sm90", arch="sm_90a") is None
     assert attention.forward_unsupported(q, k, v, 1, None, 0.0, "mem_eff", arch="sm_90a") == "backend='mem_eff'"
-    assert "dropout" in attention.forward_unsupported(q, k, v, 1, None, 0.1, "auto", arch="sm_90a")
+    assert attention.forward_unsupported(q, k, v, 1, None, 0.1, "auto", arch="sm_90a") is None
+    bias = torch.empty(2, 8, 256, 256, dtype=torch.bfloat16, device="meta")
+    assert attention.forward_unsupported(q, k, v, 1, bias, 0.1, "auto", arch="sm_90a") is None
     assert "needs sm_90a" in attention.forward_unsupported(q, k, v, 1, None, 0.0, "auto", arch="sm_80")
 
 

@@ -128,3 +128,4 @@ def test_forward_barrier_ids_distinct_and_turns_consecutive():
     ids = [int(b) for b in B]
     assert len(ids) == len(set(ids)) and all(0 < i < 16 for i in ids)
     assert [B.TURN_WG0, B.TURN_WG1, B.TURN_WG2] == [B.TURN_WG0 + w for w in range(3)]
+    assert [B.KEEP_FLAGS_WG0, B.KEEP_FLAGS_WG1, B.KEEP_FLAGS_WG2] == [B.KEEP_FLAGS_WG0 + w for w in range(3)]

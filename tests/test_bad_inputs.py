@@ -1745,6 +1745,14 @@ MEMORY_EFFICIENT_ATTENTION = [
     ),
     C(
         "memory_efficient_attention",
+        "attn_bias-varlen",
+        lambda: mea_var(attn_bias=fc(1, 2, 40, 48)),
+        NotImplementedError,
+        "attn_bias",
+        "cu_seqlens",
+    ),
+    C(
+        "memory_efficient_attention",
         "attn_bias-not-a-tensor",
         lambda: mea(attn_bias=1.0),
         TypeError,

@@ -54,21 +54,33 @@ def philox_stream(args: PhiloxArgs, batch, heads) -> PhiloxStream:
 def keep_flags(stream: PhiloxStream, head, q0, row, key0, col, seqlen_k, keys: cutlass.Constexpr):
     """Keep flags of ``keys`` consecutive keys (a multiple of 4) from key0 + col of query q0 + row
     (the word of (q, k) is q * Sk + k of the head's stream), 4 per Philox call: a Uint32 per 4
-    keys, key j's flag in byte j (``keep_flags_quads``; ``flag_half`` packs them)."""
+    keys, key j's flag in byte j (``keep_flags_quads``; ``flag_half`` / ``flag_byte`` pack them)."""
     word = stream.base + Int64(head) * stream.bh_elems + Int64(q0 + row) * Int64(seqlen_k) + Int64(key0 + col)
     return keep_flags_quads(Uint64(word), stream.k0, stream.k1, stream.p, keys // 4)
+
+
+def flag_bits(flags, first: int, quads: int):
+    """Keys 4 ``first`` .. 4 (``first`` + ``quads``) - 1 of ``keep_flags``' flags as the low bits
+    of a Uint32 (key 4 ``first`` in bit 0). Plain Python, traced inline by its callers."""
+    bits = Uint32(0)
+    # flag j of quad c is bit 8 j of flags[c]: a quad makes a nibble
+    for c in range(quads):
+        f = flags[first + c]
+        nibble = (f | (f >> Uint32(7)) | (f >> Uint32(14)) | (f >> Uint32(21))) & Uint32(0xF)
+        bits = bits | (nibble << Uint32(4 * c))
+    return bits
 
 
 @cute.jit
 def flag_half(flags, h: cutlass.Constexpr):
     """Keys 16 h .. 16 h + 15 of ``keep_flags``' flags as bits 0 .. 15 of a Uint32."""
-    half = Uint32(0)
-    # flag j of quad c is bit 8 j of flags[c]: 4 quads make a 16-bit half-word
-    for c in cutlass.range_constexpr(4):
-        f = flags[4 * h + c]
-        nibble = (f | (f >> Uint32(7)) | (f >> Uint32(14)) | (f >> Uint32(21))) & Uint32(0xF)
-        half = half | (nibble << Uint32(4 * c))
-    return half
+    return flag_bits(flags, 4 * h, 4)
+
+
+@cute.jit
+def flag_byte(flags, b: cutlass.Constexpr):
+    """Keys 8 b .. 8 b + 7 of ``keep_flags``' flags as bits 0 .. 7 of a Uint32."""
+    return flag_bits(flags, 2 * b, 2)
 
 
 @cute.jit

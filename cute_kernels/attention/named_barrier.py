@@ -26,14 +26,17 @@ class NamedBarrier(IntEnum):
 
 
 class NamedBarrierFwd(IntEnum):
-    """The Hopper forward's ids. A consumer warpgroup w's turn is TURN_WG0 + w (consecutive ids:
-    the warpgroup index is a runtime value)."""
+    """The Hopper forward's ids. A consumer warpgroup w's turn is TURN_WG0 + w, its keep flags'
+    barrier KEEP_FLAGS_WG0 + w (consecutive ids: the warpgroup index is a runtime value)."""
 
     EPILOGUE = 1  # the consumers: every product has read Q, then O is staged in its buffer
     EPILOGUE_STAGED = 2  # the consumers: O is staged, one thread stores it
     TURN_WG0 = 3  # ping-pong: consumer warpgroup 0 may issue its products
     TURN_WG1 = 4  # ... warpgroup 1
     TURN_WG2 = 5  # ... warpgroup 2 (tiles of three consumer warpgroups)
+    KEEP_FLAGS_WG0 = 6  # dropout: consumer warpgroup 0 drew its keep flags of the block
+    KEEP_FLAGS_WG1 = 7  # ... warpgroup 1
+    KEEP_FLAGS_WG2 = 8  # ... warpgroup 2
 
 
 def named_barrier(barrier_id: int, threads: int, arrive: bool):

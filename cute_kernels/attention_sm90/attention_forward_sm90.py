@@ -14,6 +14,12 @@ at the end O / l and LSE = (m * scale * log2(e) + log2(l)) * ln(2) (natural log,
 A row that sees no key has O = 0 and LSE = 0, as torch's forward writes (every one of its
 probabilities is masked in the backward too).
 
+An additive bias enters the scores in log2 units (S * scale * log2(e) + B * log2(e), the softmax
+then with scale 1); dropout zeroes the probabilities fed to P V where torch's memory-efficient
+forward drops them (its Philox draw, per block into shared memory) while the row sums and the
+LSE stay the undropped softmax's, and O takes the 1 / (1 - p) at the end
+(``forward_features.py``).
+
 O leaves through shared memory (Q's buffer where Dv <= Dqk, which every product has read by
 then) by a TMA store; the LSE rows [B, H, lse_rows] are written by the threads that own them,
 +inf past the sequence (torch's padded rows).
@@ -28,6 +34,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from cute_kernels.attention.dropout import PhiloxArgs
 from cute_kernels.attention.mask import AttentionMask
 from cute_kernels.attention.named_barrier import NamedBarrierFwd
 from cute_kernels.attention.seqlen_info import Rows
@@ -35,15 +42,22 @@ from cute_kernels.attention.tile_scheduler import GridTileScheduler, TileSchedul
 from cute_kernels.common.convert import convert_packed
 from cute_kernels.common.log2_units import LN_2, LOG2_E
 from cute_kernels.common.views import select_modes, transpose_view
-from layouts.attention_fwd_sm90 import SMEM_ALIGN, SMEM_LIMIT, AttentionFwdSm90Tiles
+from layouts.attention_fwd_sm90 import (
+    KEEP_FLAG_ALIGN,
+    KEEP_FLAG_BUFFERS,
+    SMEM_ALIGN,
+    SMEM_LIMIT,
+    AttentionFwdSm90Tiles,
+)
 
 from .forward_config import CONSUMER_REGS, PRODUCER_REGS, pingpong
+from .forward_features import ForwardFeaturesMixin
 from .wgmma import acc_as_operand_a, acc_mn_layout, wgmma
 
 PARTIALS = 4  # independent max / sum chains of a softmax row
 
 
-class AttentionForwardSm90:
+class AttentionForwardSm90(ForwardFeaturesMixin):
     """Configuration: element type, tiles, mask (0 none, 1 causal from the top-left, 2 from the
     bottom-right: key k sees query q when k <= q + offset, offset = Sk - Sq for 2) and, with a
     causal mask, a sliding window (also k > q + offset - window_size; a runtime argument).
@@ -52,22 +66,39 @@ class AttentionForwardSm90:
     ``varlen``: sequences of different lengths packed along the rows of batch-1 tensors
     (``cu_seqlens_q / _k``: int32 [sequences + 1]); the grid's batch is the sequence, every
     mask is per sequence, a query block past its sequence's end does nothing, and O's rows
-    leave by vector stores that stop at the sequence's end. The LSE is [sequences, H, rows]."""
+    leave by vector stores that stop at the sequence's end. The LSE is [sequences, H, rows].
+
+    ``has_bias``: B [B, H, Sq, Sk] (any strides, 0 for broadcast dims; not with varlen) is added to
+    the scaled scores, read per block from global memory. ``dropout``: P V takes torch's
+    memory-efficient forward's keep mask (curand's Philox, one stream word per (query, key):
+    ``common/philox.py``), the same bits the sm90 backward redraws; the LSE is the undropped
+    softmax's."""
 
     def __init__(
-        self, dtype, tiles: AttentionFwdSm90Tiles, mask_type: int, has_window: bool = False, varlen: bool = False
+        self,
+        dtype,
+        tiles: AttentionFwdSm90Tiles,
+        mask_type: int,
+        has_window: bool = False,
+        varlen: bool = False,
+        has_bias: bool = False,
+        dropout: bool = False,
     ):
         if has_window and mask_type == 0:
             raise ValueError("a sliding window needs a causal mask (mask_type 1 or 2)")
         if mask_type not in (0, 1, 2):
             raise ValueError(f"mask type {mask_type}")
-        if tiles.smem_bytes(dtype.width // 8) > SMEM_LIMIT:
-            raise ValueError(f"tiles {tiles} need more shared memory than a CTA has")
+        if has_bias and varlen:
+            raise NotImplementedError("attention bias with variable lengths (torch's forward refuses it too)")
+        if tiles.smem_bytes(dtype.width // 8, dropout=dropout) > SMEM_LIMIT:
+            raise ValueError(f"tiles {tiles} need more shared memory than a CTA has (dropout: {dropout})")
         self.dtype = dtype
         self.tiles = tiles
         self.mask_type = mask_type
         self.has_window = has_window
         self.varlen = varlen
+        self.has_bias = has_bias
+        self.dropout = dropout
         self.mask = AttentionMask(tiles.tile_m, tiles.tile_n, mask_type, has_window, varlen)
         self.scheduler = GridTileScheduler(lpt=mask_type != 0)
         self.pingpong = pingpong(tiles)
@@ -86,6 +117,12 @@ class AttentionForwardSm90:
         max_seqlen_q: Int32,  # varlen: the longest sequence's queries (else unused)
         softmax_scale: Float32,
         window_size: Int32,
+        mBias: Optional[cute.Tensor],  # [B, H, Sq, Sk] (has_bias), or None
+        philox_seed,  # dropout (None without): Int64 seed and offset, p and 1 / (1 - p) (Float32),
+        philox_offset,  # the stream words of one (batch, head): Mq * Mk (varlen: max_seqlen_q * max_seqlen_k)
+        dropout_p,
+        dropout_scale,
+        dropout_bh_elems,
         stream: cuda.CUstream,
     ):
         t = self.tiles
@@ -121,6 +158,10 @@ class AttentionForwardSm90:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], SMEM_ALIGN]
             if const_expr(not t.o_in_q):
                 sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], SMEM_ALIGN]
+            if const_expr(self.dropout):
+                sKeep: cute.struct.Align[
+                    cute.struct.MemRange[cutlass.Uint8, KEEP_FLAG_BUFFERS * t.keep_flag_bytes], KEEP_FLAG_ALIGN
+                ]
 
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         heads, batches = mQ.shape[2], mQ.shape[3]
@@ -133,6 +174,9 @@ class AttentionForwardSm90:
         # neighbours in launch order, so its K / V stay in L2 between them
         sched = TileSchedulerParams(m_blocks, heads, batches, heads * batches)
         grid = (sched.total, 1, 1) if const_expr(self.scheduler.lpt) else (m_blocks, heads, batches)
+        rng = None
+        if const_expr(self.dropout):
+            rng = PhiloxArgs(philox_seed, philox_offset, dropout_p, dropout_scale, dropout_bh_elems)
         self.kernel(
             gQ_tma,
             gK_tma,
@@ -142,6 +186,8 @@ class AttentionForwardSm90:
             mLSE,
             mCuSeqlensQ,
             mCuSeqlensK,
+            mBias,
+            rng,
             tma_Q,
             tma_K,
             tma_V,
@@ -173,6 +219,8 @@ class AttentionForwardSm90:
         mLSE: cute.Tensor,
         mCuSeqlensQ: Optional[cute.Tensor],
         mCuSeqlensK: Optional[cute.Tensor],
+        mBias: Optional[cute.Tensor],
+        rng: Optional[PhiloxArgs],
         tma_Q: cute.CopyAtom,
         tma_K: cute.CopyAtom,
         tma_V: cute.CopyAtom,
@@ -208,6 +256,8 @@ class AttentionForwardSm90:
                 gO_tma,
                 mO,
                 mLSE,
+                mBias,
+                rng,
                 tma_Q,
                 tma_K,
                 tma_V,
@@ -239,6 +289,8 @@ class AttentionForwardSm90:
         gO_tma,
         mO,
         mLSE,
+        mBias,
+        rng,
         tma_Q,
         tma_K,
         tma_V,
@@ -276,6 +328,9 @@ class AttentionForwardSm90:
             sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         else:
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sKeep = None
+        if const_expr(self.dropout):
+            sKeep = storage.sKeep.get_tensor(cute.make_layout(KEEP_FLAG_BUFFERS * t.keep_flag_bytes))
         mbar_q = storage.mbar_q.data_ptr()
         if warp_idx == 0:
             with cute.arch.elect_one():
@@ -322,6 +377,7 @@ class AttentionForwardSm90:
                 )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS[t.consumer_wgs])
+            feat = self.features(mBias, sKeep, rng, batch, head, mLSE.shape[1])
             acc_O, row_sum = self.mma(
                 sQ,
                 sK,
@@ -338,6 +394,7 @@ class AttentionForwardSm90:
                 seqlen_k,
                 scale_log2,
                 window_size,
+                feat,
             )
             self.stage_o(acc_O, sO, tiled_mma_pv)
             if const_expr(self.varlen):
@@ -399,8 +456,10 @@ class AttentionForwardSm90:
         seqlen_k,
         scale_log2,
         window_size,
+        feat,
     ):
-        """The warpgroup's O (normalised) and its rows' LSE, over the key blocks the query block sees."""
+        """The warpgroup's O (normalised) and its rows' LSE, over the key blocks the query block sees
+        (``feat``: the CTA's ``ForwardFeatures``)."""
         t = self.tiles
         tidx = cute.arch.thread_idx()[0] - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -428,21 +487,32 @@ class AttentionForwardSm90:
         row_scale = cute.make_rmem_tensor(rows, Float32)
         q0 = m_block * t.tile_m
         offset = self.mask.causal_offset(seqlen_q, seqlen_k)
+        # with a bias the scores enter the softmax already in log2 units
+        sm_scale = 1.0 if const_expr(self.has_bias) else scale_log2
 
         self.take_turn_init(wg)
         cute.arch.mbarrier_wait(mbar_q, 0)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
         if n_min < n_max:
             # the last block the query block sees: always masked (sequence end, diagonal)
+            key0 = (n_max - 1) * t.tile_n
             pipe_k.consumer_wait(state)
             wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], zero_init=True)
+            if const_expr(self.dropout):  # while the tensor cores compute S
+                self.draw_keep_flags(feat, 0, q0, key0, seqlen_k, tidx)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(state)
-            self.mask.apply(S, cS, t0S, q0, (n_max - 1) * t.tile_n, seqlen_k, offset, window_size)
-            self.online_softmax(S, row_max, row_sum, scale_log2, None)
+            if const_expr(self.has_bias):
+                self.add_bias(acc_S, S, feat, cS, q0, key0, seqlen_q, seqlen_k, scale_log2)
+            self.mask.apply(S, cS, t0S, q0, key0, seqlen_k, offset, window_size)
+            self.online_softmax(S, row_max, row_sum, sm_scale, None)
+            if const_expr(self.dropout):
+                self.keep_probs(S, feat, 0, cS, t0S, wg)
             convert_packed(acc_S, rP)
             for i in cutlass.range(1, n_max - n_min, unroll=1):
                 key0 = (n_max - 1 - i) * t.tile_n
+                if const_expr(self.dropout):  # before the turn: P and O are all the registers held
+                    self.draw_keep_flags(feat, i, q0, key0, seqlen_k, tidx)
                 state_v = state.clone()
                 state.advance()
                 pipe_k.consumer_wait(state)
@@ -453,18 +523,23 @@ class AttentionForwardSm90:
                 self.pass_turn(wg)
                 warpgroup.wait_group(1)  # S done, P V may still run
                 pipe_k.consumer_release(state)
+                if const_expr(self.has_bias):
+                    self.add_bias(acc_S, S, feat, cS, q0, key0, seqlen_q, seqlen_k, scale_log2)
                 if self.mask.needs_masking(q0, key0, seqlen_q, seqlen_k, offset, window_size):
                     self.mask.apply(S, cS, t0S, q0, key0, seqlen_k, offset, window_size)
-                self.online_softmax(S, row_max, row_sum, scale_log2, row_scale)
+                self.online_softmax(S, row_max, row_sum, sm_scale, row_scale)
                 warpgroup.wait_group(0)  # P V has read P
                 pipe_v.consumer_release(state_v)
                 self.rescale_rows(acc_O, row_scale)
+                if const_expr(self.dropout):
+                    self.keep_probs(S, feat, i, cS, t0S, wg)
                 convert_packed(acc_S, rP)
             pipe_v.consumer_wait(state)
             wgmma(tiled_mma_pv, acc_O, tOrP, tOrV[None, None, None, state.index], zero_init=False)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(state)
-        return acc_O, self.finalize(acc_O, row_max, row_sum, scale_log2)
+        o_scale = feat.philox.scale if const_expr(self.dropout) else None
+        return acc_O, self.finalize(acc_O, row_max, row_sum, sm_scale, o_scale)
 
     @staticmethod
     def coords_mn(thr_mma, shape):
@@ -516,8 +591,9 @@ class AttentionForwardSm90:
                     A[r, c] = A[r, c] * row_scale[r]
 
     @cute.jit
-    def finalize(self, acc_O, row_max, row_sum, scale_log2):
-        """O / l in place and the rows' LSE (natural log; 0 where the row saw no key)."""
+    def finalize(self, acc_O, row_max, row_sum, scale_log2, o_scale=None):
+        """O / l in place and the rows' LSE (natural log; 0 where the row saw no key). ``o_scale``:
+        dropout's 1 / (1 - p) on O (None without)."""
         scale = cute.make_rmem_tensor(cute.size(row_sum), Float32)
         lse = cute.make_rmem_tensor(cute.size(row_sum), Float32)
         for r in cutlass.range_constexpr(cute.size(row_sum)):
@@ -526,6 +602,8 @@ class AttentionForwardSm90:
             lse[r] = Float32(0.0)
             if total > 0.0:
                 scale[r] = cute.arch.rcp_approx(total)
+                if const_expr(o_scale is not None):
+                    scale[r] = scale[r] * o_scale
                 lse[r] = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
         self.rescale_rows(acc_O, scale)
         return lse

@@ -31,16 +31,29 @@ TILES = {
 }
 HEAD_DIMS = tuple(TILES)  # (Dqk, Dv) the forward compiles for; others run torch's forward
 WINDOW_TILES = {(192, 192): (128, 96), (192, 128): (128, 96), (256, 256): (128, 64)}
+# Features that hold more a thread or take shared memory bound the tile further (the smallest
+# bound that applies wins): a bias fragment (read before the softmax, beside S, P and O) spills
+# at d64 192 x 128 (204 bytes) and d128 128 x 160 (184), 0 and 16 bytes (with dropout too) at
+# 128 x 128; d96 / d192 keep theirs at 8 bytes. Dropout's keep flags (two buffers of
+# tile_m x tile_n / 8 bytes) do not fit beside d256's 128 x 80 tiles.
+BIAS_TILES = {(64, 64): (128, 128), (128, 128): (128, 128)}
+DROPOUT_TILES = {(256, 256): (128, 64)}
 
 PRODUCER_REGS = {2: 24, 3: 32}  # setmaxnreg of the producer warpgroup, by consumer warpgroups
 CONSUMER_REGS = {2: 240, 3: 160}  # of each consumer warpgroup (within 64K registers a CTA)
 
 
-def forward_tiles(head_dim: int, head_dim_v: int, window: bool = False) -> AttentionFwdSm90Tiles:
-    """The tiles the forward compiles with for Dqk / Dv, with or without a sliding window
-    (``forward_unsupported`` first)."""
+def forward_tiles(
+    head_dim: int, head_dim_v: int, window: bool = False, bias: bool = False, dropout: bool = False
+) -> AttentionFwdSm90Tiles:
+    """The tiles the forward compiles with for Dqk / Dv and the features that bound them (a sliding
+    window, an attention bias, dropout; ``forward_unsupported`` first)."""
     dims = (head_dim, head_dim_v)
-    tile_m, tile_n = WINDOW_TILES.get(dims, TILES[dims]) if window else TILES[dims]
+    bounds = [TILES[dims]]
+    for on, table in ((window, WINDOW_TILES), (bias, BIAS_TILES), (dropout, DROPOUT_TILES)):
+        if on and dims in table:
+            bounds.append(table[dims])
+    tile_m, tile_n = min(bounds, key=lambda t: t[0] * t[1])
     return AttentionFwdSm90Tiles(head_dim, head_dim_v, tile_m, tile_n, STAGES)
 
 
