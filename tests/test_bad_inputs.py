@@ -1930,8 +1930,8 @@ _ENTRIES = {
     "attention_bwd_convert_dkv": [(P, "_convert_dkv_impl"), (P, "_convert_dkv_op")],
     "attention_bwd_clear_dkv_accum": [(P, "launch_clear_dkv_accum"), (P, "_clear_dkv_accum_op")],
     "efficient_attention_backward": [(A, "run_backward"), (A, "_op")],
-    "memory_efficient_attention": [(A, "_mea_forward")],
-    "efficient_attention_forward": [(A, "_mea_forward")],
+    "memory_efficient_attention": [(A, "_mea_forward"), (A, "_mea_impl")],
+    "efficient_attention_forward": [(A, "_mea_forward"), (A, "_mea_impl")],
     "use_for_sdpa": [(torch.library, "Library")],
 }
 
