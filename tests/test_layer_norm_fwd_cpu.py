@@ -89,6 +89,16 @@ def test_rms_norm_takes_no_bias():
         LnFwd(cutlass.BFloat16, None, cutlass.BFloat16, t, True)
 
 
+def test_compile_only_covers_suite(monkeypatch):
+    from benchmarks.suites import layer_norm_fwd
+
+    seen = []
+    monkeypatch.setattr(NF, "compiled", lambda *k: seen.append(k))
+    assert layer_norm_fwd.compile_only("sm_90a") == len(seen) > 0
+    assert {k[3].threads_per_row for k in seen} >= {1, 256, 512}
+    assert {k[3].ctas_per_row for k in seen} >= {1, 2, 8}
+
+
 # ------------------------------------------------------------------------ tiles
 
 
