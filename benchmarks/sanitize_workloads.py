@@ -140,6 +140,23 @@ def _norm(rows, n, dtype, w_dtype, has_w=True, has_b=True, rms=False, dz_dtype=N
         ops.layer_norm_backward(dz, x, w, mean, rstd, b)
 
 
+def _norm_forward(rows, n, dtype, w_dtype, b_dtype=None, rms=False, view=None):
+    """The forward kernel alone (no grad), through the public ops."""
+    import ops
+
+    x = (_randn(rows, n, dtype=F32) * 2 + 0.5).to(dtype)
+    if view is not None:  # a row-strided view at an odd start (narrower vectors): (start, N)
+        x = x.narrow(1, view[0], view[1])
+        n = view[1]
+    w = None if w_dtype is None else _randn(n, dtype=F32).to(w_dtype)
+    b = None if b_dtype is None else _randn(n, dtype=F32).to(b_dtype)
+    with torch.no_grad():
+        if rms:
+            ops.rms_norm(x, n, w, 1e-5)
+        else:
+            ops.layer_norm(x, n, w, b, 1e-5)
+
+
 def _norm_configs():
     g = "norm"
     c = []
@@ -159,6 +176,14 @@ def _norm_configs():
     add("rms-bf16-3x65536-cluster8", lambda: _norm(3, 65536, BF16, BF16, has_b=False, rms=True))
     add("ln-fp32x-bf16dz-77x2048", lambda: _norm(77, 2048, F32, BF16, dz_dtype=BF16))
     add("ln-bf16-64x1024-misaligned-views", lambda: _norm(64, 1030, BF16, F32, view=(3, 2, 1024)))
+    add("fwd-ln-bf16-301x7", lambda: _norm_forward(301, 7, BF16, F32, F32))
+    add("fwd-ln-fp32-301x1000", lambda: _norm_forward(301, 1000, F32, F32, F32))
+    add("fwd-ln-fp16-129x4096-no-weight", lambda: _norm_forward(129, 4096, F16, None, F16))
+    add("fwd-rms-bf16-301x1000", lambda: _norm_forward(301, 1000, BF16, BF16, rms=True))
+    add("fwd-ln-bf16-37x16384-cluster2", lambda: _norm_forward(37, 16384, BF16, F32, F32))
+    add("fwd-ln-bf16-5x65536-cluster8", lambda: _norm_forward(5, 65536, BF16, F32, F32))
+    add("fwd-rms-fp32-3x131072-cluster8", lambda: _norm_forward(3, 131072, F32, F32, rms=True))
+    add("fwd-ln-bf16-64x1024-misaligned-view", lambda: _norm_forward(64, 1030, BF16, F32, F32, view=(3, 1024)))
     return c
 
 

@@ -375,7 +375,47 @@ def _register_layer_norm() -> None:
                 (copy(f"{load.op} write of x / dz", load), copy("read back of a thread's own vectors", load)),
             )
         )
+    _register_ln_fwd()
     _register_ln_finalize()
+
+
+def _register_ln_fwd() -> None:
+    """The forward's x loads into its ring, its y stores and the ring (fp32 weight and bias)."""
+    from cute_kernels.layer_norm import config as ln_config
+
+    for n in LN_ROWS:
+        t = ln_config.ln_fwd_tiles(n, 16, 64, layer_norm.widest_vec(n, 16), "sm_90a")
+        base = f"layer_norm_fwd.sm90.bf16.n{n}"
+        shape = (
+            f"{t.rows_per_cta} row(s) x {t.threads_per_row} threads a CTA, {t.ldgs} vectors of {t.vec} a "
+            f"thread, {t.ctas_per_row} CTA(s) a row"
+        )
+        load = t.gmem_copy(16, load=True)
+        register(
+            CopyEntry(
+                f"{base}.gmem_x", f"x rows into the shared ring by {load.op} ({shape})", load, "bf16", gmem_row_stride=n
+            )
+        )
+        register(
+            CopyEntry(
+                f"{base}.gmem_y",
+                f"y rows to global memory ({shape})",
+                t.gmem_copy(16, load=False),
+                "bf16",
+                gmem_row_stride=n,
+            )
+        )
+        ring_shape, order = t.ring()
+        register(
+            SmemEntry(
+                f"{base}.smem_ring",
+                f"the cp.async ring of x (rows, threads x vec, ldgs, stages) = {ring_shape}, "
+                "no swizzle: each thread reads back only its own vectors",
+                make_ordered_layout(ring_shape, order),
+                "bf16",
+                (copy(f"{load.op} write of x", load), copy("read back of a thread's own vectors", load)),
+            )
+        )
 
 
 def _register_ln_finalize() -> None:

@@ -1,12 +1,15 @@
-"""Tiles of the LayerNorm / RMSNorm backward (seed: Apex ``fast_layer_norm`` ``ln_bwd_kernel``).
+"""Tiles of the LayerNorm / RMSNorm forward and backward (seed: Apex ``fast_layer_norm``
+``ln_fwd_kernel`` / ``ln_bwd_kernel``).
 
-``LnBwdTiles`` is one Apex kernel-traits instance (``vec`` = ``ELTS_PER_LDG``, ``ldgs`` =
+``RowTiles`` is one Apex kernel-traits instance (``vec`` = ``ELTS_PER_LDG``, ``ldgs`` =
 ``LDGS``, ``threads_per_row`` = 32 * ``WARPS_N``, ``ctas_per_row`` = ``CTAS_PER_ROW``,
 ``rows_per_cta`` = ``ROWS_PER_CTA``, plus the cp.async ring's ``stages`` and the persistent
-grid's ``ctas_per_sm``) with the copies, the ring and the shared-memory footprint that follow
-from it; ``LnBwdFinalizeTiles`` is the finalize's column-sum tile and its fold. The rule
-that picks both from (N, dtypes, arch), its measured constants and its table are
-``cute_kernels/layer_norm/config.py`` (``ln_bwd_tiles``, ``finalize_tiles``).
+grid's ``ctas_per_sm``) with the copies and the ring that follow from it. ``LnFwdTiles`` (the
+forward: a ring of x, one row sum exchanged at a time) and ``LnBwdTiles`` (the backward: x and
+dz, two sums at once, the column partials' fold) add their shared-memory footprints;
+``LnBwdFinalizeTiles`` is the finalize's column-sum tile and its fold. The rules that pick them
+from (N, dtypes, arch), their measured constants and tables are
+``cute_kernels/layer_norm/config.py`` (``ln_fwd_tiles``, ``ln_bwd_tiles``, ``finalize_tiles``).
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ def widest_vec(n: int, bits: int) -> int:
 
 
 @dataclass(frozen=True)
-class LnBwdTiles:
-    """The Apex kernel traits of one configuration (``cute_kernels/layer_norm/config.py`` has the table)."""
+class RowTiles:
+    """What the forward's and the backward's traits share (``cute_kernels/layer_norm/config.py`` has the tables)."""
 
     vec: int
     ldgs: int
@@ -56,11 +59,6 @@ class LnBwdTiles:
     def exchange_mbarriers(self) -> bool:
         """Whether the cluster row exchange runs through st.async + mbarriers."""
         return self.ctas_per_row > 1 and self.cluster_exchange == "mbarrier"
-
-    @property
-    def red_bytes(self) -> int:
-        """Bytes of one buffer of the row-sum exchange (every CTA's, every warp's two fp32 sums)."""
-        return self.ctas_per_row * self.rows_per_cta * self.warps_n * 2 * 4
 
     @property
     def num_threads(self) -> int:
@@ -89,7 +87,7 @@ class LnBwdTiles:
     def cols_per_cta(self) -> int:
         return self.ldgs * self.threads_per_row * self.vec
 
-    def replace_stages(self, stages: int) -> "LnBwdTiles":
+    def replace_stages(self, stages: int):
         return replace(self, stages=stages)
 
     @property
@@ -97,7 +95,7 @@ class LnBwdTiles:
         return self.cols_per_cta * self.ctas_per_row
 
     def gmem_copy(self, elem_bits: int, load: bool) -> TiledCopySpec:
-        """x / dz loads (into the ring) and dx stores: one ``vec`` vector per thread."""
+        """Row loads (into the ring) and stores: one ``vec`` vector per thread."""
         bits = elem_bits * self.vec
         if not load:
             hints = STORE_HINTS
@@ -112,6 +110,36 @@ class LnBwdTiles:
         copy's rows of threads contiguous per vector, so 16-byte accesses of consecutive
         threads hit consecutive banks."""
         return (self.rows_per_cta, self.threads_per_row * self.vec, self.ldgs, self.stages), (1, 0, 2, 3)
+
+
+@dataclass(frozen=True)
+class LnFwdTiles(RowTiles):
+    """The forward: a ring of x; the row's sum (then, LayerNorm, its centred sum of squares)
+    exchanged one fp32 per warp at a time."""
+
+    @property
+    def red_bytes(self) -> int:
+        """Bytes of one buffer of the row-sum exchange (every CTA's, every warp's fp32 sum)."""
+        return self.ctas_per_row * self.rows_per_cta * self.warps_n * 4
+
+    def stage_bytes(self, in_bits: int) -> int:
+        return self.rows_per_cta * self.cols_per_cta * in_bits // 8
+
+    def smem_bytes(self, in_bits: int) -> int:
+        """The ring and the row-sum exchange (double-buffered, with its two mbarriers)."""
+        red = 2 * self.red_bytes + (2 * 8 if self.exchange_mbarriers else 0)
+        return self.stages * self.stage_bytes(in_bits) + red
+
+
+@dataclass(frozen=True)
+class LnBwdTiles(RowTiles):
+    """The backward: a ring of x and dz; (sum dy, sum dy * y) exchanged together; the CTA's
+    rows' column partials folded through shared memory."""
+
+    @property
+    def red_bytes(self) -> int:
+        """Bytes of one buffer of the row-sum exchange (every CTA's, every warp's two fp32 sums)."""
+        return self.ctas_per_row * self.rows_per_cta * self.warps_n * 2 * 4
 
     def stage_bytes(self, in_bits: int, out_bits: int) -> int:
         return self.rows_per_cta * self.cols_per_cta * (in_bits + out_bits) // 8

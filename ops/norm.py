@@ -1,15 +1,18 @@
-"""Torch face of the LayerNorm / RMSNorm backward.
+"""Torch face of the LayerNorm / RMSNorm: the backward's kernels, the autograd ops, the modules.
 
-``layer_norm_backward`` / ``rms_norm_backward`` are the kernels as registered custom
-ops; ``layer_norm`` / ``rms_norm`` are autograd ops whose forward is torch's
-(``aten.native_layer_norm`` / ``aten._fused_rms_norm``, which return the saved
-statistics) and whose backward is ours; ``LayerNorm`` / ``RMSNorm`` are drop-in
-subclasses of ``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm`` (same parameters, same
-state_dict keys).
+``layer_norm_backward`` / ``rms_norm_backward`` are the backward kernels as registered
+custom ops; ``layer_norm`` / ``rms_norm`` are autograd ops (the custom op
+``cute_kernels::norm_forward``, whose backward is ours) whose forward is our kernel
+(``ops.norm_forward``) where ``forward_unsupported`` finds no reason against it, else
+torch's (``aten.native_layer_norm`` / ``aten._fused_rms_norm``, or their math in fp32 for
+mixed dtypes), the reason logged at DEBUG on ``cute_kernels.norm``. Both return the
+statistics the backward reads. ``LayerNorm`` / ``RMSNorm`` are drop-in subclasses of
+``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm`` (same parameters, same state_dict keys).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -20,10 +23,12 @@ from cute_kernels.layer_norm import config as ln_config
 from layouts import layer_norm as tiling
 
 from . import _compile as cc
+from . import norm_forward
 from ._memo import Memo
 from ._validate import check_cuda, check_dtype, check_float, check_same_device, check_tensor, rows_view, validate_once
 
 _MAX_VECTOR_BITS = tiling.MAX_VECTOR_BITS
+log = logging.getLogger("cute_kernels.norm")  # which forward each call runs (DEBUG)
 
 
 def _build(in_dtype, out_dtype, w_dtype, tiles, is_rms, has_gamma, has_dbeta, arch):
@@ -291,7 +296,7 @@ def rms_norm_backward(
     return dx, dw
 
 
-# --- the training ops: forward in torch, backward through the kernels -------------
+# --- the training ops: our forward (torch's where it does not apply), our backward ---
 
 
 def _stats(x32: Tensor, eps: float, is_rms: bool):
@@ -301,20 +306,18 @@ def _stats(x32: Tensor, eps: float, is_rms: bool):
     return mean, torch.rsqrt(var + eps)
 
 
-@torch.library.custom_op("cute_kernels::norm_forward", mutates_args=(), device_types="cuda")
-def _norm_forward(
-    x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, is_rms: bool
-) -> Tuple[Tensor, Tensor, Tensor]:
+def _torch_forward(x, weight, bias, eps, is_rms):
+    """torch's forward: aten's kernels where they take the dtypes, else the same math in fp32."""
     n = x.shape[-1]
     same = all(t is None or t.dtype == x.dtype for t in (weight, bias))
     if same and not is_rms:
         out, mean, rstd = torch.ops.aten.native_layer_norm(x, [n], weight, bias, eps)
         if mean.dtype == torch.float32:
-            return out, mean.reshape(x.shape[:-1]), rstd.reshape(x.shape[:-1])
+            return out.contiguous(), mean.reshape(x.shape[:-1]), rstd.reshape(x.shape[:-1])
     if same and is_rms:
         out, rstd = torch.ops.aten._fused_rms_norm(x, [n], weight, eps)
         if rstd.dtype == torch.float32:
-            return out, x.new_empty((0,), dtype=torch.float32), rstd.reshape(x.shape[:-1])
+            return out.contiguous(), x.new_empty((0,), dtype=torch.float32), rstd.reshape(x.shape[:-1])
     # mixed dtypes (e.g. bf16 x with fp32 weight): the whole forward in (at least) fp32
     acc = torch.promote_types(x.dtype, torch.float32)
     x32 = x.to(acc)
@@ -327,13 +330,48 @@ def _norm_forward(
     mean = None if mean is None else mean.float()
     rstd = rstd.float()
     mean = x.new_empty((0,), dtype=torch.float32) if mean is None else mean
-    return y.to(x.dtype), mean, rstd
+    return y.to(x.dtype).contiguous(), mean, rstd
+
+
+def forward_unsupported(x, weight, bias, arch=None) -> Optional[str]:
+    """Why the autograd ops' forward is torch's (None: ours, ``ops.norm_forward``)."""
+    return norm_forward.unsupported(x, weight, bias, arch)
+
+
+def _norm_forward_impl(x, weight, bias, eps, is_rms):
+    reason = forward_unsupported(x, weight, bias)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug(
+            "%s forward: %s",
+            "rms_norm" if is_rms else "layer_norm",
+            "ours" if reason is None else f"torch's ({reason})",
+        )
+    if reason is None:
+        return norm_forward.forward(x, weight, bias, eps, is_rms)
+    return _torch_forward(x, weight, bias, eps, is_rms)
+
+
+@torch.library.custom_op("cute_kernels::norm_forward", mutates_args=(), device_types="cuda")
+def _norm_forward(
+    x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, is_rms: bool
+) -> Tuple[Tensor, Tensor, Tensor]:
+    return _norm_forward_impl(x, weight, bias, eps, is_rms)
 
 
 @_norm_forward.register_fake
 def _(x, weight, bias, eps, is_rms):
+    # y is contiguous whatever x's strides (both paths return it so)
     stats = x.new_empty(x.shape[:-1], dtype=torch.float32)
-    return torch.empty_like(x), x.new_empty((0,), dtype=torch.float32) if is_rms else stats.clone(), stats
+    y = x.new_empty(x.shape)
+    return y, x.new_empty((0,), dtype=torch.float32) if is_rms else stats.clone(), stats
+
+
+def _norm_forward_call(x, weight, bias, eps, is_rms) -> Tensor:
+    """y; the custom op (autograd, graphs) unless no gradient is wanted of a plain eager call."""
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    if not grad and cc.eager(x):
+        return _norm_forward_impl(x, weight, bias, eps, is_rms)[0]
+    return _norm_forward(x, weight, bias, eps, is_rms)[0]
 
 
 def _norm_setup(ctx, inputs, output):
@@ -403,13 +441,13 @@ def layer_norm(
     bias: Optional[Tensor] = None,
     eps: float = 1e-5,
 ) -> Tensor:
-    """``F.layer_norm`` with our backward; ``normalized_shape`` defaults to x's last dim."""
+    """``F.layer_norm`` through our forward and backward kernels (torch's forward where ours does
+    not apply: ``forward_unsupported``); ``normalized_shape`` defaults to x's last dim."""
     _check_norm_inputs(x, weight, bias, eps)
     normalized_shape = _normalized_shape(x, normalized_shape)
     shape = x.shape
     xf, wf, bf = _flatten_normalized(x, normalized_shape, weight, bias)
-    y, _, _ = _norm_forward(xf, wf, bf, float(eps), False)
-    return y.reshape(shape)
+    return _norm_forward_call(xf, wf, bf, float(eps), False).reshape(shape)
 
 
 def rms_norm(
@@ -418,7 +456,8 @@ def rms_norm(
     weight: Optional[Tensor] = None,
     eps: Optional[float] = None,
 ) -> Tensor:
-    """``F.rms_norm`` with our backward; ``eps`` None means ``torch.finfo(x.dtype).eps`` as torch."""
+    """``F.rms_norm`` through our forward and backward kernels (as ``layer_norm``); ``eps`` None
+    means ``torch.finfo(x.dtype).eps`` as torch."""
     check_cuda("x", x)
     check_dtype("x", x, cc.FLOAT_DTYPES)  # before finfo, which would reject an int dtype less clearly
     if eps is None:
@@ -427,12 +466,11 @@ def rms_norm(
     normalized_shape = _normalized_shape(x, normalized_shape)
     shape = x.shape
     xf, wf, _ = _flatten_normalized(x, normalized_shape, weight, None)
-    y, _, _ = _norm_forward(xf, wf, None, float(eps), True)
-    return y.reshape(shape)
+    return _norm_forward_call(xf, wf, None, float(eps), True).reshape(shape)
 
 
 class LayerNorm(torch.nn.LayerNorm):
-    """``torch.nn.LayerNorm`` whose backward runs our kernels on CUDA tensors."""
+    """``torch.nn.LayerNorm`` whose forward and backward run our kernels on CUDA tensors."""
 
     def forward(self, x: Tensor) -> Tensor:
         if x.device.type != "cuda":
@@ -441,7 +479,7 @@ class LayerNorm(torch.nn.LayerNorm):
 
 
 class RMSNorm(torch.nn.RMSNorm):
-    """``torch.nn.RMSNorm`` whose backward runs our kernels on CUDA tensors."""
+    """``torch.nn.RMSNorm`` whose forward and backward run our kernels on CUDA tensors."""
 
     def forward(self, x: Tensor) -> Tensor:
         if x.device.type != "cuda":

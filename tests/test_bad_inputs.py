@@ -30,6 +30,7 @@ from ops import attention_sdpa as SD
 import ops.attention_bwd_prepost as P
 import ops.dropout_bias as D
 import ops.norm as N
+import ops.norm_forward as NF
 from ops import _compile as cc
 
 BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
@@ -1920,10 +1921,10 @@ _ENTRIES = {
     "BiasDropout": [(D, "_bias_dropout_forward"), (D, "_act_forward")],
     "layer_norm_backward": [(N, "_norm_backward_call")],
     "rms_norm_backward": [(N, "_norm_backward_call")],
-    "layer_norm": [(N, "_norm_forward")],
-    "rms_norm": [(N, "_norm_forward")],
-    "LayerNorm": [(N, "_norm_forward")],
-    "RMSNorm": [(N, "_norm_forward")],
+    "layer_norm": [(N, "_norm_forward"), (N, "_norm_forward_impl")],
+    "rms_norm": [(N, "_norm_forward"), (N, "_norm_forward_impl")],
+    "LayerNorm": [(N, "_norm_forward"), (N, "_norm_forward_impl")],
+    "RMSNorm": [(N, "_norm_forward"), (N, "_norm_forward_impl")],
     "attention_bwd_preprocess": [(P, "_preprocess_impl"), (P, "_preprocess_op")],
     "attention_bwd_compute_delta": [(P, "compute_delta"), (P, "_compute_delta_op")],
     "attention_bwd_convert_dq": [(P, "convert_dq"), (P, "_convert_dq_op")],
@@ -1969,7 +1970,7 @@ def _guarded_plan(plan, what):
 
 # The memos of launch plans: a cached plan holds compiled functions, so a call that finds its
 # plan there launches without going through the compile caches.
-_PLAN_MAKERS = [(P, "_cached_plan"), (D, "_plan"), (N, "_plan")]
+_PLAN_MAKERS = [(P, "_cached_plan"), (D, "_plan"), (N, "_plan"), (NF, "_plan")]
 
 
 def _guard(monkeypatch, op, entries=True):
@@ -2078,17 +2079,18 @@ def _cpu_launches():
             "layer_norm_backward",
             lambda: N.launch(dy, x, w, stat, stat, None, False, dx, dw, None),
         ),  # a _Plan, finalize too
+        ("layer_norm", lambda: NF.forward(x, w, None, 1e-5, False)),  # the forward's _Plan
     ]
 
 
-@pytest.mark.parametrize("index", range(4), ids=[op for op, _ in _cpu_launches()])
+@pytest.mark.parametrize("index", range(len(_cpu_launches())), ids=[op for op, _ in _cpu_launches()])
 def test_guard_catches_a_launch_through_a_cached_plan(index, monkeypatch):
     """A plan cached before the guard holds a compiled function that no compile cache sees
     again: the guard must still stop its launch. Without the plan guard (compile caches
     alone) the same call launches."""
     from ops._memo import Memo
 
-    for module in (P, D, N):  # fresh memos: nothing of this test stays behind in the real ones
+    for module in (P, D, N, NF):  # fresh memos: nothing of this test stays behind in the real ones
         monkeypatch.setattr(module, "_plans", Memo())
     monkeypatch.setattr(cc, "device_arch", lambda index: "sm_90a")  # no driver to ask on CPU
     monkeypatch.setattr(cc, "num_sms", lambda index: 132)

@@ -135,7 +135,8 @@ def test_quick_compiles_a_subset_once_per_arch(configs, suite):
 
 def test_quick_selection(configs):
     """What the quick cases run: dropout's fp32 4-wide and bf16 8-wide vectors; LayerNorm
-    bf16 at 4096 and 1024 columns (one finalize serves both); pre / post at d128 bf16; the
+    bf16 at 4096 and 1024 columns (one finalize serves both); the forward's LayerNorm at 4096 and
+    RMSNorm at 1024 columns, and in training their backwards too; pre / post at d128 bf16; the
     attention cases through both kernels, the Hopper one on sm_90a only."""
     import cutlass
 
@@ -148,6 +149,9 @@ def test_quick_selection(configs):
         assert keys("dropout_bias_bwd", arch) == [(f32, f32, None, 4, arch), (bf16, bf16, None, 8, arch)]
         assert len(keys("layer_norm_bwd", arch, ":compiled")) == 2
         assert len(keys("layer_norm_bwd", arch, ":compiled_finalize")) == 1
+        assert [k[4] for k in keys("layer_norm_fwd", arch)] == [False, True]  # LayerNorm 4096, RMSNorm 1024
+        assert len(keys("norm_train", arch, "norm_forward:compiled")) == 2
+        assert len(keys("norm_train", arch, "norm:compiled")) == len(keys("norm_train", arch, "finalize")) == 2
         pre = [(bf16, 128, 8, False, False, arch), (bf16, 128, 8, False, True, arch), (bf16, 128, 8, False, arch)]
         assert keys("attn_bwd_preprocess", arch) == pre  # compute_dot_do_o without, with the clear; compute_delta
         assert keys("attn_bwd_postprocess", arch) == [(bf16, 128, 8, False, arch)] * 2  # convert_dq, convert_dkv
@@ -161,7 +165,8 @@ def test_full_covers_both_arches(configs):
     full = {s: configs[s, False] for s in SUITES}
     for suite in ("dropout_bias_bwd", "attn_bwd_preprocess", "attn_bwd_postprocess"):
         assert len(full[suite]["sm_80"]) == len(full[suite]["sm_90a"])
-    assert 0 < len(full["layer_norm_bwd"]["sm_80"]) < len(full["layer_norm_bwd"]["sm_90a"])
+    for suite in ("layer_norm_bwd", "layer_norm_fwd", "norm_train"):
+        assert 0 < len(full[suite]["sm_80"]) < len(full[suite]["sm_90a"])
     assert not any("attention_sm90" in c.cache for c in full["attention_bwd"]["sm_80"])
 
 

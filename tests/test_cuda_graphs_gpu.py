@@ -231,6 +231,24 @@ def test_norm_backward_captured(kind):
     replay_matches_eager(fn, _norm_inputs)
 
 
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
+def test_norm_forward_and_training_step_captured(kind):
+    """Our forward alone (no grad), then forward + backward on leaves, in one captured graph."""
+
+    def norm(x, w, b):
+        return ops.layer_norm(x, 1024, w, b) if kind == "layer_norm" else ops.rms_norm(x, 1024, w, 1e-6)
+
+    def fn(x, dy, w, b):
+        with torch.no_grad():
+            y0 = norm(x, w, b)
+        leaves = [t.detach().requires_grad_() for t in (x, w, b)]
+        y = norm(*leaves)
+        y.backward(dy)
+        return [y0, y.detach()] + [t.grad for t in leaves]
+
+    replay_matches_eager(fn, _norm_inputs)
+
+
 def test_dropout_bias_backward_captured():
     def make(seed):
         dy, x, bias = randn(seed, 512, 1024), randn(seed + 1, 512, 1024), randn(seed + 2, 1024)

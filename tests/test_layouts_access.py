@@ -117,6 +117,7 @@ def test_report_names_its_access_and_swizzle():
 def test_every_kernel_has_entries():
     kernels = {n.split(".")[0] for n in layouts.names()}
     assert {
+        "layer_norm_fwd",
         "layer_norm_bwd",
         "layer_norm_bwd_finalize",
         "attention_bwd_prepost",

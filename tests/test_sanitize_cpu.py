@@ -53,6 +53,8 @@ def test_configurations_reach_the_important_variants():
     norm = names("norm")
     for part in ("x7", "x1000", "x4096", "x65536", "ln-bf16", "ln-fp32", "rms-", "no-bias", "cluster8", "misaligned"):
         assert part in norm, part
+    for part in ("fwd-ln-", "fwd-rms-", "x131072", "cluster2", "misaligned-view"):  # the forward's
+        assert part in norm, part
     pre = names("attn_prepost")
     for part in (
         "preprocess-",

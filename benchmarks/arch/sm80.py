@@ -11,6 +11,8 @@ from .sm90 import (
     ATTN_BWD_PREPROCESS,
     DROPOUT_BIAS_BWD,
     LAYER_NORM_BWD,
+    LAYER_NORM_FWD,
+    NORM_TRAIN,
 )  # noqa: E402,F401  same problem sizes
 
 
@@ -19,7 +21,7 @@ def _runs_here(case) -> bool:
     from cute_kernels.layer_norm.config import ln_bwd_tiles
     from layouts.layer_norm import widest_vec
 
-    (_, n), dtype = case
+    (_, n), dtype = case[:2]
     bits = 32 if dtype == "float32" else 16
     try:
         ln_bwd_tiles(n, bits, bits, 32, widest_vec(n, bits), arch="sm_80")
@@ -29,3 +31,6 @@ def _runs_here(case) -> bool:
 
 
 LAYER_NORM_BWD = {k: [c for c in v if _runs_here(c)] for k, v in LAYER_NORM_BWD.items()}  # noqa: F811
+# the forward splits rows as the backward does: the same rows need clusters
+LAYER_NORM_FWD = {k: [c for c in v if _runs_here(c)] for k, v in LAYER_NORM_FWD.items()}  # noqa: F811
+NORM_TRAIN = {k: [c for c in v if _runs_here(c)] for k, v in NORM_TRAIN.items()}  # noqa: F811

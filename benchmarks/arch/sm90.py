@@ -38,6 +38,27 @@ LAYER_NORM_BWD = {
     ],
 }
 
+LAYER_NORM_FWD = {
+    # (rows, N), dtype name of x, "layer" (fp32 weight and bias) or "rms" (fp32 weight)
+    "full": [
+        ((16384, 4096), "bfloat16", "layer"),
+        ((8192, 8192), "bfloat16", "layer"),
+        ((32768, 1024), "bfloat16", "layer"),
+        ((4096, 16384), "bfloat16", "layer"),
+        ((1024, 65536), "bfloat16", "layer"),
+        ((16384, 4096), "float32", "layer"),
+        ((16384, 4096), "bfloat16", "rms"),
+        ((32768, 1024), "bfloat16", "rms"),
+        ((4096, 16384), "bfloat16", "rms"),
+    ],
+    "quick": [
+        ((16384, 4096), "bfloat16", "layer"),
+        ((32768, 1024), "bfloat16", "rms"),
+    ],
+}
+
+NORM_TRAIN = LAYER_NORM_FWD  # the same cases, forward + backward
+
 ATTN_BWD_PREPROCESS = {
     # (batch, heads, seqlen, head_dim), dtype name; O and dO [B, S, H, D] contiguous
     "full": [

@@ -3,7 +3,9 @@
 
 SUITES = (
     "dropout_bias_bwd",
+    "layer_norm_fwd",
     "layer_norm_bwd",
+    "norm_train",
     "attn_bwd_preprocess",
     "attn_bwd_postprocess",
     "attention_bwd",

@@ -1,7 +1,8 @@
-"""Choices of the LayerNorm / RMSNorm backward that are not layouts: the rule that picks its
-tiles (``ln_bwd_tiles``, ``finalize_tiles``) with the measured constants it uses, and the
-persistent grid the op launches (``ctas_per_col``). The tiles themselves (``LnBwdTiles``,
-``LnBwdFinalizeTiles``) are ``layouts/layer_norm.py``.
+"""Choices of the LayerNorm / RMSNorm forward and backward that are not layouts: the rules
+that pick their tiles (``ln_fwd_tiles``, ``ln_bwd_tiles``, ``finalize_tiles``) with the
+measured constants they use, and the persistent grid the ops launch (``ctas_per_col``). The
+tiles themselves (``LnFwdTiles``, ``LnBwdTiles``, ``LnBwdFinalizeTiles``) are
+``layouts/layer_norm.py``.
 
 Apex fixes one kernel-traits instance per hidden size. We keep its decomposition as
 named configuration and derive it from (N, dtypes, arch) with one rule:
@@ -44,6 +45,12 @@ named configuration and derive it from (N, dtypes, arch) with one rule:
 (tests/test_layer_norm_cpu.py checks this table against the rule.) fp32 halves
 ``vec`` and doubles ``ldgs``. sm_80 has no clusters: rows needing more than one CTA raise
 ``NotImplementedError`` there.
+
+The forward (``ln_fwd_tiles``) splits a row by the same rule, so the table is its too: its
+16 elements a thread are the row's x in fp32 plus gamma and beta kept in registers for the
+whole persistent loop (Apex's forward keeps them there too). Only its CTAs per SM (its
+register estimate: no accumulators, the parameters' own widths) and its ring (x alone)
+differ; the x bytes in flight per SM are the backward's ``BYTES_IN_FLIGHT``.
 """
 
 from __future__ import annotations
@@ -58,6 +65,8 @@ from layouts.layer_norm import (
     REG_FILE,
     LnBwdFinalizeTiles,
     LnBwdTiles,
+    LnFwdTiles,
+    RowTiles,
 )
 
 ELEMS_PER_THREAD = 16  # elements of a row per thread: 2x16 fp32 accumulators + data in registers
@@ -74,6 +83,7 @@ BYTES_IN_FLIGHT = (
 MAX_STAGES = 8
 SMEM_PER_SM = 200 * 1024  # of the 227 KiB an H100 SM offers, what the rings may take
 BASE_REGS = 24  # addresses, indices, row statistics
+FWD_BASE_REGS = 32  # the forward's: with 24, ptxas spilled at N=64 (8 CTAs of 128) and N=4096 (3 of 256)
 # finalize: (row threads, column threads) per CTA, fp32 vector per thread
 FINALIZE_THREADS = (64, 8)  # 32 columns per CTA: N=4096 spreads over 128 CTAs (64 were 2x slower)
 FINALIZE_VEC = 4
@@ -93,27 +103,15 @@ def register_estimate(t: LnBwdTiles, in_bits: int, out_bits: int, w_bits: int, n
     return BASE_REGS + (num_partials + 1 + 2) * elems + elems * (in_bits + out_bits) // 32
 
 
-def ln_bwd_tiles(
-    n: int,
-    in_bits: int,
-    out_bits: int,
-    w_bits: int,
-    vec: int,
-    arch: str = "sm_90a",
-    num_partials: int = 2,
-    **overrides,
-) -> LnBwdTiles:
-    """The tiles for a row of ``n`` elements (x/dx ``in_bits``, dz ``out_bits``, weight ``w_bits``).
+def fwd_register_estimate(t: LnFwdTiles, in_bits: int, param_bits: int) -> int:
+    """One row's x in fp32, as loaded and as y stored; gamma and beta (``param_bits``: their widths added)."""
+    elems = t.ldgs * t.vec
+    return FWD_BASE_REGS + elems * (32 + 2 * in_bits + param_bits) // 32
 
-    ``vec`` is the widest legal vector the host found; ``num_partials`` is how many
-    fp32 column sums the kernel keeps (dgamma and/or dbeta). ``overrides`` replace
-    fields (measurement sweeps).
-    """
-    widest = max(in_bits, out_bits)
-    if vec < 1 or vec & (vec - 1) or vec * widest > MAX_VECTOR_BITS:
-        raise ValueError(f"vector of {vec} x {widest} bits is not a legal access")
-    if n < 1:
-        raise ValueError(f"row length must be >= 1, got {n}")
+
+def _row_split(n: int, vec: int, arch: str) -> tuple:
+    """(ldgs, threads_per_row, ctas_per_row) for a row of ``n`` in ``vec``-element vectors
+    (the rule of the module's doc)."""
     vectors = -(-n // vec)
     ldgs = max(1, ELEMS_PER_THREAD // vec)
     tpr = _pow2_at_least(-(-vectors // ldgs))
@@ -137,16 +135,41 @@ def ln_bwd_tiles(
             f"N={n} is longer than the largest supported row "
             f"({MAX_CLUSTER * MAX_THREADS_PER_ROW * MAX_ELEMS_PER_THREAD} elements)"
         )
+    return ldgs, tpr, cpr
+
+
+def _check_row(n: int, vec: int, widest: int) -> None:
+    if vec < 1 or vec & (vec - 1) or vec * widest > MAX_VECTOR_BITS:
+        raise ValueError(f"vector of {vec} x {widest} bits is not a legal access")
+    if n < 1:
+        raise ValueError(f"row length must be >= 1, got {n}")
+
+
+def ln_bwd_tiles(
+    n: int,
+    in_bits: int,
+    out_bits: int,
+    w_bits: int,
+    vec: int,
+    arch: str = "sm_90a",
+    num_partials: int = 2,
+    **overrides,
+) -> LnBwdTiles:
+    """The tiles for a row of ``n`` elements (x/dx ``in_bits``, dz ``out_bits``, weight ``w_bits``).
+
+    ``vec`` is the widest legal vector the host found; ``num_partials`` is how many
+    fp32 column sums the kernel keeps (dgamma and/or dbeta). ``overrides`` replace
+    fields (measurement sweeps).
+    """
+    _check_row(n, vec, max(in_bits, out_bits))
+    ldgs, tpr, cpr = _row_split(n, vec, arch)
     num_threads = max(tpr, MIN_THREADS_PER_CTA)
     rows_per_cta = num_threads // tpr
     t = LnBwdTiles(vec, ldgs, tpr, cpr, rows_per_cta, 2, 1)
     t = replace(t, **{k: v for k, v in overrides.items() if k not in ("ctas_per_sm", "stages")})
-    regs = -(-register_estimate(t, in_bits, out_bits, w_bits, num_partials) // 8) * 8
-    ctas_per_sm = max(1, min(REG_FILE // (regs * t.num_threads), MAX_THREADS_PER_SM // t.num_threads, MAX_CTAS_PER_SM))
-    if t.num_threads <= MAX_THREADS_PER_SM // 8 and t.ctas_per_row == 1:
-        # ptxas fits two CTAs (min blocks per SM) with few spills; measured faster than one
-        ctas_per_sm = max(ctas_per_sm, 2)
-    ctas_per_sm = overrides.get("ctas_per_sm", ctas_per_sm)
+    ctas_per_sm = overrides.get(
+        "ctas_per_sm", _ctas_per_sm(t, register_estimate(t, in_bits, out_bits, w_bits, num_partials))
+    )
     stage = t.stage_bytes(in_bits, out_bits)
     stages = max(2, min(MAX_STAGES, -(-BYTES_IN_FLIGHT // (stage * ctas_per_sm))))
     if t.ctas_per_row > 1:
@@ -161,6 +184,37 @@ def ln_bwd_tiles(
     return t
 
 
+def _ctas_per_sm(t: RowTiles, regs: int) -> int:
+    """Resident CTAs per SM (ptxas's launch bound) for ``regs`` registers a thread."""
+    regs = -(-regs // 8) * 8
+    ctas = max(1, min(REG_FILE // (regs * t.num_threads), MAX_THREADS_PER_SM // t.num_threads, MAX_CTAS_PER_SM))
+    if t.num_threads <= MAX_THREADS_PER_SM // 8 and t.ctas_per_row == 1:
+        # ptxas fits two CTAs (min blocks per SM) with few spills; measured faster than one (backward)
+        ctas = max(ctas, 2)
+    return ctas
+
+
+def ln_fwd_tiles(n: int, in_bits: int, param_bits: int, vec: int, arch: str = "sm_90a", **overrides) -> LnFwdTiles:
+    """The forward's tiles for a row of ``n`` elements (x and y ``in_bits``; ``param_bits``:
+    the widths of gamma and beta added, 0 without either). ``vec`` is the widest legal vector
+    the host found; ``overrides`` replace fields (measurement sweeps)."""
+    _check_row(n, vec, in_bits)
+    ldgs, tpr, cpr = _row_split(n, vec, arch)
+    rows_per_cta = max(tpr, MIN_THREADS_PER_CTA) // tpr
+    t = LnFwdTiles(vec, ldgs, tpr, cpr, rows_per_cta, 2, 1)
+    t = replace(t, **{k: v for k, v in overrides.items() if k not in ("ctas_per_sm", "stages")})
+    ctas_per_sm = overrides.get("ctas_per_sm", _ctas_per_sm(t, fwd_register_estimate(t, in_bits, param_bits)))
+    stages = max(2, min(MAX_STAGES, -(-BYTES_IN_FLIGHT // (t.stage_bytes(in_bits) * ctas_per_sm))))
+    if t.ctas_per_row > 1:
+        stages = max(stages, CLUSTER_STAGES)
+    while stages > 1 and ctas_per_sm * t.replace_stages(stages).smem_bytes(in_bits) > SMEM_PER_SM:
+        stages -= 1
+    t = replace(t, ctas_per_sm=ctas_per_sm, stages=overrides.get("stages", stages))
+    if t.max_n < n:
+        raise ValueError(f"tiles cover {t.max_n} columns, fewer than N={n}")
+    return t
+
+
 def finalize_tiles(n: int) -> LnBwdFinalizeTiles:
     vec = FINALIZE_VEC
     while n % vec:
@@ -168,7 +222,7 @@ def finalize_tiles(n: int) -> LnBwdFinalizeTiles:
     return LnBwdFinalizeTiles(vec, FINALIZE_THREADS, FINALIZE_ROWS_UNROLL)
 
 
-def ctas_per_col(rows: int, t: LnBwdTiles, num_sms: int) -> int:
+def ctas_per_col(rows: int, t: RowTiles, num_sms: int) -> int:
     """Persistent grid: CTAs along the rows (Apex ``ctas_per_col``), also the partials' count."""
     row_blocks = max(1, -(-rows // t.rows_per_cta))
     resident = max(1, num_sms * t.ctas_per_sm // t.ctas_per_row)

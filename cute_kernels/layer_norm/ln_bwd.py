@@ -25,26 +25,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from cute_kernels.common.column_partials import ColumnPartials
+from cute_kernels.common.dsmem import store_async_cluster2, store_cluster
 from cute_kernels.common.row_reduce import row_allreduce_sum
 from layouts.layer_norm import SMEM_CARVEOUT, LnBwdTiles
-
-
-@cute.jit
-def store_cluster(ptr: cute.Pointer, value: Float32, peer: Int32):
-    """Store ``value`` at shared-memory address ``ptr`` of CTA ``peer`` of the cluster."""
-    addr = cute.arch.map_dsmem_ptr(ptr, peer).toint()
-    cute.arch.inline_ptx("st.shared::cluster.f32 [{$r0}], {$r1};", read_only_args=[Int32(addr), value])
-
-
-@cute.jit
-def store_async_cluster2(ptr: cute.Pointer, mbar: cute.Pointer, v0: Float32, v1: Float32, peer: Int32):
-    """(v0, v1) at 8-byte aligned ``ptr`` of CTA ``peer``; completes 8 tx bytes on ``mbar`` there."""
-    addr = cute.arch.map_dsmem_ptr(ptr, peer).toint()
-    bar = cute.arch.map_dsmem_ptr(mbar, peer).toint()
-    cute.arch.inline_ptx(
-        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [{$r0}], {{$r1}, {$r2}}, [{$r3}];",
-        read_only_args=[Int32(addr), v0, v1, Int32(bar)],
-    )
 
 
 class LnBwd:
