@@ -262,8 +262,7 @@ _BOTTOM_RIGHT_MSG = (
 # ---------------------------------------------------------------------- autograd op
 
 
-@torch.library.custom_op("cute_kernels::memory_efficient_attention", mutates_args=(), device_types="cuda")
-def _mea_forward(
+def _mea_impl(
     query: Tensor,
     key: Tensor,
     value: Tensor,
@@ -279,40 +278,6 @@ def _mea_forward(
     backend: str = "auto",  # "mem_eff": torch's forward; else ours where it applies (in the schema for graphs)
     deterministic: bool = False,  # the backward's (in the schema so that graphs keep it)
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _mea_impl(
-        query,
-        key,
-        value,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        custom_mask_type,
-        window_size,
-        scale,
-        attn_bias,
-        dropout_p,
-        backend,
-        deterministic,
-    )
-
-
-def _mea_impl(
-    query,
-    key,
-    value,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    custom_mask_type,
-    window_size,
-    scale,
-    attn_bias,
-    dropout_p,
-    backend,
-    deterministic,
-):
     """The op's body: our forward where it applies, torch's otherwise (``deterministic`` is the
     backward's, kept for it)."""
     del deterministic
@@ -355,6 +320,12 @@ def _mea_impl(
         attn_bias,
         dropout_p,
     )
+
+
+# the op wraps the body; _mea_impl stays a plain function, which the eager path below calls
+_mea_forward = torch.library.custom_op(
+    "cute_kernels::memory_efficient_attention", mutates_args=(), device_types="cuda"
+)(_mea_impl)
 
 
 def forward_unsupported(query, key, value, mask_type, attn_bias, dropout_p, backend, arch=None) -> Optional[str]:
