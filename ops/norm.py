@@ -367,11 +367,14 @@ def _(x, weight, bias, eps, is_rms):
 
 
 def _norm_forward_call(x, weight, bias, eps, is_rms) -> Tensor:
-    """y; the custom op (autograd, graphs) unless no gradient is wanted of a plain eager call."""
+    """y; the custom op (autograd, graphs) unless the call is plain and eager (``cc.eager``): then
+    the body itself, or with a gradient wanted ``_NormEager``."""
+    if not cc.eager(x):
+        return _norm_forward(x, weight, bias, eps, is_rms)[0]
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    if not grad and cc.eager(x):
+    if not grad:
         return _norm_forward_impl(x, weight, bias, eps, is_rms)[0]
-    return _norm_forward(x, weight, bias, eps, is_rms)[0]
+    return _NormEager.apply(x, weight, bias, eps, is_rms)[0]
 
 
 def _norm_setup(ctx, inputs, output):
@@ -393,6 +396,19 @@ def _norm_autograd_backward(ctx, grad_y, grad_mean, grad_rstd):
 
 
 torch.library.register_autograd("cute_kernels::norm_forward", _norm_autograd_backward, setup_context=_norm_setup)
+
+
+class _NormEager(torch.autograd.Function):
+    """The op's eager path with a gradient: the same forward, context and backward without the
+    torch.library boundary, whose dispatch and aliasing checks cost more host time than a
+    memory-bound step of a few tens of microseconds takes on the GPU."""
+
+    @staticmethod
+    def forward(x, weight, bias, eps, is_rms):
+        return _norm_forward_impl(x, weight, bias, eps, is_rms)
+
+    setup_context = staticmethod(_norm_setup)
+    backward = staticmethod(_norm_autograd_backward)
 
 
 def _flatten_normalized(x: Tensor, normalized_shape: Sequence[int], weight, bias):

@@ -175,14 +175,14 @@ def test_op_runs_our_forward_with_dv_other_than_dqk(caplog):
     import ops
 
     torch.manual_seed(11)
-    q = torch.randn(2, 300, 4, 192, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(2, 260, 2, 192, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(2, 260, 2, 128, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(2, 260, 4, 192, device="cuda", dtype=torch.bfloat16)  # (bottom-right: Mq <= Mk)
+    k = torch.randn(2, 300, 2, 192, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, 300, 2, 128, device="cuda", dtype=torch.bfloat16)
     with caplog.at_level(logging.DEBUG, logger="cute_kernels.attention"), torch.no_grad():
         out = ops.memory_efficient_attention(q, k, v, causal="bottom_right")
     assert "attention forward: sm90" in [r.getMessage() for r in caplog.records]
     ref_out, _ = attention_forward_ref(q, k, v, custom_mask_type=2)
-    assert out.shape == (2, 300, 4, 128)
+    assert out.shape == (2, 260, 4, 128)
     assert (out.double() - ref_out).abs().max().item() <= _tolerance(out, ref_out, torch.bfloat16)
 
 
