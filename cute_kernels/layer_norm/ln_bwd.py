@@ -27,7 +27,9 @@ from cutlass import Float32, Int32, const_expr
 from cute_kernels.common.column_partials import ColumnPartials
 from cute_kernels.common.dsmem import store_async_cluster2, store_cluster
 from cute_kernels.common.row_reduce import row_allreduce_sum
-from layouts.layer_norm import SMEM_CARVEOUT, LnBwdTiles
+from layouts.layer_norm import LnBwdTiles
+
+from . import rows as R
 
 
 class LnBwd:
@@ -63,23 +65,7 @@ class LnBwd:
         kernel = self.kernel(
             mX, mDZ, mGamma, mMu, mRs, mDX, mDGammaPart, mDBetaPart, ctas_per_col, copy_x, copy_dz, copy_dx
         )
-        if const_expr(t.ctas_per_row > 1):
-            kernel.launch(
-                grid=[ctas_per_col * t.ctas_per_row, 1, 1],
-                block=[t.num_threads, 1, 1],
-                cluster=[t.ctas_per_row, 1, 1],
-                min_blocks_per_mp=t.ctas_per_sm,
-                preferred_smem_carveout=SMEM_CARVEOUT,
-                stream=stream,
-            )
-        else:
-            kernel.launch(
-                grid=[ctas_per_col, 1, 1],
-                block=[t.num_threads, 1, 1],
-                min_blocks_per_mp=t.ctas_per_sm,
-                preferred_smem_carveout=SMEM_CARVEOUT,
-                stream=stream,
-            )
+        R.launch(kernel, t, ctas_per_col, stream)
 
     @cute.kernel
     def kernel(

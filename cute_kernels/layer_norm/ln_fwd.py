@@ -29,7 +29,9 @@ from cutlass import Float32, Int32, const_expr
 
 from cute_kernels.common.dsmem import store_async_cluster, store_cluster
 from cute_kernels.common.row_reduce import row_allreduce_sum
-from layouts.layer_norm import SMEM_CARVEOUT, LnFwdTiles
+from layouts.layer_norm import LnFwdTiles
+
+from . import rows as R
 
 
 class LnFwd:
@@ -62,23 +64,7 @@ class LnFwd:
         copy_x = t.gmem_copy(self.dtype.width, load=True).build(self.dtype)
         copy_y = t.gmem_copy(self.dtype.width, load=False).build(self.dtype)
         kernel = self.kernel(mX, mGamma, mBeta, mY, mMu, mRs, eps, ctas_per_col, copy_x, copy_y)
-        if const_expr(t.ctas_per_row > 1):
-            kernel.launch(
-                grid=[ctas_per_col * t.ctas_per_row, 1, 1],
-                block=[t.num_threads, 1, 1],
-                cluster=[t.ctas_per_row, 1, 1],
-                min_blocks_per_mp=t.ctas_per_sm,
-                preferred_smem_carveout=SMEM_CARVEOUT,
-                stream=stream,
-            )
-        else:
-            kernel.launch(
-                grid=[ctas_per_col, 1, 1],
-                block=[t.num_threads, 1, 1],
-                min_blocks_per_mp=t.ctas_per_sm,
-                preferred_smem_carveout=SMEM_CARVEOUT,
-                stream=stream,
-            )
+        R.launch(kernel, t, ctas_per_col, stream)
 
     @cute.kernel
     def kernel(
