@@ -6,17 +6,15 @@ Per row, with the forward's mean mu and rstd (RMSNorm: mu = 0):
     dx = rstd * (dy - mean(dy * y) * y - mean(dy))      (RMSNorm: no mean(dy) term)
 
 and per CTA the column partials dgamma_part = sum dz * y, dbeta_part = sum dz over its
-rows, which ``LnBwdFinalize`` reduces. Rows are grid-strided over a persistent grid
-of ``ctas_per_col`` CTAs (times ``ctas_per_row`` along a row). Each thread holds
-``ldgs`` vectors of ``vec`` elements of a row, Apex's interleaving: vector ``it`` of
-thread ``t`` of CTA ``bidn`` starts at column ((it * CTAS_PER_ROW + bidn) *
-THREADS_PER_ROW + t) * vec. The row all-reduce of (sum dy, sum dy*y) runs through warp
-shuffles, then shared memory across the warps of a row, then distributed shared memory
-across the CTAs of a cluster; every participant adds the same values in the same
-order, so all agree bit for bit and the results are deterministic. Across a cluster the
-sums travel by ``st.async`` and each CTA waits on a transaction-count mbarrier of its
-own (``tiles.cluster_exchange == "mbarrier"``), or by plain remote stores followed by a
-full cluster barrier per row (``"barrier"``).
+rows, which ``LnBwdFinalize`` reduces. The persistent grid, each thread's vectors of a row
+and the cp.async ring (of x and dz) are shared with the forward (``rows.py``). The row
+all-reduce of (sum dy, sum dy*y) runs through warp shuffles, then shared
+memory across the warps of a row, then distributed shared memory across the CTAs of a
+cluster; every participant adds the same values in the same order, so all agree bit for
+bit and the results are deterministic. Across a cluster the sums travel by ``st.async``
+and each CTA waits on a transaction-count mbarrier of its own
+(``tiles.cluster_exchange == "mbarrier"``), or by plain remote stores followed by a full
+cluster barrier per row (``"barrier"``).
 """
 
 import cuda.bindings.driver as cuda
@@ -84,40 +82,20 @@ class LnBwd:
         copy_dx: cute.TiledCopy,
     ):
         t = self.tiles
-        cpr, tpr, vec, ldgs = t.ctas_per_row, t.threads_per_row, t.vec, t.ldgs
-        rpc, stages, warps_n = t.rows_per_cta, t.stages, t.warps_n
-        tidx, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        bidn = bid % cpr
-        bidm = bid // cpr
-        row_in_cta = tidx // tpr
-        tid_r = tidx % tpr
-        warp_n = tid_r // 32
-        lane = cute.arch.lane_idx()
+        tpr, vec, ldgs = t.threads_per_row, t.vec, t.ldgs
+        cpr, rpc, stages, warps_n = t.ctas_per_row, t.rows_per_cta, t.stages, t.warps_n
+        th = R.row_thread(t)
+        tidx, bidn, bidm, row_in_cta, tid_r = th.tidx, th.bidn, th.bidm, th.row_in_cta, th.tid_r
+        warp_n, lane = th.warp_n, th.lane
         rows, n = mX.shape
         inv_n = Float32(1.0) / Float32(n)
-
-        # (rpc, tpr * vec, row blocks, column tiles): a column tile is one vector per thread
-        tile = t.tile
-        tXg = copy_x.get_slice(tidx).partition_S(cute.local_tile(mX, tile, (None, None)))
-        tDZg = copy_dz.get_slice(tidx).partition_S(cute.local_tile(mDZ, tile, (None, None)))
-        tDXg = copy_dx.get_slice(tidx).partition_D(cute.local_tile(mDX, tile, (None, None)))
-
-        # Column tile and first column of each of this thread's vectors; the vector
-        # divides N, so a vector is wholly inside the row or wholly past it.
-        col_tile = [it * cpr + bidn for it in range(ldgs)]
-        col_ok = [(col_tile[it] * tpr + tid_r) * vec < n for it in range(ldgs)]
-
+        tXg = R.partition_rows(copy_x, mX, t, tidx, load=True)
+        tDZg = R.partition_rows(copy_dz, mDZ, t, tidx, load=True)
+        tDXg = R.partition_rows(copy_dx, mDX, t, tidx, load=False)
+        col_tile, col_ok = R.vector_columns(t, th, n)
         rGamma = None
         if const_expr(self.has_gamma):
-            mGammaRows = cute.make_tensor(mGamma.iterator, cute.make_layout((rpc, n), stride=(0, 1)))
-            gGamma = cute.local_tile(mGammaRows, tile, (0, None))
-            tGg = copy_x.get_slice(tidx).partition_S(gGamma)  # thread/value layout of x
-            rGamma = [cute.make_rmem_tensor_like(tXg[None, 0, 0, 0, 0], self.w_dtype) for _ in range(ldgs)]
-            for it in cutlass.range_constexpr(ldgs):
-                rGamma[it].fill(0.0)
-                if col_ok[it]:
-                    cute.autovec_copy(tGg[None, 0, 0, col_tile[it]], rGamma[it])
+            rGamma = R.load_param(mGamma, self.w_dtype, t, copy_x, tXg, tidx, n, col_tile, col_ok)
 
         # fp32 column sums of this thread's vectors over all the rows it visits
         acc_dzy = [cute.make_rmem_tensor_like(tXg[None, 0, 0, 0, 0], Float32) for _ in range(ldgs)]
@@ -151,69 +129,17 @@ class LnBwd:
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
 
-        # The ring: ``stages`` row blocks of x and dz in flight per CTA. Each thread
-        # copies, then reads back, only its own vectors: no barrier, just wait_group.
-        ring, ring_order = t.ring()
-        sX = smem.allocate_tensor(self.in_dtype, cute.make_ordered_layout(ring, order=ring_order), byte_alignment=16)
-        sDZ = smem.allocate_tensor(self.out_dtype, cute.make_ordered_layout(ring, order=ring_order), byte_alignment=16)
-        tXs = copy_x.get_slice(tidx).partition_D(sX)  # (CPY, 1, 1, ldgs, stages)
-        tDZs = copy_dz.get_slice(tidx).partition_D(sDZ)
-
-        num_row_blocks = cute.ceil_div(rows, rpc)
-        # row blocks of this CTA: bidm, bidm + ctas_per_col, ... (all threads agree)
-        my_blocks = cute.ceil_div(num_row_blocks - bidm, ctas_per_col)
-        for k in cutlass.range_constexpr(stages - 1):
-            self.load_block(
-                k,
-                bidm,
-                ctas_per_col,
-                my_blocks,
-                rows,
-                row_in_cta,
-                col_tile,
-                col_ok,
-                copy_x,
-                copy_dz,
-                tXg,
-                tDZg,
-                tXs,
-                tDZs,
-            )
+        inputs = [(self.in_dtype, copy_x, tXg), (self.out_dtype, copy_dz, tDZg)]
+        ring = R.RowRing.allocate(t, smem, th, rows, ctas_per_col, col_tile, col_ok, inputs)
+        ring.start()
         parity = Int32(0)
         # The row statistics are loaded one row block ahead: loaded after the wait, their
         # latency was exposed once per row.
         mu, rs = self.row_stats(mMu, mRs, (bidm * rpc + row_in_cta), rows)
-        for k in cutlass.range(my_blocks, unroll=1):
-            self.load_block(
-                k + stages - 1,
-                bidm,
-                ctas_per_col,
-                my_blocks,
-                rows,
-                row_in_cta,
-                col_tile,
-                col_ok,
-                copy_x,
-                copy_dz,
-                tXg,
-                tDZg,
-                tXs,
-                tDZs,
-            )
+        for k in cutlass.range(ring.my_blocks, unroll=1):
+            ring.load(k + stages - 1)
             mu_next, rs_next = self.row_stats(mMu, mRs, (bidm + (k + 1) * ctas_per_col) * rpc + row_in_cta, rows)
-            cute.arch.cp_async_wait_group(stages - 1)  # block k has landed
-            stage = k % stages
-            rb = bidm + k * ctas_per_col
-            row = rb * rpc + row_in_cta
-            row_ok = row < rows
-            rX = [cute.make_rmem_tensor_like(tXg[None, 0, 0, 0, 0]) for _ in range(ldgs)]
-            rDZ = [cute.make_rmem_tensor_like(tDZg[None, 0, 0, 0, 0]) for _ in range(ldgs)]
-            for it in cutlass.range_constexpr(ldgs):
-                cute.autovec_copy(tXs[None, 0, 0, it, stage], rX[it])
-                cute.autovec_copy(tDZs[None, 0, 0, it, stage], rDZ[it])
-                if not (row_ok and col_ok[it]):  # past the tensor: contributes zeros
-                    rX[it].fill(0.0)
-                    rDZ[it].fill(0.0)
+            rb, _row, row_ok, (rX, rDZ) = ring.read(k)
 
             # this thread's share of sum(dy) and sum(dy * y); the column partials
             s_dy = Float32(0.0)
@@ -283,12 +209,7 @@ class LnBwd:
                     cute.copy(copy_dx, rDX, tDXg[None, 0, 0, rb, col_tile[it]])
             mu = mu_next
             rs = rs_next
-        cute.arch.cp_async_wait_group(0)  # nothing may land after the CTA exits
-        if const_expr(use_mbar):
-            # A CTA's last st.async into a peer may still be in flight when it is done;
-            # once all CTAs arrived here, each has waited for everything sent to it.
-            cute.arch.cluster_arrive_relaxed()
-            cute.arch.cluster_wait()
+        R.finish(t)
 
         # This CTA's column sums -> row ``bidm`` of the partials (Apex's WARPS_M fold).
         outs = []
@@ -316,36 +237,6 @@ class LnBwd:
                     cute.autovec_copy(acc[it], cute.make_tensor(dst.iterator, acc[it].layout))
                 cute.arch.sync_threads()
                 fold.store(sAcc, mPart, bidm, Int32(0), tidx)  # one CTA covers the row: column tile 0
-
-    @cute.jit
-    def load_block(
-        self,
-        k,
-        bidm,
-        ctas_per_col,
-        my_blocks,
-        rows,
-        row_in_cta,
-        col_tile,
-        col_ok,
-        copy_x,
-        copy_dz,
-        tXg,
-        tDZg,
-        tXs,
-        tDZs,
-    ):
-        """Start copying this CTA's ``k``-th row block into ring stage k % stages; one commit group."""
-        t = self.tiles
-        rb = bidm + k * ctas_per_col
-        row = rb * t.rows_per_cta + row_in_cta
-        stage = k % t.stages
-        if k < my_blocks and row < rows:
-            for it in cutlass.range_constexpr(t.ldgs):
-                if col_ok[it]:
-                    cute.copy(copy_x, tXg[None, 0, 0, rb, col_tile[it]], tXs[None, 0, 0, it, stage])
-                    cute.copy(copy_dz, tDZg[None, 0, 0, rb, col_tile[it]], tDZs[None, 0, 0, it, stage])
-        cute.arch.cp_async_commit_group()  # empty groups keep the count uniform
 
     @cute.jit
     def row_stats(self, mMu, mRs, row, rows):
