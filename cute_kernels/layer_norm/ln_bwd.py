@@ -6,9 +6,9 @@ Per row, with the forward's mean mu and rstd (RMSNorm: mu = 0):
     dx = rstd * (dy - mean(dy * y) * y - mean(dy))      (RMSNorm: no mean(dy) term)
 
 and per CTA the column partials dgamma_part = sum dz * y, dbeta_part = sum dz over its
-rows, which ``LnBwdFinalize`` reduces. The persistent grid, each thread's vectors of a row
-and the cp.async ring (of x and dz) are shared with the forward (``rows.py``). The row
-all-reduce of (sum dy, sum dy*y) runs through warp shuffles, then shared
+rows, which ``LnBwdFinalize`` reduces. The persistent grid, each thread's vectors of a row,
+the cp.async ring (of x and dz) and the row all-reduce are shared with the forward
+(``rows.py``). The all-reduce of (sum dy, sum dy*y) runs through warp shuffles, then shared
 memory across the warps of a row, then distributed shared memory across the CTAs of a
 cluster; every participant adds the same values in the same order, so all agree bit for
 bit and the results are deterministic. Across a cluster the sums travel by ``st.async``
@@ -23,8 +23,6 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from cute_kernels.common.column_partials import ColumnPartials
-from cute_kernels.common.dsmem import store_async_cluster2, store_cluster
-from cute_kernels.common.row_reduce import row_allreduce_sum
 from layouts.layer_norm import LnBwdTiles
 
 from . import rows as R
@@ -83,10 +81,9 @@ class LnBwd:
     ):
         t = self.tiles
         tpr, vec, ldgs = t.threads_per_row, t.vec, t.ldgs
-        cpr, rpc, stages, warps_n = t.ctas_per_row, t.rows_per_cta, t.stages, t.warps_n
+        rpc, stages = t.rows_per_cta, t.stages
         th = R.row_thread(t)
-        tidx, bidn, bidm, row_in_cta, tid_r = th.tidx, th.bidn, th.bidm, th.row_in_cta, th.tid_r
-        warp_n, lane = th.warp_n, th.lane
+        tidx, bidm, row_in_cta, tid_r = th.tidx, th.bidm, th.row_in_cta, th.tid_r
         rows, n = mX.shape
         inv_n = Float32(1.0) / Float32(n)
         tXg = R.partition_rows(copy_x, mX, t, tidx, load=True)
@@ -105,30 +102,7 @@ class LnBwd:
             acc_dz[it].fill(0.0)
 
         smem = cutlass.memory.SmemAllocator()
-        exchange = warps_n > 1 or cpr > 1
-        use_mbar = t.exchange_mbarriers
-        sRed = None
-        mbar = None
-        if const_expr(exchange):
-            # [buffer, rank in cluster, row of CTA, warp of row, (sum dy, sum dy*y)]
-            sRed = smem.allocate_tensor(
-                Float32,
-                cute.make_ordered_layout((2, cpr, rpc, warps_n, 2), order=(4, 3, 2, 1, 0)),
-                byte_alignment=16,
-            )
-        if const_expr(use_mbar):
-            # one per sRed buffer: the local arrive.expect_tx plus every entry's complete_tx
-            mbar = smem.allocate_array(cutlass.Int64, 2, byte_alignment=8)
-            if tidx == 0:
-                cute.arch.mbarrier_init(mbar, 1)
-                cute.arch.mbarrier_init(mbar + 1, 1)
-            cute.arch.mbarrier_init_fence()
-        if const_expr(cpr > 1):
-            # every CTA of the cluster runs (and has its mbarriers initialised) before
-            # anyone writes into its shared memory
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-
+        red = R.RowSums.allocate(t, smem, th, num_sums=2)  # (sum dy, sum dy*y)
         inputs = [(self.in_dtype, copy_x, tXg), (self.out_dtype, copy_dz, tDZg)]
         ring = R.RowRing.allocate(t, smem, th, rows, ctas_per_col, col_tile, col_ok, inputs)
         ring.start()
@@ -152,47 +126,9 @@ class LnBwd:
                     s_dy = s_dy + dy.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                 if const_expr(self.has_dbeta):
                     acc_dz[it].store(acc_dz[it].load() + dz)
-            sums = [row_allreduce_sum(s_dy, t.lanes_per_row), row_allreduce_sum(s_dyy, t.lanes_per_row)]
-
-            if const_expr(exchange):
-                # each warp's sums to every CTA of the row; then all add them in one order
-                if const_expr(use_mbar):
-                    # Buffer ``parity`` is reused every second row; its mbarrier phase
-                    # flips then. No overwrite before it is read: a peer sends row k+2 into
-                    # it only after its wait for row k+1, which needs every warp of this CTA
-                    # to have sent row k+1, which each does after reading row k (sync_warp
-                    # orders all lanes' reads before lane 0's sends). A complete_tx landing
-                    # before this CTA's arrive.expect_tx only makes the tx-count negative
-                    # for a while: the phase also needs the arrival.
-                    if tidx == 0:
-                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + parity, t.red_bytes)
-                    cute.arch.sync_warp()
-                    if lane == 0:
-                        ptr = sRed.iterator + cute.crd2idx((parity, bidn, row_in_cta, warp_n, 0), sRed.layout)
-                        for peer in cutlass.range_constexpr(cpr):  # itself included
-                            store_async_cluster2(ptr, mbar + parity, sums[0], sums[1], Int32(peer))
-                    cute.arch.mbarrier_wait(mbar + parity, (k >> 1) & 1)
-                else:
-                    if lane == 0:
-                        for j in cutlass.range_constexpr(2):
-                            coord = (parity, bidn, row_in_cta, warp_n, j)
-                            if const_expr(cpr > 1):
-                                ptr = sRed.iterator + cute.crd2idx(coord, sRed.layout)
-                                for peer in cutlass.range_constexpr(cpr):
-                                    store_cluster(ptr, sums[j], Int32(peer))
-                            else:
-                                sRed[coord] = sums[j]
-                    if const_expr(cpr > 1):
-                        cute.arch.cluster_arrive()
-                        cute.arch.cluster_wait()
-                    else:
-                        cute.arch.sync_threads()
-                for j in cutlass.range_constexpr(2):
-                    total = Float32(0.0)
-                    for rank in cutlass.range_constexpr(cpr):
-                        for w in cutlass.range_constexpr(warps_n):
-                            total = total + sRed[(parity, rank, row_in_cta, w, j)]
-                    sums[j] = total
+            # buffer ``parity`` is reused every second row; its mbarrier phase flips then
+            sums = red.allreduce([s_dy, s_dyy], parity, (k >> 1) & 1)
+            if const_expr(red.exchange):
                 parity = parity ^ 1  # the other buffer next time: one barrier per row
 
             mdy = sums[0] * inv_n

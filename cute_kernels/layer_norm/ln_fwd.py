@@ -8,8 +8,8 @@ Per row, in fp32 from registers (the row is read from global memory once):
     y    = (x - mu) * rstd * gamma + beta
 
 mean (LayerNorm) and rstd are stored in fp32, one per row, as the backward reads them.
-The grid, the ring and the row all-reduce are the backward's (the first two in ``rows.py``):
-rows are grid-strided over a persistent grid of ``ctas_per_col`` CTAs (times ``ctas_per_row``
+The grid, the ring and the row all-reduce are shared with the backward (``rows.py``): rows
+are grid-strided over a persistent grid of ``ctas_per_col`` CTAs (times ``ctas_per_row``
 along a row, one cluster); each thread holds ``ldgs`` vectors of ``vec`` elements at
 Apex's interleaving; x arrives through a cp.async ring in shared memory, each thread
 reading back only its own vectors; gamma and beta are loaded into registers once per CTA.
@@ -27,8 +27,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from cute_kernels.common.dsmem import store_async_cluster, store_cluster
-from cute_kernels.common.row_reduce import row_allreduce_sum
 from layouts.layer_norm import LnFwdTiles
 
 from . import rows as R
@@ -82,9 +80,8 @@ class LnFwd:
     ):
         t = self.tiles
         ldgs, stages = t.ldgs, t.stages
-        cpr, rpc, warps_n = t.ctas_per_row, t.rows_per_cta, t.warps_n
         th = R.row_thread(t)
-        tidx, bidn, row_in_cta, tid_r, warp_n, lane = th.tidx, th.bidn, th.row_in_cta, th.tid_r, th.warp_n, th.lane
+        tidx, bidn, tid_r = th.tidx, th.bidn, th.tid_r
         rows, n = mX.shape
         n_f = Float32(n)
         tXg = R.partition_rows(copy_x, mX, t, tidx, load=True)
@@ -94,34 +91,13 @@ class LnFwd:
         rBeta = R.load_param(mBeta, self.b_dtype, t, copy_x, tXg, tidx, n, col_tile, col_ok)
 
         smem = cutlass.memory.SmemAllocator()
-        exchange = warps_n > 1 or cpr > 1
-        sRed = None
-        mbar = None
-        if const_expr(exchange):
-            # [buffer, rank in cluster, row of CTA, warp of row]: each warp's partial sum
-            sRed = smem.allocate_tensor(
-                Float32, cute.make_ordered_layout((2, cpr, rpc, warps_n), order=(3, 2, 1, 0)), byte_alignment=16
-            )
-        if const_expr(t.exchange_mbarriers):
-            # one per sRed buffer: the local arrive.expect_tx plus every entry's complete_tx
-            mbar = smem.allocate_array(cutlass.Int64, 2, byte_alignment=8)
-            if tidx == 0:
-                cute.arch.mbarrier_init(mbar, 1)
-                cute.arch.mbarrier_init(mbar + 1, 1)
-            cute.arch.mbarrier_init_fence()
-        if const_expr(cpr > 1):
-            # every CTA of the cluster runs (and has its mbarriers initialised) before
-            # anyone writes into its shared memory
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-
+        red = R.RowSums.allocate(t, smem, th, num_sums=1)
         ring = R.RowRing.allocate(t, smem, th, rows, ctas_per_col, col_tile, col_ok, [(self.dtype, copy_x, tXg)])
         ring.start()
         parity = Int32(0)  # RMSNorm: one all-reduce a row, so the buffers alternate by row
         for k in cutlass.range(ring.my_blocks, unroll=1):
             ring.load(k + stages - 1)
             rb, row, row_ok, (rX,) = ring.read(k)
-            red = (sRed, mbar, row_in_cta, warp_n, bidn, lane, tidx)
 
             mu = Float32(0.0)
             if const_expr(self.is_rms):
@@ -130,19 +106,19 @@ class LnFwd:
                     x = rX[it].load().to(Float32)
                     s = s + (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                 # the u-th use of a buffer completes its mbarrier's phase u: row k is use k // 2
-                var = self.allreduce(s, red, parity, (k >> 1) & 1) / n_f
+                var = red.allreduce([s], parity, (k >> 1) & 1)[0] / n_f
                 parity = parity ^ 1
             else:
                 s = Float32(0.0)
                 for it in cutlass.range_constexpr(ldgs):
                     s = s + rX[it].load().to(Float32).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                mu = self.allreduce(s, red, Int32(0), k & 1) / n_f
+                mu = red.allreduce([s], Int32(0), k & 1)[0] / n_f
                 s = Float32(0.0)
                 for it in cutlass.range_constexpr(ldgs):
                     d = rX[it].load().to(Float32) - mu
                     part = (d * d).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                     s = s + Float32(cutlass.select_(col_ok[it], part, Float32(0.0)))  # zeros past N are not x
-                var = self.allreduce(s, red, Int32(1), k & 1) / n_f
+                var = red.allreduce([s], Int32(1), k & 1)[0] / n_f
             rs = cute.math.rsqrt(var + eps)
 
             if row_ok and tid_r == 0 and bidn == 0:
@@ -160,50 +136,3 @@ class LnFwd:
                 if row_ok and col_ok[it]:
                     cute.copy(copy_y, rY, tYg[None, 0, 0, rb, col_tile[it]])
         R.finish(t)
-
-    @cute.jit
-    def allreduce(self, s: Float32, red, buf: Int32, phase: Int32) -> Float32:
-        """Sum of ``s`` over the row's threads (every CTA of its cluster), through exchange
-        buffer ``buf``, whose mbarrier (st.async exchange) completes phase parity ``phase``.
-
-        Buffer ``buf`` is reused two all-reduces later. No overwrite before it is read: a
-        peer sends all-reduce r+2 into it only after its wait for r+1, which needs every warp
-        of this CTA to have sent r+1, which each does after reading r (sync_warp orders all
-        lanes' reads before lane 0's sends). A complete_tx landing before this CTA's
-        arrive.expect_tx only makes the tx-count negative for a while: the phase also needs
-        the arrival. Through barriers, r+2's writes follow r+1's barrier, which every thread
-        reaches after reading r.
-        """
-        t = self.tiles
-        sRed, mbar, row_in_cta, warp_n, bidn, lane, tidx = red
-        s = row_allreduce_sum(s, t.lanes_per_row)
-        if const_expr(t.warps_n > 1 or t.ctas_per_row > 1):
-            if const_expr(t.exchange_mbarriers):
-                if tidx == 0:
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar + buf, t.red_bytes)
-                cute.arch.sync_warp()
-                if lane == 0:
-                    ptr = sRed.iterator + cute.crd2idx((buf, bidn, row_in_cta, warp_n), sRed.layout)
-                    for peer in cutlass.range_constexpr(t.ctas_per_row):  # itself included
-                        store_async_cluster(ptr, mbar + buf, s, Int32(peer))
-                cute.arch.mbarrier_wait(mbar + buf, phase)
-            else:
-                if lane == 0:
-                    coord = (buf, bidn, row_in_cta, warp_n)
-                    if const_expr(t.ctas_per_row > 1):
-                        ptr = sRed.iterator + cute.crd2idx(coord, sRed.layout)
-                        for peer in cutlass.range_constexpr(t.ctas_per_row):
-                            store_cluster(ptr, s, Int32(peer))
-                    else:
-                        sRed[coord] = s
-                if const_expr(t.ctas_per_row > 1):
-                    cute.arch.cluster_arrive()
-                    cute.arch.cluster_wait()
-                else:
-                    cute.arch.sync_threads()
-            total = Float32(0.0)
-            for rank in cutlass.range_constexpr(t.ctas_per_row):
-                for w in cutlass.range_constexpr(t.warps_n):
-                    total = total + sRed[(buf, rank, row_in_cta, w)]
-            s = total
-        return s

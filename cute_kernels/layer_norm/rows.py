@@ -4,7 +4,9 @@ Rows are grid-strided over a persistent grid of ``ctas_per_col`` CTAs (times ``c
 along a row, one cluster). Each thread holds ``ldgs`` vectors of ``vec`` elements of a row, at
 Apex's interleaving: vector ``it`` of thread ``t`` of CTA ``bidn`` starts at column
 ((it * CTAS_PER_ROW + bidn) * THREADS_PER_ROW + t) * vec. Row blocks arrive through a cp.async
-ring in shared memory (``RowRing``).
+ring in shared memory (``RowRing``); per-row sums are all-reduced over the row's threads
+(``RowSums``): warp shuffles, then shared memory across the warps of a row, then distributed
+shared memory across the CTAs of a cluster.
 """
 
 from dataclasses import dataclass
@@ -12,8 +14,10 @@ from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr
+from cutlass import Float32, Int32, const_expr
 
+from cute_kernels.common.dsmem import store_async_cluster, store_cluster
+from cute_kernels.common.row_reduce import row_allreduce_sum
 from layouts.layer_norm import SMEM_CARVEOUT, RowTiles
 
 
@@ -154,6 +158,127 @@ class RowRing:
                 for rZero in regs:
                     rZero[it].fill(0.0)
         return rb, row, row_ok, regs
+
+
+def _exchanges(tiles: RowTiles) -> bool:
+    """Whether a row's sums leave its warp (through shared memory)."""
+    return tiles.warps_n > 1 or tiles.ctas_per_row > 1
+
+
+@cute.jit
+def _init_mbarriers(mbar, tidx):
+    if tidx == 0:
+        cute.arch.mbarrier_init(mbar, 1)
+        cute.arch.mbarrier_init(mbar + 1, 1)
+    cute.arch.mbarrier_init_fence()
+
+
+@dataclass(frozen=True)
+class RowSums:
+    """All-reduce of ``num_sums`` fp32 values a thread over the threads of its row (every CTA of
+    its cluster): warp shuffles, then each warp's sums to every CTA of the row through one of two
+    alternating exchange buffers ``sRed`` [buffer, rank in cluster, row of CTA, warp of row(,
+    sum)]; then all add them in one order, so all agree bit for bit. Across a cluster the sums
+    travel by ``st.async`` onto a transaction-count mbarrier per buffer of the receiving CTA
+    (``tiles.exchange_mbarriers``), or by plain remote stores followed by a cluster barrier.
+    Frozen: the kernels' dynamic loops only read it."""
+
+    tiles: RowTiles
+    th: RowThread
+    num_sums: int
+    sRed: cute.Tensor  # None where a row is one warp's
+    mbar: cute.Pointer  # None but for the st.async exchange
+
+    @property
+    def exchange(self) -> bool:
+        return _exchanges(self.tiles)
+
+    @staticmethod
+    def allocate(tiles: RowTiles, smem, th: RowThread, num_sums: int) -> "RowSums":
+        sRed = None
+        mbar = None
+        if _exchanges(tiles):
+            shape = (2, tiles.ctas_per_row, tiles.rows_per_cta, tiles.warps_n) + ((num_sums,) if num_sums > 1 else ())
+            order = tuple(reversed(range(len(shape))))
+            sRed = smem.allocate_tensor(Float32, cute.make_ordered_layout(shape, order=order), byte_alignment=16)
+        if tiles.exchange_mbarriers:
+            # one per sRed buffer: the local arrive.expect_tx plus every entry's complete_tx
+            mbar = smem.allocate_array(cutlass.Int64, 2, byte_alignment=8)
+            _init_mbarriers(mbar, th.tidx)
+        if tiles.ctas_per_row > 1:
+            # every CTA of the cluster runs (and has its mbarriers initialised) before
+            # anyone writes into its shared memory
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+        return RowSums(tiles, th, num_sums, sRed, mbar)
+
+    def _sum_mode(self, j) -> tuple:
+        """The trailing sRed coordinate of sum ``j`` (none when there is one sum)."""
+        return (j,) if self.num_sums > 1 else ()
+
+    @cute.jit
+    def allreduce(self, sums: list, buf, phase) -> list:
+        """The row totals of ``sums``, through exchange buffer ``buf``, whose mbarrier (st.async
+        exchange) completes phase parity ``phase``.
+
+        Buffer ``buf`` is reused two all-reduces later. No overwrite before it is read: a peer
+        sends all-reduce r+2 into it only after its wait for r+1, which needs every warp of this
+        CTA to have sent r+1, which each does after reading r (sync_warp orders all lanes' reads
+        before lane 0's sends). A complete_tx landing before this CTA's arrive.expect_tx only
+        makes the tx-count negative for a while: the phase also needs the arrival. Through
+        barriers, r+2's writes follow r+1's barrier, which every thread reaches after reading r.
+        """
+        t = self.tiles
+        sums = [row_allreduce_sum(s, t.lanes_per_row) for s in sums]
+        if const_expr(self.exchange):
+            if const_expr(t.exchange_mbarriers):
+                self.send_async(sums, buf, phase)
+            else:
+                self.send_with_barrier(sums, buf)
+            sums = [self.total(buf, j) for j in range(self.num_sums)]
+        return sums
+
+    @cute.jit
+    def send_async(self, sums: list, buf, phase):
+        """Each warp's sums to every CTA by st.async; wait until all have arrived here."""
+        th, sRed, mbar = self.th, self.sRed, self.mbar
+        if th.tidx == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar + buf, self.tiles.red_bytes)
+        cute.arch.sync_warp()
+        if th.lane == 0:
+            coord = (buf, th.bidn, th.row_in_cta, th.warp_n) + self._sum_mode(0)
+            ptr = sRed.iterator + cute.crd2idx(coord, sRed.layout)
+            for peer in cutlass.range_constexpr(self.tiles.ctas_per_row):  # itself included
+                store_async_cluster(ptr, mbar + buf, sums, Int32(peer))
+        cute.arch.mbarrier_wait(mbar + buf, phase)
+
+    @cute.jit
+    def send_with_barrier(self, sums: list, buf):
+        """Each warp's sums to every CTA by plain stores; then a barrier."""
+        th, sRed, cpr = self.th, self.sRed, self.tiles.ctas_per_row
+        if th.lane == 0:
+            for j in cutlass.range_constexpr(self.num_sums):
+                coord = (buf, th.bidn, th.row_in_cta, th.warp_n) + self._sum_mode(j)
+                if const_expr(cpr > 1):
+                    ptr = sRed.iterator + cute.crd2idx(coord, sRed.layout)
+                    for peer in cutlass.range_constexpr(cpr):
+                        store_cluster(ptr, sums[j], Int32(peer))
+                else:
+                    sRed[coord] = sums[j]
+        if const_expr(cpr > 1):
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
+
+    @cute.jit
+    def total(self, buf, j) -> Float32:
+        """Sum ``j`` of the row over every CTA's, every warp's entry, in one order."""
+        total = Float32(0.0)
+        for rank in cutlass.range_constexpr(self.tiles.ctas_per_row):
+            for w in cutlass.range_constexpr(self.tiles.warps_n):
+                total = total + self.sRed[(buf, rank, self.th.row_in_cta, w) + self._sum_mode(j)]
+        return total
 
 
 def finish(tiles: RowTiles):
