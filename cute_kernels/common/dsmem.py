@@ -6,7 +6,7 @@ complete a transaction count on the receiving CTA's mbarrier.
 """
 
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 
 
 @cute.jit
@@ -17,22 +17,13 @@ def store_cluster(ptr: cute.Pointer, value: Float32, peer: Int32):
 
 
 @cute.jit
-def store_async_cluster(ptr: cute.Pointer, mbar: cute.Pointer, v: Float32, peer: Int32):
-    """``v`` at ``ptr`` of CTA ``peer``; completes 4 tx bytes on ``mbar`` there."""
+def store_async_cluster(ptr: cute.Pointer, mbar: cute.Pointer, values: list, peer: Int32):
+    """``values`` (one fp32, or two at an 8-byte aligned ``ptr``) at ``ptr`` of CTA ``peer``;
+    completes their bytes on ``mbar`` there."""
     addr = cute.arch.map_dsmem_ptr(ptr, peer).toint()
     bar = cute.arch.map_dsmem_ptr(mbar, peer).toint()
-    cute.arch.inline_ptx(
-        "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [{$r0}], {$r1}, [{$r2}];",
-        read_only_args=[Int32(addr), v, Int32(bar)],
-    )
-
-
-@cute.jit
-def store_async_cluster2(ptr: cute.Pointer, mbar: cute.Pointer, v0: Float32, v1: Float32, peer: Int32):
-    """(v0, v1) at 8-byte aligned ``ptr`` of CTA ``peer``; completes 8 tx bytes on ``mbar`` there."""
-    addr = cute.arch.map_dsmem_ptr(ptr, peer).toint()
-    bar = cute.arch.map_dsmem_ptr(mbar, peer).toint()
-    cute.arch.inline_ptx(
-        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [{$r0}], {{$r1}, {$r2}}, [{$r3}];",
-        read_only_args=[Int32(addr), v0, v1, Int32(bar)],
-    )
+    if const_expr(len(values) == 1):
+        ptx = "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [{$r0}], {$r1}, [{$r2}];"
+    else:
+        ptx = "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [{$r0}], {{$r1}, {$r2}}, [{$r3}];"
+    cute.arch.inline_ptx(ptx, read_only_args=[Int32(addr), *values, Int32(bar)])
