@@ -306,6 +306,13 @@ def _mea_impl(
             offset,
         )
         return out, lse, *_rng_on_device(seed, offset, dropout_p, query.device)
+    if dropout_p > 0.0 and cu_seqlens_q is not None:
+        # torch's forward gives every (sequence, head) the same stretch of the stream with
+        # cu_seqlens, while the backwards (torch's and ours) redraw (i H + h) max_q max_k on
+        raise NotImplementedError(
+            "dropout with variable lengths needs our forward, whose keep mask the backward replays "
+            f"(torch's forward draws another); ours does not apply here: {reason}"
+        )
     return _torch_forward(
         query,
         key,

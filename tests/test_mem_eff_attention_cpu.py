@@ -434,6 +434,15 @@ def test_cu_seqlens_values_are_checked(values, total, max_seqlen, fragment):
     assert longest == 5 and lengths == [3, 0, 5]
 
 
+def test_varlen_dropout_refuses_torchs_forward():
+    """Where our forward does not apply, dropout with variable lengths raises instead of running
+    torch's forward, whose keep mask no backward replays (meta tensors: no arch, so not ours)."""
+    q, k, v = (torch.empty(1, 90, 2, 64, dtype=torch.bfloat16, device="meta") for _ in range(3))
+    cq = ck = torch.empty(3, dtype=torch.int32, device="meta")
+    with pytest.raises(NotImplementedError, match="dropout with variable lengths needs our forward"):
+        A._mea_impl(q, k, v, cq, ck, 60, 60, 0, 0, None, None, 0.1)
+
+
 def test_fake_implementation_shapes():
     with FakeTensorMode():
         q, k, v = fake_cuda(2, 70, 3, 64), fake_cuda(2, 50, 3, 64), fake_cuda(2, 50, 3, 40)
