@@ -2,8 +2,9 @@
 
 Runs the configurations of ``benchmarks/sanitize_workloads.py`` (the GPU test matrix at
 small sizes: dropout + bias, LayerNorm / RMSNorm, the attention-backward pre/post
-kernels, the memory-efficient attention backward and, on sm_90a, the Hopper one) under NVIDIA compute-sanitizer's
-memcheck, racecheck and synccheck, and reports the errors per (configuration, tool).
+kernels, the memory-efficient attention backward and, on sm_90a, the Hopper backward and
+forward) under NVIDIA compute-sanitizer's memcheck, racecheck and synccheck, and reports the
+errors per (configuration, tool).
 Exit status 0 only when every configuration ran clean under every tool (and each
 positive control, a DSL kernel with a planted bug, was caught).
 

@@ -570,6 +570,133 @@ def _sm90_configs():
     return c
 
 
+# ------------------------------------------------------------ Hopper attention forward (sm90)
+
+
+def _sm90_fwd(dtype, b, mq, mk, h, hk, d, dv, *, mask=0, window=0, lengths=None, bias=None, dropout=0.0, face=False):
+    """One forward of ``ops.memory_efficient_attention`` (no grad), whose forward is ours
+    (``ops.attention_fwd_sm90``; asserted on real tensors, so the tool never sanitizes torch's
+    instead). ``hk`` key / value heads; ``bias`` = (shape, "dense" | "padded"): broadcastable to
+    [B, H, Mq, Mk], "padded" rows of a wider buffer (strides not multiples of 8; the op would pad
+    them, which FakeTensorMode cannot on a CPU-only build: op workloads keep Mk a multiple of 16).
+    ``face``: the kernel's torch face itself (``attention_forward_sm90``), which reads the bias with
+    the strides it is given."""
+    import ops
+    from ops import _compile as cc
+    from ops import attention_fwd_sm90 as fwd
+
+    if lengths is not None:
+        b, mq, mk = 1, sum(lengths[0]), sum(lengths[1])
+    q = _randn(b, mq, h, d, dtype=dtype)
+    k, v = _randn(b, mk, hk, d, dtype=dtype), _randn(b, mk, hk, dv, dtype=dtype)
+    cq = ck = max_q = max_k = None
+    if lengths is not None:
+        cq, ck = _cu_seqlens(lengths[0]), _cu_seqlens(lengths[1])
+        max_q, max_k = max(max(lengths[0]), 1), max(max(lengths[1]), 1)
+    attn_bias = None
+    if bias is not None:
+        shape, layout = bias
+        if layout == "padded":
+            attn_bias = _randn(*shape[:-1], shape[-1] + 3, dtype=dtype).narrow(-1, 0, shape[-1])
+        else:
+            attn_bias = _randn(*shape, dtype=dtype)
+    real = not cc.is_fake_tensor(q)
+    why = fwd.unsupported(q, k, v, mask_type=mask, bias=attn_bias, dropout_p=dropout, arch=None if real else "sm_90a")
+    assert why is None, f"the Hopper forward does not take this workload: {why}"
+    if face:  # (fake tensors: the check above is the call's validation; the face compiles for a device)
+        if not real:
+            return
+        seed = offset = None
+        if dropout > 0.0:
+            seed, offset = fwd.philox_state(q.device, fwd.dropout_words(q, k, cq, max_q, max_k))
+        fwd.attention_forward_sm90(q, k, v, None, mask, window, cq, ck, max_q, max_k, attn_bias, dropout, seed, offset)
+        return
+    with torch.no_grad():
+        ops.memory_efficient_attention(
+            q,
+            k,
+            v,
+            causal={0: False, 1: True, 2: "bottom_right"}[mask],
+            window_size=window or None,
+            cu_seqlens_q=cq,
+            cu_seqlens_k=ck,
+            max_seqlen_q=max_q,
+            max_seqlen_k=max_k,
+            attn_bias=attn_bias,
+            dropout_p=dropout,
+            return_lse=True,
+        )
+
+
+def _sm90_fwd_configs():
+    c = []
+
+    def add(group, variant, fn):
+        c.append(Config(f"attention_sm90/fwd-{variant}", f"attention_sm90_fwd_{group}", fn, arch="sm_90a"))
+
+    # every head-dim pair once, the masks, grouped- / multi-query heads, windows (a)
+    add("a", "bf16-d64-2x100x257-nomask", lambda: _sm90_fwd(BF16, 2, 100, 257, 2, 2, 64, 64))
+    add("a", "fp16-d96-1x130x200-causal_tl-gqa", lambda: _sm90_fwd(F16, 1, 130, 200, 4, 2, 96, 96, mask=1))
+    add("a", "bf16-d128-2x81x300-causal_br-mqa", lambda: _sm90_fwd(BF16, 2, 81, 300, 4, 1, 128, 128, mask=2))
+    add("a", "fp16-d192-1x130x100-nomask", lambda: _sm90_fwd(F16, 1, 130, 100, 2, 2, 192, 192))
+    add(
+        "a",
+        "bf16-k192v128-1x100x257-causal_br-gqa",
+        lambda: _sm90_fwd(BF16, 1, 100, 257, 4, 2, 192, 128, mask=2),
+    )
+    add("a", "fp16-d256-1x70x130-causal_tl", lambda: _sm90_fwd(F16, 1, 70, 130, 2, 2, 256, 256, mask=1))
+    add(
+        "a",
+        "bf16-d192-1x200x200-window16_tl",
+        lambda: _sm90_fwd(BF16, 1, 200, 200, 2, 2, 192, 192, mask=1, window=16),
+    )
+    add(
+        "a",
+        "fp16-d256-1x130x257-window32_br-gqa",
+        lambda: _sm90_fwd(F16, 1, 130, 257, 4, 2, 256, 256, mask=2, window=32),
+    )
+    # bias (broadcast, odd strides), dropout, variable lengths with empty and one-row sequences (b)
+    add(
+        "b",
+        "bf16-d64-2x100x160-causal_tl-bias-bcast",
+        lambda: _sm90_fwd(BF16, 2, 100, 160, 2, 2, 64, 64, mask=1, bias=((1, 2, 100, 160), "dense")),
+    )
+    add(
+        "b",
+        "fp16-d128-1x130x200-bias-padded-face",
+        lambda: _sm90_fwd(F16, 1, 130, 200, 2, 1, 128, 128, bias=((130, 200), "padded"), face=True),
+    )
+    add(
+        "b",
+        "bf16-d128-1x130x257-causal_tl-dropout",
+        lambda: _sm90_fwd(BF16, 1, 130, 257, 2, 2, 128, 128, mask=1, dropout=0.2),
+    )
+    add("b", "fp16-d256-1x70x130-dropout", lambda: _sm90_fwd(F16, 1, 70, 130, 2, 2, 256, 256, dropout=0.3))
+    add(
+        "b",
+        "bf16-d64-2x100x160-causal_br-bias-dropout",
+        lambda: _sm90_fwd(BF16, 2, 100, 160, 2, 2, 64, 64, mask=2, bias=((2, 1, 100, 160), "dense"), dropout=0.2),
+    )
+    add(
+        "b",
+        "fp16-d128-varlen-causal_tl-gqa",
+        lambda: _sm90_fwd(F16, 1, 0, 0, 4, 2, 128, 128, mask=1, lengths=([77, 0, 130, 1], [77, 5, 120, 1])),
+    )
+    add(
+        "b",
+        "bf16-d96-varlen-empty_keys-dropout",
+        lambda: _sm90_fwd(BF16, 1, 0, 0, 2, 2, 96, 96, lengths=([1, 130, 3], [0, 130, 64]), dropout=0.2),
+    )
+    add(
+        "b",
+        "fp16-k192v128-varlen-window8_br-mqa-dropout",
+        lambda: _sm90_fwd(
+            F16, 1, 0, 0, 4, 1, 192, 128, mask=2, window=8, lengths=([50, 0, 129, 1], [64, 3, 200, 1]), dropout=0.1
+        ),
+    )
+    return c
+
+
 # ------------------------------------------------------------------ positive controls
 
 
@@ -604,7 +731,13 @@ def _canary_configs():
 
 def all_configs():
     configs = (
-        _dropout_configs() + _norm_configs() + _prepost_configs() + _mea_configs() + _sm90_configs() + _canary_configs()
+        _dropout_configs()
+        + _norm_configs()
+        + _prepost_configs()
+        + _mea_configs()
+        + _sm90_configs()
+        + _sm90_fwd_configs()
+        + _canary_configs()
     )
     for cfg in configs:
         assert "," not in cfg.name and " " not in cfg.name, cfg.name

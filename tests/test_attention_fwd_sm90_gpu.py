@@ -76,6 +76,31 @@ def _check(out, lse, ref_out, ref_lse, dtype):
     assert (lse.double()[finite] - ref_lse[finite]).abs().max().item() < 1e-3 if finite.any() else True
 
 
+def check_forward(name, out, lse, ref_out, ref_lse, dtype, lengths=None):
+    """``_check``'s bounds with messages, for O [B, Mq, H, Dv] and the whole LSE as the forward
+    returns it (``lse`` None: O alone): dense, the rows past Mq +inf; with variable lengths
+    (``lengths`` = (query lengths, key lengths)) each sequence's rows (the padding past them is
+    torch's business, not compared)."""
+    assert torch.isfinite(out).all(), f"{name}: O has NaN / inf (unwritten?)"
+    err = (out.double() - ref_out).abs().max().item() if out.numel() else 0.0
+    tol = _tolerance(out, ref_out, dtype)
+    assert err <= tol, f"{name}: max |O - ref| {err:.3g} > {tol:.3g}"
+    if lse is None:
+        return
+    if lengths is None:
+        mq = out.shape[1]
+        assert (lse[:, :, mq:] == math.inf).all(), f"{name}: LSE rows past Mq are not +inf"
+        rows = [(lse[:, :, :mq], ref_lse)]
+    else:
+        rows = [(lse[i, :, :n], ref_lse[i, :, :n]) for i, n in enumerate(lengths[0]) if n]
+    for got, want in rows:
+        finite = torch.isfinite(want)
+        assert torch.equal(torch.isfinite(got), finite), f"{name}: LSE finite where the reference is not, or not finite"
+        if finite.any():
+            e = (got.double()[finite] - want[finite]).abs().max().item()
+            assert e < 1e-3, f"{name}: max |LSE - ref| {e:.3g} >= 1e-3"
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
     "case", DENSE, ids=lambda c: "b{}h{}/{}q{}k{}{}m{}w{}".format(*c[:5], _dims(c[5], c[8:])[2], *c[6:8])
@@ -281,6 +306,73 @@ def _torch_keep_mask(shape, p, seed, offset):
 
 def _philox(seed, offset):
     return torch.tensor(seed, dtype=torch.int64), torch.tensor(offset, dtype=torch.int64)
+
+
+def forward_reference(
+    q,
+    k,
+    v,
+    *,
+    mask_type=0,
+    window=0,
+    scale=None,
+    bias=None,
+    lengths=None,
+    max_q=None,
+    max_k=None,
+    p=0.0,
+    seed=0,
+    offset=0,
+    grad_out=None,
+    out=None,
+):
+    """fp64 (O, LSE) of the forward's problem, with torch's keep mask for philox (``seed``, ``offset``)
+    where ``p`` > 0: dense, the [B, H, Mq, Mk] stream of torch's forward; variable lengths
+    (``lengths`` = (query lengths, key lengths), ``max_q`` / ``max_k`` the longest the call passed),
+    the backwards' streams our forward draws (sequence i's head h from offset + (i H + h) max_q max_k,
+    element (n, m) at n Sk_i + m). LSE [B, H, Mq] dense, [sequences, H, max_q] (+inf past each
+    sequence) with variable lengths. With ``grad_out`` a third entry: (dq, dk, dv, dbias) of the same
+    problem (dbias [B, H, Mq, Mk] with a bias, else None; Δ from ``out``, by default the exact O rounded)."""
+    kw = dict(custom_mask_type=mask_type, window_size=window, scale=scale, dropout_p=p)
+    h = q.shape[2]
+    if lengths is None:
+        b, mq = q.shape[:2]
+        keep = _torch_keep_mask((b, h, mq, k.shape[1]), p, seed, offset) if p > 0 else None
+        o, lse = attention_forward_ref(q, k, v, bias=bias, dropout_mask=keep, **kw)
+        if grad_out is None:
+            return o, lse
+        grads = attention_backward_ref(
+            q, k, v, grad_out, bias=bias, dropout_mask=keep, return_grad_bias=True, out=out, **kw
+        )
+        return o, lse, tuple(grads[:3]) + (grads[3] if bias is not None else None,)
+    assert bias is None, "no bias with variable lengths"
+    words = max_q * max_k
+    starts_q, starts_k = [0], [0]
+    for nq, nk in zip(*lengths):
+        starts_q.append(starts_q[-1] + nq)
+        starts_k.append(starts_k[-1] + nk)
+    o = torch.zeros(q.shape[:3] + (v.shape[3],), dtype=torch.float64, device=q.device)
+    lse = torch.full((len(lengths[0]), h, max_q), math.inf, dtype=torch.float64, device=q.device)
+    grads = [torch.zeros_like(x, dtype=torch.float64) for x in (q, k, v)]
+    for i, (nq, nk) in enumerate(zip(*lengths)):
+        if nq == 0:
+            continue
+        sq, sk = slice(starts_q[i], starts_q[i + 1]), slice(starts_k[i], starts_k[i + 1])
+        keep = None
+        if p > 0 and nk > 0:
+            stream = _torch_keep_mask((1, h, 1, words), p, seed, offset + i * h * words)
+            keep = stream[..., : nq * nk].reshape(1, h, nq, nk)
+        qs, ks, vs = q[:, sq], k[:, sk], v[:, sk]
+        o[:, sq], lse_i = attention_forward_ref(qs, ks, vs, dropout_mask=keep, **kw)
+        lse[i, :, :nq] = lse_i[0]
+        if grad_out is not None:
+            g = attention_backward_ref(
+                qs, ks, vs, grad_out[:, sq], dropout_mask=keep, out=None if out is None else out[:, sq], **kw
+            )
+            grads[0][:, sq], grads[1][:, sk], grads[2][:, sk] = g
+    if grad_out is None:
+        return o, lse
+    return o, lse, (*grads, None)
 
 
 def _one_hot_values(b, sk, hk, dv, k0, dtype):

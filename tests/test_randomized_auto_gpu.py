@@ -12,6 +12,15 @@ compiles once. Every case is checked against the fp64 reference (torch's dropout
 ``run_feature_case``; each class asserts that all its cases ran, and the class count times
 the cases per class is at least MIN_CASES.
 
+Each class whose head dims the Hopper forward compiles then takes TRAIN_CASES_PER_CLASS
+training steps through ``ops.memory_efficient_attention`` (backend "auto"): our forward (a
+call counter asserts it ran), O and the LSE against the fp64 reference, then autograd's
+backward on our O / LSE / philox state, the gradients (and the bias's) against the
+reference's with Δ from our O; dropout's mask is torch's for the generator's state
+(``torch.manual_seed``), on variable lengths the backwards' streams. Same sizes as the
+class's cases, so the backward compiles nothing new except, with dropout, its variant that
+reads the philox seed / offset from the device.
+
 ``CUTE_KERNELS_RANDOM_SEED`` draws other mixes and cases (the default below otherwise).
 """
 
@@ -24,11 +33,17 @@ import torch
 from hypothesis import HealthCheck, Phase, given, note, seed, settings
 from hypothesis import strategies as st
 
+import ops
 from cute_kernels.attention_sm90 import backward_config as sm90_config
+from cute_kernels.attention_sm90.forward_config import forward_unsupported
 from ops import _compile as cc
+from ops import attention_fwd_sm90 as fwd_sm90
 from ops import attention_sm90 as S
 
-from .test_mem_eff_attention_features_gpu import run_feature_case
+from .helpers import delta_rounding_floors
+from .test_attention_fwd_sm90_gpu import check_forward, forward_reference
+from .test_mem_eff_attention_features_gpu import check_dbias, run_feature_case
+from .test_mem_eff_attention_gpu import check_grad, key_coverage, seq_args
 
 pytestmark = pytest.mark.gpu
 
@@ -36,6 +51,7 @@ F16, BF16 = torch.float16, torch.bfloat16
 SEED = int(os.environ.get("CUTE_KERNELS_RANDOM_SEED", 20261127))
 NUM_CLASSES = 16
 CASES_PER_CLASS = 20
+TRAIN_CASES_PER_CLASS = 4  # training steps through the op, in the classes our forward takes
 MIN_CASES = 300
 MAX_ROWS = 384
 
@@ -181,6 +197,89 @@ def _run(ci, s):
     )
 
 
+_CAUSAL = {0: False, 1: True, 2: "bottom_right"}
+
+
+def trains_our_forward(c) -> bool:
+    """Whether the op's forward is ours in the class's training steps (its head dims compile; the
+    rest, fp16 / bf16, aligned inputs, any mask / window / bias / dropout, holds for every class)."""
+    return forward_unsupported(*c["dims"]) is None
+
+
+def _train(ci, s):
+    """One training step of class ``ci``'s case ``s`` through ``ops.memory_efficient_attention``."""
+    c = CLASSES[ci]
+    d, dv = c["dims"]
+    dtype, mask_type, lengths = c["dtype"], c["mask_type"], s["lengths"]
+    window, scale, p = s["window"], s["scale"], s["dropout_p"]
+    b, mq, mk, h, hk = s["b"], s["mq"], s["mk"], s["h"], s["kv_heads"]
+    note(f"class {class_id(c)}, training case {s} (CUTE_KERNELS_RANDOM_SEED={SEED})")
+    gen = torch.Generator("cuda").manual_seed(s["seed"])
+    r = lambda *shape: torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)  # noqa: E731
+    q, k, v, do = r(b, mq, h, d), r(b, mk, hk, d), r(b, mk, hk, dv), r(b, mq, h, dv)
+    bias = None
+    if s["bias_shape"] is not None:
+        shape, layout = s["bias_shape"], s["bias_layout"]
+        if layout == "padded":  # rows of a wider buffer
+            bias = r(*shape[:-1], shape[-1] + 3)[..., : shape[-1]]
+        elif layout == "transposed":  # keys not contiguous
+            bias = r(*shape[:-2], shape[-1], shape[-2]).transpose(-1, -2)
+        else:
+            bias = r(*shape)
+        bias.requires_grad_(c["bias"] == "bias_grad")  # a leaf view: its gradient keeps its shape
+    cq, ck, max_q, max_k = seq_args(mq, mk, lengths)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    torch.manual_seed(s["seed"])  # the forward's philox state: (seed, 0)
+    out, lse = ops.memory_efficient_attention(
+        *leaves,
+        causal=_CAUSAL[mask_type],
+        window_size=window or None,
+        scale=scale,
+        cu_seqlens_q=cq,
+        cu_seqlens_k=ck,
+        max_seqlen_q=max_q if lengths else None,
+        max_seqlen_k=max_k if lengths else None,
+        attn_bias=bias,
+        dropout_p=p,
+        backend="auto",
+        deterministic=c["deterministic"],
+        return_lse=True,
+    )
+    out.backward(do)
+    out, lse = out.detach(), lse.detach()
+    b_ref = None if bias is None else bias.detach()
+    ref_out, ref_lse, ref = forward_reference(
+        q,
+        k,
+        v,
+        mask_type=mask_type,
+        window=window,
+        scale=scale,
+        bias=b_ref,
+        lengths=lengths,
+        max_q=max_q,
+        max_k=max_k,
+        p=p,
+        seed=s["seed"],
+        offset=0,
+        grad_out=do,
+        out=out,
+    )
+    label = (
+        f"training {class_id(c)} B{b} Mq{mq} Mk{mk} H{h}/{hk} w{window} p{p} "
+        f"bias{s['bias_shape']}:{s.get('bias_layout')} lengths{lengths}"
+    )
+    check_forward(label, out, lse, ref_out, ref_lse, dtype, lengths)
+    rows_q, rows_k = key_coverage(b, mq, mk, mask_type, window, lengths)
+    dq_floor, dk_floor = delta_rounding_floors(q, k, do, out, dtype, scale)
+    grads = [x.grad for x in leaves]
+    check_grad(f"dq [{label}]", grads[0], ref[0], dtype, None, rows_q, floor=dq_floor)
+    check_grad(f"dk [{label}]", grads[1], ref[1], dtype, None, rows_k, floor=dk_floor)
+    check_grad(f"dv [{label}]", grads[2], ref[2], dtype, None, rows_k)
+    if c["bias"] == "bias_grad":
+        check_dbias(f"dbias [{label}]", bias.grad, ref[3], b_ref, do, out, dtype)
+
+
 def test_classes_cover_every_feature():
     for name, values in FEATURES.items():
         seen = {repr(c[name]) for c in CLASSES}
@@ -225,3 +324,29 @@ def test_attention_auto_randomized(ci, monkeypatch):
     assert len(ran) == CASES_PER_CLASS, f"{len(ran)} of {CASES_PER_CLASS} cases ran"
     assert len(sm90_calls) == len(ran), f"'auto' took the sm90 kernel in {len(sm90_calls)} of {len(ran)} cases"
     print(f"\n{class_id(CLASSES[ci])}: {len(ran)} cases through backend='auto', all on the sm90 kernel")
+    if not trains_our_forward(CLASSES[ci]):
+        return
+    # training steps in the same process: the backward kernels compiled above serve them
+    trained, fwd_calls = [], []
+    real_fwd = fwd_sm90.attention_forward_sm90
+    monkeypatch.setattr(fwd_sm90, "attention_forward_sm90", lambda *a, **k: fwd_calls.append(1) or real_fwd(*a, **k))
+
+    @seed(SEED + 7919 * (ci + 1))
+    @settings(
+        max_examples=TRAIN_CASES_PER_CLASS,
+        deadline=None,
+        database=None,
+        phases=(Phase.explicit, Phase.generate),
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
+    @given(data=st.data())
+    def train(data):
+        _train(ci, data.draw(case_specs(ci), label="training case"))
+        trained.append(1)
+
+    train()
+    assert len(trained) == TRAIN_CASES_PER_CLASS, f"{len(trained)} of {TRAIN_CASES_PER_CLASS} training steps ran"
+    assert len(fwd_calls) == len(trained), f"our forward ran in {len(fwd_calls)} of {len(trained)} training steps"
+    assert len(sm90_calls) == len(ran) + len(trained), "'auto' left the sm90 backward in a training step"
+    print(f"{class_id(CLASSES[ci])}: {len(trained)} training steps, our forward and the sm90 backward")

@@ -106,6 +106,34 @@ def test_configurations_reach_the_important_variants():
         "bf16-",
     ):
         assert part in sm90, part
+    fwd = " ".join(c.name for c in CONFIGS if c.name.startswith("attention_sm90/fwd-"))
+    for part in (  # the Hopper forward: each head-dim pair, masks, heads, windows, bias, dropout, varlen
+        "-d64-",
+        "-d96-",
+        "-d128-",
+        "-d192-",
+        "k192v128",
+        "-d256-",
+        "nomask",
+        "causal_tl",
+        "causal_br",
+        "window",
+        "gqa",
+        "mqa",
+        "bias-bcast",
+        "bias-padded-face",
+        "bias-dropout",
+        "-dropout",
+        "varlen",
+        "empty_keys",
+        "fp16-",
+        "bf16-",
+    ):
+        assert part in fwd, part
+    assert {c.group for c in CONFIGS if c.name.startswith("attention_sm90/fwd-")} == {
+        "attention_sm90_fwd_a",
+        "attention_sm90_fwd_b",
+    }
     canaries = [c for c in CONFIGS if c.expect_errors]
     assert {t for c in canaries for t in c.tools} == {"memcheck", "racecheck"}
 
