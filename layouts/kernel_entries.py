@@ -339,42 +339,7 @@ def _register_layer_norm() -> None:
     for n in LN_ROWS:
         vec = layer_norm.widest_vec(n, 16)
         t = ln_config.ln_bwd_tiles(n, 16, 16, 16, vec, "sm_90a")
-        base = f"layer_norm_bwd.sm90.bf16.n{n}"
-        shape = (
-            f"{t.rows_per_cta} row(s) x {t.threads_per_row} threads a CTA, {t.ldgs} vectors of {t.vec} a "
-            f"thread, {t.ctas_per_row} CTA(s) a row"
-        )
-        load = t.gmem_copy(16, load=True)
-        for what, name in (("x", "gmem_x"), ("dz", "gmem_dz")):
-            register(
-                CopyEntry(
-                    f"{base}.{name}",
-                    f"{what} rows into the shared ring by {load.op} ({shape})",
-                    load,
-                    "bf16",
-                    gmem_row_stride=n,
-                )
-            )
-        register(
-            CopyEntry(
-                f"{base}.gmem_dx",
-                f"dx rows to global memory ({shape})",
-                t.gmem_copy(16, load=False),
-                "bf16",
-                gmem_row_stride=n,
-            )
-        )
-        ring_shape, order = t.ring()
-        register(
-            SmemEntry(
-                f"{base}.smem_ring",
-                f"the cp.async ring (rows, threads x vec, ldgs, stages) = {ring_shape}, "
-                "no swizzle: each thread reads back only its own vectors",
-                make_ordered_layout(ring_shape, order),
-                "bf16",
-                (copy(f"{load.op} write of x / dz", load), copy("read back of a thread's own vectors", load)),
-            )
-        )
+        _register_rows(f"layer_norm_bwd.sm90.bf16.n{n}", t, n, ("x", "dz"), "dx", "the cp.async ring")
     _register_ln_fwd()
     _register_ln_finalize()
 
@@ -385,37 +350,47 @@ def _register_ln_fwd() -> None:
 
     for n in LN_ROWS:
         t = ln_config.ln_fwd_tiles(n, 16, 64, layer_norm.widest_vec(n, 16), "sm_90a")
-        base = f"layer_norm_fwd.sm90.bf16.n{n}"
-        shape = (
-            f"{t.rows_per_cta} row(s) x {t.threads_per_row} threads a CTA, {t.ldgs} vectors of {t.vec} a "
-            f"thread, {t.ctas_per_row} CTA(s) a row"
-        )
-        load = t.gmem_copy(16, load=True)
+        _register_rows(f"layer_norm_fwd.sm90.bf16.n{n}", t, n, ("x",), "y", "the cp.async ring of x")
+
+
+def _register_rows(base: str, t, n: int, loads, store: str, ring: str) -> None:
+    """A row kernel's entries (bf16 rows of n): each loaded tensor's copy into the shared ring,
+    the stored tensor's copy to global memory, and the ring."""
+    shape = (
+        f"{t.rows_per_cta} row(s) x {t.threads_per_row} threads a CTA, {t.ldgs} vectors of {t.vec} a "
+        f"thread, {t.ctas_per_row} CTA(s) a row"
+    )
+    load = t.gmem_copy(16, load=True)
+    for what in loads:
         register(
             CopyEntry(
-                f"{base}.gmem_x", f"x rows into the shared ring by {load.op} ({shape})", load, "bf16", gmem_row_stride=n
-            )
-        )
-        register(
-            CopyEntry(
-                f"{base}.gmem_y",
-                f"y rows to global memory ({shape})",
-                t.gmem_copy(16, load=False),
+                f"{base}.gmem_{what}",
+                f"{what} rows into the shared ring by {load.op} ({shape})",
+                load,
                 "bf16",
                 gmem_row_stride=n,
             )
         )
-        ring_shape, order = t.ring()
-        register(
-            SmemEntry(
-                f"{base}.smem_ring",
-                f"the cp.async ring of x (rows, threads x vec, ldgs, stages) = {ring_shape}, "
-                "no swizzle: each thread reads back only its own vectors",
-                make_ordered_layout(ring_shape, order),
-                "bf16",
-                (copy(f"{load.op} write of x", load), copy("read back of a thread's own vectors", load)),
-            )
+    register(
+        CopyEntry(
+            f"{base}.gmem_{store}",
+            f"{store} rows to global memory ({shape})",
+            t.gmem_copy(16, load=False),
+            "bf16",
+            gmem_row_stride=n,
         )
+    )
+    ring_shape, order = t.ring()
+    register(
+        SmemEntry(
+            f"{base}.smem_ring",
+            f"{ring} (rows, threads x vec, ldgs, stages) = {ring_shape}, "
+            "no swizzle: each thread reads back only its own vectors",
+            make_ordered_layout(ring_shape, order),
+            "bf16",
+            (copy(f"{load.op} write of {' / '.join(loads)}", load), copy("read back of a thread's own vectors", load)),
+        )
+    )
 
 
 def _register_ln_finalize() -> None:

@@ -206,6 +206,19 @@ def trains_our_forward(c) -> bool:
     return forward_unsupported(*c["dims"]) is None
 
 
+def _examples(n: int):
+    """Hypothesis settings of a class's draws: n examples from the seed alone (no database, no
+    shrinking, no deadline: a compile can take seconds)."""
+    return settings(
+        max_examples=n,
+        deadline=None,
+        database=None,
+        phases=(Phase.explicit, Phase.generate),
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
+
+
 def _train(ci, s):
     """One training step of class ``ci``'s case ``s`` through ``ops.memory_efficient_attention``."""
     c = CLASSES[ci]
@@ -307,14 +320,7 @@ def test_attention_auto_randomized(ci, monkeypatch):
     monkeypatch.setattr(S, "attention_backward_sm90", lambda *a, **k: sm90_calls.append(1) or real(*a, **k))
 
     @seed(SEED + ci)
-    @settings(
-        max_examples=CASES_PER_CLASS,
-        deadline=None,
-        database=None,
-        phases=(Phase.explicit, Phase.generate),
-        suppress_health_check=list(HealthCheck),
-        print_blob=False,
-    )
+    @_examples(CASES_PER_CLASS)
     @given(data=st.data())
     def run(data):
         _run(ci, data.draw(case_specs(ci), label="case"))
@@ -332,14 +338,7 @@ def test_attention_auto_randomized(ci, monkeypatch):
     monkeypatch.setattr(fwd_sm90, "attention_forward_sm90", lambda *a, **k: fwd_calls.append(1) or real_fwd(*a, **k))
 
     @seed(SEED + 7919 * (ci + 1))
-    @settings(
-        max_examples=TRAIN_CASES_PER_CLASS,
-        deadline=None,
-        database=None,
-        phases=(Phase.explicit, Phase.generate),
-        suppress_health_check=list(HealthCheck),
-        print_blob=False,
-    )
+    @_examples(TRAIN_CASES_PER_CLASS)
     @given(data=st.data())
     def train(data):
         _train(ci, data.draw(case_specs(ci), label="training case"))
