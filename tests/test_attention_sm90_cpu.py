@@ -24,6 +24,7 @@ from ops import attention as A
 from ops import attention_sm90 as S
 from ops import attention_common as C
 from ops import mem_eff_attention as M
+from ops import attention_checks
 from ops.attention_common import AttentionBackwardArgs
 
 from .helpers import trace_custom_ops
@@ -1736,7 +1737,7 @@ def test_graph_keeps_the_backend(monkeypatch, deterministic):
 
 
 def test_memory_efficient_attention_traces_with_backend(monkeypatch):
-    monkeypatch.setattr(A, "check_cuda", lambda *a: None)
+    monkeypatch.setattr(attention_checks, "check_cuda", lambda *a: None)
     q, k, v = torch.randn(1, 12, 2, 64), torch.randn(1, 12, 2, 64), torch.randn(1, 12, 2, 64)
     found = trace_custom_ops(
         lambda q, k, v: ops.memory_efficient_attention(q, k, v, causal=True, backend="sm90") * 2, q, k, v

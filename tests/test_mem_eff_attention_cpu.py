@@ -463,7 +463,7 @@ def test_fake_implementation_shapes():
 
 def test_traces_in_one_graph(monkeypatch):
     """torch.compile(fullgraph=True) sees the forward as our op, validation included."""
-    monkeypatch.setattr(A, "check_cuda", lambda *a: None)  # CPU tensors stand in for CUDA ones
+    monkeypatch.setattr(AC, "check_cuda", lambda *a: None)  # CPU tensors stand in for CUDA ones
     q, k, v = torch.randn(1, 12, 2, 16), torch.randn(1, 12, 2, 16), torch.randn(1, 12, 2, 8)
     found = trace_custom_ops(
         lambda q, k, v: ops.memory_efficient_attention(q, k, v, causal="bottom_right", scale=0.2) * 2, q, k, v
@@ -617,7 +617,7 @@ def cpu_attention(monkeypatch):
     lib.impl("memory_efficient_attention", forward, "CPU")
     stand_in = BackwardStandIn()
     monkeypatch.setattr(A, "efficient_attention_backward", stand_in)
-    monkeypatch.setattr(A, "check_cuda", lambda *a: None)
+    monkeypatch.setattr(AC, "check_cuda", lambda *a: None)
     yield stand_in
     lib._destroy()
 
