@@ -32,6 +32,7 @@ from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from cute_kernels.attention.named_barrier import NamedBarrier
+from cute_kernels.common.convert import convert_packed
 from cute_kernels.common.log2_units import LOG2_E
 from cute_kernels.common.views import transpose_view
 
@@ -242,7 +243,7 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
         warpgroup.wait_group(0)
         self.grad_scores(w.acc_dP, w.acc_S, w.cS_mn, ma.sDelta, stage, keep, feat)
         rdS = cute.make_rmem_tensor(w.shape_sdp, self.dtype)
-        rdS.store(w.acc_dP.load().to(self.dtype))
+        convert_packed(w.acc_dP, rdS)
         cute.copy(w.r2s_ds, w.thr_r2s_ds.retile(rdS), w.tdSs[None, None, None, ds_buf])
         # both warpgroups' query halves written and visible to the async proxy. With
         # two buffers this one barrier a block suffices: a warpgroup writes buffer

@@ -9,6 +9,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from cute_kernels.attention.named_barrier import NamedBarrier, cyclic, named_barrier
+from cute_kernels.common.convert import convert_packed
 from cute_kernels.common.log2_units import LOG2_E
 from layouts.attention_sm90 import (
     GRAD_BIAS_BOX_KEYS,
@@ -117,10 +118,10 @@ class ConsumerStepsMixin:
         # leave while dK runs. With dq_defer the dQ is the previous block's (deferred_step)
         rdS = cute.make_rmem_tensor(ops.shape_sdp, self.dtype)
         if const_expr(t.dq_defer):
-            rdS.store(ops.acc_dP.load().to(self.dtype))
+            convert_packed(ops.acc_dP, rdS)
         else:
             if const_expr(t.ds_before_dv):
-                rdS.store(ops.acc_dP.load().to(self.dtype))
+                convert_packed(ops.acc_dP, rdS)
                 cute.copy(ops.r2s_ds, ops.thr_r2s_ds.retile(rdS), ops.tdSs[None, None, None, ds_stage])
             wgmma(
                 env.tiled_mma_dv,
@@ -130,7 +131,7 @@ class ConsumerStepsMixin:
                 zero_init=False,
             )
             if const_expr(not t.ds_before_dv):
-                rdS.store(ops.acc_dP.load().to(self.dtype))
+                convert_packed(ops.acc_dP, rdS)
                 cute.copy(ops.r2s_ds, ops.thr_r2s_ds.retile(rdS), ops.tdSs[None, None, None, ds_stage])
             cute.arch.fence_view_async_shared()
         # the bias gradient's stores of this block's dS (grad_bias), the key boxes to name

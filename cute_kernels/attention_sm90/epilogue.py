@@ -9,6 +9,7 @@ from cutlass import const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from cute_kernels.attention.named_barrier import NamedBarrier
+from cute_kernels.common.convert import convert_packed
 
 from .arguments import DkvOut
 
@@ -118,7 +119,7 @@ class EpilogueMixin:
             r2s = t.r2s_copy_dkv(self.dtype, tiled_mma)
             thr = r2s.get_slice(tidx)
             rOut = cute.make_rmem_tensor(acc.shape, self.dtype)
-            rOut.store(acc.load().to(self.dtype))
+            convert_packed(acc, rOut)
             cute.copy(r2s, thr.retile(rOut), thr.partition_D(s))
 
     @cute.jit
@@ -214,7 +215,7 @@ class EpilogueMixin:
         tOg = thr.partition_D(gOut)
         tOc = thr.partition_D(cOut)
         rOut = cute.make_rmem_tensor(acc.shape, self.dtype)
-        rOut.store(acc.load().to(self.dtype))
+        convert_packed(acc, rOut)
         tOr = thr.retile(rOut)
         if (n_block + 1) * t.tile_n <= seqlen_k:
             cute.copy(r2g, tOr, tOg)

@@ -3,12 +3,13 @@ TMA stores, the keep-flag buffers and bits."""
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Uint16, Uint32, const_expr
+from cutlass import Float32, Uint16, Uint32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from cute_kernels.attention.bias import load_bias_fragment
 from cute_kernels.attention.dropout import PhiloxArgs, apply_keep, flag_half, keep_flags, philox_stream
 from cute_kernels.attention.named_barrier import NamedBarrier
+from cute_kernels.common.convert import convert_packed
 from layouts.attention_sm90 import (
     GRAD_BIAS_BOX_KEYS,
     KEEP_FLAG_BUFFERS,
@@ -150,12 +151,15 @@ class FeaturesMixin:
         """P^T in the element type, the A operand of dV += P^T dO: with dropout P∘Z."""
         rP = cute.make_rmem_tensor(acc_P.layout.shape, self.dtype)
         if const_expr(self.dropout):
+            # P∘Z in fp32 beside P (the wide kernel's dS still reads P), then packed
+            kept = cute.make_rmem_tensor(acc_P.layout.shape, Float32)
             P = cute.make_tensor(acc_P.iterator, acc_mn_layout(acc_P.layout))
-            Pd = cute.make_tensor(rP.iterator, acc_mn_layout(rP.layout))
+            Pd = cute.make_tensor(kept.iterator, acc_mn_layout(kept.layout))
             rows = cute.size(P, mode=[0])
             for c in cutlass.range_constexpr(cute.size(P, mode=[1])):
                 for r in cutlass.range_constexpr(rows):
-                    Pd[r, c] = self.dropped(keep, c * rows + r, P[r, c], feat).to(self.dtype)
+                    Pd[r, c] = self.dropped(keep, c * rows + r, P[r, c], feat)
+            convert_packed(kept, rP)
         else:
-            rP.store(acc_P.load().to(self.dtype))
+            convert_packed(acc_P, rP)
         return rP
