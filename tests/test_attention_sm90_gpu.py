@@ -4,7 +4,7 @@
 
 * against the fp64 reference: max |g - ref| <= TOL * max |ref| for dQ, dK, dV (partial
   tiles, whole key blocks no query sees, both causal corners). torch's forward is wrong for
-  bottom-right with Sq > Sk (``ops.attention._BOTTOM_RIGHT_MSG``): those cases take out /
+  bottom-right with Sq > Sk (``ops.attention_checks.BOTTOM_RIGHT_MSG``): those cases take out /
   logsumexp from the fp64 reference forward instead;
 * against the memory-efficient kernel on identical inputs (and both against fp64),
   bottom-right with Sq > Sk included;

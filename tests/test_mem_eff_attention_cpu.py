@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import ops
 from ops import attention as A
+from ops import attention_checks as AC
 from ops import attention_sdpa as SD
 from ops.reference import (
     attention_backward_ref,
@@ -429,8 +430,8 @@ CU_VALUES = [
 )
 def test_cu_seqlens_values_are_checked(values, total, max_seqlen, fragment):
     with pytest.raises(ValueError, match=re.escape(fragment)):
-        A._check_cu_values("cu_seqlens_q", torch.tensor(values, dtype=torch.int32), total, max_seqlen, "max_seqlen_q")
-    longest, lengths = A._check_cu_values("cu_seqlens_q", cu([3, 0, 5]), 8, None, "max_seqlen_q")
+        AC.check_cu_values("cu_seqlens_q", torch.tensor(values, dtype=torch.int32), total, max_seqlen, "max_seqlen_q")
+    longest, lengths = AC.check_cu_values("cu_seqlens_q", cu([3, 0, 5]), 8, None, "max_seqlen_q")
     assert longest == 5 and lengths == [3, 0, 5]
 
 
@@ -1073,7 +1074,7 @@ def test_autograd_wiring_bias_dropout(cpu_attention, case):
 def test_window_forms(mask_type, window, want):
     """An int w keeps the w keys up to the diagonal; (left, 0) is w = left + 1, bottom-right
     without causal (FlashAttention aligns its windows there); -1 is unbounded."""
-    assert A._window(mask_type, window) == want
+    assert AC.window_of(mask_type, window) == want
 
 
 @pytest.mark.parametrize(
@@ -1088,4 +1089,4 @@ def test_window_forms(mask_type, window, want):
 )
 def test_window_forms_refused(window, exc, fragment):
     with pytest.raises(exc, match=re.escape(fragment)):
-        A._window(0, window)
+        AC.window_of(0, window)
