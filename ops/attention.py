@@ -255,36 +255,39 @@ def _mea_setup(ctx, inputs, output):
 
 def _mea_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
     del grad_seed, grad_offset
-    if grad_lse is not None:  # (set_materialize_grads(False): None unless the LSE reached the loss)
-        raise NotImplementedError("a gradient through the returned logsumexp is not implemented (return_lse=True)")
     query, key, value, out, lse, cu_q, cu_k, attn_bias, seed, offset = ctx.saved_tensors
     none = (None,) * 7
-    if grad_out is None:
+    # (set_materialize_grads(False): an output's gradient is None unless it reached the loss)
+    if grad_out is None and grad_lse is None:
         return (None,) * 14
+    if grad_out is None:  # a loss on the logsumexp alone: dO = 0, so dV = 0 and dS = P dLSE
+        grad_out = torch.zeros_like(out)
     grad_out = kernel_ready(grad_out, TMA_ALIGN_BYTES // grad_out.element_size())
     bias_grad = attn_bias is not None and ctx.needs_input_grad[10]
-    dq, dk, dv, db = efficient_attention_backward(
-        grad_out,
-        query,
-        key,
-        value,
-        attn_bias,
-        out,
-        cu_q,
-        cu_k,
-        ctx.max_seqlens[0],
-        ctx.max_seqlens[1],
-        lse,
-        ctx.dropout_p,
-        seed,
-        offset,
-        ctx.mask_type,
-        bias_grad,
+    args = AttentionBackwardArgs(
+        grad_out=grad_out,
+        query=query,
+        key=key,
+        value=value,
+        out=out,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=ctx.max_seqlens[0],
+        max_seqlen_k=ctx.max_seqlens[1],
+        logsumexp=lse,
+        custom_mask_type=ctx.mask_type,
         scale=ctx.scale,
         window_size=ctx.window_size if ctx.window_size > 0 else None,
+        bias=attn_bias,
+        bias_requires_grad=bias_grad,
+        dropout_p=ctx.dropout_p,
+        philox_seed=seed,
+        philox_offset=offset,
         backend=ctx.backend,
         deterministic=ctx.deterministic,
+        grad_lse=grad_lse,
     )
+    dq, dk, dv, db = _backward(args)
     return (dq, dk, dv) + none + (db, None, None, None)
 
 
@@ -352,7 +355,9 @@ def memory_efficient_attention(
         deterministic: the backward's gradients the same bits from run to run (default:
             ``torch.are_deterministic_algorithms_enabled()`` when this is called).
         return_lse: also return the logsumexp (fp32, natural log, the layout of the module
-            notes); a gradient through it raises NotImplementedError in the backward.
+            notes). A loss on it is differentiated too, by either backward: d lse_n / d s_nm =
+            P_nm, so the backward's Δ becomes Δ - dlse (rows past each sequence and rows that
+            see no key take none).
 
     Returns:
         out [B, Mq, H, Kv] in query's dtype (with ``return_lse``: (out, logsumexp)). Eager varlen calls read cu_seqlens back once to
@@ -627,6 +632,7 @@ def _op(
     philox_offset: Optional[Tensor],
     backend: str,
     deterministic: bool = False,
+    grad_lse: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     # the parameters are AttentionBackwardArgs' fields, in order (the op's schema is flat); the
     # backend is chosen here, at run time, on the real tensors (their device's arch)
@@ -710,13 +716,21 @@ def efficient_attention_backward(
         backend=backend,
         deterministic=deterministic,
     )
+    return _backward(given)
+
+
+def _backward(given: AttentionBackwardArgs) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """``efficient_attention_backward``'s body on its arguments, checked here; also
+    ``memory_efficient_attention``'s backward, with what aten's signature has no room for (the
+    logsumexp's gradient)."""
     check_backward_args(given)
+    query, bias, scale = given.query, given.bias, given.scale
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     check_float("scale", scale)
     args = given.normalized(scale)
     grad_q, grad_k, grad_v, grad_bias = run_backward(args) if cc.eager(query) else _op(*args.op_args())
-    if bias is None or not bias_requires_grad:
+    if bias is None or not given.bias_requires_grad:
         return grad_q, grad_k, grad_v, None
     if tuple(bias.shape) != tuple(grad_bias.shape):  # a broadcast bias: autograd's gradient
         grad_bias = grad_bias.sum_to_size(bias.shape)

@@ -8,6 +8,7 @@
 * ``max_head_dim``: the widest head dim of all backends.
 * ``lse_rows``: the logsumexp's padded rows; ``tma_misaligned`` / ``remembered_verdict``: the
   TMA-alignment reason and the per-metadata memo of the Hopper kernels' ``unsupported``.
+* ``subtract_grad_lse``: Δ - dLSE, a loss on the logsumexp, where a backend takes Δ from torch.
 """
 
 from __future__ import annotations
@@ -70,9 +71,11 @@ def remembered_verdict(memo, tensors, flags, check) -> Optional[str]:
 @dataclass(frozen=True, eq=False, kw_only=True)
 class AttentionBackwardArgs:
     """One attention backward: ``aten._efficient_attention_backward``'s arguments, the backend
-    asked for and deterministic mode. ``efficient_attention_backward`` builds it from what the
-    caller passed, checks it and normalises it (``normalized``). Tensors make an equality
-    elementwise, so instances compare by identity (``eq=False``)."""
+    asked for and deterministic mode; beyond aten's, for ``memory_efficient_attention``'s own
+    backward only, the gradient of the returned logsumexp (``grad_lse``, the LSE's shape; None:
+    no loss on it). ``efficient_attention_backward`` builds it from what the caller passed,
+    checks it and normalises it (``normalized``). Tensors make an equality elementwise, so
+    instances compare by identity (``eq=False``)."""
 
     grad_out: Tensor
     query: Tensor
@@ -96,6 +99,7 @@ class AttentionBackwardArgs:
     philox_offset: Optional[Tensor] = None
     backend: str = "auto"
     deterministic: bool = False
+    grad_lse: Optional[Tensor] = None
 
     @classmethod
     def from_op(cls, *flat, **named) -> AttentionBackwardArgs:
@@ -134,6 +138,7 @@ class AttentionBackwardArgs:
             philox_offset=self.philox_offset if dropout else None,
             backend=self.backend,
             deterministic=self.deterministic,
+            grad_lse=self.grad_lse,
         )
 
     @property
@@ -165,6 +170,20 @@ def grad_bias_buffer(query: Tensor, mk: int, mask_type: int) -> Tensor:
     padded = round_up(mk, 128 // torch.finfo(query.dtype).bits)
     alloc = torch.zeros if int(mask_type) != 0 else torch.empty  # masked tiles are never written
     return alloc((b, h, mq, padded), dtype=query.dtype, device=query.device)[..., :mk]
+
+
+def subtract_grad_lse(delta: Tensor, grad_lse: Tensor, cu_seqlens_q: Optional[Tensor]) -> None:
+    """Δ -= dLSE in place (a loss on the logsumexp: d LSE_i / d S_ij = P_ij, so dS = P (dP - (Δ -
+    dLSE))) on each sequence's rows of ``delta`` [sequences, H, rows]; ``grad_lse`` has the
+    LSE's layout ([sequences, H, >= rows], any strides). Rows past a packed sequence keep their
+    Δ (0): dLSE there is the padding's."""
+    rows = delta.shape[-1]
+    dlse = grad_lse[..., :rows]
+    if cu_seqlens_q is not None:
+        lengths = cu_seqlens_q.diff().view(-1, 1, 1)
+        inside = torch.arange(rows, device=delta.device).view(1, 1, -1) < lengths
+        dlse = torch.where(inside, dlse, 0.0)
+    delta.sub_(dlse)
 
 
 def max_head_dim(dtype: torch.dtype) -> int:
@@ -214,6 +233,7 @@ def check_backward_args(a: AttentionBackwardArgs) -> None:
         a.window_size,
         a.num_splits_key,
         a.deterministic,
+        a.grad_lse,
     )
     validate_once(parts, lambda: _check_metadata(a))
 
@@ -232,6 +252,8 @@ def _check_metadata(a: AttentionBackwardArgs) -> None:
         raise TypeError(f"logsumexp must be float32, got {a.logsumexp.dtype}")
     _check_varlen(a)
     _check_logsumexp_shape(a)
+    if a.grad_lse is not None:
+        _check_grad_lse(a)
     if a.bias is not None:
         check_cuda("bias", a.bias)
         check_bias(a.bias, a.query, a.key, a.cu_seqlens_q)
@@ -335,3 +357,14 @@ def _check_logsumexp_shape(a: AttentionBackwardArgs) -> None:
         )
     if lse.stride(-1) != 1:
         raise ValueError("logsumexp must be contiguous along queries")
+
+
+def _check_grad_lse(a: AttentionBackwardArgs) -> None:
+    """The logsumexp's gradient: fp32, on its device, of its shape (any strides)."""
+    g = a.grad_lse
+    check_tensor("grad_lse", g)
+    check_same_device("grad_lse", g, a.logsumexp)
+    if g.dtype != torch.float32:
+        raise TypeError(f"grad_lse must be float32, as the logsumexp, got {g.dtype}")
+    if g.shape != a.logsumexp.shape:
+        raise ValueError(f"grad_lse must have the logsumexp's shape {tuple(a.logsumexp.shape)}, got {tuple(g.shape)}")

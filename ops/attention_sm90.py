@@ -516,10 +516,13 @@ def attention_backward_sm90(args: AttentionBackwardArgs):
 
 def _preprocess(a: AttentionBackwardArgs, delta: Tensor, dq_accum: Optional[Tensor], lse_log2: Tensor) -> None:
     """Δ from out / dO (Dv wide; the pre / postprocess take packed sequences as [total, H, D]),
-    ``dq_accum`` zeroed where given, the LSE in the kernel's log2 units: one launch. Then Δ := 0
-    in the rows that see no key (O may be unwritten there)."""
+    ``dq_accum`` zeroed where given, the LSE in the kernel's log2 units, with a loss on the LSE
+    Δ - dLSE: one launch. Then Δ := 0 in the rows that see no key (O may be unwritten there;
+    their LSE is a constant 0, so dLSE gives them nothing)."""
     out, grad_out = (a.out[0], a.grad_out[0]) if a.varlen else (a.out, a.grad_out)
-    P.launch_preprocess(out, grad_out, delta, dq_accum, 1.0, a.cu_seqlens_q, a.max_seqlen_q, a.logsumexp, lse_log2)
+    P.launch_preprocess(
+        out, grad_out, delta, dq_accum, 1.0, a.cu_seqlens_q, a.max_seqlen_q, a.logsumexp, lse_log2, a.grad_lse
+    )
     mask, sq, sk = int(a.custom_mask_type), a.query.shape[1], a.key.shape[1]
     P.zero_blind_delta(delta, mask, a.window, sq, sk, a.cu_seqlens_q, a.cu_seqlens_k)
 

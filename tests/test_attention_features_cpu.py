@@ -2,10 +2,23 @@
 forms (``ops.reference``) against finite differences (``torch.autograd.gradcheck``) on tiny shapes;
 variable lengths against the same problems one sequence at a time."""
 
+from types import SimpleNamespace
+
+import cutlass
 import pytest
 import torch
 
+import ops
+from layouts import attention_bwd_prepost as tiling_prepost
+from ops import _compile as cc
+from ops import attention_bwd_prepost as P
+from ops import attention_common as C
+from ops import attention_sm90 as S
+from ops import mem_eff_attention as M
 from ops.reference import attention_backward_ref, attention_forward_ref
+
+from .test_mem_eff_attention_cpu import cpu_attention  # noqa: F401 (a fixture: the op on CPU tensors)
+from .test_mem_eff_attention_cpu import cu as _cu
 
 F64 = torch.float64
 
@@ -86,3 +99,101 @@ def test_varlen_reference_is_each_sequence_alone():
         for g, w, rows in zip(got, one, (rq, rk, rk)):
             assert torch.allclose(g[:, rows], w, atol=1e-12)
         sq, sk = sq + nq, sk + nk
+
+
+# ------------------------------------------------------------- the logsumexp's gradient
+
+
+def test_subtract_grad_lse_takes_each_sequences_rows():
+    """Δ -= dLSE on the rows of each sequence only (Δ [sequences, H, rows], dLSE in the LSE's
+    layout, at least as many rows, any strides: autograd hands over expanded ones); past a
+    packed sequence Δ stays."""
+    delta = torch.zeros(2, 3, 50)  # the memory-efficient backward's Δ: Mq rows, the LSE's rounded up
+    glse = torch.arange(2 * 3 * 64, dtype=torch.float32).view(2, 3, 64)
+    C.subtract_grad_lse(delta, glse, None)
+    assert torch.equal(delta, -glse[..., :50])
+    delta = torch.zeros(3, 2, 40)
+    C.subtract_grad_lse(delta, torch.ones(()).expand(3, 2, 64), torch.tensor([0, 5, 5, 45], dtype=torch.int32))
+    assert (delta[0, :, :5] == -1).all() and not delta[0, :, 5:].any() and not delta[1].any()
+    assert (delta[2] == -1).all()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_preprocess_compiles_with_grad_lse(varlen):
+    assert callable(P._build_preprocess(cutlass.BFloat16, 128, 8, varlen, True, "sm_90a", True, True))
+
+
+def test_preprocess_refuses_grad_lse_without_the_lse():
+    from cute_kernels.attention_bwd_prepost import ComputeDotDoO
+
+    tiles = tiling_prepost.preprocess_tiles(16, 64, 8, "sm_90a")
+    with pytest.raises(ValueError, match="lse_log2"):
+        ComputeDotDoO(cutlass.BFloat16, tiles, False, False, lse_log2=False, grad_lse=True)
+
+
+def test_sm90_hands_grad_lse_to_the_preprocess(monkeypatch):
+    """The Hopper backward's preprocess gets the LSE's gradient beside the LSE (Δ - dLSE is
+    computed there); the kernel's compile key does not change."""
+    seen, keys = [], []
+    monkeypatch.setattr(cc, "device_arch", lambda index: "sm_90a")
+    monkeypatch.setattr(P, "launch_preprocess", lambda *a: seen.append(a))
+    monkeypatch.setattr(S, "compiled", lambda config: keys.append(config) or (lambda *a: None))
+    monkeypatch.setattr(P, "convert_dq", lambda acc, scale, d, sq, *rest, ready=None: torch.zeros(2, sq, 3, d))
+    q, k, v, do, o = (torch.zeros(2, 100, 3, 64, dtype=torch.bfloat16) for _ in range(5))
+    lse = torch.zeros(2, 3, 128)
+    for glse in (None, torch.ones(()).expand(2, 3, 128)):
+        args = C.AttentionBackwardArgs(
+            grad_out=do, query=q, key=k, value=v, out=o, logsumexp=lse, scale=0.1, custom_mask_type=1, grad_lse=glse
+        )
+        S.attention_backward_sm90(args)
+        assert seen[-1][-1] is glse and seen[-1][-3] is lse
+    assert keys[0] == keys[1]
+
+
+def test_mem_eff_delta_takes_grad_lse(monkeypatch):
+    """The memory-efficient backward: Δ from its own launch (not the kernel's), minus dLSE, then
+    the rows that see no key zeroed (their LSE is a constant 0)."""
+    monkeypatch.setattr(M, "compute_delta", lambda out, do, cu, rows: torch.ones(1, 2, 6))
+    q, k, v, do, o = (torch.zeros(1, 6, 2, 8) for _ in range(5))
+    glse = torch.arange(2 * 32, dtype=torch.float32).view(1, 2, 32)
+    args = C.AttentionBackwardArgs(
+        grad_out=do, query=q, key=k[:, :4], value=v[:, :4], out=o, logsumexp=glse, custom_mask_type=2, grad_lse=glse
+    )
+    params = SimpleNamespace(custom_mask_type=2, window_size=0, num_splits_key=1)
+    params.cfg = SimpleNamespace(kernel_computes_delta=True)
+    delta, in_kernel = M._delta(args, params, 1, 6, 4)
+    assert not in_kernel
+    # bottom-right, 6 queries over 4 keys: rows 0 and 1 see none
+    assert not delta[..., :2].any() and torch.equal(delta[..., 2:], 1 - glse[..., 2:6])
+
+
+LSE_WIRING = [
+    # (Mq, Mk, causal, lengths, out's loss too)
+    (9, 12, False, None, True),
+    (7, 12, "bottom_right", None, False),
+    (16, 21, True, ([5, 0, 1, 10], [6, 4, 0, 11]), True),
+]
+
+
+@pytest.mark.parametrize("case", LSE_WIRING, ids=["plain", "lse-alone", "varlen"])
+def test_lse_gradient_reaches_the_backward(cpu_attention, case):
+    """A loss on the returned logsumexp reaches the op's backward as its gradient in the LSE's
+    layout (alone: with dO = 0), and the gradients are the reference's with that dLSE."""
+    mq, mk, causal, lengths, with_out = case
+    gen = torch.Generator().manual_seed(mq)
+    q, k, v = (torch.randn(1, m, 2, 8, generator=gen).requires_grad_() for m in (mq, mk, mk))
+    kw = {} if lengths is None else dict(cu_seqlens_q=_cu(lengths[0]), cu_seqlens_k=_cu(lengths[1]))
+    out, lse = ops.memory_efficient_attention(q, k, v, causal=causal, return_lse=True, **kw)
+    w = torch.randn(lse.shape, generator=gen)
+    do = torch.randn(out.shape, generator=gen) if with_out else torch.zeros(out.shape)
+    rows = torch.isfinite(lse)  # past each sequence: +inf padding, no loss there
+    loss = (lse.where(rows, 0.0) * w).sum() + ((out * do).sum() if with_out else 0.0)
+    loss.backward()
+    (call,) = cpu_attention.calls
+    assert call["grad_lse"] is not None and call["grad_lse"].shape == lse.shape
+    assert with_out or not call["grad_out"].any()
+    mask_type = {False: 0, True: 1, "bottom_right": 2}[causal]
+    want = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type, grad_lse=w.where(rows, 0.0), **kw)
+    for got, ref in zip((q.grad, k.grad, v.grad), want):
+        torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
