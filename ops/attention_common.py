@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from typing import Optional
 
@@ -73,7 +74,8 @@ class AttentionBackwardArgs:
     """One attention backward: ``aten._efficient_attention_backward``'s arguments, the backend
     asked for and deterministic mode; beyond aten's, for ``memory_efficient_attention``'s own
     backward only, the gradient of the returned logsumexp (``grad_lse``, the LSE's shape; None:
-    no loss on it). ``efficient_attention_backward`` builds it from what the caller passed,
+    no loss on it) and the forward's softcap (``softcap`` c > 0: the scores were c tanh(s / c);
+    0: none). ``efficient_attention_backward`` builds it from what the caller passed,
     checks it and normalises it (``normalized``). Tensors make an equality elementwise, so
     instances compare by identity (``eq=False``)."""
 
@@ -100,6 +102,7 @@ class AttentionBackwardArgs:
     backend: str = "auto"
     deterministic: bool = False
     grad_lse: Optional[Tensor] = None
+    softcap: float = 0.0
 
     @classmethod
     def from_op(cls, *flat, **named) -> AttentionBackwardArgs:
@@ -139,6 +142,7 @@ class AttentionBackwardArgs:
             backend=self.backend,
             deterministic=self.deterministic,
             grad_lse=self.grad_lse,
+            softcap=float(self.softcap),
         )
 
     @property
@@ -234,6 +238,7 @@ def check_backward_args(a: AttentionBackwardArgs) -> None:
         a.num_splits_key,
         a.deterministic,
         a.grad_lse,
+        a.softcap,
     )
     validate_once(parts, lambda: _check_metadata(a))
 
@@ -282,6 +287,8 @@ def _check_flags(a: AttentionBackwardArgs) -> None:
         raise ValueError("window_size needs a causal custom_mask_type (1 or 2)")
     if splits is not None and (not _is_int(splits) or int(splits) < 1):
         raise ValueError(f"num_splits_key must be a positive int, got {splits!r}")
+    if isinstance(a.softcap, bool) or not isinstance(a.softcap, numbers.Real) or not a.softcap >= 0.0:
+        raise ValueError(f"softcap must be a float >= 0 (0: none), got {a.softcap!r}")
     if a.deterministic and splits is not None and int(splits) > 1:
         raise ValueError(f"deterministic needs num_splits_key None or 1 (key splits add dQ in any order), got {splits}")
 

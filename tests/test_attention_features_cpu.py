@@ -2,6 +2,7 @@
 forms (``ops.reference``) against finite differences (``torch.autograd.gradcheck``) on tiny shapes;
 variable lengths against the same problems one sequence at a time."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import cutlass
@@ -11,10 +12,14 @@ import torch
 import ops
 from layouts import attention_bwd_prepost as tiling_prepost
 from ops import _compile as cc
+from ops import attention as A
+from ops import attention_checks as AC
+from ops import attention_fwd_sm90 as F
 from ops import attention_bwd_prepost as P
 from ops import attention_common as C
 from ops import attention_sm90 as S
 from ops import mem_eff_attention as M
+from ops._disk_cache import stable_key
 from ops.reference import attention_backward_ref, attention_forward_ref
 
 from .test_mem_eff_attention_cpu import cpu_attention  # noqa: F401 (a fixture: the op on CPU tensors)
@@ -177,7 +182,7 @@ LSE_WIRING = [
 
 
 @pytest.mark.parametrize("case", LSE_WIRING, ids=["plain", "lse-alone", "varlen"])
-def test_lse_gradient_reaches_the_backward(cpu_attention, case):
+def test_lse_gradient_reaches_the_backward(cpu_attention, case):  # noqa: F811 (the fixture)
     """A loss on the returned logsumexp reaches the op's backward as its gradient in the LSE's
     layout (alone: with dO = 0), and the gradients are the reference's with that dLSE."""
     mq, mk, causal, lengths, with_out = case
@@ -195,5 +200,142 @@ def test_lse_gradient_reaches_the_backward(cpu_attention, case):
     assert with_out or not call["grad_out"].any()
     mask_type = {False: 0, True: 1, "bottom_right": 2}[causal]
     want = attention_backward_ref(q, k, v, do, custom_mask_type=mask_type, grad_lse=w.where(rows, 0.0), **kw)
+    for got, ref in zip((q.grad, k.grad, v.grad), want):
+        torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------ softcap
+
+BF16, F16 = cutlass.BFloat16, cutlass.Float16
+
+# the forward: a few (CI cost), each feature of the consumers once beside the cap
+SOFTCAP_FORWARD = [
+    F.ForwardConfig(BF16, 128, 128, 1, False, False, "sm_90a", softcap=True),
+    F.ForwardConfig(F16, 64, 64, 2, True, True, "sm_90a", dropout=True, softcap=True),
+    F.ForwardConfig(BF16, 192, 128, 0, False, False, "sm_90a", bias=True, softcap=True),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("config", SOFTCAP_FORWARD, ids=["d128-causal", "d64-varlen-window-dropout", "d192v128-bias"])
+def test_forward_compiles_with_softcap(config):
+    assert callable(F._build(config))
+
+
+def _backward_key(d, dv, mask, rows, **kw):
+    """The backward's compile key as a call would plan it (tiles' own switches included)."""
+    flags = dict(window=False, deterministic=False, varlen=False, bias=False, grad_bias=False, dropout=False)
+    flags.update(kw)
+    return S._plan(BF16, d, dv, mask, "sm_90a", rows_q=rows, group=1, rows_k=rows, ctas=132, softcap=True, **flags)[2]
+
+
+# the backward: d128's grid (store_first, dq_ready, a partial last block), d64's persistent causal
+# CTAs (dq_defer, zero_ahead), the wide kernel with a bias (held for the cap's derivative)
+SOFTCAP_BACKWARD = [
+    ("d128-tail", lambda: _backward_key(128, 128, 0, 4010)),
+    ("d64-causal-persistent", lambda: _backward_key(64, 64, 1, 4096)),
+    ("d192v128-bias", lambda: _backward_key(192, 128, 0, 1000, bias=True)),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("key", [k for _, k in SOFTCAP_BACKWARD], ids=[n for n, _ in SOFTCAP_BACKWARD])
+def test_backward_compiles_with_softcap(key):
+    config = key()
+    assert config.softcap and callable(S._build(config))
+
+
+def test_softcap_is_its_own_compile_key():
+    """The cap is a flag of both compile keys (its value a runtime argument): a capped kernel is
+    a build of its own, and one cap value serves every other."""
+    fwd = F.ForwardConfig(BF16, 128, 128, 1, False, False, "sm_90a")
+    assert stable_key(dataclasses.replace(fwd, softcap=True)) != stable_key(fwd)
+    bwd = _backward_key(128, 128, 1, 1000)
+    assert stable_key(dataclasses.replace(bwd, softcap=False)) != stable_key(bwd)
+    assert "softcap" not in {f.name for f in dataclasses.fields(fwd) if f.type in ("float", float)}
+
+
+def test_backward_kernel_refuses_softcap_with_a_bias_gradient():
+    from cute_kernels.attention_sm90 import backward_config
+    from cute_kernels.attention_sm90.attention_backward_sm90 import AttentionBackwardSm90
+
+    tiles = backward_config.attention_sm90_tiles(128, ds_keys_contiguous=True, bias_or_dropout=True)
+    with pytest.raises(ValueError, match="softcap with grad_bias"):
+        AttentionBackwardSm90(BF16, tiles, 0, has_bias=True, grad_bias=True, softcap=True)
+
+
+def _meta(b=1, s=128, h=2, d=64, dtype=torch.bfloat16):
+    return tuple(torch.empty(b, s, h, d, dtype=dtype, device="meta") for _ in range(3))
+
+
+def _args(softcap, backend="auto", bias=None, grad_bias=False, d=64):
+    q, k, v = _meta(d=d)
+    return C.AttentionBackwardArgs(
+        grad_out=v,
+        query=q,
+        key=k,
+        value=v,
+        out=v,
+        logsumexp=v,
+        bias=bias,
+        bias_requires_grad=grad_bias,
+        backend=backend,
+        softcap=softcap,
+    )
+
+
+def test_only_the_sm90_backward_takes_a_softcap():
+    """auto: sm90 where it applies; where it does not, and with backend="mem_eff", the
+    memory-efficient kernel would drop the cap: NotImplementedError naming it."""
+    assert A.choose_backend(_args(30.0), arch="sm_90a")[0] == "sm90"
+    assert A.choose_backend(_args(0.0), arch="sm_80")[0] == "mem_eff"
+    with pytest.raises(NotImplementedError, match="softcap.*needs sm_90a"):
+        A.choose_backend(_args(30.0), arch="sm_80")
+    with pytest.raises(NotImplementedError, match="softcap.*backend='mem_eff'"):
+        A.choose_backend(_args(30.0, backend="mem_eff"), arch="sm_90a")
+    with pytest.raises(NotImplementedError, match="softcap.*head dims"):
+        A.choose_backend(_args(30.0, d=80), arch="sm_90a")
+    bias = torch.empty(1, 2, 128, 128, dtype=torch.bfloat16, device="meta")
+    assert A.choose_backend(_args(30.0, bias=bias), arch="sm_90a")[0] == "sm90"
+    with pytest.raises(NotImplementedError, match="softcap with a bias gradient"):
+        A.choose_backend(_args(30.0, bias=bias, grad_bias=True), arch="sm_90a")
+
+
+def test_softcap_needs_our_forward():
+    """torch's forward has no softcap: where ours does not apply the op raises (meta tensors:
+    no arch, so not ours), rather than running uncapped."""
+    q, k, v = _meta()
+    with pytest.raises(NotImplementedError, match="softcap needs our forward"):
+        A._mea_impl(q, k, v, None, None, 128, 128, 0, 0, None, None, 0.0, "auto", False, 30.0)
+    with pytest.raises(NotImplementedError, match="softcap needs our forward.*mem_eff"):
+        A._mea_impl(q, k, v, None, None, 128, 128, 0, 0, None, None, 0.0, "mem_eff", False, 30.0)
+
+
+@pytest.mark.parametrize("value,want", [(None, 0.0), (0, 0.0), (0.0, 0.0), (30, 30.0), (50.0, 50.0), (1e-3, 1e-3)])
+def test_softcap_values(value, want):
+    assert AC.check_softcap(value) == want
+
+
+@pytest.mark.parametrize(
+    "value,exc",
+    [(-1.0, ValueError), (float("nan"), ValueError), (float("inf"), ValueError), (True, TypeError), ("30", TypeError)],
+)
+def test_softcap_values_refused(value, exc):
+    with pytest.raises(exc, match="softcap"):
+        AC.check_softcap(value)
+
+
+def test_softcap_reaches_the_backward(cpu_attention):  # noqa: F811 (the fixture)
+    """memory_efficient_attention(softcap=) reaches the forward and the backward (the reference
+    stands in for both), and the gradients are the capped problem's."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 9, 2, 8, generator=gen).requires_grad_() for _ in range(3))
+    do = torch.randn(1, 9, 2, 8, generator=gen)
+    out = ops.memory_efficient_attention(q, k, v, causal=True, softcap=1.5)
+    want_out, _ = attention_forward_ref(q, k, v, custom_mask_type=1, softcap=1.5)
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+    out.backward(do)
+    assert cpu_attention.calls[0]["softcap"] == 1.5
+    want = attention_backward_ref(q, k, v, do, custom_mask_type=1, softcap=1.5)
     for got, ref in zip((q.grad, k.grad, v.grad), want):
         torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)

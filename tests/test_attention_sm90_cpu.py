@@ -1639,7 +1639,9 @@ def test_unsupported_is_the_rule(backends, monkeypatch):
     monkeypatch.setattr(S, "unsupported", verdict)
     _eab(mask_type=2, window_size=None)
     assert [name for name, *_ in backends] == ["mem_eff"]
-    assert seen == [dict(mask_type=2, window_size=None, bias=None, dropout_p=0.0, arch=None)]
+    assert seen == [
+        dict(mask_type=2, window_size=None, bias=None, dropout_p=0.0, arch=None, softcap=0.0, grad_bias=False)
+    ]
     with pytest.raises(NotImplementedError, match="a reason of its own"):
         _eab(backend="sm90")
 

@@ -525,6 +525,7 @@ class BackwardStandIn:
             backend=a.backend,
             deterministic=a.deterministic,
             grad_lse=a.grad_lse,
+            softcap=a.softcap,
         )
 
     def __call__(
@@ -553,10 +554,12 @@ class BackwardStandIn:
         backend="auto",
         deterministic=None,
         grad_lse=None,
+        softcap=0.0,
     ):
         self.calls.append(
             dict(
                 grad_lse=grad_lse,
+                softcap=softcap,
                 grad_out=grad_out_,
                 mask=custom_mask_type,
                 window=window_size,
@@ -597,6 +600,7 @@ class BackwardStandIn:
             dropout_p=dropout_p,
             return_grad_bias=True,
             grad_lse=grad_lse,
+            softcap=softcap,
         )
         # fresh [B, M, H, K] tensors, as torch's at::empty(query.sizes())
         grads = tuple(g.to(t.dtype).contiguous() for g, t in ((dq, query), (dk, key), (dv, value)))
@@ -624,6 +628,7 @@ def cpu_attention(monkeypatch):
         dropout_p=0.0,
         backend="auto",
         deterministic=False,
+        softcap=0.0,
     ):
         mask = None
         seed, offset = torch.tensor(FORWARD_SEED), torch.tensor(FORWARD_OFFSET)
@@ -642,6 +647,7 @@ def cpu_attention(monkeypatch):
             bias=attn_bias,
             dropout_mask=mask,
             dropout_p=dropout_p,
+            softcap=softcap,
         )
         if cq is not None:
             assert lse.shape[-1] <= max_q
