@@ -431,8 +431,21 @@ def _forward(
     if attn_bias is not None:
         attn_bias = _prepare_bias(attn_bias, query, key, cu_seqlens_q)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, attn_bias) if t is not None):
+        bias_grad = attn_bias is not None and attn_bias.requires_grad  # (not in a tensor's metadata)
         validate_once(  # by metadata: the backward checks each call's addresses again
-            ("mea_bwd", query, key, value, attn_bias, mask_type, window_size, dropout_p > 0.0, backend, softcap > 0.0),
+            (
+                "mea_bwd",
+                query,
+                key,
+                value,
+                attn_bias,
+                bias_grad,
+                mask_type,
+                window_size,
+                dropout_p > 0.0,
+                backend,
+                softcap > 0.0,
+            ),
             lambda: _check_backward_runs(
                 query, key, value, mask_type, window_size, attn_bias, dropout_p, backend, softcap
             ),
