@@ -8,7 +8,10 @@
   ``aten._efficient_attention_forward``, logged at DEBUG on ``cute_kernels.attention``; its
   backward is ``efficient_attention_backward``. Registered as ``cute_kernels::memory_efficient_attention``
   (with a fake implementation and its autograd formula), so ``torch.compile(fullgraph=True)``
-  captures it as one node.
+  captures it as one node. ``return_lse=True`` returns the logsumexp too, and a loss on it is
+  differentiated (Δ - dLSE in either backward). ``softcap=c`` caps the scaled logits at
+  c tanh(s / c) before bias and mask: our forward and the sm90 backward only (NotImplementedError
+  elsewhere: torch's forward and the memory-efficient backward have no cap).
 * ``efficient_attention_backward(...)``: a drop-in for ``aten._efficient_attention_backward``
   (same arguments, layouts and outputs: grad_q, grad_k, grad_v, grad_bias; with
   ``bias_requires_grad`` grad_bias has the bias's shape, summed over its broadcast dims),
@@ -65,7 +68,7 @@ from . import _compile as cc
 from . import attention_fwd_sm90 as fwd_sm90
 from . import attention_sm90 as sm90
 from . import mem_eff_attention as mem_eff
-from .attention_checks import validate_call
+from .attention_checks import check_softcap, validate_call
 from ._validate import check_float, check_int, kernel_ready, validate_once
 from .attention_common import (
     AttentionBackwardArgs,
@@ -99,11 +102,14 @@ def _mea_impl(
     dropout_p: float = 0.0,
     backend: str = "auto",  # "mem_eff": torch's forward; else ours where it applies (in the schema for graphs)
     deterministic: bool = False,  # the backward's (in the schema so that graphs keep it)
+    softcap: float = 0.0,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """The op's body: our forward where it applies, torch's otherwise (``deterministic`` is the
-    backward's, kept for it)."""
+    backward's, kept for it). A softcap needs ours: torch's forward has none."""
     del deterministic
     reason = forward_unsupported(query, key, value, custom_mask_type, attn_bias, dropout_p, backend)
+    if softcap > 0.0 and reason is not None:
+        raise NotImplementedError(f"softcap needs our forward (torch's has no softcap), which does not apply: {reason}")
     if log.isEnabledFor(logging.DEBUG):
         log.debug("attention forward: %s", "sm90" if reason is None else f"torch's ({reason})")
     if reason is None:
@@ -126,6 +132,7 @@ def _mea_impl(
             dropout_p,
             seed,
             offset,
+            softcap,
         )
         return out, lse, *_rng_on_device(seed, offset, dropout_p, query.device)
     if dropout_p > 0.0 and cu_seqlens_q is not None:
@@ -231,6 +238,7 @@ def _(
     dropout_p=0.0,
     backend="auto",
     deterministic=False,
+    softcap=0.0,
 ):
     b, mq, h, _ = query.shape
     out = query.new_empty((b, mq, h, value.shape[3]))
@@ -241,51 +249,54 @@ def _(
 
 
 def _mea_setup(ctx, inputs, output):
-    query, key, value, cu_q, cu_k, max_q, max_k, mask_type, window_size, scale, attn_bias, dropout_p, backend, det = (
-        inputs
-    )
+    query, key, value, cu_q, cu_k, max_q, max_k, mask_type, window_size, scale, attn_bias, dropout_p, *flags = inputs
+    backend, det, softcap = flags
     out, lse, seed, offset = output
     ctx.save_for_backward(query, key, value, out, lse, cu_q, cu_k, attn_bias, seed, offset)
     ctx.max_seqlens = (max_q, max_k)
     ctx.mask_type, ctx.window_size, ctx.scale, ctx.dropout_p = mask_type, window_size, scale, dropout_p
-    ctx.backend, ctx.deterministic = backend, det
+    ctx.backend, ctx.deterministic, ctx.softcap = backend, det, softcap
     ctx.mark_non_differentiable(seed, offset)
     ctx.set_materialize_grads(False)
 
 
 def _mea_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
     del grad_seed, grad_offset
-    if grad_lse is not None:  # (set_materialize_grads(False): None unless the LSE reached the loss)
-        raise NotImplementedError("a gradient through the returned logsumexp is not implemented (return_lse=True)")
     query, key, value, out, lse, cu_q, cu_k, attn_bias, seed, offset = ctx.saved_tensors
     none = (None,) * 7
-    if grad_out is None:
-        return (None,) * 14
+    # (set_materialize_grads(False): an output's gradient is None unless it reached the loss)
+    if grad_out is None and grad_lse is None:
+        return (None,) * 15
+    if grad_out is None:  # a loss on the logsumexp alone: dO = 0, so dV = 0 and dS = P dLSE
+        grad_out = torch.zeros_like(out)
     grad_out = kernel_ready(grad_out, TMA_ALIGN_BYTES // grad_out.element_size())
     bias_grad = attn_bias is not None and ctx.needs_input_grad[10]
-    dq, dk, dv, db = efficient_attention_backward(
-        grad_out,
-        query,
-        key,
-        value,
-        attn_bias,
-        out,
-        cu_q,
-        cu_k,
-        ctx.max_seqlens[0],
-        ctx.max_seqlens[1],
-        lse,
-        ctx.dropout_p,
-        seed,
-        offset,
-        ctx.mask_type,
-        bias_grad,
+    args = AttentionBackwardArgs(
+        grad_out=grad_out,
+        query=query,
+        key=key,
+        value=value,
+        out=out,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=ctx.max_seqlens[0],
+        max_seqlen_k=ctx.max_seqlens[1],
+        logsumexp=lse,
+        custom_mask_type=ctx.mask_type,
         scale=ctx.scale,
         window_size=ctx.window_size if ctx.window_size > 0 else None,
+        bias=attn_bias,
+        bias_requires_grad=bias_grad,
+        dropout_p=ctx.dropout_p,
+        philox_seed=seed,
+        philox_offset=offset,
         backend=ctx.backend,
         deterministic=ctx.deterministic,
+        grad_lse=grad_lse,
+        softcap=ctx.softcap,
     )
-    return (dq, dk, dv) + none + (db, None, None, None)
+    dq, dk, dv, db = _backward(args)
+    return (dq, dk, dv) + none + (db, None, None, None, None)
 
 
 torch.library.register_autograd("cute_kernels::memory_efficient_attention", _mea_backward, setup_context=_mea_setup)
@@ -321,8 +332,10 @@ def memory_efficient_attention(
     backend: str = "auto",
     deterministic: Optional[bool] = None,
     return_lse: bool = False,
+    softcap: Optional[float] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """dropout(softmax(scale q kᵀ + bias + mask)) v in the [B, M, H, K] layout.
+    """dropout(softmax(scale q kᵀ + bias + mask)) v in the [B, M, H, K] layout; with ``softcap``
+    c, dropout(softmax(c tanh(scale q kᵀ / c) + bias + mask)) v.
 
     Args:
         query: [B, Mq, H, K] fp16 / bf16 / fp32, CUDA, last dim contiguous.
@@ -352,7 +365,13 @@ def memory_efficient_attention(
         deterministic: the backward's gradients the same bits from run to run (default:
             ``torch.are_deterministic_algorithms_enabled()`` when this is called).
         return_lse: also return the logsumexp (fp32, natural log, the layout of the module
-            notes); a gradient through it raises NotImplementedError in the backward.
+            notes). A loss on it is differentiated too, by either backward: d lse_n / d s_nm =
+            P_nm, so the backward's Δ becomes Δ - dlse (rows past each sequence and rows that
+            see no key take none).
+        softcap: c > 0 caps the scaled logits at c tanh(scale q kᵀ / c) before the bias and
+            the mask (Gemma 2, Grok; FlashAttention's order); None or 0: no cap. Our forward and
+            the sm90 backward only (sm_90a, fp16 / bf16, their head dims, no bias gradient):
+            elsewhere NotImplementedError, before the forward where it can tell.
 
     Returns:
         out [B, Mq, H, Kv] in query's dtype (with ``return_lse``: (out, logsumexp)). Eager varlen calls read cu_seqlens back once to
@@ -375,6 +394,7 @@ def memory_efficient_attention(
         dropout_p,
         backend,
         deterministic,
+        softcap,
     )
     return (out, lse) if return_lse else out
 
@@ -394,10 +414,12 @@ def _forward(
     dropout_p,
     backend,
     deterministic,
+    softcap=None,
 ):
     """The checks of ``memory_efficient_attention``, then its op: (out, lse, philox seed, philox
     offset, max_seqlen_q, max_seqlen_k) with the longest lengths resolved."""
     check_backend(backend)
+    softcap = check_softcap(softcap)
     deterministic = resolve_deterministic(deterministic)
     mask_type, window_size, max_q, max_k, scale = validate_call(
         query, key, value, causal, window_size, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
@@ -409,9 +431,24 @@ def _forward(
     if attn_bias is not None:
         attn_bias = _prepare_bias(attn_bias, query, key, cu_seqlens_q)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, attn_bias) if t is not None):
+        bias_grad = attn_bias is not None and attn_bias.requires_grad  # (not in a tensor's metadata)
         validate_once(  # by metadata: the backward checks each call's addresses again
-            ("mea_bwd", query, key, value, attn_bias, mask_type, window_size, dropout_p > 0.0, backend),
-            lambda: _check_backward_runs(query, key, value, mask_type, window_size, attn_bias, dropout_p, backend),
+            (
+                "mea_bwd",
+                query,
+                key,
+                value,
+                attn_bias,
+                bias_grad,
+                mask_type,
+                window_size,
+                dropout_p > 0.0,
+                backend,
+                softcap > 0.0,
+            ),
+            lambda: _check_backward_runs(
+                query, key, value, mask_type, window_size, attn_bias, dropout_p, backend, softcap
+            ),
         )
     mea = _MeaEager.apply if query.is_cuda and cc.eager(query) else _mea_forward
     out, lse, seed, offset = mea(
@@ -429,6 +466,7 @@ def _forward(
         dropout_p,
         backend,
         deterministic,
+        softcap,
     )
     return out, lse, seed, offset, max_q, max_k
 
@@ -485,16 +523,18 @@ def efficient_attention_forward(
     return out, lse, seed, offset, max_q, max_k
 
 
-def _check_backward_runs(query, key, value, mask_type, window_size, attn_bias, dropout_p, backend) -> None:
+def _check_backward_runs(query, key, value, mask_type, window_size, attn_bias, dropout_p, backend, softcap) -> None:
     """Raise before the forward what the backward would raise: a training step should fail
-    before it spends a forward. Checked on real tensors (a trace's fail at run time)."""
+    before it spends a forward. Checked on real tensors (a trace's fail at run time): the
+    backend asked for, and with a softcap whether the sm90 backward (the only one with a
+    softcap) takes the problem."""
     limit = max_head_dim(query.dtype)
     if max(query.shape[-1], value.shape[-1]) > limit:
         raise NotImplementedError(
             f"the backward takes head dims up to {limit} for {query.dtype}, got query's {query.shape[-1]} and "
             f"value's {value.shape[-1]} (no gradients through this call; run it under torch.no_grad())"
         )
-    if backend != "sm90" or not query.is_cuda or not cc.eager(query):
+    if (backend != "sm90" and softcap == 0.0) or not query.is_cuda or not cc.eager(query):
         return
     # out's shape is all that counts (the choice reads no logsumexp: out stands in for it)
     out = torch.empty((*query.shape[:3], value.shape[3]), dtype=query.dtype, device="meta")
@@ -508,8 +548,10 @@ def _check_backward_runs(query, key, value, mask_type, window_size, attn_bias, d
         custom_mask_type=mask_type,
         window_size=window_size,
         bias=attn_bias,
+        bias_requires_grad=attn_bias is not None and attn_bias.requires_grad,
         dropout_p=dropout_p,
-        backend="sm90",
+        backend=backend,
+        softcap=softcap,
     )
     choose_backend(args, arch=cc.tensor_arch(query))
 
@@ -556,17 +598,25 @@ def choose_backend(args: AttentionBackwardArgs, arch: Optional[str] = None) -> T
 
     ``arch`` defaults to the device's, known only for real CUDA tensors (CPU, meta and
     fake tensors are never sm90 unless ``arch`` says so). NotImplementedError when
-    ``args.backend == "sm90"`` and the sm90 path cannot take the problem."""
+    ``args.backend == "sm90"`` and the sm90 path cannot take the problem, and for a softcap
+    the sm90 path cannot take (the memory-efficient kernel has none)."""
     backend = args.backend
     check_backend(backend)
     if backend == "mem_eff":
+        if args.softcap > 0.0:
+            raise NotImplementedError(_SOFTCAP_MEM_EFF.format(why="backend='mem_eff'"))
         return "mem_eff", "backend='mem_eff'"
     reason = _not_on_sm90(args, arch)
     if reason is None:
         return "sm90", f"backend={backend!r}, supported"
     if backend == "sm90":
         raise NotImplementedError(f"backend='sm90' cannot take this attention backward: {reason}")
+    if args.softcap > 0.0:
+        raise NotImplementedError(_SOFTCAP_MEM_EFF.format(why=f"the sm90 backward does not apply: {reason}"))
     return "mem_eff", f"backend='auto', not on sm90: {reason}"
+
+
+_SOFTCAP_MEM_EFF = "softcap: the memory-efficient backward has no softcap ({why})"
 
 
 def _not_on_sm90(a: AttentionBackwardArgs, arch: Optional[str]) -> Optional[str]:
@@ -588,6 +638,8 @@ def _not_on_sm90(a: AttentionBackwardArgs, arch: Optional[str]) -> Optional[str]
         bias=a.bias,
         dropout_p=float(a.dropout_p),
         arch=arch,
+        softcap=a.softcap,
+        grad_bias=a.bias is not None and bool(a.bias_requires_grad),
     )
 
 
@@ -627,6 +679,8 @@ def _op(
     philox_offset: Optional[Tensor],
     backend: str,
     deterministic: bool = False,
+    grad_lse: Optional[Tensor] = None,
+    softcap: float = 0.0,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     # the parameters are AttentionBackwardArgs' fields, in order (the op's schema is flat); the
     # backend is chosen here, at run time, on the real tensors (their device's arch)
@@ -710,13 +764,21 @@ def efficient_attention_backward(
         backend=backend,
         deterministic=deterministic,
     )
+    return _backward(given)
+
+
+def _backward(given: AttentionBackwardArgs) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """``efficient_attention_backward``'s body on its arguments, checked here; also
+    ``memory_efficient_attention``'s backward, with what aten's signature has no room for (the
+    logsumexp's gradient)."""
     check_backward_args(given)
+    query, bias, scale = given.query, given.bias, given.scale
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     check_float("scale", scale)
     args = given.normalized(scale)
     grad_q, grad_k, grad_v, grad_bias = run_backward(args) if cc.eager(query) else _op(*args.op_args())
-    if bias is None or not bias_requires_grad:
+    if bias is None or not given.bias_requires_grad:
         return grad_q, grad_k, grad_v, None
     if tuple(bias.shape) != tuple(grad_bias.shape):  # a broadcast bias: autograd's gradient
         grad_bias = grad_bias.sum_to_size(bias.shape)

@@ -66,7 +66,7 @@ def _fake_cu(varlen):
     return cc.fake_tensor(cutlass.Int32, (cute.sym_int(),), 1) if varlen else None
 
 
-def _build_preprocess(dtype, head_dim_tile, vec, varlen, clear_dq_accum, arch, lse_log2=False):
+def _build_preprocess(dtype, head_dim_tile, vec, varlen, clear_dq_accum, arch, lse_log2=False, grad_lse=False):
     import cutlass
     import cutlass.cute as cute
 
@@ -82,14 +82,17 @@ def _build_preprocess(dtype, head_dim_tile, vec, varlen, clear_dq_accum, arch, l
     if clear_dq_accum:
         acc_shape = (s(), s(), t.head_dim) if varlen else (s(), s(), s(), t.head_dim)
         acc = cc.fake_tensor(cutlass.Float32, acc_shape, 4)
+    # the LSE's gradient: any strides (autograd hands over expanded ones)
+    dlse = cc.fake_tensor(cutlass.Float32, (s(), s(), s()), 1, leading_dim=None) if grad_lse else None
     return cc.compile_kernel(
-        ComputeDotDoO(dtype, t, varlen, clear_dq_accum, lse_log2),
+        ComputeDotDoO(dtype, t, varlen, clear_dq_accum, lse_log2, grad_lse),
         _fake_seq(dtype, varlen, None, vec),
         _fake_seq(dtype, varlen, None, vec),
         cc.fake_tensor(cutlass.Float32, (s(), s(), s()), 1),
         acc,
         _fake_cu(varlen),
         *((cc.fake_tensor(cutlass.Float32, (s(), s(), s()), 1) for _ in range(2)) if lse_log2 else (None, None)),
+        dlse,
         cutlass.Float32(1.0),
         cutlass.Int32(1),
         cc.fake_stream(),
@@ -323,9 +326,12 @@ def _cached_plan(key, make):
     return plan
 
 
-def launch_preprocess(out, grad_out, delta, dq_accum, scale, cu_seqlens_q, max_seqlen_q, lse=None, lse_log2=None):
+def launch_preprocess(
+    out, grad_out, delta, dq_accum, scale, cu_seqlens_q, max_seqlen_q, lse=None, lse_log2=None, grad_lse=None
+):
     """compute_dot_do_o into preallocated Δ (and dQ accumulator to clear, or None; and the
-    forward's LSE ``lse`` in log2 units into ``lse_log2``, shaped as Δ, or None)."""
+    forward's LSE ``lse`` in log2 units into ``lse_log2``, shaped as Δ, or None; with the LSE's
+    gradient ``grad_lse``, shaped as ``lse``, Δ - grad_lse on each sequence's rows)."""
     key = (
         "pre",
         _meta(out),
@@ -336,9 +342,13 @@ def launch_preprocess(out, grad_out, delta, dq_accum, scale, cu_seqlens_q, max_s
         max_seqlen_q,
         _meta(lse),
         _meta(lse_log2),
+        _meta(grad_lse),
     )
     plan = _cached_plan(
-        key, lambda: _plan_preprocess(out, grad_out, delta, dq_accum, cu_seqlens_q, max_seqlen_q, lse is not None)
+        key,
+        lambda: _plan_preprocess(
+            out, grad_out, delta, dq_accum, cu_seqlens_q, max_seqlen_q, lse is not None, grad_lse is not None
+        ),
     )
     if plan is None:
         for t in (delta, lse_log2):
@@ -347,10 +357,10 @@ def launch_preprocess(out, grad_out, delta, dq_accum, scale, cu_seqlens_q, max_s
         return
     fn, num_m_blocks = plan
     if num_m_blocks:
-        fn(out, grad_out, delta, dq_accum, cu_seqlens_q, lse, lse_log2, float(scale), num_m_blocks)
+        fn(out, grad_out, delta, dq_accum, cu_seqlens_q, lse, lse_log2, grad_lse, float(scale), num_m_blocks)
 
 
-def _plan_preprocess(out, grad_out, delta, dq_accum, cu_seqlens_q, max_seqlen_q, lse_log2=False):
+def _plan_preprocess(out, grad_out, delta, dq_accum, cu_seqlens_q, max_seqlen_q, lse_log2=False, grad_lse=False):
     if dq_accum is not None:
         _check_aligned("dq_accum", dq_accum)
     if out.numel() == 0 and dq_accum is None:
@@ -367,7 +377,8 @@ def _plan_preprocess(out, grad_out, delta, dq_accum, cu_seqlens_q, max_seqlen_q,
     num_m_blocks = t.ctas_along_rows(rows)
     if delta.shape[0] == 0 or delta.shape[1] == 0:
         num_m_blocks = 0
-    fn = compiled_preprocess(cc.cute_dtype(out.dtype), t.head_dim, vec, varlen, dq_accum is not None, arch, lse_log2)
+    clear = dq_accum is not None
+    fn = compiled_preprocess(cc.cute_dtype(out.dtype), t.head_dim, vec, varlen, clear, arch, lse_log2, grad_lse)
     return fn, num_m_blocks
 
 

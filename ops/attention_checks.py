@@ -1,8 +1,10 @@
 """The checks of ``memory_efficient_attention``'s arguments (``ops.attention``): shapes,
-dtypes, devices, ``cu_seqlens``, the causal mask's and the window's forms."""
+dtypes, devices, ``cu_seqlens``, the causal mask's and the window's forms, the softcap."""
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Tuple
 
 import torch
@@ -188,3 +190,16 @@ BOTTOM_RIGHT_MSG = (
     "causal='bottom_right' with more queries than keys ({mq} > {mk}) is not supported: torch's "
     "_efficient_attention_forward leaves the first query blocks unmasked there (torch 2.11)"
 )
+
+
+def check_softcap(softcap) -> float:
+    """``softcap=`` as a float: c > 0 caps the scores at c tanh(s / c); None or 0 is none (0.0).
+    A bool, a string or a tensor is a TypeError; a negative, NaN or infinite cap a ValueError."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a float > 0, or None / 0 for none, got {type(softcap).__name__}")
+    c = float(softcap)
+    if not math.isfinite(c) or c < 0.0:
+        raise ValueError(f"softcap must be a finite float > 0, or None / 0 for none, got {softcap!r}")
+    return c

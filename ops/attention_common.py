@@ -8,11 +8,13 @@
 * ``max_head_dim``: the widest head dim of all backends.
 * ``lse_rows``: the logsumexp's padded rows; ``tma_misaligned`` / ``remembered_verdict``: the
   TMA-alignment reason and the per-metadata memo of the Hopper kernels' ``unsupported``.
+* ``subtract_grad_lse``: Δ - dLSE, a loss on the logsumexp, where a backend takes Δ from torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from typing import Optional
 
@@ -70,9 +72,12 @@ def remembered_verdict(memo, tensors, flags, check) -> Optional[str]:
 @dataclass(frozen=True, eq=False, kw_only=True)
 class AttentionBackwardArgs:
     """One attention backward: ``aten._efficient_attention_backward``'s arguments, the backend
-    asked for and deterministic mode. ``efficient_attention_backward`` builds it from what the
-    caller passed, checks it and normalises it (``normalized``). Tensors make an equality
-    elementwise, so instances compare by identity (``eq=False``)."""
+    asked for and deterministic mode; beyond aten's, for ``memory_efficient_attention``'s own
+    backward only, the gradient of the returned logsumexp (``grad_lse``, the LSE's shape; None:
+    no loss on it) and the forward's softcap (``softcap`` c > 0: the scores were c tanh(s / c);
+    0: none). ``efficient_attention_backward`` builds it from what the caller passed,
+    checks it and normalises it (``normalized``). Tensors make an equality elementwise, so
+    instances compare by identity (``eq=False``)."""
 
     grad_out: Tensor
     query: Tensor
@@ -96,6 +101,8 @@ class AttentionBackwardArgs:
     philox_offset: Optional[Tensor] = None
     backend: str = "auto"
     deterministic: bool = False
+    grad_lse: Optional[Tensor] = None
+    softcap: float = 0.0
 
     @classmethod
     def from_op(cls, *flat, **named) -> AttentionBackwardArgs:
@@ -134,6 +141,8 @@ class AttentionBackwardArgs:
             philox_offset=self.philox_offset if dropout else None,
             backend=self.backend,
             deterministic=self.deterministic,
+            grad_lse=self.grad_lse,
+            softcap=float(self.softcap),
         )
 
     @property
@@ -165,6 +174,20 @@ def grad_bias_buffer(query: Tensor, mk: int, mask_type: int) -> Tensor:
     padded = round_up(mk, 128 // torch.finfo(query.dtype).bits)
     alloc = torch.zeros if int(mask_type) != 0 else torch.empty  # masked tiles are never written
     return alloc((b, h, mq, padded), dtype=query.dtype, device=query.device)[..., :mk]
+
+
+def subtract_grad_lse(delta: Tensor, grad_lse: Tensor, cu_seqlens_q: Optional[Tensor]) -> None:
+    """Δ -= dLSE in place (a loss on the logsumexp: d LSE_i / d S_ij = P_ij, so dS = P (dP - (Δ -
+    dLSE))) on each sequence's rows of ``delta`` [sequences, H, rows]; ``grad_lse`` has the
+    LSE's layout ([sequences, H, >= rows], any strides). Rows past a packed sequence keep their
+    Δ (0): dLSE there is the padding's."""
+    rows = delta.shape[-1]
+    dlse = grad_lse[..., :rows]
+    if cu_seqlens_q is not None:
+        lengths = cu_seqlens_q.diff().view(-1, 1, 1)
+        inside = torch.arange(rows, device=delta.device).view(1, 1, -1) < lengths
+        dlse = torch.where(inside, dlse, 0.0)
+    delta.sub_(dlse)
 
 
 def max_head_dim(dtype: torch.dtype) -> int:
@@ -214,6 +237,8 @@ def check_backward_args(a: AttentionBackwardArgs) -> None:
         a.window_size,
         a.num_splits_key,
         a.deterministic,
+        a.grad_lse,
+        a.softcap,
     )
     validate_once(parts, lambda: _check_metadata(a))
 
@@ -232,6 +257,8 @@ def _check_metadata(a: AttentionBackwardArgs) -> None:
         raise TypeError(f"logsumexp must be float32, got {a.logsumexp.dtype}")
     _check_varlen(a)
     _check_logsumexp_shape(a)
+    if a.grad_lse is not None:
+        _check_grad_lse(a)
     if a.bias is not None:
         check_cuda("bias", a.bias)
         check_bias(a.bias, a.query, a.key, a.cu_seqlens_q)
@@ -260,6 +287,8 @@ def _check_flags(a: AttentionBackwardArgs) -> None:
         raise ValueError("window_size needs a causal custom_mask_type (1 or 2)")
     if splits is not None and (not _is_int(splits) or int(splits) < 1):
         raise ValueError(f"num_splits_key must be a positive int, got {splits!r}")
+    if isinstance(a.softcap, bool) or not isinstance(a.softcap, numbers.Real) or not a.softcap >= 0.0:
+        raise ValueError(f"softcap must be a float >= 0 (0: none), got {a.softcap!r}")
     if a.deterministic and splits is not None and int(splits) > 1:
         raise ValueError(f"deterministic needs num_splits_key None or 1 (key splits add dQ in any order), got {splits}")
 
@@ -335,3 +364,14 @@ def _check_logsumexp_shape(a: AttentionBackwardArgs) -> None:
         )
     if lse.stride(-1) != 1:
         raise ValueError("logsumexp must be contiguous along queries")
+
+
+def _check_grad_lse(a: AttentionBackwardArgs) -> None:
+    """The logsumexp's gradient: fp32, on its device, of its shape (any strides)."""
+    g = a.grad_lse
+    check_tensor("grad_lse", g)
+    check_same_device("grad_lse", g, a.logsumexp)
+    if g.dtype != torch.float32:
+        raise TypeError(f"grad_lse must be float32, as the logsumexp, got {g.dtype}")
+    if g.shape != a.logsumexp.shape:
+        raise ValueError(f"grad_lse must have the logsumexp's shape {tuple(a.logsumexp.shape)}, got {tuple(g.shape)}")

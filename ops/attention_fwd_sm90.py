@@ -37,7 +37,7 @@ DTYPES = (torch.float16, torch.bfloat16)
 class ForwardConfig:
     """One compiled forward: element type, head dims, mask (0 none, 1 causal top-left, 2
     bottom-right), whether a sliding window applies, variable lengths, the DSL target, an
-    additive bias, dropout."""
+    additive bias, dropout, softcapped scores (the cap itself is a runtime argument)."""
 
     dtype: type
     head_dim: int
@@ -48,12 +48,13 @@ class ForwardConfig:
     arch: str
     bias: bool = False
     dropout: bool = False
+    softcap: bool = False
 
 
 def _build(config: ForwardConfig):
     c = config
     tiles = forward_tiles(c.head_dim, c.head_dim_v, c.window, c.bias, c.dropout)
-    kernel = AttentionForwardSm90(c.dtype, tiles, c.mask_type, c.window, c.varlen, c.bias, c.dropout)
+    kernel = AttentionForwardSm90(c.dtype, tiles, c.mask_type, c.window, c.varlen, c.bias, c.dropout, c.softcap)
     b, h, hk, mq, mk, lse_rows = (cute.sym_int() for _ in range(6))
     seqs = cute.sym_int() if c.varlen else b  # the LSE's rows: per sequence
     vec = tma_align_elems(c.dtype.width)
@@ -80,6 +81,7 @@ def _build(config: ForwardConfig):
         cutlass.Int32(0),
         bias,
         *rng,
+        cutlass.Float32(1.0),
         cc.fake_stream(),
         arch=c.arch,
     )
@@ -190,6 +192,7 @@ def attention_forward_sm90(
     dropout_p: float = 0.0,
     philox_seed: Optional[Tensor] = None,
     philox_offset: Optional[Tensor] = None,
+    softcap: float = 0.0,
 ) -> Tuple[Tensor, Tensor]:
     """O [B, Mq, H, Dv] and LSE [B, H, round_up(Mq, 32)] (natural log, fp32) of q [B, Mq, H, D],
     k [B, Mk, Hk, D], v [B, Mk, Hk, Dv] (``unsupported`` first). ``window_size`` > 0 (with a
@@ -200,7 +203,8 @@ def attention_forward_sm90(
     variable lengths). ``dropout_p`` > 0: P V takes the keep mask of torch's forward for
     ``philox_seed / philox_offset`` (int64 CPU scalars, ``philox_state``; with variable lengths
     sequence i's (i, head) stream starts at (i H + head) max_seqlen_q max_seqlen_k, as the
-    backwards draw it); the LSE is the undropped softmax's."""
+    backwards draw it); the LSE is the undropped softmax's. ``softcap`` c > 0: the scores
+    scale q kᵀ become c tanh(scale q kᵀ / c) before the bias and the mask (0: none)."""
     b, mq, h, d = query.shape
     varlen = cu_seqlens_q is not None
     if bias is not None and varlen:
@@ -221,6 +225,7 @@ def attention_forward_sm90(
         cc.tensor_arch(query),
         bias is not None,
         dropout,
+        softcap > 0.0,
     )
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
     if bias is not None:
@@ -230,7 +235,7 @@ def attention_forward_sm90(
         rows_k = int(max_seqlen_k) if varlen else key.shape[1]
         rng = cc.dropout_args(dropout_p, philox_seed, philox_offset, rows_q, rows_k)
     fn = compiled(config)
-    fn(query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, rows_q, scale, int(window_size), bias, *rng)
+    fn(query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, rows_q, scale, int(window_size), bias, *rng, softcap)
     return out, lse
 
 

@@ -57,7 +57,8 @@ class Sm90Config:
     stored, no zeroed accumulator (``_stores_first``); ``zero_ahead``: persistent CTAs zero the
     accumulator a round of tiles ahead (``_zeroes_ahead``); ``tail_m``: the partial last query
     block's products that many queries wide (``_tail_m``); ``rng_on_device``: dropout's seed and
-    offset read from device tensors (``_compile.dropout_args``)."""
+    offset read from device tensors (``_compile.dropout_args``); ``softcap``: the forward capped
+    the scores (the cap is a runtime argument)."""
 
     dtype: type
     head_dim: int
@@ -76,6 +77,7 @@ class Sm90Config:
     zero_ahead: bool = False
     tail_m: int = 0
     rng_on_device: bool = False
+    softcap: bool = False
 
     def __post_init__(self):
         # the key's repr names its disk-cache entry: one spelling per value (1 and True are one
@@ -111,6 +113,7 @@ def _build(config: Sm90Config):
         store_first=c.store_first,
         zero_ahead=c.zero_ahead,
         tail_m=c.tail_m,
+        softcap=c.softcap,
     )
     return cc.compile_kernel(kernel, *_fake_args(c, kernel.dynamic_tiles), cc.fake_stream(), arch=c.arch)
 
@@ -145,7 +148,9 @@ def _fake_args(c: Sm90Config, dynamic: bool) -> tuple:
     grad_bias = cc.fake_tensor(dtype, (b, h, mq, mk), vec) if c.grad_bias else None
     rng = cc.fake_rng_args(c.rng_on_device) if c.dropout else (None,) * 5
     tensors = (q, k, v, do, lse, delta, dq_accum, dk, dv, semaphore, counter, ready, first, cu_q, cu_k)
+    # softmax scale, window, max_seqlen_k, heads per chunk, persistent CTAs, softcap
     scalars = (cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(1))
+    scalars += (cutlass.Float32(1.0),)
     return (*tensors, bias, grad_bias, *scalars, *rng)
 
 
@@ -257,6 +262,7 @@ def _plan(
     rows_k: int,
     ctas: int,
     rng_on_device: bool = False,
+    softcap: bool = False,
 ) -> tuple:
     """(tiles, tile schedule, ``Sm90Config``) of one call: the choices made per call from the
     configuration, the query rows (``carry_dq``), the key rows (``dq_ready``, ``zero_ahead``)
@@ -290,6 +296,7 @@ def _plan(
         ),
         tail_m=_tail_m(tiles, schedule, rows_q, varlen, bias, dropout),
         rng_on_device=rng_on_device,
+        softcap=softcap,
     )
     return tiles, schedule, key
 
@@ -344,14 +351,30 @@ _verdicts = Memo()  # unsupported's answers for plain CUDA tensors at TMA-aligne
 
 
 def unsupported(
-    query, key, value, grad_out, out, *, mask_type=0, window_size=None, bias=None, dropout_p=0.0, arch=None
+    query,
+    key,
+    value,
+    grad_out,
+    out,
+    *,
+    mask_type=0,
+    window_size=None,
+    bias=None,
+    dropout_p=0.0,
+    arch=None,
+    softcap=0.0,
+    grad_bias=False,
 ) -> Optional[str]:
-    """Why the sm90 path cannot take this problem (None: it can).
+    """Why the sm90 path cannot take this problem (None: it can). ``softcap`` > 0 with ``grad_bias``:
+    the bias gradient is the capped scores', dQ / dK's is times the cap's derivative, and the
+    kernel keeps one dS tile.
 
     ``arch``: the DSL target to judge for; by default the device's, known only for real
     CUDA tensors (no CUDA call for CPU, meta or fake ones: they get a reason). Each call
     checks the addresses; for plain CUDA tensors at aligned ones the rest of the answer is
     remembered by metadata (the whole check costs ~15-30 us of host time)."""
+    if softcap > 0.0 and grad_bias:
+        return "softcap with a bias gradient (dB is dS of the capped scores, dQ / dK take it times 1 - tanh²)"
     return remembered_verdict(
         _verdicts,
         (query, key, value, grad_out, out),
@@ -506,6 +529,7 @@ def attention_backward_sm90(args: AttentionBackwardArgs):
         plan.rows_k,
         plan.chunk,
         plan.ctas,
+        float(a.softcap),
         *rng,
     )
     dq = P.convert_dq(
@@ -516,10 +540,13 @@ def attention_backward_sm90(args: AttentionBackwardArgs):
 
 def _preprocess(a: AttentionBackwardArgs, delta: Tensor, dq_accum: Optional[Tensor], lse_log2: Tensor) -> None:
     """Δ from out / dO (Dv wide; the pre / postprocess take packed sequences as [total, H, D]),
-    ``dq_accum`` zeroed where given, the LSE in the kernel's log2 units: one launch. Then Δ := 0
-    in the rows that see no key (O may be unwritten there)."""
+    ``dq_accum`` zeroed where given, the LSE in the kernel's log2 units, with a loss on the LSE
+    Δ - dLSE: one launch. Then Δ := 0 in the rows that see no key (O may be unwritten there;
+    their LSE is a constant 0, so dLSE gives them nothing)."""
     out, grad_out = (a.out[0], a.grad_out[0]) if a.varlen else (a.out, a.grad_out)
-    P.launch_preprocess(out, grad_out, delta, dq_accum, 1.0, a.cu_seqlens_q, a.max_seqlen_q, a.logsumexp, lse_log2)
+    P.launch_preprocess(
+        out, grad_out, delta, dq_accum, 1.0, a.cu_seqlens_q, a.max_seqlen_q, a.logsumexp, lse_log2, a.grad_lse
+    )
     mask, sq, sk = int(a.custom_mask_type), a.query.shape[1], a.key.shape[1]
     P.zero_blind_delta(delta, mask, a.window, sq, sk, a.cu_seqlens_q, a.cu_seqlens_k)
 
@@ -532,7 +559,7 @@ def _call_plan_of(a: AttentionBackwardArgs) -> _CallPlan:
     bias, grad_bias = a.bias is not None, a.bias is not None and bool(a.bias_requires_grad)
     varlen = (a.cu_seqlens_q.shape, int(a.max_seqlen_q), int(a.max_seqlen_k)) if a.varlen else None
     sig = (query.shape, key.shape, value.shape, query.dtype, query.device, mask, a.window, deterministic, varlen)
-    sig += (bias, grad_bias, a.dropout, rng_dev, _knobs())
+    sig += (bias, grad_bias, a.dropout, rng_dev, a.softcap > 0.0, _knobs())
     plan = _call_plans.get(sig)
     if plan is None:
         plan = _call_plans.put(
@@ -551,6 +578,7 @@ def _call_plan_of(a: AttentionBackwardArgs) -> _CallPlan:
                 grad_bias,
                 a.dropout,
                 rng_dev,
+                a.softcap > 0.0,
             ),
         )
     return plan
@@ -701,6 +729,7 @@ def _call_plan(
     grad_bias: bool,
     dropout: bool,
     rng_dev: bool = False,
+    softcap: bool = False,
 ) -> _CallPlan:
     varlen = cu_seqlens_q is not None
     b, sq, h, d = query.shape
@@ -728,6 +757,7 @@ def _call_plan(
         rows_k=rows_k,
         ctas=ctas,
         rng_on_device=rng_dev,
+        softcap=softcap,
     )
     # the kernel counts dQ's key blocks for ConvertDQReady; it stores each query block's first dQ,
     # or zeroes the accumulator itself (either way the preprocess does not)

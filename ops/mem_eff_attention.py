@@ -39,7 +39,7 @@ from cute_kernels.mem_eff_attention.params import Params, choose_num_splits_key
 
 from . import _compile as cc
 from .attention_bwd_prepost import compute_delta, may_have_blind_rows, zero_blind_delta
-from .attention_common import AttentionBackwardArgs, grad_bias_buffer
+from .attention_common import AttentionBackwardArgs, grad_bias_buffer, subtract_grad_lse
 
 # ----------------------------------------------------------------------------- compile
 
@@ -379,16 +379,19 @@ def _plan_call(a: AttentionBackwardArgs, grads: tuple, seqs: int, rows_q: int, r
 def _delta(a: AttentionBackwardArgs, params, seqs: int, rows_q: int, rows_k: int) -> tuple:
     """(Δ, whether the kernel computes it): rows that see no key may hold an unwritten O
     (``zero_blind_delta``): their Δ is zeroed after its own launch, so the kernel does not
-    compute it there."""
+    compute it there. A loss on the logsumexp (``grad_lse``) takes Δ - dLSE, computed here."""
     mask, window = params.custom_mask_type, params.window_size
     blind_rows = may_have_blind_rows(mask, window, rows_q, rows_k, a.varlen)
-    if params.cfg.kernel_computes_delta and params.num_splits_key == 1 and not blind_rows:
+    in_kernel = params.cfg.kernel_computes_delta and params.num_splits_key == 1
+    if in_kernel and not blind_rows and a.grad_lse is None:
         h = a.query.shape[2]
         return torch.empty((seqs, h, rows_q), dtype=torch.float32, device=a.query.device), True
     if a.varlen:
         delta = compute_delta(a.out[0], a.grad_out[0], a.cu_seqlens_q, rows_q)
     else:
         delta = compute_delta(a.out, a.grad_out, None, None)
+    if a.grad_lse is not None:  # before the blind rows' zeros: their LSE is a constant 0
+        subtract_grad_lse(delta, a.grad_lse, a.cu_seqlens_q)
     zero_blind_delta(delta, mask, window, a.query.shape[1], a.key.shape[1], a.cu_seqlens_q, a.cu_seqlens_k)
     return delta, False
 

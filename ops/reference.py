@@ -234,10 +234,21 @@ def _attention_segments(query, key, cu_seqlens_q, cu_seqlens_k):
     return [(0, slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])) for i in range(len(cq) - 1)]
 
 
-def _attention_probs(q, k, scale, keep, bias=None):
-    """Masked softmax in fp64: (P [H, Mq, Mk], lse [H, Mq]); P = 0 and lse = -inf on empty rows."""
+def _attention_scores(q, k, scale, softcap=0.0):
+    """(scores [H, Mq, Mk], d scores / d (scale q kᵀ) or None): scale q kᵀ, with a ``softcap``
+    c > 0 capped at c tanh(scale q kᵀ / c) (FlashAttention's order: before bias and mask),
+    whose derivative is 1 - tanh²."""
     s = torch.einsum("nhk,mhk->hnm", q, k) * scale
-    if bias is not None:  # [H, Mq, Mk]: added to the scaled logits, before the mask
+    if not softcap:
+        return s, None
+    t = torch.tanh(s / softcap)
+    return softcap * t, 1.0 - t * t
+
+
+def _attention_probs(q, k, scale, keep, bias=None, softcap=0.0):
+    """Masked softmax in fp64: (P [H, Mq, Mk], lse [H, Mq]); P = 0 and lse = -inf on empty rows."""
+    s, _ = _attention_scores(q, k, scale, softcap)
+    if bias is not None:  # [H, Mq, Mk]: added to the scaled (capped) logits, before the mask
         s = s + bias
     s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # -inf where a row keeps nothing
@@ -273,9 +284,10 @@ def attention_forward_ref(
     bias: Optional[Tensor] = None,
     dropout_mask: Optional[Tensor] = None,
     dropout_p: float = 0.0,
+    softcap: float = 0.0,
 ) -> Tuple[Tensor, Tensor]:
     """(out [B, Mq, H, Kv], lse) in fp64: softmax(scale q kᵀ + mask) v and its natural-log
-    log-sum-exp.
+    log-sum-exp; with ``softcap`` c > 0 the scores are c tanh(scale q kᵀ / c) (before bias and mask).
 
     lse is [B, H, Mq] (dense) or [num_seqs, H, max sequence length] (variable lengths,
     sequence i's query j at [i, :, j], +inf past its end, as torch pads). A query row with
@@ -299,6 +311,7 @@ def attention_forward_ref(
         bias,
         dropout_mask,
         dropout_p,
+        softcap,
     )
     return out, _lse_layout(lse, query, cu_seqlens_q, empty_row_lse)
 
@@ -328,6 +341,7 @@ def _attention_forward_parts(
     bias=None,
     dropout_mask=None,
     dropout_p=0.0,
+    softcap=0.0,
 ):
     q, k, v = query.double(), key.double(), value.double()
     sc = _attention_scale(scale, query.shape[-1])
@@ -337,7 +351,7 @@ def _attention_forward_parts(
     for b, rq, rk in _attention_segments(query, key, cu_seqlens_q, cu_seqlens_k):
         qs, ks, vs = q[b, rq], k[b, rk], v[b, rk]
         keep = attention_mask_ref(qs.shape[0], ks.shape[0], custom_mask_type, window_size, device=q.device)
-        p, lse = _attention_probs(qs, ks, sc, keep, None if bias64 is None else bias64[b])
+        p, lse = _attention_probs(qs, ks, sc, keep, None if bias64 is None else bias64[b], softcap)
         pd = p if z is None else p * z[b]
         out[b, rq] = torch.einsum("hnm,mhd->nhd", pd, vs)
         lses.append(lse)
@@ -372,6 +386,8 @@ def attention_backward_ref(
     dropout_p: float = 0.0,
     return_grad_bias: bool = False,
     out: Optional[Tensor] = None,
+    softcap: float = 0.0,
+    grad_lse: Optional[Tensor] = None,
 ):
     """(dq, dk, dv) in fp64, the shapes of query, key, value, from the closed form
 
@@ -387,6 +403,12 @@ def attention_backward_ref(
     it; by default the exact output rounded to query's dtype, as a forward hands it over.
     The reference and a kernel then agree on Δ, and their difference is the kernel's own
     arithmetic (Δ's rounding would otherwise dominate rows whose dS nearly cancels).
+
+    ``grad_lse``: the gradient of the forward's logsumexp, in its layout ([B, H, >= Mq], or
+    [num_seqs, H, >= max length] with variable lengths): d lse_n / d s_nm = P_nm, so
+    dS = P ∘ (dP - (Δ - dlse)). ``softcap`` c > 0: the scores were c tanh(x / c), x = scale q kᵀ
+    (``_attention_scores``); dBias is the gradient of the capped scores, dQ / dK take it times
+    1 - tanh²(x / c).
     """
     group = _query_heads_per_key_head(query, key)
     if group > 1:
@@ -405,6 +427,8 @@ def attention_backward_ref(
             dropout_p=dropout_p,
             return_grad_bias=return_grad_bias,
             out=out,
+            softcap=softcap,
+            grad_lse=grad_lse,
         )
         dk, dv = (g.unflatten(2, (key.shape[2], group)).sum(3) for g in grads[1:3])
         return (grads[0], dk, dv) + tuple(grads[3:])
@@ -413,10 +437,10 @@ def attention_backward_ref(
     bias64, z = _bias_and_dropout(query, key, cu_seqlens_q, bias, dropout_mask, dropout_p)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     db = q.new_zeros((q.shape[0], q.shape[2], q.shape[1], k.shape[1])) if cu_seqlens_q is None else None
-    for b, rq, rk in _attention_segments(query, key, cu_seqlens_q, cu_seqlens_k):
+    for i, (b, rq, rk) in enumerate(_attention_segments(query, key, cu_seqlens_q, cu_seqlens_k)):
         qs, ks, vs, dos = q[b, rq], k[b, rk], v[b, rk], do[b, rq]
         keep = attention_mask_ref(qs.shape[0], ks.shape[0], custom_mask_type, window_size, device=q.device)
-        p, _ = _attention_probs(qs, ks, sc, keep, None if bias64 is None else bias64[b])  # [H, Mq, Mk]
+        p, _ = _attention_probs(qs, ks, sc, keep, None if bias64 is None else bias64[b], softcap)  # [H, Mq, Mk]
         zb = 1.0 if z is None else z[b]
         if out is None:
             o = torch.einsum("hnm,mhd->nhd", p * zb, vs).to(query.dtype).double()
@@ -425,9 +449,14 @@ def attention_backward_ref(
         dv[b, rk] = torch.einsum("hnm,nhd->mhd", p * zb, dos)
         dp = torch.einsum("nhd,mhd->hnm", dos, vs) * zb
         delta = (dos * o).sum(-1).t().unsqueeze(-1)  # [H, Mq, 1]
+        if grad_lse is not None:  # sequence i's rows (b == i when dense)
+            delta = delta - grad_lse[i, :, : qs.shape[0]].double().unsqueeze(-1)
         ds = p * (dp - delta)
         if db is not None:
             db[b] = ds
+        _, dtanh = _attention_scores(qs, ks, sc, softcap)
+        if dtanh is not None:
+            ds = ds * dtanh
         dq[b, rq] = sc * torch.einsum("hnm,mhk->nhk", ds, ks)
         dk[b, rk] = sc * torch.einsum("hnm,nhk->mhk", ds, qs)
     if return_grad_bias:

@@ -21,10 +21,10 @@ from layouts import attention_sm90 as tiling
 from ops import _compile as cc
 from ops._disk_cache import stable_key
 from ops import attention as A
+from ops import attention_checks as AC
 from ops import attention_sm90 as S
 from ops import attention_common as C
 from ops import mem_eff_attention as M
-from ops import attention_checks
 from ops.attention_common import AttentionBackwardArgs
 
 from .helpers import trace_custom_ops
@@ -1137,7 +1137,9 @@ def test_one_scratch_allocation_holds_the_launches_buffers(monkeypatch, determin
     keys, launches, pre = [], [], []
     monkeypatch.setattr(cc, "device_arch", lambda index: "sm_90a")
     monkeypatch.setattr(
-        P, "launch_preprocess", lambda out, do, delta, acc, scale, cu, mq, lse, lse2: pre.append((delta, acc, lse2))
+        P,
+        "launch_preprocess",
+        lambda out, do, delta, acc, scale, cu, mq, lse, lse2, dlse: pre.append((delta, acc, lse2)),
     )
     monkeypatch.setattr(S, "compiled", lambda config: keys.append(config) or (lambda *a: launches.append(a)))
     monkeypatch.setattr(
@@ -1637,7 +1639,9 @@ def test_unsupported_is_the_rule(backends, monkeypatch):
     monkeypatch.setattr(S, "unsupported", verdict)
     _eab(mask_type=2, window_size=None)
     assert [name for name, *_ in backends] == ["mem_eff"]
-    assert seen == [dict(mask_type=2, window_size=None, bias=None, dropout_p=0.0, arch=None)]
+    assert seen == [
+        dict(mask_type=2, window_size=None, bias=None, dropout_p=0.0, arch=None, softcap=0.0, grad_bias=False)
+    ]
     with pytest.raises(NotImplementedError, match="a reason of its own"):
         _eab(backend="sm90")
 
@@ -1733,11 +1737,12 @@ def test_graph_keeps_the_backend(monkeypatch, deterministic):
         torch.compile(fn, fullgraph=True, backend=backend)(q, k, v, do, o, lse)
     torch._dynamo.reset()
     (args,) = info.value.args[0]
-    assert args[-2:] == ("sm90", deterministic), args
+    at = C.OP_FIELDS.index("backend")  # (fields past deterministic are the op's own backward's)
+    assert args[at : at + 2] == ("sm90", deterministic), args
 
 
 def test_memory_efficient_attention_traces_with_backend(monkeypatch):
-    monkeypatch.setattr(attention_checks, "check_cuda", lambda *a: None)
+    monkeypatch.setattr(AC, "check_cuda", lambda *a: None)
     q, k, v = torch.randn(1, 12, 2, 64), torch.randn(1, 12, 2, 64), torch.randn(1, 12, 2, 64)
     found = trace_custom_ops(
         lambda q, k, v: ops.memory_efficient_attention(q, k, v, causal=True, backend="sm90") * 2, q, k, v

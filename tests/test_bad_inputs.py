@@ -1632,6 +1632,37 @@ MEMORY_EFFICIENT_ATTENTION = [
         gpu=True,
     ),
     C("memory_efficient_attention", "scale-str", lambda: mea(scale="0.1"), TypeError, "scale", "finite float"),
+    C("memory_efficient_attention", "softcap-negative", lambda: mea(softcap=-30.0), ValueError, "softcap", "> 0"),
+    C("memory_efficient_attention", "softcap-nan", lambda: mea(softcap=float("nan")), ValueError, "softcap", "finite"),
+    C("memory_efficient_attention", "softcap-inf", lambda: mea(softcap=float("inf")), ValueError, "softcap", "finite"),
+    C("memory_efficient_attention", "softcap-str", lambda: mea(softcap="30"), TypeError, "softcap", "got str"),
+    C("memory_efficient_attention", "softcap-bool", lambda: mea(softcap=True), TypeError, "softcap", "got bool"),
+    C("memory_efficient_attention", "softcap-tensor", lambda: mea(softcap=f32()), TypeError, "softcap", "Tensor"),
+    C(
+        "memory_efficient_attention",
+        "softcap-fp32-training",
+        lambda: mea(
+            query=f32(1, 40, 2, 64).requires_grad_(), key=f32(1, 48, 2, 64), value=f32(1, 48, 2, 64), softcap=30.0
+        ),
+        NotImplementedError,
+        "softcap",
+        "memory-efficient backward has no softcap",
+        gpu=True,
+    ),
+    C(
+        "memory_efficient_attention",
+        "softcap-bias-gradient",
+        lambda: mea(
+            query=fc(1, 40, 2, 64).requires_grad_(),
+            value=fc(1, 48, 2, 64),
+            attn_bias=fc(1, 2, 40, 48).requires_grad_(),
+            softcap=30.0,
+        ),
+        NotImplementedError,
+        "softcap",
+        "memory-efficient backward has no softcap",
+        gpu=True,
+    ),
     C(
         "memory_efficient_attention",
         "cu_seqlens_k-alone",

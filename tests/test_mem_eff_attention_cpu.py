@@ -494,11 +494,39 @@ def _lse_padded(lse_ref, max_q):
 
 
 class BackwardStandIn:
-    """Stands in for ops.attention.efficient_attention_backward: checks the call's
-    conventions and answers with the fp64 reference (cast to the inputs' dtype)."""
+    """Stands in for ops.attention.efficient_attention_backward (``on_args``: for the op's
+    backward, ops.attention._backward, which takes ``AttentionBackwardArgs`` and the logsumexp's
+    gradient too): checks the call's conventions and answers with the fp64 reference (cast to the
+    inputs' dtype)."""
 
     def __init__(self):
         self.calls = []
+
+    def on_args(self, a):
+        return self(
+            a.grad_out,
+            a.query,
+            a.key,
+            a.value,
+            a.bias,
+            a.out,
+            a.cu_seqlens_q,
+            a.cu_seqlens_k,
+            a.max_seqlen_q,
+            a.max_seqlen_k,
+            a.logsumexp,
+            a.dropout_p,
+            a.philox_seed,
+            a.philox_offset,
+            a.custom_mask_type,
+            a.bias_requires_grad,
+            scale=a.scale,
+            window_size=a.window_size,
+            backend=a.backend,
+            deterministic=a.deterministic,
+            grad_lse=a.grad_lse,
+            softcap=a.softcap,
+        )
 
     def __call__(
         self,
@@ -525,9 +553,14 @@ class BackwardStandIn:
         shared_storage_dqdkdv=False,
         backend="auto",
         deterministic=None,
+        grad_lse=None,
+        softcap=0.0,
     ):
         self.calls.append(
             dict(
+                grad_lse=grad_lse,
+                softcap=softcap,
+                grad_out=grad_out_,
                 mask=custom_mask_type,
                 window=window_size,
                 scale=scale,
@@ -550,6 +583,8 @@ class BackwardStandIn:
             mask = mem_eff_dropout_keep_mask(int(philox_seed), int(philox_offset), b, h, mq, key.shape[1], dropout_p)
         if bias is not None:
             assert bias.shape == (b, h, mq, key.shape[1])
+        if grad_lse is not None:
+            assert grad_lse.shape == logsumexp.shape and grad_lse.dtype == torch.float32
         dq, dk, dv, db = attention_backward_ref(
             query,
             key,
@@ -564,6 +599,8 @@ class BackwardStandIn:
             dropout_mask=mask,
             dropout_p=dropout_p,
             return_grad_bias=True,
+            grad_lse=grad_lse,
+            softcap=softcap,
         )
         # fresh [B, M, H, K] tensors, as torch's at::empty(query.sizes())
         grads = tuple(g.to(t.dtype).contiguous() for g, t in ((dq, query), (dk, key), (dv, value)))
@@ -591,6 +628,7 @@ def cpu_attention(monkeypatch):
         dropout_p=0.0,
         backend="auto",
         deterministic=False,
+        softcap=0.0,
     ):
         mask = None
         seed, offset = torch.tensor(FORWARD_SEED), torch.tensor(FORWARD_OFFSET)
@@ -609,6 +647,7 @@ def cpu_attention(monkeypatch):
             bias=attn_bias,
             dropout_mask=mask,
             dropout_p=dropout_p,
+            softcap=softcap,
         )
         if cq is not None:
             assert lse.shape[-1] <= max_q
@@ -616,7 +655,7 @@ def cpu_attention(monkeypatch):
 
     lib.impl("memory_efficient_attention", forward, "CPU")
     stand_in = BackwardStandIn()
-    monkeypatch.setattr(A, "efficient_attention_backward", stand_in)
+    monkeypatch.setattr(A, "_backward", stand_in.on_args)
     monkeypatch.setattr(AC, "check_cuda", lambda *a: None)
     yield stand_in
     lib._destroy()

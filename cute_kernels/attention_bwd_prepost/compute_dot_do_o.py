@@ -15,6 +15,8 @@ That variant serves the sm90 kernel only and takes part in programmatic dependen
 (sm_90): launched early, it waits for the previous kernel before touching memory, and lets
 the sm90 kernel launch once its loads are done (that kernel waits for this one's results
 before it reads them): the launch gaps and the sm90 kernel's prologue overlap this one.
+With ``grad_lse`` (a loss on the forward's LSE too; lse_log2 only) Δ becomes Δ - dLSE on each
+sequence's rows: dS = P (dP - Δ) + dLSE P, as d LSE_i / d S_ij = P_ij.
 """
 
 import cuda.bindings.driver as cuda
@@ -33,14 +35,25 @@ from .tile_io import clear_tile, load_tile
 class ComputeDotDoO:
     """Configuration: element dtype of O/dO, tiles, variable length, fused dQaccum clear."""
 
-    def __init__(self, dtype, tiles: PrepostTiles, varlen: bool, clear_dq_accum: bool, lse_log2: bool = False):
+    def __init__(
+        self,
+        dtype,
+        tiles: PrepostTiles,
+        varlen: bool,
+        clear_dq_accum: bool,
+        lse_log2: bool = False,
+        grad_lse: bool = False,
+    ):
         if dtype.width != tiles.elem_bits:
             raise ValueError(f"tiles are for {tiles.elem_bits}-bit elements, dtype is {dtype}")
+        if grad_lse and not lse_log2:
+            raise ValueError("grad_lse is read beside the forward's LSE: it needs lse_log2")
         self.dtype = dtype
         self.tiles = tiles
         self.varlen = varlen
         self.clear_dq_accum = clear_dq_accum
         self.lse_log2 = lse_log2
+        self.grad_lse = grad_lse
 
     @cute.jit
     def __call__(
@@ -52,13 +65,14 @@ class ComputeDotDoO:
         mCuSeqlens: cute.Tensor,  # [B + 1] int32 (varlen) or None
         mLSE: cute.Tensor,  # the forward's [B, H, >= seqlen_q] fp32 (lse_log2) or None
         mLSElog2: cute.Tensor,  # [B, H, seqlen_q_rounded] fp32 (lse_log2) or None
+        mdLSE: cute.Tensor,  # the LSE's gradient, shaped as mLSE, any strides (grad_lse) or None
         scale: Float32,
         num_m_blocks: Int32,  # CTAs along the rows: ceil(rows / (kBlockM * tiles_per_cta))
         stream: cuda.CUstream,
     ):
         copy = self.tiles.gmem_tiled_copy_do(load=True).build(self.dtype)
         copy_acc = self.tiles.gmem_tiled_copy_dq_accum().build(Float32)
-        self.kernel(mO, mdO, mDelta, mdQaccum, mCuSeqlens, mLSE, mLSElog2, scale, copy, copy_acc).launch(
+        self.kernel(mO, mdO, mDelta, mdQaccum, mCuSeqlens, mLSE, mLSElog2, mdLSE, scale, copy, copy_acc).launch(
             grid=self.tiles.grid(num_m_blocks, mDelta.shape[0], mDelta.shape[1]),
             block=[self.tiles.num_threads, 1, 1],
             stream=stream,
@@ -75,6 +89,7 @@ class ComputeDotDoO:
         mCuSeqlens: cute.Tensor,
         mLSE: cute.Tensor,
         mLSElog2: cute.Tensor,
+        mdLSE: cute.Tensor,
         scale: Float32,
         copy: cute.TiledCopy,
         copy_acc: cute.TiledCopy,
@@ -120,12 +135,15 @@ class ComputeDotDoO:
                 for m in cutlass.range_constexpr(cute.size(rSum)):
                     r = row0 + tOc[0, m, 0][0]
                     if r < delta_rows:
-                        gDelta[r] = rSum[m]
+                        delta = rSum[m]
                         if const_expr(self.lse_log2):
                             lse = Float32(0.0)
                             if r < seqlen:
                                 lse = mLSE[bidb, bidh, r] * LOG2_E
+                                if const_expr(self.grad_lse):  # (past the sequence: padding, left 0)
+                                    delta = delta - mdLSE[bidb, bidh, r]
                             mLSElog2[bidb, bidh, r] = lse
+                        gDelta[r] = delta
 
         if const_expr(self.lse_log2):
             # every load of this CTA is done: the sm90 kernel may launch (it waits for this

@@ -59,6 +59,15 @@ class Features:
 
 
 @dataclass(frozen=True)
+class ScoreCap:
+    """softcap: tanh's argument scale (the softmax scale / c) and 1 / (c log2 e), the inverse of the
+    softmax's log2 multiplier (the steps recover tanh from P with it: ``attention/softcap.py``)."""
+
+    tanh_scale: Any
+    inv_scale_log2: Any
+
+
+@dataclass(frozen=True)
 class Work:
     """A key block's steps: its key head, the query heads of the group, the query blocks
     [m_min, m_max) every query head walks and the rotation they start at (``work_item``)."""
@@ -121,7 +130,7 @@ class StoreArgs:
 @dataclass(frozen=True)
 class MmaArgs:
     """The consumers' shared-memory operands, dK / dV's ``DkvOut``, the tiled MMAs of S^T / dP^T,
-    dK, dV and dQ, the Q / dO pipelines and K / V's arrival (as ``LoadArgs``')."""
+    dK, dV and dQ, the Q / dO pipelines and K / V's arrival (as ``LoadArgs``'), the softcap."""
 
     sQ: Any
     sdO: Any
@@ -140,6 +149,7 @@ class MmaArgs:
     pipe_do: Any
     mbar_kv: Any
     pipe_kv: Any
+    softcap: Any  # the cap c (Float32; unused without softcap)
 
 
 @dataclass(frozen=True)

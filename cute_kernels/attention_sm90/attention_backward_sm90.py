@@ -146,6 +146,11 @@ class AttentionBackwardSm90(
     warpgroup's barrier. dV += (P∘Z)^T dO and dS = P∘(Z∘dP - Δ), Z = 0 or 1 / (1 - p);
     Δ = rowsum(dO∘O) as without dropout (O holds the dropped P).
 
+    ``softcap``: the forward capped the scores, s -> c tanh(s / c) before bias and mask (c a
+    runtime argument); P^T is recomputed from tanh(S^T scale / c) and dS^T takes 1 - tanh², tanh
+    recovered from P (``cute_kernels/attention/softcap.py``). Not with ``grad_bias``: dB is the
+    gradient of the capped scores, dQ / dK need it times 1 - tanh², and one dS tile serves both.
+
     ``carry_dq``, ``store_first``, ``zero_ahead``: ``ConsumerStepsMixin``, ``DqAccumulatorMixin``."""
 
     def __init__(
@@ -164,9 +169,12 @@ class AttentionBackwardSm90(
         store_first: bool = False,
         zero_ahead: bool = False,
         tail_m: int = 0,
+        softcap: bool = False,
     ):
         if has_window and mask_type == 0:
             raise ValueError("a sliding window needs a causal mask (mask_type 1 or 2)")
+        if softcap and grad_bias:
+            raise ValueError("softcap with grad_bias: dB and dQ / dK would need two dS tiles (the cap's derivative)")
         if grad_bias and not has_bias:
             raise ValueError("grad_bias needs has_bias")
         if grad_bias and not tiles.ds_keys_contiguous:
@@ -190,6 +198,7 @@ class AttentionBackwardSm90(
         self.has_bias = has_bias
         self.grad_bias = grad_bias
         self.dropout = dropout
+        self.softcap = softcap
         # heavy-first CTA order for causal masks (cta_coords); deterministic mode keeps the
         # launch order its dQ turns are built on (a CTA must never wait for one not launched)
         self.lpt = tiles.lpt and mask_type != 0 and not deterministic
@@ -303,6 +312,7 @@ class AttentionBackwardSm90(
         max_seqlen_k: Int32,  # varlen: sizes the grid
         heads_per_chunk: Int32,  # the heavy-first order's L2 chunk (``lpt``; see cta_coords)
         num_ctas: Int32,  # persistent CTAs: how many (the multiprocessors' count)
+        softcap: Float32,  # the cap c (softcap; unused without)
         philox_seed,  # dropout (None without): Int64 seed and offset (or Int64 [1] device tensors),
         philox_offset,  # p and 1 / (1 - p) (Float32), the stream words of one (batch, head): Mq * Mk (Int64)
         dropout_p,
@@ -421,6 +431,7 @@ class AttentionBackwardSm90(
             window_size,
             sched,
             rng,
+            softcap,
             SharedStorage,
         ).launch(grid=grid, block=[t.num_threads, 1, 1], min_blocks_per_mp=1, stream=stream, use_pdl=True)
 
@@ -535,6 +546,7 @@ class AttentionBackwardSm90(
         window_size: Int32,
         sched: TileSchedulerParams,
         rng: Optional[PhiloxArgs],
+        softcap: Float32,
         SharedStorage: cutlass.Constexpr,
     ):
         t = self.tiles
@@ -625,6 +637,7 @@ class AttentionBackwardSm90(
             pipe_do,
             mbar_kv,
             pipe_kv,
+            softcap,
         )
         if const_expr(self.persistent):
             self.persistent_roles(

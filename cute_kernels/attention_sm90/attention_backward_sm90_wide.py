@@ -33,7 +33,6 @@ from cutlass.cute.nvgpu import warpgroup
 
 from cute_kernels.attention.named_barrier import NamedBarrier
 from cute_kernels.common.convert import convert_packed
-from cute_kernels.common.log2_units import LOG2_E
 from cute_kernels.common.views import transpose_view
 
 from .arguments import MmaArgs
@@ -99,7 +98,7 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
         t = self.tiles
         steps = work.steps
         wg = cute.arch.make_warp_uniform(tidx // 128)
-        scale_log2 = softmax_scale * LOG2_E
+        scale_log2, cap = self.score_scales(softmax_scale, ma.softcap)
         w = self.wide_operands(ma, tidx, wg, n_block, seqlen_q, seqlen_k)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
         if work.m_min < work.m_max:
@@ -110,7 +109,21 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
         head, m_block = self.work_item(work, 0)
         for i in cutlass.range(steps, unroll=1):
             self.wide_step(
-                ma, w, feat, i, state, head, m_block, tidx, wg, n_block, seqlen_q, seqlen_k, window_size, scale_log2
+                ma,
+                w,
+                feat,
+                i,
+                state,
+                head,
+                m_block,
+                tidx,
+                wg,
+                n_block,
+                seqlen_q,
+                seqlen_k,
+                window_size,
+                scale_log2,
+                cap,
             )
             state.advance()
             head, m_block = self.next_work_item(work, head, m_block)
@@ -222,9 +235,11 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
         seqlen_k,
         window_size,
         scale_log2,
+        cap=None,
     ):
         """Step ``i``: query block ``m_block`` of query head ``head`` (Q / dO in pipeline ``state``),
-        its products and the dS / dQ handoffs; the Q / dO stages freed."""
+        its products and the dS / dQ handoffs; the Q / dO stages freed. ``cap``: the softcap's
+        ``ScoreCap`` (None without)."""
         t = self.tiles
         stage = state.index
         p_buf = i % t.ds_stages
@@ -236,12 +251,25 @@ class AttentionBackwardSm90Wide(AttentionBackwardSm90):
         rBias, keep = self.block_features(feat, head, i, q0, w.key0, seqlen_q, seqlen_k, w.cS_mn, w.shape_sdp, wg, tidx)
         warpgroup.wait_group(1)
         self.probs(
-            w.acc_S, w.cS_mn, ma.sLSE, stage, q0, w.key0, seqlen_q, seqlen_k, w.offset, window_size, scale_log2, rBias
+            w.acc_S,
+            w.cS_mn,
+            ma.sLSE,
+            stage,
+            q0,
+            w.key0,
+            seqlen_q,
+            seqlen_k,
+            w.offset,
+            window_size,
+            scale_log2,
+            rBias,
+            None,
+            cap,
         )
         rP = self.p_operand(w.acc_S, w.cS_mn, keep, feat)
         cute.copy(w.r2s_ds, w.thr_r2s_ds.retile(rP), w.tdSs[None, None, None, p_buf])
         warpgroup.wait_group(0)
-        self.grad_scores(w.acc_dP, w.acc_S, w.cS_mn, ma.sDelta, stage, keep, feat)
+        self.grad_scores(w.acc_dP, w.acc_S, w.cS_mn, ma.sDelta, stage, keep, feat, None, cap, ma.sLSE, None, rBias)
         rdS = cute.make_rmem_tensor(w.shape_sdp, self.dtype)
         convert_packed(w.acc_dP, rdS)
         cute.copy(w.r2s_ds, w.thr_r2s_ds.retile(rdS), w.tdSs[None, None, None, ds_buf])

@@ -18,7 +18,9 @@ An additive bias enters the scores in log2 units (S * scale * log2(e) + B * log2
 then with scale 1); dropout zeroes the probabilities fed to P V where torch's memory-efficient
 forward drops them (its Philox draw, per block into shared memory) while the row sums and the
 LSE stay the undropped softmax's, and O takes the 1 / (1 - p) at the end
-(``forward_features.py``).
+(``forward_features.py``). A softcap c caps S * scale at c tanh(S * scale / c) before the bias
+and the mask: tanh takes S * scale / c in place, and the softmax's log2 multiplier is c log2(e)
+instead of scale log2(e) (``cute_kernels/attention/softcap.py``).
 
 O leaves through shared memory (Q's buffer where Dv <= Dqk, which every product has read by
 then) by a TMA store; the LSE rows [B, H, lse_rows] are written by the threads that own them,
@@ -38,6 +40,7 @@ from cute_kernels.attention.dropout import PhiloxArgs
 from cute_kernels.attention.mask import AttentionMask
 from cute_kernels.attention.named_barrier import NamedBarrierFwd
 from cute_kernels.attention.seqlen_info import Rows
+from cute_kernels.attention.softcap import cap_scores
 from cute_kernels.attention.tile_scheduler import GridTileScheduler, TileSchedulerParams
 from cute_kernels.common.convert import convert_packed
 from cute_kernels.common.log2_units import LN_2, LOG2_E
@@ -72,7 +75,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
     the scaled scores, read per block from global memory. ``dropout``: P V takes torch's
     memory-efficient forward's keep mask (curand's Philox, one stream word per (query, key):
     ``common/philox.py``), the same bits the sm90 backward redraws; the LSE is the undropped
-    softmax's."""
+    softmax's. ``softcap``: the scores are capped (module notes), the cap c a runtime argument."""
 
     def __init__(
         self,
@@ -83,6 +86,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         varlen: bool = False,
         has_bias: bool = False,
         dropout: bool = False,
+        softcap: bool = False,
     ):
         if has_window and mask_type == 0:
             raise ValueError("a sliding window needs a causal mask (mask_type 1 or 2)")
@@ -99,6 +103,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         self.varlen = varlen
         self.has_bias = has_bias
         self.dropout = dropout
+        self.softcap = softcap
         self.mask = AttentionMask(tiles.tile_m, tiles.tile_n, mask_type, has_window, varlen)
         self.scheduler = GridTileScheduler(lpt=mask_type != 0)
         self.pingpong = pingpong(tiles)
@@ -123,6 +128,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         dropout_p,
         dropout_scale,
         dropout_bh_elems,
+        softcap: Float32,  # the cap c (softcap; unused without)
         stream: cuda.CUstream,
     ):
         t = self.tiles
@@ -177,6 +183,9 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         rng = None
         if const_expr(self.dropout):
             rng = PhiloxArgs(philox_seed, philox_offset, dropout_p, dropout_scale, dropout_bh_elems)
+        scale_log2, tanh_scale = softmax_scale * LOG2_E, softmax_scale
+        if const_expr(self.softcap):  # tanh(S scale / c), then c log2(e) in the softmax
+            scale_log2, tanh_scale = softcap * LOG2_E, softmax_scale / softcap
         self.kernel(
             gQ_tma,
             gK_tma,
@@ -202,7 +211,8 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
             seqlen_k,
             heads // mK.shape[2],
             sched,
-            softmax_scale * LOG2_E,
+            scale_log2,
+            tanh_scale,
             window_size,
             SharedStorage,
         ).launch(grid=grid, block=[t.num_threads, 1, 1], min_blocks_per_mp=1, stream=stream)
@@ -236,6 +246,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         group: Int32,
         sched: TileSchedulerParams,
         scale_log2: Float32,
+        tanh_scale: Float32,
         window_size: Int32,
         SharedStorage: cutlass.Constexpr,
     ):
@@ -276,6 +287,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
                 seqlen_k,
                 group,
                 scale_log2,
+                tanh_scale,
                 window_size,
                 SharedStorage,
             )
@@ -309,6 +321,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         seqlen_k,
         group,
         scale_log2,
+        tanh_scale,
         window_size,
         SharedStorage: cutlass.Constexpr,
     ):
@@ -393,6 +406,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
                 seqlen_q,
                 seqlen_k,
                 scale_log2,
+                tanh_scale,
                 window_size,
                 feat,
             )
@@ -455,11 +469,13 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         seqlen_q,
         seqlen_k,
         scale_log2,
+        tanh_scale,
         window_size,
         feat,
     ):
         """The warpgroup's O (normalised) and its rows' LSE, over the key blocks the query block sees
-        (``feat``: the CTA's ``ForwardFeatures``)."""
+        (``feat``: the CTA's ``ForwardFeatures``; ``tanh_scale``: scale / c with a softcap, whose
+        ``scale_log2`` is then c log2(e))."""
         t = self.tiles
         tidx = cute.arch.thread_idx()[0] - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -502,6 +518,8 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
                 self.draw_keep_flags(feat, 0, q0, key0, seqlen_k, tidx)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(state)
+            if const_expr(self.softcap):
+                cap_scores(acc_S, tanh_scale)
             if const_expr(self.has_bias):
                 self.add_bias(acc_S, S, feat, cS, q0, key0, seqlen_q, seqlen_k, scale_log2)
             self.mask.apply(S, cS, t0S, q0, key0, seqlen_k, offset, window_size)
@@ -523,6 +541,8 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
                 self.pass_turn(wg)
                 warpgroup.wait_group(1)  # S done, P V may still run
                 pipe_k.consumer_release(state)
+                if const_expr(self.softcap):
+                    cap_scores(acc_S, tanh_scale)
                 if const_expr(self.has_bias):
                     self.add_bias(acc_S, S, feat, cS, q0, key0, seqlen_q, seqlen_k, scale_log2)
                 if self.mask.needs_masking(q0, key0, seqlen_q, seqlen_k, offset, window_size):

@@ -9,8 +9,6 @@ import cutlass.pipeline as pipeline
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
-from cute_kernels.common.log2_units import LOG2_E
-
 from .arguments import MmaArgs
 from .operands import StepEnv
 
@@ -44,7 +42,7 @@ class ConsumerMixin:
         t = self.tiles
         steps = work.steps
         wg = cute.arch.make_warp_uniform(tidx // 128)
-        scale_log2 = softmax_scale * LOG2_E
+        scale_log2, cap = self.score_scales(softmax_scale, ma.softcap)
 
         # S^T = K Q^T, dP^T = V dO^T (this warpgroup's 64 keys); dV += P^T dO, dK += dS^T Q (B operands
         # the transposed views of dO / Q); dQ = dS K; registers -> shared: dS^T into sdS, dQ into sdQ
@@ -100,6 +98,7 @@ class ConsumerMixin:
             seqlen_k=seqlen_k,
             window_size=window_size,
             scale_log2=scale_log2,
+            cap=cap,
             steps=steps,
             carry=carry,
             kv_state=kv_state if const_expr(self.persistent) else None,

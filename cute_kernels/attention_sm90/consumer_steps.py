@@ -9,6 +9,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from cute_kernels.attention.named_barrier import NamedBarrier, cyclic, named_barrier
+from cute_kernels.attention.softcap import cap_scores
 from cute_kernels.common.convert import convert_packed
 from cute_kernels.common.log2_units import LOG2_E
 from layouts.attention_sm90 import (
@@ -106,10 +107,13 @@ class ConsumerStepsMixin:
             env.scale_log2,
             rBias,
             lse,
+            env.cap,
         )
         delta = self.read_stats(env.sDelta, stage, ops.cS_mn) if const_expr(t.stats_early) else None
         warpgroup.wait_group(0)
-        self.grad_scores(ops.acc_dP, ops.acc_S, ops.cS_mn, env.sDelta, stage, keep, env.feat, delta)
+        self.grad_scores(
+            ops.acc_dP, ops.acc_S, ops.cS_mn, env.sDelta, stage, keep, env.feat, delta, env.cap, env.sLSE, lse, rBias
+        )
         # (converted before the dP^T wait instead, ptxas sinks it below the wait: same SASS)
         rP = self.p_operand(ops.acc_S, ops.cS_mn, keep, env.feat)
 
@@ -237,11 +241,15 @@ class ConsumerStepsMixin:
         scale_log2,
         rBias=None,
         lse=None,
+        cap=None,
     ):
         """P^T = exp(S^T * scale [+ B^T] - LSE) in place of S^T, zero where masked (after the exp:
         LSE may be +-inf there); computed as exp2 with sLSE in log2 units. ``cS_mn``: (key, query)
         in the block of each value, rows x columns. ``lse``: the columns' LSE already read
-        (``read_stats``), else read here."""
+        (``read_stats``), else read here. ``cap`` (softcap): S^T becomes tanh(S^T scale / c) first,
+        and ``scale_log2`` is c log2(e)."""
+        if const_expr(cap is not None):
+            cap_scores(acc_S, cap.tanh_scale)
         S = cute.make_tensor(acc_S.iterator, acc_mn_layout(acc_S.layout))
         B = None
         if const_expr(self.has_bias):
@@ -260,19 +268,44 @@ class ConsumerStepsMixin:
             self.mask.apply_transposed(S, cS_mn, q0, key0, seqlen_q, seqlen_k, offset, window_size)
 
     @cute.jit
-    def grad_scores(self, acc_dP, acc_P, cS_mn, sDelta, stage, keep=None, feat=None, delta=None):
+    def grad_scores(
+        self,
+        acc_dP,
+        acc_P,
+        cS_mn,
+        sDelta,
+        stage,
+        keep=None,
+        feat=None,
+        delta=None,
+        cap=None,
+        sLSE=None,
+        lse=None,
+        rB=None,
+    ):
         """dS^T = P^T (dP^T - Δ) in place of dP^T (P undropped; with dropout dP^T is first
-        the dropped product's gradient Z∘dP^T). ``delta``: the columns' Δ already read."""
+        the dropped product's gradient Z∘dP^T). ``delta``: the columns' Δ already read. ``cap``
+        (softcap): times 1 - tanh², tanh recovered from P with the columns' LSE (``lse`` as read,
+        else from ``sLSE``) and the bias fragment ``rB`` (``capped``)."""
         P = cute.make_tensor(acc_P.iterator, acc_mn_layout(acc_P.layout))
         dP = cute.make_tensor(acc_dP.iterator, acc_mn_layout(acc_dP.layout))
+        B = None
+        if const_expr(cap is not None and self.has_bias):
+            B = cute.make_tensor(rB.iterator, acc_mn_layout(rB.layout))
         rows = cute.size(dP, mode=[0])
         for c in cutlass.range_constexpr(cute.size(dP, mode=[1])):
             d = delta[c] if const_expr(delta is not None) else sDelta[cS_mn[0, c][1], stage]
+            lse_log2 = None
+            if const_expr(cap is not None):
+                lse_log2 = lse[c] if const_expr(lse is not None) else sLSE[cS_mn[0, c][1], stage]
             for r in cutlass.range_constexpr(rows):
                 dp = dP[r, c]
                 if const_expr(self.dropout):
                     dp = self.dropped(keep, c * rows + r, dp, feat)
-                dP[r, c] = P[r, c] * (dp - d)
+                ds = P[r, c] * (dp - d)
+                if const_expr(cap is not None):
+                    ds = self.capped(ds, P[r, c], lse_log2, cap, B, r, c)
+                dP[r, c] = ds
 
     @cute.jit
     def read_stats(self, s, stage, cS_mn):

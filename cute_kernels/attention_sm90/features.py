@@ -1,5 +1,5 @@
-"""Bias and dropout of the sm90 backward's consumers: the bias fragment, the bias gradient's
-TMA stores, the keep-flag buffers and bits."""
+"""Bias, dropout and softcap of the sm90 backward's consumers: the bias fragment, the bias
+gradient's TMA stores, the keep-flag buffers and bits, the softcap's scales."""
 
 import cutlass
 import cutlass.cute as cute
@@ -9,13 +9,15 @@ from cutlass.cute.nvgpu import cpasync
 from cute_kernels.attention.bias import load_bias_fragment
 from cute_kernels.attention.dropout import PhiloxArgs, apply_keep, flag_half, keep_flags, philox_stream
 from cute_kernels.attention.named_barrier import NamedBarrier
+from cute_kernels.attention.softcap import cap_derivative
+from cute_kernels.common.log2_units import LOG2_E
 from cute_kernels.common.convert import convert_packed
 from layouts.attention_sm90 import (
     GRAD_BIAS_BOX_KEYS,
     KEEP_FLAG_BUFFERS,
 )
 
-from .arguments import Features, GradBiasTma
+from .arguments import Features, GradBiasTma, ScoreCap
 from .wgmma import acc_mn_layout
 
 
@@ -35,6 +37,25 @@ class FeaturesMixin:
         if const_expr(self.dropout):
             philox = philox_stream(rng, batch, heads)
         return Features(bias, grad_bias, sKeep, philox)
+
+    @cute.jit
+    def score_scales(self, softmax_scale, softcap):
+        """(the softmax's log2 multiplier, ``ScoreCap`` or None): scale log2(e), or with a softcap
+        c log2(e) and tanh(S scale / c) first (``cute_kernels/attention/softcap.py``)."""
+        if const_expr(self.softcap):
+            scale_log2 = softcap * LOG2_E
+            return scale_log2, ScoreCap(softmax_scale / softcap, cute.arch.rcp_approx(scale_log2))
+        return softmax_scale * LOG2_E, None
+
+    @cute.jit
+    def capped(self, ds, p, lse_log2, cap, B, r, c):
+        """softcap: dS of a capped score times 1 - tanh² (dQ / dK take it; the bias gradient the
+        capped score's ``ds``), tanh recovered from P, the column's LSE in log2 units and the bias
+        ``B`` (rows x columns, None without)."""
+        log2_sum = lse_log2
+        if const_expr(self.has_bias):
+            log2_sum = lse_log2 - B[r, c].to(Float32) * LOG2_E
+        return ds * cap_derivative(p, log2_sum, cap.inv_scale_log2)
 
     @cute.jit
     def block_features(self, feat, head, i, q0, key0, seqlen_q, seqlen_k, cS_mn, shape_sdp, wg, tidx):

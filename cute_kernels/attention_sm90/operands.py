@@ -69,6 +69,7 @@ class StepEnv:
     seqlen_k: Any
     window_size: Any
     scale_log2: Any
+    cap: Any  # ScoreCap (softcap) or None
     steps: Any
     carry: Any
     kv_state: Any
