@@ -85,7 +85,7 @@ _MASK_TYPES = {"top_left": 1, "bottom_right": 2}
 # -------------------------------------------------------------------------- validation
 
 
-def _mask_type(causal) -> int:
+def resolve_mask(causal) -> int:
     if isinstance(causal, bool):
         return int(causal)
     if isinstance(causal, str) and causal in _MASK_TYPES:
@@ -186,7 +186,7 @@ def _validate(query, key, value, causal, window_size, scale, cu_seqlens_q, cu_se
         ("mea", query, key, value, cu_seqlens_q, cu_seqlens_k),
         lambda: _check_meta(query, key, value, cu_seqlens_q, cu_seqlens_k),
     )
-    mask_type, window_size = _window(_mask_type(causal), window_size)
+    mask_type, window_size = resolve_window(resolve_mask(causal), window_size)
     if scale is not None:
         check_float("scale", scale)
         scale = float(scale)
@@ -221,7 +221,7 @@ def _validate(query, key, value, causal, window_size, scale, cu_seqlens_q, cu_se
     return mask_type, window_size, int(max_seqlen_q), int(max_seqlen_k), scale
 
 
-def _window(mask_type: int, window_size) -> Tuple[int, int]:
+def resolve_window(mask_type: int, window_size) -> Tuple[int, int]:
     """(mask type, w) from ``window_size``: None / 0 (no window), an int w (query n sees the
     w keys up to its diagonal: n + shift - w < m <= n + shift; causal masks only), or
     FlashAttention's (left, right), -1 meaning unbounded: (-1, -1) no window, (left, 0) is

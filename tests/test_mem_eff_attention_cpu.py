@@ -1073,7 +1073,7 @@ def test_autograd_wiring_bias_dropout(cpu_attention, case):
 def test_window_forms(mask_type, window, want):
     """An int w keeps the w keys up to the diagonal; (left, 0) is w = left + 1, bottom-right
     without causal (FlashAttention aligns its windows there); -1 is unbounded."""
-    assert A._window(mask_type, window) == want
+    assert A.resolve_window(mask_type, window) == want
 
 
 @pytest.mark.parametrize(
@@ -1088,4 +1088,4 @@ def test_window_forms(mask_type, window, want):
 )
 def test_window_forms_refused(window, exc, fragment):
     with pytest.raises(exc, match=re.escape(fragment)):
-        A._window(0, window)
+        A.resolve_window(0, window)
