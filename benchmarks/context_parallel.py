@@ -137,7 +137,7 @@ def _torch_cp(x, mesh, backend, ours_inside):
     """torch's context_parallel on [B, H, S, D] copies; each block shards fresh copies."""
     import torch.nn.functional as F
     from torch.distributed.tensor.experimental import context_parallel
-    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+    from torch.distributed.tensor.experimental._attention import _cp_options, context_parallel_unshard
     from torch.nn.attention import sdpa_kernel
 
     import ops
@@ -147,12 +147,17 @@ def _torch_cp(x, mesh, backend, ours_inside):
     @contextlib.contextmanager
     def block():
         bufs = [x[n].transpose(1, 2).contiguous() for n in ("q", "k", "v", "dout")]
-        with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2] * 4, no_restore_buffers=set(bufs)):
-            for t in bufs[:3]:
-                t.requires_grad_()
-            state["bufs"] = bufs
-            with sdpa_kernel([backend]), ops.use_for_sdpa(enabled=ours_inside):
-                yield
+        balanced = _cp_options.enable_load_balance
+        _cp_options.enable_load_balance = x["causal"]  # torch's ring refuses head-tail chunks unmasked
+        try:
+            with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2] * 4, no_restore_buffers=set(bufs)):
+                for t in bufs[:3]:
+                    t.requires_grad_()
+                state["bufs"] = bufs
+                with sdpa_kernel([backend]), ops.use_for_sdpa(enabled=ours_inside):
+                    yield
+        finally:
+            _cp_options.enable_load_balance = balanced
         for t in bufs[:3]:
             t.requires_grad_(False)
 
@@ -163,7 +168,7 @@ def _torch_cp(x, mesh, backend, ours_inside):
         state["out"] = F.scaled_dot_product_attention(q, k, v, is_causal=x["causal"], enable_gqa=x["gqa"])
         state["out"].backward(dout)
 
-    def result():
+    def result():  # inside block(): the gather undoes the chunks' order only where they were balanced
         q, k, v, _ = state["bufs"]
         tensors = [state["out"].detach(), q.grad, k.grad, v.grad]
         return [t.transpose(1, 2) for t in context_parallel_unshard(mesh, tensors, [2] * 4)]
@@ -289,6 +294,7 @@ def _write(a, rows) -> str:
 
 def main(argv=None) -> int:
     set_environment()
+    a = parse_args(argv, int(os.environ.get("WORLD_SIZE", "1")))  # torchrun's; --help needs no GPU
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -299,16 +305,11 @@ def main(argv=None) -> int:
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     try:
-        world, rank = dist.get_world_size(), dist.get_rank()
-        a = parse_args(argv, world)
+        world = dist.get_world_size()
         mesh = init_device_mesh("cuda", (world,))
         done = _checked(_impls(_inputs(a), None, mesh), err)
-        timed = [n for n in IMPLS if done[n][0] is not None]
-        rounds = {n: [] for n in timed}
-        for r in range(ROUNDS):  # the order rotated from round to round: the board's drift on all alike
-            for name in timed[r % len(timed) :] + timed[: r % len(timed)]:
-                rounds[name].append(_round_ms(done[name][0], STEPS))
-        if rank == 0:
+        rounds = _time(done)
+        if dist.get_rank() == 0:
             rows = _rows(a, world, done, rounds)
             for row in rows:
                 rate = f"{row['ms']:9.3f} ms {row['tflops']:6.1f} TFLOP/s per GPU" if row["status"] == "ok" else ""
@@ -317,6 +318,17 @@ def main(argv=None) -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def _time(done) -> dict:
+    """{impl: [ms a step, per round]} of the implementations that ran, in ROUNDS rounds whose
+    order rotates by one (the board's drift falls on all of them alike)."""
+    timed = [n for n in IMPLS if done[n][0] is not None]
+    rounds = {n: [] for n in timed}
+    for r in range(ROUNDS if timed else 0):
+        for name in timed[r % len(timed) :] + timed[: r % len(timed)]:
+            rounds[name].append(_round_ms(done[name][0], STEPS))
+    return rounds
 
 
 if __name__ == "__main__":
