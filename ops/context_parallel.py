@@ -33,7 +33,7 @@ from layouts.attention_sm90 import TMA_ALIGN_BYTES  # the kernels' widest access
 
 from . import context_parallel_layout as layout
 from . import reference
-from ._validate import check_float, check_tensor, kernel_ready
+from ._validate import check_dtype, check_float, check_tensor, kernel_ready
 from .attention import (
     check_backend,
     efficient_attention_backward,
@@ -42,6 +42,7 @@ from .attention import (
     resolve_mask,
     resolve_window,
 )
+from .attention_common import DTYPES
 from .context_parallel_layout import shard, unshard
 
 _CAUSAL = {0: False, 2: "bottom_right"}
@@ -236,7 +237,7 @@ def _check_inputs(query, key, value) -> None:
             raise ValueError(f"{name} must be contiguous in its last dim; pass {name}.contiguous()")
     b, s, h, d = query.shape
     if s < 2 or s % 2:
-        raise ValueError(f"the local sequence must be two chunks of equal length (even, >= 2), got {s}")
+        raise ValueError(f"query's local sequence must be two chunks of equal length (even, >= 2), got {s}")
     hk = key.shape[2]
     if tuple(key.shape) != (b, s, hk, d) or hk < 1 or h % hk:
         raise ValueError(
@@ -305,21 +306,31 @@ def context_parallel_attention(
     mask_type, window = resolve_window(resolve_mask(causal), window_size)
     if scale is not None:
         check_float("scale", scale)
+    if attention is None:
+        if query.is_cuda:  # refused here, not after the gathers
+            check_dtype("query", query, DTYPES)
+        attention = op_attention(backend, deterministic) if query.is_cuda else REFERENCE_ATTENTION
+    elif not isinstance(attention, ChunkAttention):
+        raise TypeError(f"attention must be a ChunkAttention, got {type(attention).__name__}")
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    plan = _plan(group, query, mask_type, window, scale, attention)
+    out, lse = _ContextParallelAttention.apply(query, key, value, plan)
+    return (out, lse) if return_lse else out
+
+
+def _plan(group, query, mask_type, window, scale, attention) -> _Plan:
+    """The group's rank and size (checked against the tensors' device) and this rank's calls."""
     rank, world = layout.group_shape(group)
     _check_group_device(group, query)
-    if attention is None:
-        attention = op_attention(backend, deterministic) if query.is_cuda else REFERENCE_ATTENTION
-    plan = _Plan(
+    return _Plan(
         group=group,
         world=world,
         calls=tuple(layout.chunk_calls(rank, world, query.shape[1], mask_type != 0, window)),
         global_order=mask_type != 0,
         window=window,
-        scale=float(scale) if scale is not None else 1.0 / math.sqrt(query.shape[-1]),
+        scale=scale,
         attention=attention,
     )
-    out, lse = _ContextParallelAttention.apply(query, key, value, plan)
-    return (out, lse) if return_lse else out
 
 
 __all__ = ["ChunkAttention", "REFERENCE_ATTENTION", "context_parallel_attention", "op_attention", "shard", "unshard"]
