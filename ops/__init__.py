@@ -2,6 +2,7 @@
 
 from .attention import efficient_attention_backward, efficient_attention_forward, memory_efficient_attention
 from .attention_sdpa import use_for_sdpa
+from .context_parallel import context_parallel_attention
 from .attention_bwd_prepost import (
     attention_bwd_clear_dkv_accum,
     attention_bwd_compute_delta,
@@ -22,6 +23,7 @@ __all__ = [
     "attention_bwd_convert_dq",
     "attention_bwd_preprocess",
     "bias_dropout",
+    "context_parallel_attention",
     "dropout_bias_backward",
     "efficient_attention_backward",
     "efficient_attention_forward",

@@ -464,6 +464,42 @@ def attention_backward_ref(
     return dq, dk, dv
 
 
+def attention_op_ref(query: Tensor, key: Tensor, value: Tensor, *, custom_mask_type=0, window_size=0, scale=None):
+    """(out in query's dtype, lse fp32 [B, H, Mq]): ``attention_forward_ref`` handed over as the
+    attention op returns them (``memory_efficient_attention(..., return_lse=True)``, its LSE rows
+    without the padding to 32). The math is fp64 whatever the inputs' dtype."""
+    out, lse = attention_forward_ref(
+        query, key, value, custom_mask_type=custom_mask_type, window_size=window_size, scale=scale
+    )
+    return out.to(query.dtype), lse.float()
+
+
+def attention_op_backward_ref(
+    grad_out: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    out: Tensor,
+    *,
+    custom_mask_type=0,
+    window_size=0,
+    scale=None,
+):
+    """(dq, dk, dv) in the inputs' dtypes: ``attention_backward_ref`` with Δ from the forward's
+    ``out``, as the op's backward takes it (the logsumexp a kernel reads is recomputed here)."""
+    grads = attention_backward_ref(
+        query,
+        key,
+        value,
+        grad_out,
+        custom_mask_type=custom_mask_type,
+        window_size=window_size,
+        scale=scale,
+        out=out,
+    )
+    return tuple(g.to(t.dtype) for g, t in zip(grads, (query, key, value)))
+
+
 # ------------------------------------------------------------- Philox4x32-10 (curand)
 # The CPU twin of cute_kernels/common/philox.py, vectorised over numpy uint32 arrays.
 

@@ -28,6 +28,7 @@ import ops
 import ops.attention as A
 from ops import attention_sdpa as SD
 import ops.attention_bwd_prepost as P
+import ops.context_parallel as CPA
 import ops.dropout_bias as D
 import ops.norm as N
 import ops.norm_forward as NF
@@ -197,6 +198,13 @@ eaf = _call(
     max_seqlen_k=None,
     dropout_p=0.0,
     custom_mask_type=0,
+)
+cpa = _call(
+    ops.context_parallel_attention,
+    query=lambda: fc(1, 64, 4, 64),
+    key=lambda: fc(1, 64, 2, 64),
+    value=lambda: fc(1, 64, 2, 32),
+    causal=True,
 )
 mea_var = _call(
     ops.memory_efficient_attention,
@@ -1921,6 +1929,57 @@ EFFICIENT_ATTENTION_FORWARD = [
     C("efficient_attention_forward", "dropout", lambda: eaf(dropout_p=1.5), ValueError, "dropout_p", "[0, 1)"),
 ]
 
+CONTEXT_PARALLEL_ATTENTION = [
+    C("context_parallel_attention", "query-3d", lambda: cpa(query=fc(64, 4, 64)), ValueError, "query", "4-D"),
+    C(
+        "context_parallel_attention",
+        "odd-local-seqlen",
+        lambda: cpa(query=fc(1, 63, 4, 64), key=fc(1, 63, 2, 64), value=fc(1, 63, 2, 32)),
+        ValueError,
+        "query",
+        "two chunks",
+    ),
+    C("context_parallel_attention", "key-heads", lambda: cpa(key=fc(1, 64, 3, 64)), ValueError, "key", "Hk dividing"),
+    C(
+        "context_parallel_attention",
+        "key-local-seqlen",
+        lambda: cpa(key=fc(1, 32, 2, 64), value=fc(1, 32, 2, 32)),
+        ValueError,
+        "key",
+        "local seqlen",
+    ),
+    C("context_parallel_attention", "value-on-cpu", lambda: cpa(value=cpu(1, 64, 2, 32)), ValueError, "value", "agree"),
+    C(
+        "context_parallel_attention",
+        "query-float64",
+        lambda: cpa(
+            query=fc(1, 64, 4, 64, dtype=F64), key=fc(1, 64, 2, 64, dtype=F64), value=fc(1, 64, 2, 32, dtype=F64)
+        ),
+        TypeError,
+        "query",
+        "dtype",
+    ),
+    C(
+        "context_parallel_attention",
+        "window-without-causal",
+        lambda: cpa(causal=False, window_size=8),
+        ValueError,
+        "window_size",
+        "needs causal",
+    ),
+    C("context_parallel_attention", "scale-nan", lambda: cpa(scale=float("nan")), TypeError, "scale", "finite"),
+    C("context_parallel_attention", "backend", lambda: cpa(backend="fast"), ValueError, "backend", "'auto'"),
+    C("context_parallel_attention", "return_lse-str", lambda: cpa(return_lse="yes"), TypeError, "return_lse", "bool"),
+    C(
+        "context_parallel_attention",
+        "attention-fn",
+        lambda: cpa(attention=len),
+        TypeError,
+        "attention",
+        "ChunkAttention",
+    ),
+]
+
 TABLES = {
     "dropout_bias_backward": DROPOUT_BIAS_BACKWARD,
     "bias_dropout": BIAS_DROPOUT,
@@ -1939,6 +1998,7 @@ TABLES = {
     "memory_efficient_attention": MEMORY_EFFICIENT_ATTENTION,
     "efficient_attention_forward": EFFICIENT_ATTENTION_FORWARD,
     "use_for_sdpa": USE_FOR_SDPA,
+    "context_parallel_attention": CONTEXT_PARALLEL_ATTENTION,
 }
 BAD = [p for table in TABLES.values() for p in table]
 
@@ -1965,6 +2025,7 @@ _ENTRIES = {
     "memory_efficient_attention": [(A, "_mea_forward"), (A, "_mea_impl")],
     "efficient_attention_forward": [(A, "_mea_forward"), (A, "_mea_impl")],
     "use_for_sdpa": [(torch.library, "Library")],
+    "context_parallel_attention": [(CPA, "_plan")],  # the group, then the collectives
 }
 
 
@@ -2064,6 +2125,7 @@ GOOD = [
     ("efficient_attention_backward", eab_var),
     ("memory_efficient_attention", mea),
     ("memory_efficient_attention", mea_var),
+    ("context_parallel_attention", cpa),
     ("use_for_sdpa", sdpa_enter),
     ("use_for_sdpa", lambda: lambda: ops.use_for_sdpa.enable("CPU")),
 ]

@@ -253,3 +253,31 @@ def test_help_documents_the_results(capsys):
     text = capsys.readouterr().out
     for part in ("<arch>-<gpu>", "sm90-h100", ".quick.json", "--quick", "sm_80 and sm_90a", "benchmarks/README.md"):
         assert part in text, part
+
+
+# ------------------------------------------------------- benchmarks.context_parallel (torchrun)
+
+
+def test_context_parallel_arguments_and_case_name():
+    from benchmarks import context_parallel as CP
+
+    a = CP.parse_args([], world=2)
+    assert (a.seqlen, a.kv_heads, a.causal) == (32768, 16, True)
+    assert CP.case_name(a) == "1x16x32768x128:bf16:causal"
+    assert CP.case_name(CP.parse_args(["--kv-heads", "4", "--no-causal"], world=4)) == "1x16x65536x128:bf16:kv4"
+    assert CP.step_flops(a) == 3.5 * 4 * 16 * 32768**2 * 128 / 2
+    with pytest.raises(SystemExit):
+        CP.parse_args(["--seqlen", "1002"], world=4)
+
+
+def test_context_parallel_rows_of_other_gpu_counts_stay(monkeypatch):
+    from benchmarks import context_parallel as CP
+
+    old = [{"case": "c", "gpus": 2, "impl": "ours"}, {"case": "c", "gpus": 4, "impl": "ours"}]
+    new = [{"case": "c", "gpus": 4, "impl": "ours", "ms": 1.0}]
+    assert CP.merge_rows(old, new) == [old[0], new[0]]
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    monkeypatch.delenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", raising=False)  # restored after the test
+    with pytest.raises(SystemExit):  # --help before any GPU or process group
+        CP.main(["--help"])
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0" and os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
