@@ -36,7 +36,7 @@ def smem_layouts_algebra(t: AttentionSm90Layouts) -> dict:
     its pictures: element offsets, swizzles in element units. The kernel's DSL layouts
     (``AttentionSm90Layouts.smem_layout_*``) swizzle byte addresses: S<B,4,3> on bytes (B = 3,
     2, 1 for 128-, 64-, 32-byte atom rows) is S<B,3,3> on 16-bit elements and S<B,2,3> on
-    fp32 (tests/test_attention_sm90_cpu.py
+    fp32 (tests/test_attention_sm90_tiles_cpu.py
     compares them). With Dqk != Dv, dO and V have their own entries (smem_do, smem_v)."""
     tm, tn = t.tile_m, t.tile_n
 

@@ -22,8 +22,8 @@ from ops import mem_eff_attention as M
 from ops._disk_cache import stable_key
 from ops.reference import attention_backward_ref, attention_forward_ref
 
-from .test_mem_eff_attention_cpu import cpu_attention  # noqa: F401 (a fixture: the op on CPU tensors)
-from .test_mem_eff_attention_cpu import cu as _cu
+from .test_mem_eff_attention_wiring_cpu import cpu_attention  # noqa: F401 (a fixture: the op on CPU tensors)
+from .mem_eff_attention_cpu_common import cu as _cu
 
 F64 = torch.float64
 

@@ -95,7 +95,7 @@ every query head of its group (dK / dV summed in registers). Deterministic mode:
 store warp adds a query block's dQ when its turn comes (a semaphore per query block and
 query head; see the kernel).
 
-(tests/test_attention_sm90_cpu.py checks the table.) Everything else takes the
+(tests/test_attention_sm90_tiles_cpu.py checks the table.) Everything else takes the
 sm80-structured memory-efficient kernel (``ops`` dispatch).
 """
 
