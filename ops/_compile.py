@@ -131,6 +131,22 @@ def eager(t: torch.Tensor) -> bool:
     return type(t) is torch.Tensor and not torch.compiler.is_compiling() and _current_dispatch_mode() is None
 
 
+def eager_autograd(name: str, forward, setup_context, backward) -> type:
+    """A custom op's eager path: an ``autograd.Function`` with the op's own ``setup_context`` and
+    ``backward`` around ``forward`` (its body, called with the op's inputs), without the
+    torch.library boundary whose dispatch, default filling and aliasing checks cost more host
+    time than a short kernel takes. For calls that ``eager`` admits; graphs keep the op."""
+    return type(
+        name,
+        (torch.autograd.Function,),
+        {
+            "forward": staticmethod(forward),
+            "setup_context": staticmethod(setup_context),
+            "backward": staticmethod(backward),
+        },
+    )
+
+
 def capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph (False on a CPU-only build)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
@@ -210,3 +226,12 @@ def max_vector_elems(max_bits: int, *operands) -> int:
             break
         v //= 2
     return v
+
+
+def narrow_vector_for_params(vec: int, *params) -> int:
+    """``vec`` halved until every parameter vector (None skipped), read as vec-element chunks,
+    starts at an address those chunks allow (a row kernel's gamma / beta)."""
+    for t in params:
+        while t is not None and vec > 1 and t.data_ptr() % (vec * t.element_size()):
+            vec //= 2
+    return vec

@@ -302,17 +302,8 @@ def _mea_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
 torch.library.register_autograd("cute_kernels::memory_efficient_attention", _mea_backward, setup_context=_mea_setup)
 
 
-class _MeaEager(torch.autograd.Function):
-    """The op's eager path: the same forward, context and backward without the torch.library
-    boundary, whose dispatch, default filling and aliasing checks cost about 0.25 ms of host
-    time a call (``cc.eager``: plain CUDA tensors outside tracing and dispatch modes)."""
-
-    @staticmethod
-    def forward(*inputs):
-        return _mea_impl(*inputs)
-
-    setup_context = staticmethod(_mea_setup)
-    backward = staticmethod(_mea_backward)
+# the op's eager path (cc.eager_autograd; the body looked up at call time, as the op's is)
+_MeaEager = cc.eager_autograd("_MeaEager", lambda *inputs: _mea_impl(*inputs), _mea_setup, _mea_backward)
 
 
 def memory_efficient_attention(

@@ -136,10 +136,8 @@ class _Plan:
     def __init__(self, grad_out, x, weight, bias, is_rms, dx):
         n = x.shape[-1]
         xs, dzs, dxs = rows_view("x", x), rows_view("grad_out", grad_out), rows_view("grad_in", dx)
-        vec = cc.max_vector_elems(_MAX_VECTOR_BITS, (xs, n), (dzs, n), (dxs, n))
-        if weight is not None:  # the weight is read as vec-element chunks too
-            while vec > 1 and weight.data_ptr() % (vec * weight.element_size()):
-                vec //= 2
+        # the weight is read as vec-element chunks too
+        vec = cc.narrow_vector_for_params(cc.max_vector_elems(_MAX_VECTOR_BITS, (xs, n), (dzs, n), (dxs, n)), weight)
         dev = x.device.index
         arch = cc.device_arch(dev)
         has_gamma, has_dbeta = weight is not None, bias is not None
@@ -398,17 +396,10 @@ def _norm_autograd_backward(ctx, grad_y, grad_mean, grad_rstd):
 torch.library.register_autograd("cute_kernels::norm_forward", _norm_autograd_backward, setup_context=_norm_setup)
 
 
-class _NormEager(torch.autograd.Function):
-    """The op's eager path with a gradient: the same forward, context and backward without the
-    torch.library boundary, whose dispatch and aliasing checks cost more host time than a
-    memory-bound step of a few tens of microseconds takes on the GPU."""
-
-    @staticmethod
-    def forward(x, weight, bias, eps, is_rms):
-        return _norm_forward_impl(x, weight, bias, eps, is_rms)
-
-    setup_context = staticmethod(_norm_setup)
-    backward = staticmethod(_norm_autograd_backward)
+# the op's eager path with a gradient (the body looked up at call time, as the op's is)
+_NormEager = cc.eager_autograd(
+    "_NormEager", lambda *inputs: _norm_forward_impl(*inputs), _norm_setup, _norm_autograd_backward
+)
 
 
 def _flatten_normalized(x: Tensor, normalized_shape: Sequence[int], weight, bias):

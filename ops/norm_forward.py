@@ -105,11 +105,7 @@ def _rows(x: Tensor) -> Tensor:
 
 def _vec(xs: Tensor, weight, bias) -> int:
     """The widest vector x allows, narrowed until gamma and beta (read as vec-element chunks) allow it too."""
-    vec = cc.max_vector_elems(tiling.MAX_VECTOR_BITS, (xs, xs.shape[1]))
-    for t in (weight, bias):
-        while t is not None and vec > 1 and t.data_ptr() % (vec * t.element_size()):
-            vec //= 2
-    return vec
+    return cc.narrow_vector_for_params(cc.max_vector_elems(tiling.MAX_VECTOR_BITS, (xs, xs.shape[1])), weight, bias)
 
 
 class _Plan:
