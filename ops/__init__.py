@@ -10,7 +10,7 @@ from .attention_bwd_prepost import (
     attention_bwd_convert_dq,
     attention_bwd_preprocess,
 )
-from .dropout_bias import BiasDropout, bias_dropout, dropout_bias_backward
+from .dropout_bias import BiasDropout, bias_dropout, dropout_bias_backward, dropout_bias_forward
 from .norm import LayerNorm, RMSNorm, layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "bias_dropout",
     "context_parallel_attention",
     "dropout_bias_backward",
+    "dropout_bias_forward",
     "efficient_attention_backward",
     "efficient_attention_forward",
     "layer_norm",

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 from typing import Optional, Tuple
 
 import cutlass
@@ -28,6 +27,7 @@ from layouts.attention_fwd_sm90 import SMEM_LIMIT, tma_align_elems
 
 from . import _compile as cc
 from ._memo import Memo
+from .philox import philox_state  # noqa: F401 (the attention ops take it from here)
 from .attention_common import lse_rows, remembered_verdict, tma_misaligned
 
 DTYPES = (torch.float16, torch.bfloat16)
@@ -147,9 +147,6 @@ def _bias_unsupported(query, key, bias) -> Optional[str]:
     return None
 
 
-_philox_lock = threading.Lock()
-
-
 def dropout_words(query, key, cu_seqlens_q=None, max_seqlen_q=None, max_seqlen_k=None) -> int:
     """How far a dropout forward advances the philox offset: torch's B * num_heads * M * N of the
     tensors' shapes (the packed lengths with ``cu_seqlens``), and with variable lengths at least
@@ -159,22 +156,6 @@ def dropout_words(query, key, cu_seqlens_q=None, max_seqlen_q=None, max_seqlen_k
     if cu_seqlens_q is not None:
         words = max(words, (cu_seqlens_q.shape[0] - 1) * h * int(max_seqlen_q) * int(max_seqlen_k))
     return words
-
-
-def philox_state(device: torch.device, words: int) -> Tuple[Tensor, Tensor]:
-    """(seed, offset) for a dropout forward that draws ``words`` stream words, as int64 CPU scalar
-    tensors (what torch's forward returns outside CUDA-graph capture): the default CUDA generator's
-    seed and offset, then the offset advanced by ``words`` rounded up to 4, as torch's forward takes
-    them (``CUDAGeneratorImpl::philox_cuda_state(increment)``). Not under capture (``unsupported``
-    refuses dropout there); a torch op drawing on another thread between the read and the advance
-    is not locked out (torch's own lock is the C++ generator's)."""
-    gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
-    with _philox_lock:
-        seed = gen.initial_seed()
-        offset = gen.get_offset()
-        gen.set_offset(offset + (words + 3) // 4 * 4)
-    seed = seed - (1 << 64) if seed >= 1 << 63 else seed  # torch's int64 view of the uint64 seed
-    return (torch.tensor(seed, dtype=torch.int64), torch.tensor(offset, dtype=torch.int64))
 
 
 def attention_forward_sm90(

@@ -1,9 +1,10 @@
-"""Torch face of the fused dropout + bias (+ activation) backward.
+"""Torch face of the fused dropout + bias (+ activation) kernels.
 
-``dropout_bias_backward`` is the kernel as a registered custom op; ``bias_dropout`` is
-the training op y = dropout(act(x + bias)) whose forward runs in torch (keeping the
-keep-mask as bool) and whose backward is our kernel; ``BiasDropout`` wraps it as a
-module.
+``dropout_bias_backward`` is the backward kernel as a registered custom op (a byte mask, or
+the forward's bit mask with ``mask_bits=True``); ``bias_dropout`` is the training op
+y = dropout(act(x + bias)) whose forward (``ops.dropout_bias_forward``: the keep mask drawn on
+the device and kept as bits) and backward are our kernels on CUDA; ``BiasDropout`` wraps it as
+a module.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from layouts import dropout_bias as tiling
 
 from . import _compile as cc
 from ._memo import Memo
+from .dropout_bias_forward import bias_dropout_forward, mask_bytes
 from ._validate import (
     check_cuda,
     check_dtype,
@@ -34,7 +36,7 @@ from ._validate import (
 _MAX_VECTOR_BITS = tiling.MAX_VECTOR_BITS
 
 
-def _build(dtype, dbias_dtype, activation, vec, arch):
+def _build(dtype, dbias_dtype, activation, vec, arch, mask_bits=False):
     import cutlass
     import cutlass.cute as cute
 
@@ -44,9 +46,9 @@ def _build(dtype, dbias_dtype, activation, vec, arch):
     rows, n, chunks = cute.sym_int(), cute.sym_int(), cute.sym_int()
     with_act = activation is not None
     return cc.compile_kernel(
-        DropoutBiasBwd(dtype, dbias_dtype, activation, t),
+        DropoutBiasBwd(dtype, dbias_dtype, activation, t, mask_bits),
         cc.fake_tensor(dtype, (rows, n), vec),  # dY
-        cc.fake_tensor(cutlass.Uint8, (rows, n), vec),  # mask
+        cc.fake_tensor(cutlass.Uint8, (rows, cute.sym_int()) if mask_bits else (rows, n), 1 if mask_bits else vec),
         cc.fake_tensor(dtype, (rows, n), vec) if with_act else None,  # x
         cc.fake_tensor(dtype, (n,), vec) if with_act else None,  # bias
         cc.fake_tensor(dtype, (rows, n), vec),  # dX
@@ -63,7 +65,7 @@ def _build(dtype, dbias_dtype, activation, vec, arch):
 compiled = cc.CompileCache("dropout_bias_bwd", _build)
 
 
-def _validate(grad_out, mask, p, x, bias, activation):
+def _validate(grad_out, mask, p, x, bias, activation, mask_bits=False):
     check_cuda("grad_out", grad_out)
     check_dtype("grad_out", grad_out, cc.FLOAT_DTYPES)
     if grad_out.dim() < 1:
@@ -71,8 +73,12 @@ def _validate(grad_out, mask, p, x, bias, activation):
     if grad_out.shape[-1] < 1:
         raise ValueError("grad_out must have a last dimension N >= 1")
     check_same_device("mask", mask, grad_out)
-    check_dtype("mask", mask, (torch.bool, torch.uint8))
-    check_shape("mask", mask, grad_out.shape)
+    if mask_bits:
+        check_dtype("mask", mask, (torch.uint8,))
+        check_shape("mask", mask, (*grad_out.shape[:-1], mask_bytes(grad_out.shape[-1])))
+    else:
+        check_dtype("mask", mask, (torch.bool, torch.uint8))
+        check_shape("mask", mask, grad_out.shape)
     check_probability("p", p)
     if activation is not None and activation not in ACTIVATIONS:
         raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
@@ -97,11 +103,11 @@ def _validate(grad_out, mask, p, x, bias, activation):
             raise TypeError(f"with an activation, bias must have grad_out's dtype {grad_out.dtype}, got {bias.dtype}")
 
 
-def _validate_cached(grad_out, mask, p, x, bias, activation):
+def _validate_cached(grad_out, mask, p, x, bias, activation, mask_bits):
     """The full checks once per metadata signature; p (a per-call value) every call."""
     validate_once(
-        ("dropout_bias", grad_out, mask, x, bias, activation),
-        lambda: _validate(grad_out, mask, p, x, bias, activation),
+        ("dropout_bias", grad_out, mask, x, bias, activation, mask_bits),
+        lambda: _validate(grad_out, mask, p, x, bias, activation, mask_bits),
     )
     check_probability("p", p)
 
@@ -115,12 +121,12 @@ class _Plan:
 
     __slots__ = ("rows", "n", "fn", "chunks", "per_chunk", "col_tiles", "plain_views")
 
-    def __init__(self, grad_out, mask, x, bias, activation, grad_in, grad_bias):
+    def __init__(self, grad_out, mask, x, bias, activation, grad_in, grad_bias, mask_bits):
         n = grad_out.shape[-1]
         dy = rows_view("grad_out", grad_out)
         m = rows_view("mask", mask)
         dx = rows_view("grad_in", grad_in)
-        operands = [(dy, n), (m, n), (dx, n)]
+        operands = [(dy, n), (dx, n)] if mask_bits else [(dy, n), (m, n), (dx, n)]  # bits: read a byte at a time
         if activation is not None:
             operands += [(rows_view("x", x), n), (bias.view(1, n), n)]
         vec = cc.max_vector_elems(_MAX_VECTOR_BITS, *operands)
@@ -130,17 +136,19 @@ class _Plan:
         self.rows, self.n = dy.shape
         self.chunks, self.per_chunk = dropout_bias_config.row_chunks(self.rows, n, t, cc.num_sms(dev))
         self.col_tiles = t.col_tiles(n)
-        self.fn = compiled(cc.cute_dtype(grad_out.dtype), cc.cute_dtype(grad_bias.dtype), activation, vec, arch)
+        self.fn = compiled(
+            cc.cute_dtype(grad_out.dtype), cc.cute_dtype(grad_bias.dtype), activation, vec, arch, mask_bits
+        )
         # whether t.view(rows, n) already gives the strides the kernel was planned with
         self.plain_views = all(
-            t.view(self.rows, n).stride() == v.stride() for t, v in ((grad_out, dy), (mask, m), (grad_in, dx))
+            t.view(self.rows, t.shape[-1]).stride() == v.stride() for t, v in ((grad_out, dy), (mask, m), (grad_in, dx))
         ) and (x is None or x.view(self.rows, n).stride() == rows_view("x", x).stride())
 
 
 _plans = Memo()
 
 
-def _plan(grad_out, mask, x, bias, activation, grad_in, grad_bias) -> _Plan:
+def _plan(grad_out, mask, x, bias, activation, grad_in, grad_bias, mask_bits) -> _Plan:
     """Plans are cached by the metadata they depend on: a repeated call is a dict lookup."""
     key = (
         grad_out.shape,
@@ -158,10 +166,11 @@ def _plan(grad_out, mask, x, bias, activation, grad_in, grad_bias) -> _Plan:
         grad_in.data_ptr() & 15,
         0 if x is None else x.data_ptr() & 15,
         0 if bias is None else bias.data_ptr() & 15,
+        mask_bits,
     )
     plan = _plans.get(key)
     if plan is None:
-        plan = _plans.put(key, _Plan(grad_out, mask, x, bias, activation, grad_in, grad_bias))
+        plan = _plans.put(key, _Plan(grad_out, mask, x, bias, activation, grad_in, grad_bias, mask_bits))
     return plan
 
 
@@ -174,8 +183,10 @@ def launch(
     activation: Optional[str],
     grad_in: Tensor,
     grad_bias: Tensor,
+    mask_bits: bool = False,
 ) -> None:
-    """Run the kernel into preallocated grad_in (grad_out's shape) and grad_bias ([N])."""
+    """Run the kernel into preallocated grad_in (grad_out's shape) and grad_bias ([N]); the mask
+    is bytes of grad_out's shape, or with ``mask_bits`` the forward's [..., ceil(N / 8)] bits."""
     if grad_out.numel() == 0:
         grad_bias.zero_()
         return
@@ -183,10 +194,10 @@ def launch(
         mask = mask.view(torch.uint8)
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
-    plan = _plan(grad_out, mask, x, bias, activation, grad_in, grad_bias)
+    plan = _plan(grad_out, mask, x, bias, activation, grad_in, grad_bias, mask_bits)
     shape = (plan.rows, plan.n)
     if plan.plain_views:
-        dy, m, dx = grad_out.view(shape), mask.view(shape), grad_in.view(shape)
+        dy, m, dx = grad_out.view(shape), mask.view(plan.rows, mask.shape[-1]), grad_in.view(shape)
         xs = None if x is None else x.view(shape)
     else:
         dy, m, dx = rows_view("grad_out", grad_out), rows_view("mask", mask), rows_view("grad_in", grad_in)
@@ -207,10 +218,10 @@ def launch(
     )
 
 
-def _dropout_bias_backward_impl(grad_out, mask, p, x, bias, activation):
+def _dropout_bias_backward_impl(grad_out, mask, p, x, bias, activation, mask_bits=False):
     grad_in = torch.empty_like(grad_out, memory_format=torch.contiguous_format)
     grad_bias = torch.empty(grad_out.shape[-1], dtype=_dbias_dtype(grad_out, bias), device=grad_out.device)
-    launch(grad_out, mask, p, x, bias, activation, grad_in, grad_bias)
+    launch(grad_out, mask, p, x, bias, activation, grad_in, grad_bias, mask_bits)
     return grad_in, grad_bias
 
 
@@ -222,12 +233,13 @@ def _dropout_bias_backward(
     x: Optional[Tensor],
     bias: Optional[Tensor],
     activation: Optional[str],
+    mask_bits: bool = False,
 ) -> Tuple[Tensor, Tensor]:
-    return _dropout_bias_backward_impl(grad_out, mask, p, x, bias, activation)
+    return _dropout_bias_backward_impl(grad_out, mask, p, x, bias, activation, mask_bits)
 
 
 @_dropout_bias_backward.register_fake
-def _(grad_out, mask, p, x, bias, activation):
+def _(grad_out, mask, p, x, bias, activation, mask_bits=False):
     n = grad_out.shape[-1]
     return (
         torch.empty_like(grad_out, memory_format=torch.contiguous_format),
@@ -242,13 +254,16 @@ def dropout_bias_backward(
     x: Optional[Tensor] = None,
     bias: Optional[Tensor] = None,
     activation: Optional[str] = None,
+    mask_bits: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """Gradients of y = dropout(act(x + bias)) with a saved keep-mask.
 
     Args:
         grad_out: dY, [..., N], fp32/fp16/bf16, CUDA: any number of leading dims, read as
             rows of N (a 1-D dY is one row), as torch's ops flatten them.
-        mask: keep-mask of dY's shape, bool or uint8 (nonzero = kept).
+        mask: keep-mask of dY's shape, bool or uint8 (nonzero = kept); with ``mask_bits``, uint8
+            [..., ceil(N / 8)] of 8 keep bits a byte (bit j of byte b: column 8 b + j), as
+            ``ops.dropout_bias_forward`` returns it.
         p: the drop probability used in the forward, 0 <= p < 1.
         x: the pre-activation input (activation only), dY's shape and dtype.
         bias: [N]; required with an activation, otherwise it only sets grad_bias's dtype.
@@ -259,13 +274,13 @@ def dropout_bias_backward(
         shape and dtype; dBias = dX summed over all leading dims, accumulated in fp32,
         in bias's dtype (dY's without bias). Deterministic.
     """
-    _validate_cached(grad_out, mask, p, x, bias, activation)
+    _validate_cached(grad_out, mask, p, x, bias, activation, mask_bits)
     if cc.eager(grad_out):
-        return _dropout_bias_backward_impl(grad_out, mask, float(p), x, bias, activation)
-    return _dropout_bias_backward(grad_out, mask, float(p), x, bias, activation)
+        return _dropout_bias_backward_impl(grad_out, mask, float(p), x, bias, activation, mask_bits)
+    return _dropout_bias_backward(grad_out, mask, float(p), x, bias, activation, mask_bits)
 
 
-# --- the training op: forward in torch, backward through the kernel ---------------
+# --- the training op: both directions through the kernels -------------------------
 
 
 def _act_forward(z: Tensor, activation: Optional[str]) -> Tensor:
@@ -280,15 +295,13 @@ def _act_forward(z: Tensor, activation: Optional[str]) -> Tensor:
 
 @torch.library.custom_op("cute_kernels::bias_dropout_forward", mutates_args=(), device_types="cuda")
 def _bias_dropout_forward(x: Tensor, bias: Tensor, p: float, activation: Optional[str]) -> Tuple[Tensor, Tensor]:
-    a = _act_forward(x + bias, activation)
-    mask = torch.rand(a.shape, device=a.device, dtype=torch.float32) >= p
-    y = a * mask * (1.0 / (1.0 - p))
-    return y.to(x.dtype), mask
+    return bias_dropout_forward(x, bias, p, activation)
 
 
 @_bias_dropout_forward.register_fake
 def _(x, bias, p, activation):
-    return torch.empty_like(x), torch.empty(x.shape, dtype=torch.bool, device=x.device)
+    mask = x.new_empty((*x.shape[:-1], mask_bytes(x.shape[-1])), dtype=torch.uint8)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), mask
 
 
 def _bias_dropout_setup(ctx, inputs, output):
@@ -314,9 +327,9 @@ def _bias_dropout_backward(ctx, grad_y, grad_mask):
     # dY arriving from autograd may be any view: the kernel wants rows it can flatten.
     grad_y = grad_y.contiguous()
     if cc.eager(grad_y):
-        grad_x, grad_bias = _dropout_bias_backward_impl(grad_y, mask, ctx.p, x, bias, ctx.activation)
+        grad_x, grad_bias = _dropout_bias_backward_impl(grad_y, mask, ctx.p, x, bias, ctx.activation, True)
     else:
-        grad_x, grad_bias = _dropout_bias_backward(grad_y, mask, ctx.p, x, bias, ctx.activation)
+        grad_x, grad_bias = _dropout_bias_backward(grad_y, mask, ctx.p, x, bias, ctx.activation, True)
     return grad_x, grad_bias.to(ctx.bias_dtype), None, None
 
 
@@ -325,17 +338,7 @@ torch.library.register_autograd(
 )
 
 
-def bias_dropout(
-    x: Tensor,
-    bias: Tensor,
-    p: float,
-    activation: Optional[str] = None,
-    training: bool = True,
-) -> Tensor:
-    """y = dropout(act(x + bias), p) over x's last dim N (any leading dims, a 1-D x one row).
-
-    In training on CUDA tensors the backward runs our fused kernel; on other devices this
-    is torch's own math (``torch.nn.functional.dropout``), so the module moves like any other."""
+def _check_forward(x, bias, p, activation) -> None:
     check_tensor("x", x)
     check_dtype("x", x, cc.FLOAT_DTYPES)
     if x.dim() < 1:
@@ -348,6 +351,43 @@ def bias_dropout(
         raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
     if bias.dtype != x.dtype:
         raise TypeError(f"bias must have x's dtype {x.dtype}, got {bias.dtype}")
+
+
+def dropout_bias_forward(x: Tensor, bias: Tensor, p: float, activation: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+    """y = dropout(act(x + bias), p) and its keep mask as bits, our kernel (no autograd).
+
+    Args:
+        x: [..., N], fp32/fp16/bf16, CUDA (any layout; rows it cannot view are copied).
+        bias: [N], x's dtype.
+        p: drop probability, 0 <= p < 1, resolved to a multiple of 2^-16.
+        activation: None, "relu", "gelu" (tanh approximation) or "gelu_erf".
+
+    Returns:
+        (y, mask): y of x's shape and dtype; mask uint8 [..., ceil(N / 8)], bit j of byte b set
+        where column 8 b + j is kept (bits past N zero), what ``dropout_bias_backward(...,
+        mask_bits=True)`` reads. The bits are drawn from torch's default CUDA generator
+        (``torch.manual_seed`` reproduces them; a call advances its offset by 4), also under
+        CUDA-graph capture, where every replay draws new ones.
+    """
+    check_cuda("x", x)
+    _check_forward(x, bias, p, activation)
+    return _bias_dropout_forward(x, bias, float(p), activation)
+
+
+def bias_dropout(
+    x: Tensor,
+    bias: Tensor,
+    p: float,
+    activation: Optional[str] = None,
+    training: bool = True,
+) -> Tensor:
+    """y = dropout(act(x + bias), p) over x's last dim N (any leading dims, a 1-D x one row).
+
+    In training on CUDA tensors both directions run our fused kernels (the keep mask drawn from
+    torch's default CUDA generator and saved as bits: ``dropout_bias_forward``); on other
+    devices this is torch's own math (``torch.nn.functional.dropout``), so the module moves like
+    any other."""
+    _check_forward(x, bias, p, activation)
     if not training:
         return _act_forward(x + bias, activation)
     if x.device.type != "cuda":
@@ -357,8 +397,8 @@ def bias_dropout(
 
 
 class BiasDropout(torch.nn.Module):
-    """``dropout(act(x + bias))`` with a learnt bias of size ``features``: our backward on
-    CUDA tensors, torch's math elsewhere (as ``ops.LayerNorm`` / ``ops.RMSNorm``)."""
+    """``dropout(act(x + bias))`` with a learnt bias of size ``features``: our forward and
+    backward on CUDA tensors, torch's math elsewhere (as ``ops.LayerNorm`` / ``ops.RMSNorm``)."""
 
     def __init__(self, features: int, p: float = 0.1, activation: Optional[str] = None, device=None, dtype=None):
         super().__init__()

@@ -565,3 +565,44 @@ def mem_eff_dropout_keep_mask(
     idx = np.uint64(offset) + (b * np.uint64(heads) + h) * mq_mk + n * np.uint64(num_keys) + m
     u = curand_uniform(curand_philox_words(int(seed), idx))
     return torch.from_numpy(u > np.float32(p))
+
+
+def dropout_keep_mask(seed: int, offset: int, rows: int, n: int, p: float) -> Tensor:
+    """The keep mask [rows, N] (bool) that ``ops.dropout_bias_forward`` draws for philox (seed,
+    offset): byte b = r ceil(N / 8) + c // 8 of the bit mask is counter (offset / 4, b) of
+    Philox4x32-10 under key (lo32(seed), hi32(seed)); column c takes 16-bit half c % 8 of its
+    four words (low half first) and is kept where that half is >= round(p 2^16)."""
+    import numpy as np
+
+    from cute_kernels.common.philox import keep_threshold
+
+    nbytes = (n + 7) // 8
+    b = np.arange(rows * nbytes, dtype=np.uint64)
+    ctr = np.full_like(b, np.uint64((offset >> 2) & (2**64 - 1)))
+    m32 = np.uint64(0xFFFFFFFF)
+    words = philox4x32_10((ctr & m32, ctr >> np.uint64(32), b & m32, b >> np.uint64(32)), (seed, seed >> 32))
+    halves = np.stack([(w >> np.uint32(s)) & np.uint32(0xFFFF) for w in words for s in (0, 16)], axis=-1)
+    keep = halves >= np.uint32(keep_threshold(p))  # [rows * nbytes, 8]
+    return torch.from_numpy(keep.reshape(rows, nbytes * 8)[:, :n].copy())
+
+
+def pack_mask(keep: Tensor) -> Tensor:
+    """A bool keep mask [..., N] as the kernels' bit mask: uint8 [..., ceil(N / 8)], bit j of
+    byte b for column 8 b + j, bits past N zero."""
+    n = keep.shape[-1]
+    pad = (-n) % 8
+    flags = torch.nn.functional.pad(keep.to(torch.uint8), (0, pad)).reshape(*keep.shape[:-1], -1, 8)
+    weights = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=keep.device)
+    return (flags * weights).sum(-1, dtype=torch.uint8)
+
+
+def bias_dropout_forward_ref(x: Tensor, bias: Tensor, keep: Tensor, p: float, activation=None) -> Tensor:
+    """act(x + bias) * keep / (1 - p) in fp64."""
+    z = x.double() + bias.double()
+    if activation == "relu":
+        z = torch.relu(z)
+    elif activation == "gelu":
+        z = torch.nn.functional.gelu(z, approximate="tanh")
+    elif activation == "gelu_erf":
+        z = torch.nn.functional.gelu(z)
+    return z * keep.to(z.device) / (1.0 - p)

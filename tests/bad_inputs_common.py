@@ -19,7 +19,7 @@ import ops.norm_forward as NF
 from ops import _compile as cc
 
 BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
-I32, I64, BOOL = torch.int32, torch.int64, torch.bool
+I32, I64, BOOL, U8 = torch.int32, torch.int64, torch.bool, torch.uint8
 
 
 class _Reached(Exception):
@@ -83,7 +83,11 @@ db_act = _call(
     bias=lambda: fc(8),
     activation="gelu",
 )
+db_bits = _call(
+    ops.dropout_bias_backward, grad_out=lambda: fc(4, 12), mask=lambda: fc(4, 2, dtype=U8), p=0.1, mask_bits=True
+)
 bd = _call(ops.bias_dropout, x=lambda: fc(4, 8), bias=lambda: fc(8), p=0.1)
+dbf = _call(ops.dropout_bias_forward, x=lambda: fc(4, 8), bias=lambda: fc(8), p=0.1)
 lnb = _call(
     ops.layer_norm_backward,
     grad_out=lambda: fc(4, 8),
@@ -256,6 +260,7 @@ _ENTRIES = {
     "dropout_bias_backward": [(D, "_dropout_bias_backward_impl"), (D, "_dropout_bias_backward")],
     "bias_dropout": [(D, "_bias_dropout_forward"), (D, "_act_forward")],
     "BiasDropout": [(D, "_bias_dropout_forward"), (D, "_act_forward")],
+    "dropout_bias_forward": [(D, "_bias_dropout_forward")],
     "layer_norm_backward": [(N, "_norm_backward_call")],
     "rms_norm_backward": [(N, "_norm_backward_call")],
     "layer_norm": [(N, "_norm_forward"), (N, "_norm_forward_impl")],

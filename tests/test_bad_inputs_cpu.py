@@ -36,6 +36,8 @@ from .bad_inputs_common import (
     _Reached,
     _reached,
     bd,
+    db_bits,
+    dbf,
     bias_dropout_module,
     cdkv,
     cdq,
@@ -67,13 +69,19 @@ from .test_bad_inputs_attention_cpu import (
     USE_FOR_SDPA,
 )
 from .test_bad_inputs_context_parallel_cpu import CONTEXT_PARALLEL_ATTENTION
-from .test_bad_inputs_dropout_bias_cpu import BIAS_DROPOUT, BIAS_DROPOUT_MODULE, DROPOUT_BIAS_BACKWARD
+from .test_bad_inputs_dropout_bias_cpu import (
+    BIAS_DROPOUT,
+    BIAS_DROPOUT_MODULE,
+    DROPOUT_BIAS_BACKWARD,
+    DROPOUT_BIAS_FORWARD,
+)
 from .test_bad_inputs_norm_cpu import LAYER_NORM, LAYER_NORM_BACKWARD, NORM_MODULES, RMS_NORM, RMS_NORM_BACKWARD
 from .test_bad_inputs_prepost_cpu import CLEAR_DKV_ACCUM, COMPUTE_DELTA, CONVERT_DKV, CONVERT_DQ, PREPROCESS
 
 TABLES = {
     "dropout_bias_backward": DROPOUT_BIAS_BACKWARD,
     "bias_dropout": BIAS_DROPOUT,
+    "dropout_bias_forward": DROPOUT_BIAS_FORWARD,
     "BiasDropout": BIAS_DROPOUT_MODULE,
     "layer_norm_backward": LAYER_NORM_BACKWARD,
     "rms_norm_backward": RMS_NORM_BACKWARD,
@@ -97,7 +105,9 @@ BAD = [p for table in TABLES.values() for p in table]
 GOOD = [
     ("dropout_bias_backward", db),
     ("dropout_bias_backward", db_act),
+    ("dropout_bias_backward", db_bits),
     ("bias_dropout", bd),
+    ("dropout_bias_forward", dbf),
     ("BiasDropout", bias_dropout_module),
     ("layer_norm_backward", lnb),
     ("rms_norm_backward", rnb),
@@ -160,6 +170,10 @@ def _cpu_launches():
             lambda: P.launch_convert_dkv(dk_accum, dv_accum, dk, dv, 0.125, 1.0, None),
         ),  # a tuple
         ("dropout_bias_backward", lambda: D.launch(dy, mask, 0.1, None, None, None, dx, dbias)),  # a _Plan
+        (
+            "dropout_bias_backward",
+            lambda: D.launch(dy, mask[:, :1], 0.1, None, None, None, dx, dbias, True),
+        ),  # the bit mask's _Plan
         (
             "layer_norm_backward",
             lambda: N.launch(dy, x, w, stat, stat, None, False, dx, dw, None),

@@ -13,11 +13,14 @@ from .bad_inputs_common import (
     F64,
     I32,
     I64,
+    U8,
     C,
     Case,
     bd,
     bias_dropout_module,
     bias_dropout_p_changed,
+    db_bits,
+    dbf,
     check_refused,
     cpu,
     db,
@@ -131,6 +134,30 @@ DROPOUT_BIAS_BACKWARD = [
     C("dropout_bias_backward", "bias-int", lambda: db(bias=fc(8, dtype=I32)), TypeError, "bias", "dtype"),
     C("dropout_bias_backward", "bias-on-cpu", lambda: db(bias=cpu(8)), ValueError, "bias", "cpu"),
     C("dropout_bias_backward", "bias-dtype-with-activation", lambda: db_act(bias=f32(8)), TypeError, "bias", "dtype"),
+    C(
+        "dropout_bias_backward",
+        "bits-mask-bool",
+        lambda: db_bits(mask=fc(4, 2, dtype=BOOL)),
+        TypeError,
+        "mask",
+        "dtype",
+    ),
+    C(
+        "dropout_bias_backward",
+        "bits-mask-per-element",
+        lambda: db_bits(mask=fc(4, 12, dtype=U8)),
+        ValueError,
+        "mask",
+        "shape",
+    ),
+    C(
+        "dropout_bias_backward",
+        "bits-mask-short",
+        lambda: db_bits(mask=fc(4, 1, dtype=U8)),
+        ValueError,
+        "mask",
+        "(4, 2)",
+    ),
 ]
 
 BIAS_DROPOUT = [
@@ -145,6 +172,17 @@ BIAS_DROPOUT = [
     C("bias_dropout", "p-1.5", lambda: bd(p=1.5), ValueError, "p", "[0, 1)"),
     C("bias_dropout", "p-none", lambda: bd(p=None), TypeError, "p", "float"),
     C("bias_dropout", "activation-unknown", lambda: bd(activation="swish"), ValueError, "activation", "one of"),
+]
+
+DROPOUT_BIAS_FORWARD = [
+    C("dropout_bias_forward", "x-on-cpu", lambda: dbf(x=cpu(4, 8)), ValueError, "x", "CUDA"),
+    C("dropout_bias_forward", "x-int", lambda: dbf(x=fc(4, 8, dtype=I64)), TypeError, "x", "dtype"),
+    C("dropout_bias_forward", "x-0d", lambda: dbf(x=fc()), ValueError, "x", "at least one dimension"),
+    C("dropout_bias_forward", "bias-shape", lambda: dbf(bias=fc(9)), ValueError, "bias", "shape"),
+    C("dropout_bias_forward", "bias-dtype", lambda: dbf(bias=f32(8)), TypeError, "bias", "dtype"),
+    C("dropout_bias_forward", "bias-on-cpu", lambda: dbf(bias=cpu(8)), ValueError, "bias", "cpu"),
+    C("dropout_bias_forward", "p-1", lambda: dbf(p=1.0), ValueError, "p", "[0, 1)"),
+    C("dropout_bias_forward", "activation-unknown", lambda: dbf(activation="silu"), ValueError, "activation", "one of"),
 ]
 
 BIAS_DROPOUT_MODULE = [
@@ -166,7 +204,7 @@ BIAS_DROPOUT_MODULE = [
     C("BiasDropout", "p-changed-to-1", bias_dropout_p_changed, ValueError, "p", "[0, 1)"),
 ]
 
-BAD = DROPOUT_BIAS_BACKWARD + BIAS_DROPOUT + BIAS_DROPOUT_MODULE
+BAD = DROPOUT_BIAS_BACKWARD + BIAS_DROPOUT + DROPOUT_BIAS_FORWARD + BIAS_DROPOUT_MODULE
 
 
 @pytest.mark.parametrize("case", BAD)

@@ -146,7 +146,13 @@ def test_quick_selection(configs):
         return [c.key for c in configs[suite, True][arch] if c.cache.endswith(cache)]
 
     for arch in CC.ARCHES:
-        assert keys("dropout_bias_bwd", arch) == [(f32, f32, None, 4, arch), (bf16, bf16, None, 8, arch)]
+        assert keys("dropout_bias_bwd", arch) == [
+            (f32, f32, None, 4, arch, False),
+            (f32, f32, None, 4, arch, True),
+            (bf16, bf16, None, 8, arch, False),
+            (bf16, bf16, None, 8, arch, True),
+        ]
+        assert keys("dropout_bias_fwd", arch) == [(f32, None, 4, arch, False), (bf16, None, 8, arch, False)]
         assert len(keys("layer_norm_bwd", arch, ":compiled")) == 2
         assert len(keys("layer_norm_bwd", arch, ":compiled_finalize")) == 1
         assert [k[4] for k in keys("layer_norm_fwd", arch)] == [False, True]  # LayerNorm 4096, RMSNorm 1024
@@ -163,7 +169,7 @@ def test_full_covers_both_arches(configs):
     """sm_80 compiles everything that runs there: all but the Hopper attention kernel and the
     LayerNorm rows that need clusters."""
     full = {s: configs[s, False] for s in SUITES}
-    for suite in ("dropout_bias_bwd", "attn_bwd_preprocess", "attn_bwd_postprocess"):
+    for suite in ("dropout_bias_fwd", "dropout_bias_bwd", "attn_bwd_preprocess", "attn_bwd_postprocess"):
         assert len(full[suite]["sm_80"]) == len(full[suite]["sm_90a"])
     for suite in ("layer_norm_bwd", "layer_norm_fwd", "norm_train"):
         assert 0 < len(full[suite]["sm_80"]) < len(full[suite]["sm_90a"])

@@ -11,7 +11,7 @@ import ops
 from cute_kernels.common.activation import ACTIVATIONS
 from cute_kernels.dropout_bias import config as dropout_bias_config
 from ops import _compile as cc
-from ops.reference import activation_grad_ref, dropout_bias_backward_ref
+from ops.reference import activation_grad_ref, dropout_bias_backward_ref, dropout_keep_mask, pack_mask
 
 
 @pytest.mark.compile
@@ -31,6 +31,96 @@ def test_compiles_every_configuration(arch, dtype_name):
         vec //= 2
     # a bias gradient in another dtype than dY
     assert callable(_build(dtype, cutlass.Float32, None, 128 // dtype.width, arch))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize(
+    "dtype_name,activation,vec,arch,rng_on_device",
+    [
+        ("BFloat16", None, 8, "sm_90a", False),
+        ("Float32", "gelu", 4, "sm_90a", True),
+        ("Float16", "gelu_erf", 1, "sm_80", False),
+        ("BFloat16", "relu", 2, "sm_80", True),
+    ],
+)
+def test_forward_compiles(dtype_name, activation, vec, arch, rng_on_device):
+    """The forward's switches: every activation, vectors of a byte's bits and narrower (a byte
+    shared by threads), the seed and offset as values or on the device (graph capture)."""
+    import cutlass
+
+    from ops.dropout_bias_forward import _build
+
+    assert callable(_build(getattr(cutlass, dtype_name), activation, vec, arch, rng_on_device))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize(
+    "dtype_name,activation,vec,arch", [("BFloat16", None, 8, "sm_90a"), ("Float32", "gelu", 1, "sm_80")]
+)
+def test_backward_compiles_with_a_bit_mask(dtype_name, activation, vec, arch):
+    import cutlass
+
+    from ops.dropout_bias import _build
+
+    dtype = getattr(cutlass, dtype_name)
+    assert callable(_build(dtype, dtype, activation, vec, arch, True))
+
+
+def test_keep_threshold_resolves_p_to_16_bits():
+    from cute_kernels.common.philox import keep_threshold
+
+    assert keep_threshold(0.0) == 0
+    assert keep_threshold(0.5) == 32768
+    assert keep_threshold(0.1) == 6554
+    assert keep_threshold(1.0 - 1e-9) == 65535  # never all dropped
+
+
+def test_reference_draw_keeps_one_minus_p_and_depends_on_seed_and_offset():
+    rows, n, p = 300, 1001, 0.3
+    keep = dropout_keep_mask(1234, 8, rows, n, p)
+    assert keep.shape == (rows, n)
+    sigma = (p * (1 - p) / keep.numel()) ** 0.5
+    assert abs(keep.float().mean().item() - (1 - p)) < 5 * sigma
+    assert not torch.equal(keep, dropout_keep_mask(1235, 8, rows, n, p))
+    assert not torch.equal(keep, dropout_keep_mask(1234, 12, rows, n, p))
+    assert torch.equal(keep, dropout_keep_mask(1234, 9, rows, n, p))  # the same counter: offset // 4
+    # a row is the first N columns of its bytes: row r of N columns is not row r of N + 1
+    assert torch.equal(dropout_keep_mask(1234, 8, 1, 16, p)[0], dropout_keep_mask(1234, 8, 2, 8, p).reshape(-1))
+
+
+def test_pack_and_unpack_mask_round_trip():
+    from ops.dropout_bias_forward import mask_bytes, unpack_mask
+
+    keep = torch.rand(3, 5, 13) > 0.5
+    bits = pack_mask(keep)
+    assert bits.shape == (3, 5, mask_bytes(13)) == (3, 5, 2) and bits.dtype == torch.uint8
+    assert torch.equal(unpack_mask(bits, 13), keep)
+    assert (bits[..., 1] >> 5).eq(0).all()  # bits past N are zero
+    assert pack_mask(torch.tensor([True, False, True, True])).tolist() == [0b1101]
+
+
+def test_philox_draw_advances_the_generator_by_one_counter(monkeypatch):
+    from ops import philox
+    from ops.dropout_bias_forward import PHILOX_WORDS
+
+    class Generator:
+        def __init__(self):
+            self.offset = 12
+
+        def initial_seed(self):
+            return 2**64 - 3
+
+        def get_offset(self):
+            return self.offset
+
+        def set_offset(self, offset):
+            self.offset = offset
+
+    gen = Generator()
+    monkeypatch.setattr(torch.cuda, "default_generators", (gen,))
+    assert philox.philox_seed_offset(torch.device("cuda", 0), PHILOX_WORDS) == (-3, 12)
+    assert philox.philox_seed_offset(torch.device("cuda", 0), PHILOX_WORDS) == (-3, 16)
+    assert gen.offset == 20
 
 
 def test_row_chunks_cover_rows_without_empty_chunks():
@@ -224,6 +314,13 @@ def test_non_flattenable_layout_is_a_clear_error():
         g = fake_cuda(8, 4).t()  # [4, 8] with column stride 4
         with pytest.raises(ValueError, match="contiguous"):
             ops.dropout_bias_backward(g, fake_cuda(4, 8, dtype=torch.bool), 0.1)
+
+
+def test_forward_fake_implementation_shapes():
+    with FakeTensorMode():
+        y, bits = ops.dropout_bias_forward(fake_cuda(2, 3, 41), fake_cuda(41), 0.1, "gelu")
+        assert y.shape == (2, 3, 41) and y.dtype == torch.bfloat16
+        assert bits.shape == (2, 3, 6) and bits.dtype == torch.uint8
 
 
 def test_fake_implementation_shapes():

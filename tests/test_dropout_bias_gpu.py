@@ -7,7 +7,7 @@ import torch
 
 import ops
 from ops import dropout_bias as dbo
-from ops.reference import dropout_bias_backward_ref
+from ops.reference import dropout_bias_backward_ref, dropout_keep_mask
 
 from .helpers import poison, rel_err
 
@@ -164,14 +164,16 @@ UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
 def test_autograd_matches_torch(activation, dtype):
     """bias_dropout's forward, judged from its output: every element exactly 0 (dropped) or
     act(x + bias) / (1 - p) within the forward's roundings, about 1 - p of them kept, the kept
-    ones those of the forward's draw (torch.rand >= p under the same seed); its gradients equal
-    fp64 autograd through that mask."""
+    ones those of the forward's draw (its Philox words replayed on the CPU from the generator's
+    seed and offset); its gradients equal fp64 autograd through that mask."""
     p = 0.3
     gen = torch.Generator("cuda").manual_seed(7)  # inputs apart from the global generator the forward draws from
     x = torch.randn(64, 7, 96, device="cuda", dtype=dtype, generator=gen).requires_grad_()
     b = torch.randn(96, device="cuda", dtype=dtype, generator=gen).requires_grad_()
     g = torch.randn(64, 7, 96, device="cuda", dtype=dtype, generator=gen)
     torch.manual_seed(123)
+    state = torch.cuda.default_generators[torch.cuda.current_device()]
+    seed, offset = state.initial_seed(), state.get_offset()
     y = ops.bias_dropout(x, b, p, activation)
     y.backward(g)
     out = y.detach()
@@ -189,8 +191,7 @@ def test_autograd_matches_torch(activation, dtype):
     visible = want.abs() > 1e-3  # nonzero before dropout whatever the roundings: y == 0 exactly when dropped
     frac = kept[visible].double().mean().item()
     assert abs(frac - (1 - p)) < 0.02, f"{frac:.4f} of the elements kept, not about {1 - p}"
-    torch.manual_seed(123)
-    mask = torch.rand(x.shape, device="cuda") >= p  # the forward's draw
+    mask = dropout_keep_mask(seed, offset, 64 * 7, 96, p).reshape(x.shape).cuda()  # the forward's draw
     assert not out[~mask].any(), "an element the draw dropped is not 0"
     assert torch.equal(kept[visible], mask[visible]), "the kept elements are not the forward's draw"
     x2 = x.detach().double().requires_grad_()

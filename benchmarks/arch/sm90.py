@@ -23,6 +23,9 @@ DROPOUT_BIAS_BWD = {
     ],
 }
 
+# the forward at the backward's sizes: a training step runs both on one tensor
+DROPOUT_BIAS_FWD = DROPOUT_BIAS_BWD
+
 LAYER_NORM_BWD = {
     # (rows, N), dtype name of x and dz (weight and bias fp32, as quack takes them)
     "full": [

@@ -2,6 +2,7 @@
 ``compile_configs(arch, quick) -> [Config]`` (without one: benchmarks.compile_check)."""
 
 SUITES = (
+    "dropout_bias_fwd",
     "dropout_bias_bwd",
     "layer_norm_fwd",
     "layer_norm_bwd",

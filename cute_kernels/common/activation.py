@@ -1,4 +1,5 @@
-"""Derivatives of the activations LightSeq fuses with dropout (``ls_dropout_act_bias_bwd``).
+"""The activations LightSeq fuses with dropout (``ls_dropout_act_bias_fwd`` / ``_bwd``) and
+their derivatives.
 
 Each takes and returns an fp32 ``TensorSSA`` (registers), evaluated elementwise.
 """
@@ -14,6 +15,18 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_CUBIC = 0.044715
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+def activation(name: str, z):
+    """act(z): relu, gelu (tanh approximation, as ``F.gelu(approximate="tanh")``) or gelu_erf."""
+    if name == "relu":
+        return cute.where(z > Float32(0.0), z, cute.full_like(z, 0.0))
+    if name == "gelu":
+        t = cute.math.tanh(z * (z * z * _GELU_CUBIC + 1.0) * _SQRT_2_OVER_PI)
+        return z * (t + 1.0) * 0.5
+    if name == "gelu_erf":
+        return z * (cute.math.erf(z * _INV_SQRT_2) + 1.0) * 0.5
+    raise ValueError(f"unknown activation {name!r}; expected one of {ACTIVATIONS}")
 
 
 def relu_grad(z):

@@ -92,3 +92,33 @@ def keep_flags_quads(word_index: Uint64, k0: Uint32, k1: Uint32, dropout_p: Floa
         flags.append(packed)
         cur = nxt
     return flags
+
+
+# --- elementwise dropout: one Philox call per 8 elements -----------------------------
+#
+# Element j of byte b of a bit mask (rows of ceil(N / 8) bytes, b the flat byte index) is
+# half j of the four words of counter (offset / 4, b): curand_init(seed, b, offset)'s first
+# curand4, each word split into two 16-bit halves, low half first. It is kept (bit j set) where
+# the half is >= round(p 2^16): 8 elements per call, p resolved to 2^-16. A draw advances the
+# generator's offset by 4 (one counter), whatever its size.
+
+KEEP_THRESHOLD_BITS = 16
+
+
+def keep_threshold(p: float) -> int:
+    """The 16-bit threshold a half must reach to be kept: round(p 2^16), at most 2^16 - 1."""
+    return min(round(p * (1 << KEEP_THRESHOLD_BITS)), (1 << KEEP_THRESHOLD_BITS) - 1)
+
+
+def keep_byte(k0, k1, counter, byte_index, threshold):
+    """The 8 keep bits (bit j: element j, 1 = kept) of mask byte ``byte_index`` (Uint64) for
+    Philox key (``k0``, ``k1``) and ``counter`` (Uint64, the offset / 4), as a Uint32 whose
+    high 24 bits are zero. Plain Python, traced inline by its callers."""
+    words = philox4x32_10(
+        Uint32(counter), Uint32(counter >> Uint64(32)), Uint32(byte_index), Uint32(byte_index >> Uint64(32)), k0, k1
+    )
+    bits = Uint32(0)
+    for j in range(8):
+        half = (words[j // 2] >> Uint32(16 * (j % 2))) & Uint32(0xFFFF)
+        bits = bits | cutlass.select_(half >= threshold, Uint32(1 << j), Uint32(0))
+    return bits

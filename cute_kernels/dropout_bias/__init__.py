@@ -1,5 +1,6 @@
-"""Fused dropout + bias (+ activation) backward."""
+"""Fused bias + activation + dropout, forward and backward."""
 
 from .dropout_bias_bwd import DropoutBiasBwd
+from .dropout_bias_fwd import DropoutBiasFwd
 
-__all__ = ["DropoutBiasBwd"]
+__all__ = ["DropoutBiasBwd", "DropoutBiasFwd"]

@@ -4,7 +4,8 @@
     dX    = dY * mask * 1/(1-p) * act'(x + bias)      (``ls_dropout_act_bias_bwd``)
     dBias = sum over rows of dX
 
-for dY of shape [rows, N]. One pass over dY (and mask, x): every thread owns one
+for dY of shape [rows, N], the mask one byte per element or (``mask_bits``) one bit per
+element, rows of ceil(N / 8) bytes as ``DropoutBiasFwd`` stores it. One pass over dY (and mask, x): every thread owns one
 vector of columns and walks rows, writing dX and keeping its column sums in fp32
 registers; the CTA folds its row-threads through shared memory into one partial per
 column, and the last CTA of each column tile sums the partials in a fixed order
@@ -17,7 +18,7 @@ blocks (a row block is the CTA tile's rows); the host sizes it to fill the GPU.
 import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Uint32, const_expr
 
 from cute_kernels.common.activation import ACTIVATIONS, activation_grad
 from cute_kernels.common.column_partials import ColumnPartials
@@ -25,12 +26,12 @@ from layouts.dropout_bias import DropoutBiasBwdTiles
 
 
 class DropoutBiasBwd:
-    """Configuration: element dtype (dY, x, dX), bias-gradient dtype, activation, tiles.
-
-    The mask is read as bytes (uint8; a torch bool tensor is passed as its uint8 view).
+    """Configuration: element dtype (dY, x, dX), bias-gradient dtype, activation, tiles, and
+    the mask's form: bytes of dY's shape (uint8; a torch bool tensor is passed as its uint8 view)
+    or, with ``mask_bits``, [rows, ceil(N / 8)] bytes of 8 keep bits (bit j: column 8 b + j).
     """
 
-    def __init__(self, dtype, dbias_dtype, activation, tiles: DropoutBiasBwdTiles):
+    def __init__(self, dtype, dbias_dtype, activation, tiles: DropoutBiasBwdTiles, mask_bits: bool = False):
         if activation is not None and activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
         if dtype.width != tiles.elem_bits:
@@ -39,12 +40,13 @@ class DropoutBiasBwd:
         self.dbias_dtype = dbias_dtype
         self.activation = activation
         self.tiles = tiles
+        self.mask_bits = mask_bits
 
     @cute.jit
     def __call__(
         self,
         mDY: cute.Tensor,  # [rows, N]
-        mMask: cute.Tensor,  # [rows, N] uint8
+        mMask: cute.Tensor,  # [rows, N] uint8, or [rows, ceil(N / 8)] uint8 with mask_bits
         mX: cute.Tensor,  # [rows, N] pre-activation input (activation only, else None)
         mBias: cute.Tensor,  # [N] (activation only, else None)
         mDX: cute.Tensor,  # [rows, N]
@@ -56,7 +58,9 @@ class DropoutBiasBwd:
         stream: cuda.CUstream,
     ):
         copy = self.tiles.gmem_load().build(self.dtype)
-        copy_mask = self.tiles.gmem_load_mask().build(cutlass.Uint8)
+        copy_mask = None
+        if const_expr(not self.mask_bits):
+            copy_mask = self.tiles.gmem_load_mask().build(cutlass.Uint8)
         copy_out = self.tiles.gmem_store().build(self.dtype)
         tile_n = self.tiles.tile[1]
         self.kernel(
@@ -104,14 +108,14 @@ class DropoutBiasBwd:
 
         # (tile_m, tile_n, row blocks) views of this CTA's column tile
         gDY = cute.local_tile(mDY, tile, (None, col_tile))
-        gMask = cute.local_tile(mMask, tile, (None, col_tile))
         gDX = cute.local_tile(mDX, tile, (None, col_tile))
         cRC = cute.local_tile(cute.make_identity_tensor(mDY.shape), tile, (None, col_tile))
 
         thr = copy.get_slice(tidx)
-        thr_mask = copy_mask.get_slice(tidx)
         tDYg = thr.partition_S(gDY)  # (CPY, 1, 1, row blocks)
-        tMg = thr_mask.partition_S(gMask)
+        tMg = None
+        if const_expr(not self.mask_bits):
+            tMg = copy_mask.get_slice(tidx).partition_S(cute.local_tile(mMask, tile, (None, col_tile)))
         tDXg = copy_out.get_slice(tidx).partition_D(gDX)
         tRC = thr.partition_S(cRC)
         row0, col = tRC[0, 0, 0, 0]  # this thread's row in a block, first column
@@ -144,11 +148,11 @@ class DropoutBiasBwd:
             # the first use, so each thread keeps several 128-bit loads outstanding.
             for rb in cutlass.range(rb_begin, batched_end, in_flight):
                 rDY = [cute.make_rmem_tensor_like(tDYg[None, 0, 0, 0]) for _ in range(in_flight)]
-                rM = [cute.make_rmem_tensor_like(tMg[None, 0, 0, 0]) for _ in range(in_flight)]
+                rM = [None] * in_flight
                 rX = [None] * in_flight
                 for i in cutlass.range_constexpr(in_flight):
                     cute.copy(copy, tDYg[None, 0, 0, rb + i], rDY[i])
-                    cute.copy(copy_mask, tMg[None, 0, 0, rb + i], rM[i])
+                    rM[i] = self.load_mask(mMask, tMg, copy_mask, rb + i, (rb + i) * tile[0] + row0, col)
                     if const_expr(self.activation is not None):
                         rX[i] = cute.make_rmem_tensor_like(tXg[None, 0, 0, 0])
                         cute.copy(copy, tXg[None, 0, 0, rb + i], rX[i])
@@ -158,9 +162,8 @@ class DropoutBiasBwd:
             for rb in cutlass.range(batched_end, rb_end):
                 if rb * tile[0] + row0 < rows:
                     rDY = cute.make_rmem_tensor_like(tDYg[None, 0, 0, 0])
-                    rM = cute.make_rmem_tensor_like(tMg[None, 0, 0, 0])
                     cute.copy(copy, tDYg[None, 0, 0, rb], rDY)
-                    cute.copy(copy_mask, tMg[None, 0, 0, rb], rM)
+                    rM = self.load_mask(mMask, tMg, copy_mask, rb, rb * tile[0] + row0, col)
                     rX = None
                     if const_expr(self.activation is not None):
                         rX = cute.make_rmem_tensor_like(tXg[None, 0, 0, 0])
@@ -183,9 +186,28 @@ class DropoutBiasBwd:
         partials.store(sAcc, mPartial, chunk, col_tile, tidx)
         partials.finish(mPartial, mCounter, mDBias, col_tile, tidx, sFold, sFlag)
 
+    def load_mask(self, mMask, tMg, copy_mask, rb, row, col):
+        """One row block's keep flags of this thread's vector: its mask bytes in registers, or
+        (``mask_bits``) the byte holding its bits shifted down to bit 0 (a Uint32)."""
+        if const_expr(self.mask_bits):
+            return Uint32(mMask[row, col // 8]) >> Uint32(col % 8)
+        rM = cute.make_rmem_tensor_like(tMg[None, 0, 0, 0])
+        cute.copy(copy_mask, tMg[None, 0, 0, rb], rM)
+        return rM
+
+    def keep_scaled(self, rM, rDY, scale):
+        """keep / (1 - p) per element of the vector, fp32."""
+        if const_expr(not self.mask_bits):
+            return rM.load().to(Float32) * scale
+        rK = cute.make_rmem_tensor_like(rDY, Float32)
+        for i in range(cute.size(rK)):  # a plain helper: unrolled as it is traced
+            kept = ((rM >> Uint32(i)) & Uint32(1)) != Uint32(0)
+            rK[i] = cutlass.select_(kept, scale, Float32(0.0))
+        return rK.load()
+
     def grad_block(self, rDY, rM, rX, rBias, scale, acc, copy, tDXg_block):
         """dX for one vector: registers in, dX stored, column sums accumulated."""
-        g = rDY.load().to(Float32) * (rM.load().to(Float32) * scale)
+        g = rDY.load().to(Float32) * self.keep_scaled(rM, rDY, scale)
         if const_expr(self.activation is not None):
             z = rX.load().to(Float32) + rBias.load().to(Float32)
             g = g * activation_grad(self.activation, z)
