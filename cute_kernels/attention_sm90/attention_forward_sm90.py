@@ -79,7 +79,8 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
 
     ``seqused``: int32 [sequences] used lengths of queries and keys (``SeqlenInfo``): each
     sequence's lengths are its used ones, for the masks too; rows past them are padding. A tile
-    straddling the end still loads it (TMA takes whole tiles) with weight 0, so it must be finite;
+    straddling the end still loads it (TMA takes whole tiles): padding keys are masked, padding
+    values get weight 0 (so they must be finite), padding query rows get O := 0 before the store;
     a query block wholly past the used rows does nothing (the host zeroes O and fills the LSE)."""
 
     def __init__(
@@ -580,7 +581,20 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
             warpgroup.wait_group(0)
             pipe_v.consumer_release(state)
         o_scale = feat.philox.scale if const_expr(self.dropout) else None
-        return acc_O, self.finalize(acc_O, row_max, row_sum, sm_scale, o_scale)
+        lse = self.finalize(acc_O, row_max, row_sum, sm_scale, o_scale)
+        if const_expr(self.seqused):  # a straddling block's padding rows leave by the TMA store too
+            self.zero_rows_past(acc_O, cS, q0, seqlen_q)
+        return acc_O, lse
+
+    @cute.jit
+    def zero_rows_past(self, acc_O, cS, q0, seqlen_q):
+        """O := 0 on the rows past the sequence's queries (``cS``: S's coordinates, whose rows O's
+        share). A select, not a scale: those rows attended with whatever the padding holds."""
+        A = cute.make_tensor(acc_O.iterator, acc_mn_layout(acc_O.layout))
+        for r in cutlass.range_constexpr(cute.size(A, mode=[0])):
+            if q0 + cS[r, 0][0] >= seqlen_q:
+                for c in cutlass.range_constexpr(cute.size(A, mode=[1])):
+                    A[r, c] = Float32(0.0)
 
     @staticmethod
     def coords_mn(thr_mma, shape):
