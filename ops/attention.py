@@ -11,7 +11,11 @@
   captures it as one node. ``return_lse=True`` returns the logsumexp too, and a loss on it is
   differentiated (Δ - dLSE in either backward). ``softcap=c`` caps the scaled logits at
   c tanh(s / c) before bias and mask: our forward and the sm90 backward only (NotImplementedError
-  elsewhere: torch's forward and the memory-efficient backward have no cap).
+  elsewhere: torch's forward and the memory-efficient backward have no cap). ``seqused_q /
+  seqused_k`` (int32 [B], or [num_seqs] with cu_seqlens) bound each sequence's used rows
+  (FlashAttention-3's): the rest of its buffer is padding (read by the tiles that straddle
+  the end, with weight 0: it must hold finite values), out 0 and logsumexp +inf on the
+  padding rows, their gradients 0; our forward and the sm90 backward only.
 * ``efficient_attention_backward(...)``: a drop-in for ``aten._efficient_attention_backward``
   (same arguments, layouts and outputs: grad_q, grad_k, grad_v, grad_bias; with
   ``bias_requires_grad`` grad_bias has the bias's shape, summed over its broadcast dims),
@@ -68,7 +72,7 @@ from . import _compile as cc
 from . import attention_fwd_sm90 as fwd_sm90
 from . import attention_sm90 as sm90
 from . import mem_eff_attention as mem_eff
-from .attention_checks import check_softcap, validate_call
+from .attention_checks import check_seqused, check_softcap, validate_call
 from ._validate import check_float, check_int, kernel_ready, validate_once
 from .attention_common import (
     AttentionBackwardArgs,
@@ -103,13 +107,19 @@ def _mea_impl(
     backend: str = "auto",  # "mem_eff": torch's forward; else ours where it applies (in the schema for graphs)
     deterministic: bool = False,  # the backward's (in the schema so that graphs keep it)
     softcap: float = 0.0,
+    seqused_q: Optional[Tensor] = None,
+    seqused_k: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """The op's body: our forward where it applies, torch's otherwise (``deterministic`` is the
-    backward's, kept for it). A softcap needs ours: torch's forward has none."""
+    backward's, kept for it). A softcap and used lengths need ours: torch's forward has neither."""
     del deterministic
     reason = forward_unsupported(query, key, value, custom_mask_type, attn_bias, dropout_p, backend)
     if softcap > 0.0 and reason is not None:
         raise NotImplementedError(f"softcap needs our forward (torch's has no softcap), which does not apply: {reason}")
+    if seqused_q is not None and reason is not None:
+        raise NotImplementedError(
+            f"seqused_q / seqused_k need our forward (torch's has no used lengths), which does not apply: {reason}"
+        )
     if log.isEnabledFor(logging.DEBUG):
         log.debug("attention forward: %s", "sm90" if reason is None else f"torch's ({reason})")
     if reason is None:
@@ -133,6 +143,8 @@ def _mea_impl(
             seed,
             offset,
             softcap,
+            seqused_q,
+            seqused_k,
         )
         return out, lse, *_rng_on_device(seed, offset, dropout_p, query.device)
     if dropout_p > 0.0 and cu_seqlens_q is not None:
@@ -239,6 +251,8 @@ def _(
     backend="auto",
     deterministic=False,
     softcap=0.0,
+    seqused_q=None,
+    seqused_k=None,
 ):
     b, mq, h, _ = query.shape
     out = query.new_empty((b, mq, h, value.shape[3]))
@@ -250,9 +264,9 @@ def _(
 
 def _mea_setup(ctx, inputs, output):
     query, key, value, cu_q, cu_k, max_q, max_k, mask_type, window_size, scale, attn_bias, dropout_p, *flags = inputs
-    backend, det, softcap = flags
+    backend, det, softcap, used_q, used_k = flags
     out, lse, seed, offset = output
-    ctx.save_for_backward(query, key, value, out, lse, cu_q, cu_k, attn_bias, seed, offset)
+    ctx.save_for_backward(query, key, value, out, lse, cu_q, cu_k, attn_bias, seed, offset, used_q, used_k)
     ctx.max_seqlens = (max_q, max_k)
     ctx.mask_type, ctx.window_size, ctx.scale, ctx.dropout_p = mask_type, window_size, scale, dropout_p
     ctx.backend, ctx.deterministic, ctx.softcap = backend, det, softcap
@@ -262,11 +276,11 @@ def _mea_setup(ctx, inputs, output):
 
 def _mea_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
     del grad_seed, grad_offset
-    query, key, value, out, lse, cu_q, cu_k, attn_bias, seed, offset = ctx.saved_tensors
+    query, key, value, out, lse, cu_q, cu_k, attn_bias, seed, offset, used_q, used_k = ctx.saved_tensors
     none = (None,) * 7
     # (set_materialize_grads(False): an output's gradient is None unless it reached the loss)
     if grad_out is None and grad_lse is None:
-        return (None,) * 15
+        return (None,) * 17
     if grad_out is None:  # a loss on the logsumexp alone: dO = 0, so dV = 0 and dS = P dLSE
         grad_out = torch.zeros_like(out)
     grad_out = kernel_ready(grad_out, TMA_ALIGN_BYTES // grad_out.element_size())
@@ -294,9 +308,11 @@ def _mea_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
         deterministic=ctx.deterministic,
         grad_lse=grad_lse,
         softcap=ctx.softcap,
+        seqused_q=used_q,
+        seqused_k=used_k,
     )
     dq, dk, dv, db = _backward(args)
-    return (dq, dk, dv) + none + (db, None, None, None, None)
+    return (dq, dk, dv) + none + (db,) + (None,) * 6
 
 
 torch.library.register_autograd("cute_kernels::memory_efficient_attention", _mea_backward, setup_context=_mea_setup)
@@ -324,6 +340,8 @@ def memory_efficient_attention(
     deterministic: Optional[bool] = None,
     return_lse: bool = False,
     softcap: Optional[float] = None,
+    seqused_q: Optional[Tensor] = None,
+    seqused_k: Optional[Tensor] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """dropout(softmax(scale q kᵀ + bias + mask)) v in the [B, M, H, K] layout; with ``softcap``
     c, dropout(softmax(c tanh(scale q kᵀ / c) + bias + mask)) v.
@@ -363,6 +381,15 @@ def memory_efficient_attention(
             the mask (Gemma 2, Grok; FlashAttention's order); None or 0: no cap. Our forward and
             the sm90 backward only (sm_90a, fp16 / bf16, their head dims, no bias gradient):
             elsewhere NotImplementedError, before the forward where it can tell.
+        seqused_q, seqused_k: used lengths, int32 [B] (with cu_seqlens [num_seqs]) on query's
+            device, either or both: sequence b's first seqused_q[b] queries and seqused_k[b] keys
+            are its sequence, the rest of its rows padding (the masks, windows and bottom-right
+            alignment take the used lengths). Out is 0 and the logsumexp +inf on the padding
+            rows, their gradients (dQ, and dK / dV of padding keys) 0. Values are clamped to
+            [0, the sequence's length] on the device. The padding must hold finite values: the
+            tiles that straddle a used length load it with weight 0. Our forward and the sm90
+            backward only (sm_90a, fp16 / bf16, their head dims; not with ``attn_bias`` or
+            dropout): elsewhere NotImplementedError, ``backend="mem_eff"`` included.
 
     Returns:
         out [B, Mq, H, Kv] in query's dtype (with ``return_lse``: (out, logsumexp)). Eager varlen calls read cu_seqlens back once to
@@ -386,6 +413,8 @@ def memory_efficient_attention(
         backend,
         deterministic,
         softcap,
+        seqused_q,
+        seqused_k,
     )
     return (out, lse) if return_lse else out
 
@@ -406,6 +435,8 @@ def _forward(
     backend,
     deterministic,
     softcap=None,
+    seqused_q=None,
+    seqused_k=None,
 ):
     """The checks of ``memory_efficient_attention``, then its op: (out, lse, philox seed, philox
     offset, max_seqlen_q, max_seqlen_k) with the longest lengths resolved."""
@@ -415,6 +446,10 @@ def _forward(
     mask_type, window_size, max_q, max_k, scale = validate_call(
         query, key, value, causal, window_size, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )
+    seqused_q, seqused_k = check_seqused(seqused_q, seqused_k, query, key, cu_seqlens_q, cu_seqlens_k)
+    seqused = seqused_q is not None
+    if seqused and (attn_bias is not None or float(dropout_p) > 0.0):
+        raise NotImplementedError("seqused_q / seqused_k with attn_bias or dropout are not implemented")
     check_float("dropout_p", dropout_p)
     dropout_p = float(dropout_p)
     if not 0.0 <= dropout_p < 1.0:
@@ -436,9 +471,10 @@ def _forward(
                 dropout_p > 0.0,
                 backend,
                 softcap > 0.0,
+                seqused,
             ),
             lambda: _check_backward_runs(
-                query, key, value, mask_type, window_size, attn_bias, dropout_p, backend, softcap
+                query, key, value, mask_type, window_size, attn_bias, dropout_p, backend, softcap, seqused
             ),
         )
     mea = _MeaEager.apply if query.is_cuda and cc.eager(query) else _mea_forward
@@ -458,6 +494,8 @@ def _forward(
         backend,
         deterministic,
         softcap,
+        seqused_q,
+        seqused_k,
     )
     return out, lse, seed, offset, max_q, max_k
 
@@ -514,18 +552,22 @@ def efficient_attention_forward(
     return out, lse, seed, offset, max_q, max_k
 
 
-def _check_backward_runs(query, key, value, mask_type, window_size, attn_bias, dropout_p, backend, softcap) -> None:
+def _check_backward_runs(
+    query, key, value, mask_type, window_size, attn_bias, dropout_p, backend, softcap, seqused=False
+) -> None:
     """Raise before the forward what the backward would raise: a training step should fail
     before it spends a forward. Checked on real tensors (a trace's fail at run time): the
-    backend asked for, and with a softcap whether the sm90 backward (the only one with a
-    softcap) takes the problem."""
+    backend asked for, and with a softcap or used lengths whether the sm90 backward (the only
+    one with them) takes the problem."""
     limit = max_head_dim(query.dtype)
     if max(query.shape[-1], value.shape[-1]) > limit:
         raise NotImplementedError(
             f"the backward takes head dims up to {limit} for {query.dtype}, got query's {query.shape[-1]} and "
             f"value's {value.shape[-1]} (no gradients through this call; run it under torch.no_grad())"
         )
-    if (backend != "sm90" and softcap == 0.0) or not query.is_cuda or not cc.eager(query):
+    if seqused and backend == "mem_eff":
+        raise NotImplementedError(_SEQUSED_MEM_EFF.format(why="backend='mem_eff'"))
+    if (backend != "sm90" and softcap == 0.0 and not seqused) or not query.is_cuda or not cc.eager(query):
         return
     # out's shape is all that counts (the choice reads no logsumexp: out stands in for it)
     out = torch.empty((*query.shape[:3], value.shape[3]), dtype=query.dtype, device="meta")
@@ -543,6 +585,8 @@ def _check_backward_runs(query, key, value, mask_type, window_size, attn_bias, d
         dropout_p=dropout_p,
         backend=backend,
         softcap=softcap,
+        seqused_q=out[:, 0, 0, 0] if seqused else None,  # (stands in: the choice reads its presence)
+        seqused_k=out[:, 0, 0, 0] if seqused else None,
     )
     choose_backend(args, arch=cc.tensor_arch(query))
 
@@ -589,13 +633,15 @@ def choose_backend(args: AttentionBackwardArgs, arch: Optional[str] = None) -> T
 
     ``arch`` defaults to the device's, known only for real CUDA tensors (CPU, meta and
     fake tensors are never sm90 unless ``arch`` says so). NotImplementedError when
-    ``args.backend == "sm90"`` and the sm90 path cannot take the problem, and for a softcap
-    the sm90 path cannot take (the memory-efficient kernel has none)."""
+    ``args.backend == "sm90"`` and the sm90 path cannot take the problem, and for a softcap or
+    used lengths the sm90 path cannot take (the memory-efficient kernel has neither)."""
     backend = args.backend
     check_backend(backend)
     if backend == "mem_eff":
         if args.softcap > 0.0:
             raise NotImplementedError(_SOFTCAP_MEM_EFF.format(why="backend='mem_eff'"))
+        if args.seqused:
+            raise NotImplementedError(_SEQUSED_MEM_EFF.format(why="backend='mem_eff'"))
         return "mem_eff", "backend='mem_eff'"
     reason = _not_on_sm90(args, arch)
     if reason is None:
@@ -604,10 +650,13 @@ def choose_backend(args: AttentionBackwardArgs, arch: Optional[str] = None) -> T
         raise NotImplementedError(f"backend='sm90' cannot take this attention backward: {reason}")
     if args.softcap > 0.0:
         raise NotImplementedError(_SOFTCAP_MEM_EFF.format(why=f"the sm90 backward does not apply: {reason}"))
+    if args.seqused:
+        raise NotImplementedError(_SEQUSED_MEM_EFF.format(why=f"the sm90 backward does not apply: {reason}"))
     return "mem_eff", f"backend='auto', not on sm90: {reason}"
 
 
 _SOFTCAP_MEM_EFF = "softcap: the memory-efficient backward has no softcap ({why})"
+_SEQUSED_MEM_EFF = "seqused_q / seqused_k: the memory-efficient backward has no used lengths ({why})"
 
 
 def _not_on_sm90(a: AttentionBackwardArgs, arch: Optional[str]) -> Optional[str]:
@@ -672,6 +721,8 @@ def _op(
     deterministic: bool = False,
     grad_lse: Optional[Tensor] = None,
     softcap: float = 0.0,
+    seqused_q: Optional[Tensor] = None,
+    seqused_k: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     # the parameters are AttentionBackwardArgs' fields, in order (the op's schema is flat); the
     # backend is chosen here, at run time, on the real tensors (their device's arch)

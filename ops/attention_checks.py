@@ -1,8 +1,9 @@
 """The checks of ``memory_efficient_attention``'s arguments (``ops.attention``): shapes,
-dtypes, devices, ``cu_seqlens``, the causal mask's and the window's forms, the softcap."""
+dtypes, devices, ``cu_seqlens``, the causal mask's and the window's forms, the softcap, the used lengths."""
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Tuple
@@ -203,3 +204,34 @@ def check_softcap(softcap) -> float:
     if not math.isfinite(c) or c < 0.0:
         raise ValueError(f"softcap must be a finite float > 0, or None / 0 for none, got {softcap!r}")
     return c
+
+
+def check_seqused(seqused_q, seqused_k, query, key, cu_seqlens_q, cu_seqlens_k):
+    """``seqused_q / _k`` as the kernels take them: (None, None), or both int32 [sequences] on
+    query's device (the one not given: every sequence's full length). Their values are not read
+    here (no synchronisation): the kernels clamp them to [0, the sequence's length]."""
+    if seqused_q is None and seqused_k is None:
+        return None, None
+    varlen = cu_seqlens_q is not None
+    seqs = cu_seqlens_q.shape[0] - 1 if varlen else query.shape[0]
+    for name, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+        if t is not None:
+            check = functools.partial(_check_seqused_meta, name, t, query, seqs, varlen)
+            validate_once(("seqused", name, t, query, seqs), check)
+    lengths = {"q": (cu_seqlens_q, query.shape[1]), "k": (cu_seqlens_k, key.shape[1])}
+
+    def full(side):  # every sequence's whole length
+        cu, rows = lengths[side]
+        return cu.diff() if varlen else torch.full((seqs,), rows, dtype=torch.int32, device=query.device)
+
+    return (full("q") if seqused_q is None else seqused_q), (full("k") if seqused_k is None else seqused_k)
+
+
+def _check_seqused_meta(name, t, query, seqs, varlen) -> None:
+    check_tensor(name, t)
+    check_same_device(name, t, query)
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if tuple(t.shape) != (seqs,) or (seqs > 1 and t.stride(0) != 1):
+        per = "one entry per sequence of cu_seqlens" if varlen else "one entry per batch entry"
+        raise ValueError(f"{name} must be a contiguous 1-D tensor [{seqs}] ({per}), got shape {tuple(t.shape)}")

@@ -74,8 +74,8 @@ class AttentionBackwardArgs:
     """One attention backward: ``aten._efficient_attention_backward``'s arguments, the backend
     asked for and deterministic mode; beyond aten's, for ``memory_efficient_attention``'s own
     backward only, the gradient of the returned logsumexp (``grad_lse``, the LSE's shape; None:
-    no loss on it) and the forward's softcap (``softcap`` c > 0: the scores were c tanh(s / c);
-    0: none). ``efficient_attention_backward`` builds it from what the caller passed,
+    no loss on it), the forward's softcap (``softcap`` c > 0: the scores were c tanh(s / c);
+    0: none) and its used lengths (``seqused_q / _k``: int32 [sequences], both or neither). ``efficient_attention_backward`` builds it from what the caller passed,
     checks it and normalises it (``normalized``). Tensors make an equality elementwise, so
     instances compare by identity (``eq=False``)."""
 
@@ -103,6 +103,8 @@ class AttentionBackwardArgs:
     deterministic: bool = False
     grad_lse: Optional[Tensor] = None
     softcap: float = 0.0
+    seqused_q: Optional[Tensor] = None
+    seqused_k: Optional[Tensor] = None
 
     @classmethod
     def from_op(cls, *flat, **named) -> AttentionBackwardArgs:
@@ -143,11 +145,18 @@ class AttentionBackwardArgs:
             deterministic=self.deterministic,
             grad_lse=self.grad_lse,
             softcap=float(self.softcap),
+            seqused_q=self.seqused_q,
+            seqused_k=self.seqused_k,
         )
 
     @property
     def varlen(self) -> bool:
         return self.cu_seqlens_q is not None
+
+    @property
+    def seqused(self) -> bool:
+        """Used lengths given (``seqused_q`` and ``seqused_k``, int32 [sequences])."""
+        return self.seqused_q is not None
 
     @property
     def window(self) -> int:

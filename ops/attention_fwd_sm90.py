@@ -37,7 +37,8 @@ DTYPES = (torch.float16, torch.bfloat16)
 class ForwardConfig:
     """One compiled forward: element type, head dims, mask (0 none, 1 causal top-left, 2
     bottom-right), whether a sliding window applies, variable lengths, the DSL target, an
-    additive bias, dropout, softcapped scores (the cap itself is a runtime argument)."""
+    additive bias, dropout, softcapped scores (the cap itself is a runtime argument), used
+    lengths (``seqused_q / _k``, int32 per sequence)."""
 
     dtype: type
     head_dim: int
@@ -49,12 +50,15 @@ class ForwardConfig:
     bias: bool = False
     dropout: bool = False
     softcap: bool = False
+    seqused: bool = False
 
 
 def _build(config: ForwardConfig):
     c = config
     tiles = forward_tiles(c.head_dim, c.head_dim_v, c.window, c.bias, c.dropout)
-    kernel = AttentionForwardSm90(c.dtype, tiles, c.mask_type, c.window, c.varlen, c.bias, c.dropout, c.softcap)
+    kernel = AttentionForwardSm90(
+        c.dtype, tiles, c.mask_type, c.window, c.varlen, c.bias, c.dropout, c.softcap, seqused=c.seqused
+    )
     b, h, hk, mq, mk, lse_rows = (cute.sym_int() for _ in range(6))
     seqs = cute.sym_int() if c.varlen else b  # the LSE's rows: per sequence
     vec = tma_align_elems(c.dtype.width)
@@ -67,6 +71,7 @@ def _build(config: ForwardConfig):
     # the bias: any strides (0 for broadcast dims; read element by element), as the backward's
     bias = cc.fake_tensor(c.dtype, (b, h, mq, mk), 1, leading_dim=None) if c.bias else None
     rng = cc.fake_rng_args(False) if c.dropout else (None,) * 5
+    used = (cc.fake_tensor(cutlass.Int32, (seqs,), 1) if c.seqused else None for _ in range(2))
     return cc.compile_kernel(
         kernel,
         q,
@@ -82,6 +87,7 @@ def _build(config: ForwardConfig):
         bias,
         *rng,
         cutlass.Float32(1.0),
+        *used,
         cc.fake_stream(),
         arch=c.arch,
     )
@@ -174,6 +180,8 @@ def attention_forward_sm90(
     philox_seed: Optional[Tensor] = None,
     philox_offset: Optional[Tensor] = None,
     softcap: float = 0.0,
+    seqused_q: Optional[Tensor] = None,
+    seqused_k: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """O [B, Mq, H, Dv] and LSE [B, H, round_up(Mq, 32)] (natural log, fp32) of q [B, Mq, H, D],
     k [B, Mk, Hk, D], v [B, Mk, Hk, Dv] (``unsupported`` first). ``window_size`` > 0 (with a
@@ -185,16 +193,27 @@ def attention_forward_sm90(
     ``philox_seed / philox_offset`` (int64 CPU scalars, ``philox_state``; with variable lengths
     sequence i's (i, head) stream starts at (i H + head) max_seqlen_q max_seqlen_k, as the
     backwards draw it); the LSE is the undropped softmax's. ``softcap`` c > 0: the scores
-    scale q kᵀ become c tanh(scale q kᵀ / c) before the bias and the mask (0: none)."""
+    scale q kᵀ become c tanh(scale q kᵀ / c) before the bias and the mask (0: none).
+
+    ``seqused_q / _k``: int32 [sequences] (both or neither; ``full_seqused`` makes the one not
+    given): only the first seqused[b] query / key rows of sequence b are used, the masks align to
+    those lengths; O is 0 past them and the LSE +inf (the padded rows' value). Not with a bias
+    or dropout."""
     b, mq, h, d = query.shape
     varlen = cu_seqlens_q is not None
     if bias is not None and varlen:
         raise NotImplementedError("attention bias with cu_seqlens is not supported (torch's forward refuses it too)")
     seqs, rows_q = (cu_seqlens_q.shape[0] - 1, int(max_seqlen_q)) if varlen else (b, mq)
-    out = torch.empty((b, mq, h, value.shape[3]), dtype=query.dtype, device=query.device)
+    seqused = seqused_q is not None
+    if seqused and (bias is not None or dropout_p > 0.0):
+        raise NotImplementedError("used lengths (seqused_q / seqused_k) with an attention bias or dropout")
+    # used lengths: query blocks past them do not run, so their O and LSE are written here
+    out = (torch.zeros if seqused else torch.empty)((b, mq, h, value.shape[3]), dtype=query.dtype, device=query.device)
     lse = torch.empty((seqs, h, lse_rows(rows_q)), dtype=torch.float32, device=query.device)
+    if seqused:
+        lse.fill_(math.inf)
     if out.numel() == 0 or key.shape[1] == 0 or seqs == 0:  # no launch: nothing to compute, or no key to see
-        return out.zero_(), _empty_lse(lse, mq, cu_seqlens_q)
+        return out.zero_(), _empty_lse(lse, mq, cu_seqlens_q, seqused_q)
     dropout = dropout_p > 0.0
     config = ForwardConfig(
         cc.cute_dtype(query.dtype),
@@ -207,6 +226,7 @@ def attention_forward_sm90(
         bias is not None,
         dropout,
         softcap > 0.0,
+        seqused,
     )
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
     if bias is not None:
@@ -216,17 +236,20 @@ def attention_forward_sm90(
         rows_k = int(max_seqlen_k) if varlen else key.shape[1]
         rng = cc.dropout_args(dropout_p, philox_seed, philox_offset, rows_q, rows_k)
     fn = compiled(config)
-    fn(query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, rows_q, scale, int(window_size), bias, *rng, softcap)
+    args = (query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, rows_q, scale, int(window_size), bias, *rng)
+    fn(*args, softcap, seqused_q, seqused_k)
     return out, lse
 
 
-def _empty_lse(lse: Tensor, mq: int, cu_seqlens_q: Optional[Tensor]) -> Tensor:
-    """The LSE of queries that see no key: 0 on each sequence's rows, +inf on the padding."""
+def _empty_lse(lse: Tensor, mq: int, cu_seqlens_q: Optional[Tensor], seqused_q: Optional[Tensor] = None) -> Tensor:
+    """The LSE of queries that see no key: 0 on each sequence's (used) rows, +inf on the padding."""
     rows = torch.arange(lse.shape[-1], device=lse.device)
     if cu_seqlens_q is None:
         lengths = torch.full((lse.shape[0], 1), mq, device=lse.device)
     else:
         lengths = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).view(-1, 1)
+    if seqused_q is not None:
+        lengths = torch.minimum(lengths, seqused_q.view(-1, 1))
     inside = (rows.view(1, -1) < lengths).unsqueeze(1).expand(lse.shape)
     return lse.fill_(math.inf).masked_fill_(inside, 0.0)
 

@@ -58,7 +58,8 @@ class Sm90Config:
     accumulator a round of tiles ahead (``_zeroes_ahead``); ``tail_m``: the partial last query
     block's products that many queries wide (``_tail_m``); ``rng_on_device``: dropout's seed and
     offset read from device tensors (``_compile.dropout_args``); ``softcap``: the forward capped
-    the scores (the cap is a runtime argument)."""
+    the scores (the cap is a runtime argument); ``seqused``: used lengths per sequence (int32
+    tensors read on the device)."""
 
     dtype: type
     head_dim: int
@@ -78,6 +79,7 @@ class Sm90Config:
     tail_m: int = 0
     rng_on_device: bool = False
     softcap: bool = False
+    seqused: bool = False
 
     def __post_init__(self):
         # the key's repr names its disk-cache entry: one spelling per value (1 and True are one
@@ -114,6 +116,7 @@ def _build(config: Sm90Config):
         zero_ahead=c.zero_ahead,
         tail_m=c.tail_m,
         softcap=c.softcap,
+        seqused=c.seqused,
     )
     return cc.compile_kernel(kernel, *_fake_args(c, kernel.dynamic_tiles), cc.fake_stream(), arch=c.arch)
 
@@ -151,7 +154,8 @@ def _fake_args(c: Sm90Config, dynamic: bool) -> tuple:
     # softmax scale, window, max_seqlen_k, heads per chunk, persistent CTAs, softcap
     scalars = (cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(1))
     scalars += (cutlass.Float32(1.0),)
-    return (*tensors, bias, grad_bias, *scalars, *rng)
+    used = tuple(cc.fake_tensor(cutlass.Int32, (seqs,), 1) if c.seqused else None for _ in range(2))
+    return (*tensors, bias, grad_bias, *scalars, *used, *rng)
 
 
 compiled = cc.CompileCache("attention_bwd_sm90", _build)
@@ -263,14 +267,17 @@ def _plan(
     ctas: int,
     rng_on_device: bool = False,
     softcap: bool = False,
+    seqused: bool = False,
 ) -> tuple:
     """(tiles, tile schedule, ``Sm90Config``) of one call: the choices made per call from the
     configuration, the query rows (``carry_dq``), the key rows (``dq_ready``, ``zero_ahead``)
-    and the persistent grid's CTAs (``zero_ahead``)."""
+    and the persistent grid's CTAs (``zero_ahead``). Used lengths (``seqused``) are lengths per
+    sequence on the device, as varlen's: the choices that need the host to know them are off."""
     tiles = _tiles(head_dim, head_dim_v, bias, grad_bias, dropout)
-    schedule = AttentionBackwardSm90.tile_schedule(tiles, mask_type, window, deterministic, varlen, bias, dropout)
+    per_seq = varlen or seqused
+    schedule = AttentionBackwardSm90.tile_schedule(tiles, mask_type, window, deterministic, per_seq, bias, dropout)
     carry = _carries_dq(tiles, schedule, rows_q, group)
-    first = _stores_first(tiles, mask_type, window, deterministic, varlen, rows_q, rows_k)
+    first = _stores_first(tiles, mask_type, window, deterministic, per_seq, rows_q, rows_k)
     key = Sm90Config(
         dtype,
         head_dim,
@@ -284,7 +291,7 @@ def _plan(
         grad_bias=grad_bias,
         dropout=dropout,
         carry_dq=carry,
-        dq_ready=_overlaps_convert(schedule, mask_type, deterministic, -(-rows_k // tiles.tile_n)),
+        dq_ready=not seqused and _overlaps_convert(schedule, mask_type, deterministic, -(-rows_k // tiles.tile_n)),
         store_first=first,
         zero_ahead=_zeroes_ahead(
             schedule,
@@ -294,9 +301,10 @@ def _plan(
             group * -(-rows_q // tiles.tile_m),
             reached=not window and (mask_type != 2 or rows_q <= rows_k),
         ),
-        tail_m=_tail_m(tiles, schedule, rows_q, varlen, bias, dropout),
+        tail_m=_tail_m(tiles, schedule, rows_q, per_seq, bias, dropout),
         rng_on_device=rng_on_device,
         softcap=softcap,
+        seqused=seqused,
     )
     return tiles, schedule, key
 
@@ -473,17 +481,24 @@ def attention_backward_sm90(args: AttentionBackwardArgs):
     ``bias``: broadcastable to [B, H, Sq, Sk] (not with variable lengths); with
     ``bias_requires_grad`` grad_bias is [B, H, Sq, Sk] (rows padded to 128 bits, as torch's),
     else None. Dropout: the keep mask of torch's memory-efficient forward for
-    ``philox_seed / philox_offset`` (int64 scalar tensors), p = ``dropout_p``."""
+    ``philox_seed / philox_offset`` (int64 scalar tensors), p = ``dropout_p``.
+
+    ``seqused_q / _k`` (int32 [sequences], both or neither): each sequence's used lengths (not
+    with a bias or dropout); the padding rows get dQ / dK / dV 0."""
     a = args
     if a.bias is not None and a.varlen:
         raise NotImplementedError("attention bias with cu_seqlens is not supported (torch's forward refuses it too)")
+    if a.seqused and (a.bias is not None or a.dropout):
+        raise NotImplementedError("used lengths (seqused_q / seqused_k) with an attention bias or dropout")
     plan = _call_plan_of(a)
     b, sq, h, d = a.query.shape
     sk = a.key.shape[1]
     # fresh [B, S, H, D] tensors whatever the inputs' strides, as aten's backward (and the
     # fake implementation of the op that calls this) allocates them
-    dk = torch.empty(a.key.shape, dtype=a.key.dtype, device=a.key.device)
-    dv = torch.empty(a.value.shape, dtype=a.value.dtype, device=a.value.device)
+    # (used lengths: the row-predicated stores leave the padding rows, zeros)
+    alloc = torch.zeros if a.seqused else torch.empty
+    dk = alloc(a.key.shape, dtype=a.key.dtype, device=a.key.device)
+    dv = alloc(a.value.shape, dtype=a.value.dtype, device=a.value.device)
     bias = grad_bias = None
     if a.bias is not None:
         bias = a.bias.expand(b, h, sq, sk)  # a view: broadcast dims get stride 0
@@ -530,6 +545,8 @@ def attention_backward_sm90(args: AttentionBackwardArgs):
         plan.chunk,
         plan.ctas,
         float(a.softcap),
+        a.seqused_q,
+        a.seqused_k,
         *rng,
     )
     dq = P.convert_dq(
@@ -549,6 +566,9 @@ def _preprocess(a: AttentionBackwardArgs, delta: Tensor, dq_accum: Optional[Tens
     )
     mask, sq, sk = int(a.custom_mask_type), a.query.shape[1], a.key.shape[1]
     P.zero_blind_delta(delta, mask, a.window, sq, sk, a.cu_seqlens_q, a.cu_seqlens_k)
+    if a.seqused:  # the padding rows' Δ (dO there is the caller's, dLSE the padding's)
+        rows = torch.arange(delta.shape[-1], device=delta.device)
+        delta.masked_fill_((rows.view(1, -1) >= a.seqused_q.view(-1, 1)).unsqueeze(1), 0.0)
 
 
 def _call_plan_of(a: AttentionBackwardArgs) -> _CallPlan:
@@ -559,7 +579,7 @@ def _call_plan_of(a: AttentionBackwardArgs) -> _CallPlan:
     bias, grad_bias = a.bias is not None, a.bias is not None and bool(a.bias_requires_grad)
     varlen = (a.cu_seqlens_q.shape, int(a.max_seqlen_q), int(a.max_seqlen_k)) if a.varlen else None
     sig = (query.shape, key.shape, value.shape, query.dtype, query.device, mask, a.window, deterministic, varlen)
-    sig += (bias, grad_bias, a.dropout, rng_dev, a.softcap > 0.0, _knobs())
+    sig += (bias, grad_bias, a.dropout, rng_dev, a.softcap > 0.0, a.seqused, _knobs())
     plan = _call_plans.get(sig)
     if plan is None:
         plan = _call_plans.put(
@@ -579,6 +599,7 @@ def _call_plan_of(a: AttentionBackwardArgs) -> _CallPlan:
                 a.dropout,
                 rng_dev,
                 a.softcap > 0.0,
+                a.seqused,
             ),
         )
     return plan
@@ -730,6 +751,7 @@ def _call_plan(
     dropout: bool,
     rng_dev: bool = False,
     softcap: bool = False,
+    seqused: bool = False,
 ) -> _CallPlan:
     varlen = cu_seqlens_q is not None
     b, sq, h, d = query.shape
@@ -758,6 +780,7 @@ def _call_plan(
         ctas=ctas,
         rng_on_device=rng_dev,
         softcap=softcap,
+        seqused=seqused,
     )
     # the kernel counts dQ's key blocks for ConvertDQReady; it stores each query block's first dQ,
     # or zeroes the accumulator itself (either way the preprocess does not)
@@ -783,7 +806,7 @@ def _call_plan(
         ready_counts=(h // hk, -(-rows_k // tiles.tile_n)),
         unzeroed=unzeroed,
         chunk=_heads_per_chunk(
-            tiles, rows_q, rows_k, h // hk, seqs * hk, query, mask_type, window, deterministic, varlen
+            tiles, rows_q, rows_k, h // hk, seqs * hk, query, mask_type, window, deterministic, varlen or seqused
         ),
         ctas=ctas,
         scratch=scratch,

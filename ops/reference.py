@@ -220,18 +220,29 @@ def attention_mask_ref(
     return keep
 
 
-def _attention_segments(query, key, cu_seqlens_q, cu_seqlens_k):
-    """[(b, q rows, k rows)]: one dense problem per batch entry or packed sequence."""
+def _attention_segments(query, key, cu_seqlens_q, cu_seqlens_k, seqused_q=None, seqused_k=None):
+    """[(b, q rows, k rows)]: one dense problem per batch entry or packed sequence, each cut to
+    its first ``seqused_q[i]`` / ``seqused_k[i]`` rows where given (the rest is padding)."""
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("cu_seqlens_q and cu_seqlens_k go together")
     if cu_seqlens_q is None:
-        return [(b, slice(0, query.shape[1]), slice(0, key.shape[1])) for b in range(query.shape[0])]
-    if query.shape[0] != 1:
-        raise ValueError(f"variable lengths need batch 1, got {query.shape[0]}")
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    if len(cq) != len(ck):
-        raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length")
-    return [(0, slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])) for i in range(len(cq) - 1)]
+        segments = [(b, slice(0, query.shape[1]), slice(0, key.shape[1])) for b in range(query.shape[0])]
+    else:
+        if query.shape[0] != 1:
+            raise ValueError(f"variable lengths need batch 1, got {query.shape[0]}")
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        if len(cq) != len(ck):
+            raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length")
+        segments = [(0, slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])) for i in range(len(cq) - 1)]
+    return [(b, _used(rq, seqused_q, i), _used(rk, seqused_k, i)) for i, (b, rq, rk) in enumerate(segments)]
+
+
+def _used(rows: slice, seqused: Optional[Tensor], i: int) -> slice:
+    """The first ``seqused[i]`` of ``rows`` (all of them without ``seqused``)."""
+    if seqused is None:
+        return rows
+    n = min(max(int(seqused[i]), 0), rows.stop - rows.start)
+    return slice(rows.start, rows.start + n)
 
 
 def _attention_scores(q, k, scale, softcap=0.0):
@@ -285,6 +296,8 @@ def attention_forward_ref(
     dropout_mask: Optional[Tensor] = None,
     dropout_p: float = 0.0,
     softcap: float = 0.0,
+    seqused_q: Optional[Tensor] = None,
+    seqused_k: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """(out [B, Mq, H, Kv], lse) in fp64: softmax(scale q kᵀ + mask) v and its natural-log
     log-sum-exp; with ``softcap`` c > 0 the scores are c tanh(scale q kᵀ / c) (before bias and mask).
@@ -295,7 +308,9 @@ def attention_forward_ref(
     sum are reset before the log). ``bias`` (broadcastable to [B, H, Mq, Mk], dense only)
     is added to the scaled logits; ``dropout_mask`` ([B, H, Mq, Mk] bool, True = kept)
     drops probabilities after the softmax (kept ones scaled by 1 / (1 - dropout_p); lse
-    is the undropped softmax's).
+    is the undropped softmax's). ``seqused_q / _k`` ([B], or [num_seqs] with variable lengths):
+    each sequence is its first seqused rows, the masks align to them; out is 0 and lse +inf on
+    the padding rows.
     """
     group = _query_heads_per_key_head(query, key)
     key, value = (t.repeat_interleave(group, dim=2) for t in (key, value))
@@ -312,8 +327,10 @@ def attention_forward_ref(
         dropout_mask,
         dropout_p,
         softcap,
+        seqused_q,
+        seqused_k,
     )
-    return out, _lse_layout(lse, query, cu_seqlens_q, empty_row_lse)
+    return out, _lse_layout(lse, query, cu_seqlens_q, empty_row_lse, seqused_q is not None)
 
 
 def _bias_and_dropout(query, key, cu_seqlens_q, bias, dropout_mask, dropout_p):
@@ -342,13 +359,15 @@ def _attention_forward_parts(
     dropout_mask=None,
     dropout_p=0.0,
     softcap=0.0,
+    seqused_q=None,
+    seqused_k=None,
 ):
     q, k, v = query.double(), key.double(), value.double()
     sc = _attention_scale(scale, query.shape[-1])
     bias64, z = _bias_and_dropout(query, key, cu_seqlens_q, bias, dropout_mask, dropout_p)
     out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))
     lses, probs = [], []
-    for b, rq, rk in _attention_segments(query, key, cu_seqlens_q, cu_seqlens_k):
+    for b, rq, rk in _attention_segments(query, key, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
         qs, ks, vs = q[b, rq], k[b, rk], v[b, rk]
         keep = attention_mask_ref(qs.shape[0], ks.shape[0], custom_mask_type, window_size, device=q.device)
         p, lse = _attention_probs(qs, ks, sc, keep, None if bias64 is None else bias64[b], softcap)
@@ -359,11 +378,12 @@ def _attention_forward_parts(
     return out, lses, probs
 
 
-def _lse_layout(lses, query, cu_seqlens_q, empty_row_lse):
+def _lse_layout(lses, query, cu_seqlens_q, empty_row_lse, seqused=False):
+    """[B, H, Mq] dense (each entry's used rows, +inf past them), [num_seqs, H, longest] packed."""
     lses = [torch.where(torch.isfinite(x), x, torch.full_like(x, empty_row_lse)) for x in lses]
-    if cu_seqlens_q is None:
+    if cu_seqlens_q is None and not seqused:
         return torch.stack(lses) if lses else query.new_zeros((0, query.shape[2], query.shape[1]), dtype=torch.float64)
-    width = max([x.shape[-1] for x in lses], default=0)
+    width = query.shape[1] if cu_seqlens_q is None else max([x.shape[-1] for x in lses], default=0)
     lse = torch.full((len(lses), query.shape[2], width), float("inf"), dtype=torch.float64, device=query.device)
     for i, x in enumerate(lses):
         lse[i, :, : x.shape[-1]] = x
@@ -388,6 +408,8 @@ def attention_backward_ref(
     out: Optional[Tensor] = None,
     softcap: float = 0.0,
     grad_lse: Optional[Tensor] = None,
+    seqused_q: Optional[Tensor] = None,
+    seqused_k: Optional[Tensor] = None,
 ):
     """(dq, dk, dv) in fp64, the shapes of query, key, value, from the closed form
 
@@ -408,7 +430,8 @@ def attention_backward_ref(
     [num_seqs, H, >= max length] with variable lengths): d lse_n / d s_nm = P_nm, so
     dS = P ∘ (dP - (Δ - dlse)). ``softcap`` c > 0: the scores were c tanh(x / c), x = scale q kᵀ
     (``_attention_scores``); dBias is the gradient of the capped scores, dQ / dK take it times
-    1 - tanh²(x / c).
+    1 - tanh²(x / c). ``seqused_q / _k``: as ``attention_forward_ref``'s (the padding rows get
+    zero gradients).
     """
     group = _query_heads_per_key_head(query, key)
     if group > 1:
@@ -429,6 +452,8 @@ def attention_backward_ref(
             out=out,
             softcap=softcap,
             grad_lse=grad_lse,
+            seqused_q=seqused_q,
+            seqused_k=seqused_k,
         )
         dk, dv = (g.unflatten(2, (key.shape[2], group)).sum(3) for g in grads[1:3])
         return (grads[0], dk, dv) + tuple(grads[3:])
@@ -437,7 +462,8 @@ def attention_backward_ref(
     bias64, z = _bias_and_dropout(query, key, cu_seqlens_q, bias, dropout_mask, dropout_p)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     db = q.new_zeros((q.shape[0], q.shape[2], q.shape[1], k.shape[1])) if cu_seqlens_q is None else None
-    for i, (b, rq, rk) in enumerate(_attention_segments(query, key, cu_seqlens_q, cu_seqlens_k)):
+    segments = _attention_segments(query, key, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    for i, (b, rq, rk) in enumerate(segments):
         qs, ks, vs, dos = q[b, rq], k[b, rk], v[b, rk], do[b, rq]
         keep = attention_mask_ref(qs.shape[0], ks.shape[0], custom_mask_type, window_size, device=q.device)
         p, _ = _attention_probs(qs, ks, sc, keep, None if bias64 is None else bias64[b], softcap)  # [H, Mq, Mk]
@@ -453,7 +479,7 @@ def attention_backward_ref(
             delta = delta - grad_lse[i, :, : qs.shape[0]].double().unsqueeze(-1)
         ds = p * (dp - delta)
         if db is not None:
-            db[b] = ds
+            db[b, :, rq, rk] = ds
         _, dtanh = _attention_scores(qs, ks, sc, softcap)
         if dtanh is not None:
             ds = ds * dtanh

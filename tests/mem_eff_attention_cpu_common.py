@@ -129,6 +129,8 @@ class BackwardStandIn:
             deterministic=a.deterministic,
             grad_lse=a.grad_lse,
             softcap=a.softcap,
+            seqused_q=a.seqused_q,
+            seqused_k=a.seqused_k,
         )
 
     def __call__(
@@ -158,11 +160,14 @@ class BackwardStandIn:
         deterministic=None,
         grad_lse=None,
         softcap=0.0,
+        seqused_q=None,
+        seqused_k=None,
     ):
         self.calls.append(
             dict(
                 grad_lse=grad_lse,
                 softcap=softcap,
+                seqused=(seqused_q, seqused_k),
                 grad_out=grad_out_,
                 mask=custom_mask_type,
                 window=window_size,
@@ -204,6 +209,8 @@ class BackwardStandIn:
             return_grad_bias=True,
             grad_lse=grad_lse,
             softcap=softcap,
+            seqused_q=seqused_q,
+            seqused_k=seqused_k,
         )
         # fresh [B, M, H, K] tensors, as torch's at::empty(query.sizes())
         grads = tuple(g.to(t.dtype).contiguous() for g, t in ((dq, query), (dk, key), (dv, value)))

@@ -44,6 +44,8 @@ def cpu_attention(monkeypatch):
         backend="auto",
         deterministic=False,
         softcap=0.0,
+        seqused_q=None,
+        seqused_k=None,
     ):
         mask = None
         seed, offset = torch.tensor(FORWARD_SEED), torch.tensor(FORWARD_OFFSET)
@@ -63,6 +65,8 @@ def cpu_attention(monkeypatch):
             dropout_mask=mask,
             dropout_p=dropout_p,
             softcap=softcap,
+            seqused_q=seqused_q,
+            seqused_k=seqused_k,
         )
         if cq is not None:
             assert lse.shape[-1] <= max_q

@@ -151,6 +151,11 @@ class AttentionBackwardSm90(
     recovered from P (``cute_kernels/attention/softcap.py``). Not with ``grad_bias``: dB is the
     gradient of the capped scores, dQ / dK need it times 1 - tanh², and one dS tile serves both.
 
+    ``seqused``: int32 [sequences] used lengths of queries and keys (``SeqlenInfo``), read on the
+    device as varlen's lengths are (a CTA per tile, no store_first or tail block): masks and walks
+    take them; a straddling tile loads the padding (finite there) with weight 0, and dK / dV rows
+    past them are zeros (the host zeroes what the predicated stores leave).
+
     ``carry_dq``, ``store_first``, ``zero_ahead``: ``ConsumerStepsMixin``, ``DqAccumulatorMixin``."""
 
     def __init__(
@@ -170,6 +175,7 @@ class AttentionBackwardSm90(
         zero_ahead: bool = False,
         tail_m: int = 0,
         softcap: bool = False,
+        seqused: bool = False,
     ):
         if has_window and mask_type == 0:
             raise ValueError("a sliding window needs a causal mask (mask_type 1 or 2)")
@@ -186,6 +192,9 @@ class AttentionBackwardSm90(
             raise ValueError("tiles.dq_defer is built for runs without a bias or dropout")
         if has_bias and varlen:
             raise NotImplementedError("attention bias with variable lengths (torch's forward refuses it too)")
+        if seqused and (has_bias or dropout or dq_ready):
+            # dq_ready's counts take every key block of the grid, not those of the used keys
+            raise NotImplementedError("used lengths (seqused) with an attention bias, dropout or dq_ready")
         if dropout and tiles.smem_bytes(dtype.width // 8, dropout=True) > SMEM_LIMIT:
             raise ValueError("the dropout keep flags do not fit in shared memory beside these tiles")
         self.dtype = dtype
@@ -194,7 +203,11 @@ class AttentionBackwardSm90(
         self.has_window = has_window
         self.deterministic = deterministic
         self.varlen = varlen
-        self.mask = AttentionMask(tiles.tile_m, tiles.tile_n, mask_type, has_window, varlen)
+        self.seqused = seqused
+        # lengths per sequence, read on the device (cu_seqlens, seqused): a key block of the grid
+        # may lie past its sequence's keys, and the host knows no sequence's end
+        per_seq = varlen or seqused
+        self.mask = AttentionMask(tiles.tile_m, tiles.tile_n, mask_type, has_window, per_seq)
         self.has_bias = has_bias
         self.grad_bias = grad_bias
         self.dropout = dropout
@@ -202,7 +215,7 @@ class AttentionBackwardSm90(
         # heavy-first CTA order for causal masks (cta_coords); deterministic mode keeps the
         # launch order its dQ turns are built on (a CTA must never wait for one not launched)
         self.lpt = tiles.lpt and mask_type != 0 and not deterministic
-        schedule = self.tile_schedule(tiles, mask_type, has_window, deterministic, varlen, has_bias, dropout)
+        schedule = self.tile_schedule(tiles, mask_type, has_window, deterministic, per_seq, has_bias, dropout)
         self.persistent = schedule != "grid"
         self.dynamic_tiles = schedule == "dynamic"
         self.scheduler = tile_scheduler(schedule, self.lpt)
@@ -217,9 +230,10 @@ class AttentionBackwardSm90(
             # counts cost what the overlap saves (H100: 8x16x1024x64 -0.7%, 16x16x512x64 +-0)
             raise ValueError(f"dq_ready counts a CTA per tile (schedule 'grid'), not {schedule!r}")
         self.dq_ready = dq_ready
-        if store_first and (deterministic or varlen):
-            # determinism orders the adds by turns; varlen's accumulator rows are per sequence
-            raise ValueError("store_first is built for runs without deterministic mode or varlen")
+        if store_first and (deterministic or per_seq):
+            # determinism orders the adds by turns; varlen's accumulator rows are per sequence;
+            # query blocks past the used lengths are never stored
+            raise ValueError("store_first is built for runs without deterministic mode, varlen or seqused")
         self.store_first = store_first
         # store_first without a mask: key block n starts n / key blocks of the way through its
         # query blocks, so each block's first writer is nearly always alone there (a causal
@@ -243,7 +257,7 @@ class AttentionBackwardSm90(
                 f"tail_m {tail_m}: tiles.tail_block and a multiple of {TAIL_ROWS_ALIGN} below tile_m "
                 f"{tiles.tile_m} (tiles.tail_rows)"
             )
-        if tail_m and not self.takes_tail(tiles, schedule, varlen, has_bias, dropout):
+        if tail_m and not self.takes_tail(tiles, schedule, per_seq, has_bias, dropout):
             raise ValueError("tail_m is built for a CTA per tile without varlen, bias, dropout, overlap or dq_defer")
         # the partial last query block's products are tail_m queries wide (tail_operands)
         self.tail_m = tail_m
@@ -313,6 +327,8 @@ class AttentionBackwardSm90(
         heads_per_chunk: Int32,  # the heavy-first order's L2 chunk (``lpt``; see cta_coords)
         num_ctas: Int32,  # persistent CTAs: how many (the multiprocessors' count)
         softcap: Float32,  # the cap c (softcap; unused without)
+        mSeqUsedQ: Optional[cute.Tensor],  # seqused: int32 [sequences], each one's used query rows (else None)
+        mSeqUsedK: Optional[cute.Tensor],  # ... used key rows
         philox_seed,  # dropout (None without): Int64 seed and offset (or Int64 [1] device tensors),
         philox_offset,  # p and 1 / (1 - p) (Float32), the stream words of one (batch, head): Mq * Mk (Int64)
         dropout_p,
@@ -432,6 +448,8 @@ class AttentionBackwardSm90(
             sched,
             rng,
             softcap,
+            mSeqUsedQ,
+            mSeqUsedK,
             SharedStorage,
         ).launch(grid=grid, block=[t.num_threads, 1, 1], min_blocks_per_mp=1, stream=stream, use_pdl=True)
 
@@ -547,6 +565,8 @@ class AttentionBackwardSm90(
         sched: TileSchedulerParams,
         rng: Optional[PhiloxArgs],
         softcap: Float32,
+        mSeqUsedQ: Optional[cute.Tensor],
+        mSeqUsedK: Optional[cute.Tensor],
         SharedStorage: cutlass.Constexpr,
     ):
         t = self.tiles
@@ -585,10 +605,12 @@ class AttentionBackwardSm90(
         if const_expr(not self.persistent and t.kv_buffers > 1):  # one tile a CTA: the first buffer alone
             sK, sV = sK[None, None, 0], sV[None, None, 0]
 
-        # where the CTA's sequence starts in the packed rows (varlen) and its lengths
+        # where the CTA's sequence starts in the packed rows (varlen) and its (used) lengths
         cu_seqlens_q = mCuSeqlensQ if const_expr(self.varlen) else None
         cu_seqlens_k = mCuSeqlensK if const_expr(self.varlen) else None
-        seq = SeqlenInfo.create(batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k)
+        seqused_q = mSeqUsedQ if const_expr(self.seqused) else None
+        seqused_k = mSeqUsedK if const_expr(self.seqused) else None
+        seq = SeqlenInfo.create(batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
         seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         rows = Rows(seq.offset_q, seq.offset_k)
         # the CTA's work: (query head of the group, query block) pairs, heads outer

@@ -39,7 +39,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cute_kernels.attention.dropout import PhiloxArgs
 from cute_kernels.attention.mask import AttentionMask
 from cute_kernels.attention.named_barrier import NamedBarrierFwd
-from cute_kernels.attention.seqlen_info import Rows
+from cute_kernels.attention.seqlen_info import Rows, SeqlenInfo
 from cute_kernels.attention.softcap import cap_scores
 from cute_kernels.attention.tile_scheduler import GridTileScheduler, TileSchedulerParams
 from cute_kernels.common.convert import convert_packed
@@ -75,7 +75,13 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
     the scaled scores, read per block from global memory. ``dropout``: P V takes torch's
     memory-efficient forward's keep mask (curand's Philox, one stream word per (query, key):
     ``common/philox.py``), the same bits the sm90 backward redraws; the LSE is the undropped
-    softmax's. ``softcap``: the scores are capped (module notes), the cap c a runtime argument."""
+    softmax's. ``softcap``: the scores are capped (module notes), the cap c a runtime argument.
+
+    ``seqused``: int32 [sequences] used lengths of queries and keys (``SeqlenInfo``): each
+    sequence's lengths are its used ones, for the masks too; rows past them are padding. A tile
+    straddling the end still loads it (TMA takes whole tiles): padding keys are masked, padding
+    values get weight 0 (so they must be finite), padding query rows get O := 0 before the store;
+    a query block wholly past the used rows does nothing (the host zeroes O and fills the LSE)."""
 
     def __init__(
         self,
@@ -87,6 +93,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         has_bias: bool = False,
         dropout: bool = False,
         softcap: bool = False,
+        seqused: bool = False,
     ):
         if has_window and mask_type == 0:
             raise ValueError("a sliding window needs a causal mask (mask_type 1 or 2)")
@@ -94,6 +101,8 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
             raise ValueError(f"mask type {mask_type}")
         if has_bias and varlen:
             raise NotImplementedError("attention bias with variable lengths (torch's forward refuses it too)")
+        if seqused and (has_bias or dropout):
+            raise NotImplementedError("used lengths (seqused) with an attention bias or dropout")
         if tiles.smem_bytes(dtype.width // 8, dropout=dropout) > SMEM_LIMIT:
             raise ValueError(f"tiles {tiles} need more shared memory than a CTA has (dropout: {dropout})")
         self.dtype = dtype
@@ -104,6 +113,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         self.has_bias = has_bias
         self.dropout = dropout
         self.softcap = softcap
+        self.seqused = seqused
         self.mask = AttentionMask(tiles.tile_m, tiles.tile_n, mask_type, has_window, varlen)
         self.scheduler = GridTileScheduler(lpt=mask_type != 0)
         self.pingpong = pingpong(tiles)
@@ -129,6 +139,8 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         dropout_scale,
         dropout_bh_elems,
         softcap: Float32,  # the cap c (softcap; unused without)
+        mSeqUsedQ: Optional[cute.Tensor],  # seqused: int32 [sequences], each one's used query rows (else None)
+        mSeqUsedK: Optional[cute.Tensor],  # ... used key rows
         stream: cuda.CUstream,
     ):
         t = self.tiles
@@ -195,6 +207,8 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
             mLSE,
             mCuSeqlensQ,
             mCuSeqlensK,
+            mSeqUsedQ,
+            mSeqUsedK,
             mBias,
             rng,
             tma_Q,
@@ -229,6 +243,8 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         mLSE: cute.Tensor,
         mCuSeqlensQ: Optional[cute.Tensor],
         mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedQ: Optional[cute.Tensor],
+        mSeqUsedK: Optional[cute.Tensor],
         mBias: Optional[cute.Tensor],
         rng: Optional[PhiloxArgs],
         tma_Q: cute.CopyAtom,
@@ -254,11 +270,17 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         m_block, head, batch = self.scheduler.cta_coords(sched)
         if const_expr(self.scheduler.lpt):  # heavy-first: the last query blocks see the most keys
             m_block = sched.n_blocks - 1 - m_block
-        offset_q, offset_k = Int32(0), Int32(0)
-        if const_expr(self.varlen):  # where the CTA's sequence starts in the packed rows, its lengths
-            offset_q, offset_k = mCuSeqlensQ[batch], mCuSeqlensK[batch]
-            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
-            seqlen_k = mCuSeqlensK[batch + 1] - offset_k
+        # where the CTA's sequence starts in the packed rows (varlen) and its (used) lengths
+        seq = SeqlenInfo.create(
+            batch,
+            seqlen_q,
+            seqlen_k,
+            mCuSeqlensQ if const_expr(self.varlen) else None,
+            mCuSeqlensK if const_expr(self.varlen) else None,
+            mSeqUsedQ if const_expr(self.seqused) else None,
+            mSeqUsedK if const_expr(self.seqused) else None,
+        )
+        offset_q, offset_k, seqlen_q, seqlen_k = seq.offset_q, seq.offset_k, seq.seqlen_q, seq.seqlen_k
         if m_block * t.tile_m < seqlen_q:  # (varlen: a block past its sequence does nothing)
             self.tile(
                 gQ_tma,
@@ -559,7 +581,20 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
             warpgroup.wait_group(0)
             pipe_v.consumer_release(state)
         o_scale = feat.philox.scale if const_expr(self.dropout) else None
-        return acc_O, self.finalize(acc_O, row_max, row_sum, sm_scale, o_scale)
+        lse = self.finalize(acc_O, row_max, row_sum, sm_scale, o_scale)
+        if const_expr(self.seqused):  # a straddling block's padding rows leave by the TMA store too
+            self.zero_rows_past(acc_O, cS, q0, seqlen_q)
+        return acc_O, lse
+
+    @cute.jit
+    def zero_rows_past(self, acc_O, cS, q0, seqlen_q):
+        """O := 0 on the rows past the sequence's queries (``cS``: S's coordinates, whose rows O's
+        share). A select, not a scale: those rows attended with whatever the padding holds."""
+        A = cute.make_tensor(acc_O.iterator, acc_mn_layout(acc_O.layout))
+        for r in cutlass.range_constexpr(cute.size(A, mode=[0])):
+            if q0 + cS[r, 0][0] >= seqlen_q:
+                for c in cutlass.range_constexpr(cute.size(A, mode=[1])):
+                    A[r, c] = Float32(0.0)
 
     @staticmethod
     def coords_mn(thr_mma, shape):
