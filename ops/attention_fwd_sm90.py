@@ -37,7 +37,8 @@ DTYPES = (torch.float16, torch.bfloat16)
 class ForwardConfig:
     """One compiled forward: element type, head dims, mask (0 none, 1 causal top-left, 2
     bottom-right), whether a sliding window applies, variable lengths, the DSL target, an
-    additive bias, dropout, softcapped scores (the cap itself is a runtime argument)."""
+    additive bias, dropout, softcapped scores (the cap itself is a runtime argument), a learnable
+    sink per query head (its values are a runtime argument)."""
 
     dtype: type
     head_dim: int
@@ -49,12 +50,13 @@ class ForwardConfig:
     bias: bool = False
     dropout: bool = False
     softcap: bool = False
+    sink: bool = False
 
 
 def _build(config: ForwardConfig):
     c = config
     tiles = forward_tiles(c.head_dim, c.head_dim_v, c.window, c.bias, c.dropout)
-    kernel = AttentionForwardSm90(c.dtype, tiles, c.mask_type, c.window, c.varlen, c.bias, c.dropout, c.softcap)
+    kernel = AttentionForwardSm90(c.dtype, tiles, c.mask_type, c.window, c.varlen, c.bias, c.dropout, c.softcap, c.sink)
     b, h, hk, mq, mk, lse_rows = (cute.sym_int() for _ in range(6))
     seqs = cute.sym_int() if c.varlen else b  # the LSE's rows: per sequence
     vec = tma_align_elems(c.dtype.width)
@@ -67,6 +69,7 @@ def _build(config: ForwardConfig):
     # the bias: any strides (0 for broadcast dims; read element by element), as the backward's
     bias = cc.fake_tensor(c.dtype, (b, h, mq, mk), 1, leading_dim=None) if c.bias else None
     rng = cc.fake_rng_args(False) if c.dropout else (None,) * 5
+    sink = cc.fake_tensor(cutlass.Float32, (h,), 1) if c.sink else None
     return cc.compile_kernel(
         kernel,
         q,
@@ -82,6 +85,7 @@ def _build(config: ForwardConfig):
         bias,
         *rng,
         cutlass.Float32(1.0),
+        sink,
         cc.fake_stream(),
         arch=c.arch,
     )
@@ -193,6 +197,7 @@ def attention_forward_sm90(
     philox_seed: Optional[Tensor] = None,
     philox_offset: Optional[Tensor] = None,
     softcap: float = 0.0,
+    sink: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """O [B, Mq, H, Dv] and LSE [B, H, round_up(Mq, 32)] (natural log, fp32) of q [B, Mq, H, D],
     k [B, Mk, Hk, D], v [B, Mk, Hk, Dv] (``unsupported`` first). ``window_size`` > 0 (with a
@@ -204,7 +209,9 @@ def attention_forward_sm90(
     ``philox_seed / philox_offset`` (int64 CPU scalars, ``philox_state``; with variable lengths
     sequence i's (i, head) stream starts at (i H + head) max_seqlen_q max_seqlen_k, as the
     backwards draw it); the LSE is the undropped softmax's. ``softcap`` c > 0: the scores
-    scale q kᵀ become c tanh(scale q kᵀ / c) before the bias and the mask (0: none)."""
+    scale q kᵀ become c tanh(scale q kᵀ / c) before the bias and the mask (0: none). ``sink``
+    [H] (any float dtype, natural-log units): a logit per query head in every row's softmax
+    denominator, with no value row (a row that sees no key: O = 0, LSE = the sink)."""
     b, mq, h, d = query.shape
     varlen = cu_seqlens_q is not None
     if bias is not None and varlen:
@@ -213,7 +220,7 @@ def attention_forward_sm90(
     out = torch.empty((b, mq, h, value.shape[3]), dtype=query.dtype, device=query.device)
     lse = torch.empty((seqs, h, lse_rows(rows_q)), dtype=torch.float32, device=query.device)
     if out.numel() == 0 or key.shape[1] == 0 or seqs == 0:  # no launch: nothing to compute, or no key to see
-        return out.zero_(), _empty_lse(lse, mq, cu_seqlens_q)
+        return out.zero_(), _empty_lse(lse, mq, cu_seqlens_q, sink)
     dropout = dropout_p > 0.0
     config = ForwardConfig(
         cc.cute_dtype(query.dtype),
@@ -226,6 +233,7 @@ def attention_forward_sm90(
         bias is not None,
         dropout,
         softcap > 0.0,
+        sink is not None,
     )
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
     if bias is not None:
@@ -234,19 +242,25 @@ def attention_forward_sm90(
     if dropout:
         rows_k = int(max_seqlen_k) if varlen else key.shape[1]
         rng = cc.dropout_args(dropout_p, philox_seed, philox_offset, rows_q, rows_k)
+    if sink is not None:  # the kernel reads fp32 (a no-op for a contiguous fp32 sink)
+        sink = sink.to(torch.float32).contiguous()
     fn = compiled(config)
-    fn(query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, rows_q, scale, int(window_size), bias, *rng, softcap)
+    args = (cu_seqlens_q, cu_seqlens_k, rows_q, scale, int(window_size), bias, *rng, softcap, sink)
+    fn(query, key, value, out, lse, *args)
     return out, lse
 
 
-def _empty_lse(lse: Tensor, mq: int, cu_seqlens_q: Optional[Tensor]) -> Tensor:
-    """The LSE of queries that see no key: 0 on each sequence's rows, +inf on the padding."""
+def _empty_lse(lse: Tensor, mq: int, cu_seqlens_q: Optional[Tensor], sink: Optional[Tensor] = None) -> Tensor:
+    """The LSE of queries that see no key: 0 (with a sink: the head's sink) on each sequence's
+    rows, +inf on the padding."""
     rows = torch.arange(lse.shape[-1], device=lse.device)
     if cu_seqlens_q is None:
         lengths = torch.full((lse.shape[0], 1), mq, device=lse.device)
     else:
         lengths = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).view(-1, 1)
     inside = (rows.view(1, -1) < lengths).unsqueeze(1).expand(lse.shape)
+    if sink is not None:
+        return lse.copy_(torch.where(inside, sink.to(lse.dtype).view(1, -1, 1), math.inf))
     return lse.fill_(math.inf).masked_fill_(inside, 0.0)
 
 
