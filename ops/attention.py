@@ -11,7 +11,11 @@
   captures it as one node. ``return_lse=True`` returns the logsumexp too, and a loss on it is
   differentiated (Δ - dLSE in either backward). ``softcap=c`` caps the scaled logits at
   c tanh(s / c) before bias and mask: our forward and the sm90 backward only (NotImplementedError
-  elsewhere: torch's forward and the memory-efficient backward have no cap).
+  elsewhere: torch's forward and the memory-efficient backward have no cap). ``sink=`` (a [H]
+  tensor, one learnable logit per query head in every row's softmax denominator, gpt-oss) needs
+  our forward (NotImplementedError elsewhere; with ``backend="mem_eff"`` ours runs too) and
+  trains through either backward: they take P from the sink-including LSE, and d sink is
+  computed beside them (``ops.attention_sink``).
 * ``efficient_attention_backward(...)``: a drop-in for ``aten._efficient_attention_backward``
   (same arguments, layouts and outputs: grad_q, grad_k, grad_v, grad_bias; with
   ``bias_requires_grad`` grad_bias has the bias's shape, summed over its broadcast dims),
@@ -68,7 +72,8 @@ from . import _compile as cc
 from . import attention_fwd_sm90 as fwd_sm90
 from . import attention_sm90 as sm90
 from . import mem_eff_attention as mem_eff
-from .attention_checks import check_softcap, validate_call
+from .attention_checks import check_sink, check_softcap, validate_call
+from .attention_sink import sink_grad
 from ._validate import check_float, check_int, kernel_ready, validate_once
 from .attention_common import (
     AttentionBackwardArgs,
@@ -103,13 +108,19 @@ def _mea_impl(
     backend: str = "auto",  # "mem_eff": torch's forward; else ours where it applies (in the schema for graphs)
     deterministic: bool = False,  # the backward's (in the schema so that graphs keep it)
     softcap: float = 0.0,
+    sink: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """The op's body: our forward where it applies, torch's otherwise (``deterministic`` is the
-    backward's, kept for it). A softcap needs ours: torch's forward has none."""
+    backward's, kept for it). A softcap or a sink needs ours: torch's forward has neither."""
     del deterministic
-    reason = forward_unsupported(query, key, value, custom_mask_type, attn_bias, dropout_p, backend)
-    if softcap > 0.0 and reason is not None:
-        raise NotImplementedError(f"softcap needs our forward (torch's has no softcap), which does not apply: {reason}")
+    reason = forward_unsupported(
+        query, key, value, custom_mask_type, attn_bias, dropout_p, backend, sink=sink is not None
+    )
+    for name, on in (("softcap", softcap > 0.0), ("sink", sink is not None)):
+        if on and reason is not None:
+            raise NotImplementedError(
+                f"{name} needs our forward (torch's has no {name}), which does not apply: {reason}"
+            )
     if log.isEnabledFor(logging.DEBUG):
         log.debug("attention forward: %s", "sm90" if reason is None else f"torch's ({reason})")
     if reason is None:
@@ -133,6 +144,7 @@ def _mea_impl(
             seed,
             offset,
             softcap,
+            sink,
         )
         return out, lse, *_rng_on_device(seed, offset, dropout_p, query.device)
     if dropout_p > 0.0 and cu_seqlens_q is not None:
@@ -164,10 +176,13 @@ _mea_forward = torch.library.custom_op(
 )(_mea_impl)
 
 
-def forward_unsupported(query, key, value, mask_type, attn_bias, dropout_p, backend, arch=None) -> Optional[str]:
+def forward_unsupported(
+    query, key, value, mask_type, attn_bias, dropout_p, backend, arch=None, sink=False
+) -> Optional[str]:
     """Why the op's forward is torch's (None: ours, ``ops.attention_fwd_sm90``). ``arch``: as
-    ``attention_fwd_sm90.unsupported`` takes it (the device's by default)."""
-    if backend == "mem_eff":
+    ``attention_fwd_sm90.unsupported`` takes it (the device's by default). ``sink``: ours
+    wherever it applies, ``backend="mem_eff"`` too (torch's forward has no sink)."""
+    if backend == "mem_eff" and not sink:
         return "backend='mem_eff'"
     return fwd_sm90.unsupported(query, key, value, mask_type=mask_type, bias=attn_bias, dropout_p=dropout_p, arch=arch)
 
@@ -239,6 +254,7 @@ def _(
     backend="auto",
     deterministic=False,
     softcap=0.0,
+    sink=None,
 ):
     b, mq, h, _ = query.shape
     out = query.new_empty((b, mq, h, value.shape[3]))
@@ -250,9 +266,9 @@ def _(
 
 def _mea_setup(ctx, inputs, output):
     query, key, value, cu_q, cu_k, max_q, max_k, mask_type, window_size, scale, attn_bias, dropout_p, *flags = inputs
-    backend, det, softcap = flags
+    backend, det, softcap, sink = flags
     out, lse, seed, offset = output
-    ctx.save_for_backward(query, key, value, out, lse, cu_q, cu_k, attn_bias, seed, offset)
+    ctx.save_for_backward(query, key, value, out, lse, cu_q, cu_k, attn_bias, seed, offset, sink)
     ctx.max_seqlens = (max_q, max_k)
     ctx.mask_type, ctx.window_size, ctx.scale, ctx.dropout_p = mask_type, window_size, scale, dropout_p
     ctx.backend, ctx.deterministic, ctx.softcap = backend, det, softcap
@@ -262,11 +278,15 @@ def _mea_setup(ctx, inputs, output):
 
 def _mea_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
     del grad_seed, grad_offset
-    query, key, value, out, lse, cu_q, cu_k, attn_bias, seed, offset = ctx.saved_tensors
-    none = (None,) * 7
+    query, key, value, out, lse, cu_q, cu_k, attn_bias, seed, offset, sink = ctx.saved_tensors
     # (set_materialize_grads(False): an output's gradient is None unless it reached the loss)
     if grad_out is None and grad_lse is None:
-        return (None,) * 15
+        return (None,) * 16
+    dsink = None
+    if sink is not None and ctx.needs_input_grad[15]:
+        dsink = sink_grad(sink, out, grad_out, lse, grad_lse, cu_q)
+    if not any(ctx.needs_input_grad[i] for i in (0, 1, 2, 10)):  # the sink's alone
+        return (None,) * 15 + (dsink,)
     if grad_out is None:  # a loss on the logsumexp alone: dO = 0, so dV = 0 and dS = P dLSE
         grad_out = torch.zeros_like(out)
     grad_out = kernel_ready(grad_out, TMA_ALIGN_BYTES // grad_out.element_size())
@@ -296,7 +316,7 @@ def _mea_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
         softcap=ctx.softcap,
     )
     dq, dk, dv, db = _backward(args)
-    return (dq, dk, dv) + none + (db, None, None, None, None)
+    return (dq, dk, dv) + (None,) * 7 + (db, None, None, None, None, dsink)
 
 
 torch.library.register_autograd("cute_kernels::memory_efficient_attention", _mea_backward, setup_context=_mea_setup)
@@ -324,6 +344,7 @@ def memory_efficient_attention(
     deterministic: Optional[bool] = None,
     return_lse: bool = False,
     softcap: Optional[float] = None,
+    sink: Optional[Tensor] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """dropout(softmax(scale q kᵀ + bias + mask)) v in the [B, M, H, K] layout; with ``softcap``
     c, dropout(softmax(c tanh(scale q kᵀ / c) + bias + mask)) v.
@@ -363,6 +384,12 @@ def memory_efficient_attention(
             the mask (Gemma 2, Grok; FlashAttention's order); None or 0: no cap. Our forward and
             the sm90 backward only (sm_90a, fp16 / bf16, their head dims, no bias gradient):
             elsewhere NotImplementedError, before the forward where it can tell.
+        sink: a learnable sink per query head, [H] fp32 / fp16 / bf16 on query's device (gpt-oss;
+            FlashAttention's ``learnable_sink``): e^sink_h joins every row's softmax denominator
+            without a value row, so the logsumexp includes it and a row that sees no key has
+            out 0 and logsumexp sink_h. With requires_grad it gets its gradient. Our forward
+            only (sm_90a, fp16 / bf16, its head dims; elsewhere NotImplementedError), either
+            backward (``backend="mem_eff"`` runs our forward and the memory-efficient backward).
 
     Returns:
         out [B, Mq, H, Kv] in query's dtype (with ``return_lse``: (out, logsumexp)). Eager varlen calls read cu_seqlens back once to
@@ -386,6 +413,7 @@ def memory_efficient_attention(
         backend,
         deterministic,
         softcap,
+        sink,
     )
     return (out, lse) if return_lse else out
 
@@ -406,6 +434,7 @@ def _forward(
     backend,
     deterministic,
     softcap=None,
+    sink=None,
 ):
     """The checks of ``memory_efficient_attention``, then its op: (out, lse, philox seed, philox
     offset, max_seqlen_q, max_seqlen_k) with the longest lengths resolved."""
@@ -415,6 +444,8 @@ def _forward(
     mask_type, window_size, max_q, max_k, scale = validate_call(
         query, key, value, causal, window_size, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )
+    if sink is not None:
+        validate_once(("mea_sink", sink, query), lambda: check_sink(sink, query))
     check_float("dropout_p", dropout_p)
     dropout_p = float(dropout_p)
     if not 0.0 <= dropout_p < 1.0:
@@ -458,6 +489,7 @@ def _forward(
         backend,
         deterministic,
         softcap,
+        sink,
     )
     return out, lse, seed, offset, max_q, max_k
 

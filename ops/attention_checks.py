@@ -1,5 +1,5 @@
 """The checks of ``memory_efficient_attention``'s arguments (``ops.attention``): shapes,
-dtypes, devices, ``cu_seqlens``, the causal mask's and the window's forms, the softcap."""
+dtypes, devices, ``cu_seqlens``, the causal mask's and the window's forms, the softcap, the sink."""
 
 from __future__ import annotations
 
@@ -203,3 +203,21 @@ def check_softcap(softcap) -> float:
     if not math.isfinite(c) or c < 0.0:
         raise ValueError(f"softcap must be a finite float > 0, or None / 0 for none, got {softcap!r}")
     return c
+
+
+SINK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_sink(sink, query) -> None:
+    """``sink=``: None, or a [H] float tensor (one logit per query head) on query's device."""
+    if sink is None:
+        return
+    check_tensor("sink", sink)
+    check_same_device("sink", sink, query)
+    if sink.dtype not in SINK_DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in SINK_DTYPES)
+        raise TypeError(f"sink must have dtype in ({names}), got {sink.dtype}")
+    if sink.dim() != 1 or sink.shape[0] != query.shape[2]:
+        raise ValueError(
+            f"sink must have shape ({query.shape[2]},) (one logit per query head), got {tuple(sink.shape)}"
+        )
