@@ -15,7 +15,11 @@
   seqused_k`` (int32 [B], or [num_seqs] with cu_seqlens) bound each sequence's used rows
   (FlashAttention-3's): the rest of its buffer is padding (read by the tiles that straddle
   the end, with weight 0: it must hold finite values), out 0 and logsumexp +inf on the
-  padding rows, their gradients 0; our forward and the sm90 backward only.
+  padding rows, their gradients 0; our forward and the sm90 backward only. ``sink=`` (a [H]
+  tensor, one learnable logit per query head in every row's softmax denominator, gpt-oss) needs
+  our forward (NotImplementedError elsewhere; with ``backend="mem_eff"`` ours runs too) and
+  trains through either backward: they take P from the sink-including LSE, and d sink is
+  computed beside them (``ops.attention_sink``).
 * ``efficient_attention_backward(...)``: a drop-in for ``aten._efficient_attention_backward``
   (same arguments, layouts and outputs: grad_q, grad_k, grad_v, grad_bias; with
   ``bias_requires_grad`` grad_bias has the bias's shape, summed over its broadcast dims),
@@ -72,7 +76,8 @@ from . import _compile as cc
 from . import attention_fwd_sm90 as fwd_sm90
 from . import attention_sm90 as sm90
 from . import mem_eff_attention as mem_eff
-from .attention_checks import check_seqused, check_softcap, validate_call
+from .attention_checks import check_seqused, check_sink, check_softcap, validate_call
+from .attention_sink import sink_grad
 from ._validate import check_float, check_int, kernel_ready, validate_once
 from .attention_common import (
     AttentionBackwardArgs,
@@ -109,17 +114,24 @@ def _mea_impl(
     softcap: float = 0.0,
     seqused_q: Optional[Tensor] = None,
     seqused_k: Optional[Tensor] = None,
+    sink: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """The op's body: our forward where it applies, torch's otherwise (``deterministic`` is the
-    backward's, kept for it). A softcap and used lengths need ours: torch's forward has neither."""
+    backward's, kept for it). A softcap, used lengths or a sink need ours: torch's forward has none."""
     del deterministic
-    reason = forward_unsupported(query, key, value, custom_mask_type, attn_bias, dropout_p, backend)
-    if softcap > 0.0 and reason is not None:
-        raise NotImplementedError(f"softcap needs our forward (torch's has no softcap), which does not apply: {reason}")
-    if seqused_q is not None and reason is not None:
-        raise NotImplementedError(
-            f"seqused_q / seqused_k need our forward (torch's has no used lengths), which does not apply: {reason}"
-        )
+    reason = forward_unsupported(
+        query, key, value, custom_mask_type, attn_bias, dropout_p, backend, sink=sink is not None
+    )
+    features = (
+        ("softcap", softcap > 0.0),
+        ("seqused_q / seqused_k", seqused_q is not None),
+        ("sink", sink is not None),
+    )
+    for name, on in features:
+        if on and reason is not None:
+            raise NotImplementedError(
+                f"{name} needs our forward (torch's has no {name}), which does not apply: {reason}"
+            )
     if log.isEnabledFor(logging.DEBUG):
         log.debug("attention forward: %s", "sm90" if reason is None else f"torch's ({reason})")
     if reason is None:
@@ -145,6 +157,7 @@ def _mea_impl(
             softcap,
             seqused_q,
             seqused_k,
+            sink,
         )
         return out, lse, *_rng_on_device(seed, offset, dropout_p, query.device)
     if dropout_p > 0.0 and cu_seqlens_q is not None:
@@ -176,10 +189,13 @@ _mea_forward = torch.library.custom_op(
 )(_mea_impl)
 
 
-def forward_unsupported(query, key, value, mask_type, attn_bias, dropout_p, backend, arch=None) -> Optional[str]:
+def forward_unsupported(
+    query, key, value, mask_type, attn_bias, dropout_p, backend, arch=None, sink=False
+) -> Optional[str]:
     """Why the op's forward is torch's (None: ours, ``ops.attention_fwd_sm90``). ``arch``: as
-    ``attention_fwd_sm90.unsupported`` takes it (the device's by default)."""
-    if backend == "mem_eff":
+    ``attention_fwd_sm90.unsupported`` takes it (the device's by default). ``sink``: ours
+    wherever it applies, ``backend="mem_eff"`` too (torch's forward has no sink)."""
+    if backend == "mem_eff" and not sink:
         return "backend='mem_eff'"
     return fwd_sm90.unsupported(query, key, value, mask_type=mask_type, bias=attn_bias, dropout_p=dropout_p, arch=arch)
 
@@ -253,6 +269,7 @@ def _(
     softcap=0.0,
     seqused_q=None,
     seqused_k=None,
+    sink=None,
 ):
     b, mq, h, _ = query.shape
     out = query.new_empty((b, mq, h, value.shape[3]))
@@ -264,9 +281,9 @@ def _(
 
 def _mea_setup(ctx, inputs, output):
     query, key, value, cu_q, cu_k, max_q, max_k, mask_type, window_size, scale, attn_bias, dropout_p, *flags = inputs
-    backend, det, softcap, used_q, used_k = flags
+    backend, det, softcap, used_q, used_k, sink = flags
     out, lse, seed, offset = output
-    ctx.save_for_backward(query, key, value, out, lse, cu_q, cu_k, attn_bias, seed, offset, used_q, used_k)
+    ctx.save_for_backward(query, key, value, out, lse, cu_q, cu_k, attn_bias, seed, offset, used_q, used_k, sink)
     ctx.max_seqlens = (max_q, max_k)
     ctx.mask_type, ctx.window_size, ctx.scale, ctx.dropout_p = mask_type, window_size, scale, dropout_p
     ctx.backend, ctx.deterministic, ctx.softcap = backend, det, softcap
@@ -276,11 +293,15 @@ def _mea_setup(ctx, inputs, output):
 
 def _mea_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
     del grad_seed, grad_offset
-    query, key, value, out, lse, cu_q, cu_k, attn_bias, seed, offset, used_q, used_k = ctx.saved_tensors
-    none = (None,) * 7
+    query, key, value, out, lse, cu_q, cu_k, attn_bias, seed, offset, used_q, used_k, sink = ctx.saved_tensors
     # (set_materialize_grads(False): an output's gradient is None unless it reached the loss)
     if grad_out is None and grad_lse is None:
-        return (None,) * 17
+        return (None,) * 18
+    dsink = None
+    if sink is not None and ctx.needs_input_grad[17]:
+        dsink = sink_grad(sink, out, grad_out, lse, grad_lse, cu_q)
+    if not any(ctx.needs_input_grad[i] for i in (0, 1, 2, 10)):  # the sink's alone
+        return (None,) * 17 + (dsink,)
     if grad_out is None:  # a loss on the logsumexp alone: dO = 0, so dV = 0 and dS = P dLSE
         grad_out = torch.zeros_like(out)
     grad_out = kernel_ready(grad_out, TMA_ALIGN_BYTES // grad_out.element_size())
@@ -312,7 +333,7 @@ def _mea_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
         seqused_k=used_k,
     )
     dq, dk, dv, db = _backward(args)
-    return (dq, dk, dv) + none + (db,) + (None,) * 6
+    return (dq, dk, dv) + (None,) * 7 + (db,) + (None,) * 6 + (dsink,)
 
 
 torch.library.register_autograd("cute_kernels::memory_efficient_attention", _mea_backward, setup_context=_mea_setup)
@@ -342,6 +363,7 @@ def memory_efficient_attention(
     softcap: Optional[float] = None,
     seqused_q: Optional[Tensor] = None,
     seqused_k: Optional[Tensor] = None,
+    sink: Optional[Tensor] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """dropout(softmax(scale q kᵀ + bias + mask)) v in the [B, M, H, K] layout; with ``softcap``
     c, dropout(softmax(c tanh(scale q kᵀ / c) + bias + mask)) v.
@@ -390,6 +412,12 @@ def memory_efficient_attention(
             tiles that straddle a used length load it with weight 0. Our forward and the sm90
             backward only (sm_90a, fp16 / bf16, their head dims; not with ``attn_bias`` or
             dropout): elsewhere NotImplementedError, ``backend="mem_eff"`` included.
+        sink: a learnable sink per query head, [H] fp32 / fp16 / bf16 on query's device (gpt-oss;
+            FlashAttention's ``learnable_sink``): e^sink_h joins every row's softmax denominator
+            without a value row, so the logsumexp includes it and a row that sees no key has
+            out 0 and logsumexp sink_h. With requires_grad it gets its gradient. Our forward
+            only (sm_90a, fp16 / bf16, its head dims; elsewhere NotImplementedError), either
+            backward (``backend="mem_eff"`` runs our forward and the memory-efficient backward).
 
     Returns:
         out [B, Mq, H, Kv] in query's dtype (with ``return_lse``: (out, logsumexp)). Eager varlen calls read cu_seqlens back once to
@@ -415,6 +443,7 @@ def memory_efficient_attention(
         softcap,
         seqused_q,
         seqused_k,
+        sink,
     )
     return (out, lse) if return_lse else out
 
@@ -437,6 +466,7 @@ def _forward(
     softcap=None,
     seqused_q=None,
     seqused_k=None,
+    sink=None,
 ):
     """The checks of ``memory_efficient_attention``, then its op: (out, lse, philox seed, philox
     offset, max_seqlen_q, max_seqlen_k) with the longest lengths resolved."""
@@ -450,6 +480,8 @@ def _forward(
     seqused = seqused_q is not None
     if seqused and (attn_bias is not None or float(dropout_p) > 0.0):
         raise NotImplementedError("seqused_q / seqused_k with attn_bias or dropout are not implemented")
+    if sink is not None:
+        validate_once(("mea_sink", sink, query), lambda: check_sink(sink, query))
     check_float("dropout_p", dropout_p)
     dropout_p = float(dropout_p)
     if not 0.0 <= dropout_p < 1.0:
@@ -496,6 +528,7 @@ def _forward(
         softcap,
         seqused_q,
         seqused_k,
+        sink,
     )
     return out, lse, seed, offset, max_q, max_k
 

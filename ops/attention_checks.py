@@ -1,5 +1,6 @@
 """The checks of ``memory_efficient_attention``'s arguments (``ops.attention``): shapes,
-dtypes, devices, ``cu_seqlens``, the causal mask's and the window's forms, the softcap, the used lengths."""
+dtypes, devices, ``cu_seqlens``, the causal mask's and the window's forms, the softcap, the used
+lengths, the sink."""
 
 from __future__ import annotations
 
@@ -235,3 +236,21 @@ def _check_seqused_meta(name, t, query, seqs, varlen) -> None:
     if tuple(t.shape) != (seqs,) or (seqs > 1 and t.stride(0) != 1):
         per = "one entry per sequence of cu_seqlens" if varlen else "one entry per batch entry"
         raise ValueError(f"{name} must be a contiguous 1-D tensor [{seqs}] ({per}), got shape {tuple(t.shape)}")
+
+
+SINK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_sink(sink, query) -> None:
+    """``sink=``: None, or a [H] float tensor (one logit per query head) on query's device."""
+    if sink is None:
+        return
+    check_tensor("sink", sink)
+    check_same_device("sink", sink, query)
+    if sink.dtype not in SINK_DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in SINK_DTYPES)
+        raise TypeError(f"sink must have dtype in ({names}), got {sink.dtype}")
+    if sink.dim() != 1 or sink.shape[0] != query.shape[2]:
+        raise ValueError(
+            f"sink must have shape ({query.shape[2]},) (one logit per query head), got {tuple(sink.shape)}"
+        )

@@ -38,7 +38,8 @@ class ForwardConfig:
     """One compiled forward: element type, head dims, mask (0 none, 1 causal top-left, 2
     bottom-right), whether a sliding window applies, variable lengths, the DSL target, an
     additive bias, dropout, softcapped scores (the cap itself is a runtime argument), used
-    lengths (``seqused_q / _k``, int32 per sequence)."""
+    lengths (``seqused_q / _k``, int32 per sequence), a learnable sink per query head (its values
+    are a runtime argument)."""
 
     dtype: type
     head_dim: int
@@ -51,13 +52,14 @@ class ForwardConfig:
     dropout: bool = False
     softcap: bool = False
     seqused: bool = False
+    sink: bool = False
 
 
 def _build(config: ForwardConfig):
     c = config
     tiles = forward_tiles(c.head_dim, c.head_dim_v, c.window, c.bias, c.dropout)
     kernel = AttentionForwardSm90(
-        c.dtype, tiles, c.mask_type, c.window, c.varlen, c.bias, c.dropout, c.softcap, seqused=c.seqused
+        c.dtype, tiles, c.mask_type, c.window, c.varlen, c.bias, c.dropout, c.softcap, seqused=c.seqused, sink=c.sink
     )
     b, h, hk, mq, mk, lse_rows = (cute.sym_int() for _ in range(6))
     seqs = cute.sym_int() if c.varlen else b  # the LSE's rows: per sequence
@@ -72,6 +74,7 @@ def _build(config: ForwardConfig):
     bias = cc.fake_tensor(c.dtype, (b, h, mq, mk), 1, leading_dim=None) if c.bias else None
     rng = cc.fake_rng_args(False) if c.dropout else (None,) * 5
     used = (cc.fake_tensor(cutlass.Int32, (seqs,), 1) if c.seqused else None for _ in range(2))
+    sink = cc.fake_tensor(cutlass.Float32, (h,), 1) if c.sink else None
     return cc.compile_kernel(
         kernel,
         q,
@@ -88,6 +91,7 @@ def _build(config: ForwardConfig):
         *rng,
         cutlass.Float32(1.0),
         *used,
+        sink,
         cc.fake_stream(),
         arch=c.arch,
     )
@@ -182,6 +186,7 @@ def attention_forward_sm90(
     softcap: float = 0.0,
     seqused_q: Optional[Tensor] = None,
     seqused_k: Optional[Tensor] = None,
+    sink: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """O [B, Mq, H, Dv] and LSE [B, H, round_up(Mq, 32)] (natural log, fp32) of q [B, Mq, H, D],
     k [B, Mk, Hk, D], v [B, Mk, Hk, Dv] (``unsupported`` first). ``window_size`` > 0 (with a
@@ -198,7 +203,8 @@ def attention_forward_sm90(
     ``seqused_q / _k``: int32 [sequences] (both or neither; ``full_seqused`` makes the one not
     given): only the first seqused[b] query / key rows of sequence b are used, the masks align to
     those lengths; O is 0 past them and the LSE +inf (the padded rows' value). Not with a bias
-    or dropout."""
+    or dropout. ``sink`` [H] (any float dtype, natural-log units): a logit per query head in every
+    row's softmax denominator, with no value row (a row that sees no key: O = 0, LSE = the sink)."""
     b, mq, h, d = query.shape
     varlen = cu_seqlens_q is not None
     if bias is not None and varlen:
@@ -213,7 +219,7 @@ def attention_forward_sm90(
     if seqused:
         lse.fill_(math.inf)
     if out.numel() == 0 or key.shape[1] == 0 or seqs == 0:  # no launch: nothing to compute, or no key to see
-        return out.zero_(), _empty_lse(lse, mq, cu_seqlens_q, seqused_q)
+        return out.zero_(), _empty_lse(lse, mq, cu_seqlens_q, seqused_q, sink)
     dropout = dropout_p > 0.0
     config = ForwardConfig(
         cc.cute_dtype(query.dtype),
@@ -227,6 +233,7 @@ def attention_forward_sm90(
         dropout,
         softcap > 0.0,
         seqused,
+        sink is not None,
     )
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
     if bias is not None:
@@ -235,14 +242,35 @@ def attention_forward_sm90(
     if dropout:
         rows_k = int(max_seqlen_k) if varlen else key.shape[1]
         rng = cc.dropout_args(dropout_p, philox_seed, philox_offset, rows_q, rows_k)
+    if sink is not None:  # the kernel reads fp32 (a no-op for a contiguous fp32 sink)
+        sink = sink.to(torch.float32).contiguous()
     fn = compiled(config)
-    args = (query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, rows_q, scale, int(window_size), bias, *rng)
-    fn(*args, softcap, seqused_q, seqused_k)
+    args = (
+        cu_seqlens_q,
+        cu_seqlens_k,
+        rows_q,
+        scale,
+        int(window_size),
+        bias,
+        *rng,
+        softcap,
+        seqused_q,
+        seqused_k,
+        sink,
+    )
+    fn(query, key, value, out, lse, *args)
     return out, lse
 
 
-def _empty_lse(lse: Tensor, mq: int, cu_seqlens_q: Optional[Tensor], seqused_q: Optional[Tensor] = None) -> Tensor:
-    """The LSE of queries that see no key: 0 on each sequence's (used) rows, +inf on the padding."""
+def _empty_lse(
+    lse: Tensor,
+    mq: int,
+    cu_seqlens_q: Optional[Tensor],
+    seqused_q: Optional[Tensor] = None,
+    sink: Optional[Tensor] = None,
+) -> Tensor:
+    """The LSE of queries that see no key: 0 (with a sink: the head's sink) on each sequence's
+    (used) rows, +inf on the padding."""
     rows = torch.arange(lse.shape[-1], device=lse.device)
     if cu_seqlens_q is None:
         lengths = torch.full((lse.shape[0], 1), mq, device=lse.device)
@@ -251,6 +279,8 @@ def _empty_lse(lse: Tensor, mq: int, cu_seqlens_q: Optional[Tensor], seqused_q: 
     if seqused_q is not None:
         lengths = torch.minimum(lengths, seqused_q.view(-1, 1))
     inside = (rows.view(1, -1) < lengths).unsqueeze(1).expand(lse.shape)
+    if sink is not None:
+        return lse.copy_(torch.where(inside, sink.to(lse.dtype).view(1, -1, 1), math.inf))
     return lse.fill_(math.inf).masked_fill_(inside, 0.0)
 
 

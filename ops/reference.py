@@ -256,13 +256,17 @@ def _attention_scores(q, k, scale, softcap=0.0):
     return softcap * t, 1.0 - t * t
 
 
-def _attention_probs(q, k, scale, keep, bias=None, softcap=0.0):
-    """Masked softmax in fp64: (P [H, Mq, Mk], lse [H, Mq]); P = 0 and lse = -inf on empty rows."""
+def _attention_probs(q, k, scale, keep, bias=None, softcap=0.0, sink=None):
+    """Masked softmax in fp64: (P [H, Mq, Mk], lse [H, Mq]); P = 0 and lse = -inf on empty rows.
+    ``sink`` [H]: one more logit per row in the denominator (no value row): lse = log(e^sink +
+    sum e^s), the sink on empty rows."""
     s, _ = _attention_scores(q, k, scale, softcap)
     if bias is not None:  # [H, Mq, Mk]: added to the scaled (capped) logits, before the mask
         s = s + bias
     s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # -inf where a row keeps nothing
+    if sink is not None:
+        lse = torch.logaddexp(lse, sink.double().view(-1, 1).expand_as(lse))
     finite = torch.isfinite(lse)
     p = torch.exp(s - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))
     p = torch.where(keep.unsqueeze(0) & finite.unsqueeze(-1), p, torch.zeros_like(p))
@@ -298,9 +302,13 @@ def attention_forward_ref(
     softcap: float = 0.0,
     seqused_q: Optional[Tensor] = None,
     seqused_k: Optional[Tensor] = None,
+    sink: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """(out [B, Mq, H, Kv], lse) in fp64: softmax(scale q kᵀ + mask) v and its natural-log
     log-sum-exp; with ``softcap`` c > 0 the scores are c tanh(scale q kᵀ / c) (before bias and mask).
+    ``sink`` [H] (a learnable sink per query head): e^sink joins every row's softmax denominator
+    without a value row; a row with no key then has out 0 and lse = the sink. Differentiable
+    (autograd) in every input, the sink included.
 
     lse is [B, H, Mq] (dense) or [num_seqs, H, max sequence length] (variable lengths,
     sequence i's query j at [i, :, j], +inf past its end, as torch pads). A query row with
@@ -329,6 +337,7 @@ def attention_forward_ref(
         softcap,
         seqused_q,
         seqused_k,
+        sink,
     )
     return out, _lse_layout(lse, query, cu_seqlens_q, empty_row_lse, seqused_q is not None)
 
@@ -361,6 +370,7 @@ def _attention_forward_parts(
     softcap=0.0,
     seqused_q=None,
     seqused_k=None,
+    sink=None,
 ):
     q, k, v = query.double(), key.double(), value.double()
     sc = _attention_scale(scale, query.shape[-1])
@@ -370,7 +380,7 @@ def _attention_forward_parts(
     for b, rq, rk in _attention_segments(query, key, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
         qs, ks, vs = q[b, rq], k[b, rk], v[b, rk]
         keep = attention_mask_ref(qs.shape[0], ks.shape[0], custom_mask_type, window_size, device=q.device)
-        p, lse = _attention_probs(qs, ks, sc, keep, None if bias64 is None else bias64[b], softcap)
+        p, lse = _attention_probs(qs, ks, sc, keep, None if bias64 is None else bias64[b], softcap, sink)
         pd = p if z is None else p * z[b]
         out[b, rq] = torch.einsum("hnm,mhd->nhd", pd, vs)
         lses.append(lse)
@@ -410,6 +420,7 @@ def attention_backward_ref(
     grad_lse: Optional[Tensor] = None,
     seqused_q: Optional[Tensor] = None,
     seqused_k: Optional[Tensor] = None,
+    sink: Optional[Tensor] = None,
 ):
     """(dq, dk, dv) in fp64, the shapes of query, key, value, from the closed form
 
@@ -432,6 +443,10 @@ def attention_backward_ref(
     (``_attention_scores``); dBias is the gradient of the capped scores, dQ / dK take it times
     1 - tanh²(x / c). ``seqused_q / _k``: as ``attention_forward_ref``'s (the padding rows get
     zero gradients).
+
+    ``sink`` [H]: the forward's learnable sinks (P takes them in its denominator); a last entry
+    d sink [H] = sum over rows of P_sink (dlse - Δ), P_sink = e^(sink - lse) the sink's
+    probability (rows without keys included: there P_sink = 1).
     """
     group = _query_heads_per_key_head(query, key)
     if group > 1:
@@ -454,6 +469,7 @@ def attention_backward_ref(
             grad_lse=grad_lse,
             seqused_q=seqused_q,
             seqused_k=seqused_k,
+            sink=sink,
         )
         dk, dv = (g.unflatten(2, (key.shape[2], group)).sum(3) for g in grads[1:3])
         return (grads[0], dk, dv) + tuple(grads[3:])
@@ -463,10 +479,11 @@ def attention_backward_ref(
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     db = q.new_zeros((q.shape[0], q.shape[2], q.shape[1], k.shape[1])) if cu_seqlens_q is None else None
     segments = _attention_segments(query, key, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    dsink = None if sink is None else q.new_zeros(q.shape[2])
     for i, (b, rq, rk) in enumerate(segments):
         qs, ks, vs, dos = q[b, rq], k[b, rk], v[b, rk], do[b, rq]
         keep = attention_mask_ref(qs.shape[0], ks.shape[0], custom_mask_type, window_size, device=q.device)
-        p, _ = _attention_probs(qs, ks, sc, keep, None if bias64 is None else bias64[b], softcap)  # [H, Mq, Mk]
+        p, lse = _attention_probs(qs, ks, sc, keep, None if bias64 is None else bias64[b], softcap, sink)  # [H, Mq, Mk]
         zb = 1.0 if z is None else z[b]
         if out is None:
             o = torch.einsum("hnm,mhd->nhd", p * zb, vs).to(query.dtype).double()
@@ -478,6 +495,8 @@ def attention_backward_ref(
         if grad_lse is not None:  # sequence i's rows (b == i when dense)
             delta = delta - grad_lse[i, :, : qs.shape[0]].double().unsqueeze(-1)
         ds = p * (dp - delta)
+        if dsink is not None:
+            dsink -= (torch.exp(sink.double().view(-1, 1) - lse) * delta[..., 0]).sum(-1)
         if db is not None:
             db[b, :, rq, rk] = ds
         _, dtanh = _attention_scores(qs, ks, sc, softcap)
@@ -485,9 +504,8 @@ def attention_backward_ref(
             ds = ds * dtanh
         dq[b, rq] = sc * torch.einsum("hnm,mhk->nhk", ds, ks)
         dk[b, rk] = sc * torch.einsum("hnm,nhk->mhk", ds, qs)
-    if return_grad_bias:
-        return dq, dk, dv, db
-    return dq, dk, dv
+    grads = (dq, dk, dv, db) if return_grad_bias else (dq, dk, dv)
+    return grads if dsink is None else grads + (dsink,)
 
 
 def attention_op_ref(query: Tensor, key: Tensor, value: Tensor, *, custom_mask_type=0, window_size=0, scale=None):

@@ -6,7 +6,7 @@ backward."""
 import torch
 
 from ops import attention as A
-from ops.reference import attention_backward_ref, mem_eff_dropout_keep_mask
+from ops.reference import attention_backward_ref, attention_forward_ref, mem_eff_dropout_keep_mask
 
 F64 = torch.float64
 FORWARD_SEED, FORWARD_OFFSET = (
@@ -100,10 +100,12 @@ class BackwardStandIn:
     """Stands in for ops.attention.efficient_attention_backward (``on_args``: for the op's
     backward, ops.attention._backward, which takes ``AttentionBackwardArgs`` and the logsumexp's
     gradient too): checks the call's conventions and answers with the fp64 reference (cast to the
-    inputs' dtype)."""
+    inputs' dtype). ``sink``: the forward's learnable sinks where the CPU forward stands in too
+    (the backward is not given them: the stand-in checks that the LSE it gets includes them)."""
 
     def __init__(self):
         self.calls = []
+        self.sink = None
 
     def on_args(self, a):
         return self(
@@ -131,6 +133,7 @@ class BackwardStandIn:
             softcap=a.softcap,
             seqused_q=a.seqused_q,
             seqused_k=a.seqused_k,
+            sink=self.sink,
         )
 
     def __call__(
@@ -162,6 +165,7 @@ class BackwardStandIn:
         softcap=0.0,
         seqused_q=None,
         seqused_k=None,
+        sink=None,
     ):
         self.calls.append(
             dict(
@@ -193,7 +197,10 @@ class BackwardStandIn:
             assert bias.shape == (b, h, mq, key.shape[1])
         if grad_lse is not None:
             assert grad_lse.shape == logsumexp.shape and grad_lse.dtype == torch.float32
-        dq, dk, dv, db = attention_backward_ref(
+        options = dict(custom_mask_type=custom_mask_type, window_size=window_size or 0, scale=scale, softcap=softcap)
+        if sink is not None:  # the kernels take P from the LSE: it must be the sink's
+            _check_sink_lse(query, key, value, logsumexp, cu_seqlens_q, cu_seqlens_k, bias, sink, options)
+        dq, dk, dv, db, *_ = attention_backward_ref(
             query,
             key,
             value,
@@ -211,10 +218,20 @@ class BackwardStandIn:
             softcap=softcap,
             seqused_q=seqused_q,
             seqused_k=seqused_k,
+            sink=sink,
         )
         # fresh [B, M, H, K] tensors, as torch's at::empty(query.sizes())
         grads = tuple(g.to(t.dtype).contiguous() for g, t in ((dq, query), (dk, key), (dv, value)))
         return grads + (db.to(bias.dtype) if bias_requires_grad else None,)
+
+
+def _check_sink_lse(query, key, value, logsumexp, cu_q, cu_k, bias, sink, options):
+    """The backward's LSE is the reference's with the sink on every row of every sequence."""
+    _, want = attention_forward_ref(
+        query, key, value, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, bias=bias, sink=sink, **options
+    )
+    rows = torch.isfinite(want)
+    assert torch.allclose(logsumexp[..., : want.shape[-1]][rows].double(), want[rows], atol=1e-5)
 
 
 # ------------------------------------------ naive implementation with bias and dropout

@@ -27,6 +27,7 @@ def cpu_attention(monkeypatch):
     """ops.memory_efficient_attention runnable on CPU tensors: a reference forward kernel at
     the CPU key, the backward stand-in, CUDA checks off. Yields the stand-in."""
     lib = torch.library.Library("cute_kernels", "IMPL")
+    stand_in = BackwardStandIn()
 
     def forward(
         query,
@@ -46,7 +47,9 @@ def cpu_attention(monkeypatch):
         softcap=0.0,
         seqused_q=None,
         seqused_k=None,
+        sink=None,
     ):
+        stand_in.sink = sink  # the backward gets only the LSE: the stand-in checks it against the sink's
         mask = None
         seed, offset = torch.tensor(FORWARD_SEED), torch.tensor(FORWARD_OFFSET)
         if dropout_p > 0.0:  # torch's forward's mask for its philox state: the twin's
@@ -67,13 +70,13 @@ def cpu_attention(monkeypatch):
             softcap=softcap,
             seqused_q=seqused_q,
             seqused_k=seqused_k,
+            sink=sink,
         )
         if cq is not None:
             assert lse.shape[-1] <= max_q
         return out.to(query.dtype), _lse_padded(lse, max_q), seed, offset
 
     lib.impl("memory_efficient_attention", forward, "CPU")
-    stand_in = BackwardStandIn()
     monkeypatch.setattr(A, "_backward", stand_in.on_args)
     monkeypatch.setattr(AC, "check_cuda", lambda *a: None)
     yield stand_in

@@ -22,6 +22,11 @@ LSE stay the undropped softmax's, and O takes the 1 / (1 - p) at the end
 and the mask: tanh takes S * scale / c in place, and the softmax's log2 multiplier is c log2(e)
 instead of scale log2(e) (``cute_kernels/attention/softcap.py``).
 
+A learnable sink s_h (one logit per query head, no value row) joins each row's softmax
+denominator in ``finalize``: l' = l 2^(m' - r) + 2^(s_h log2(e) - r) with m' the row max in log2
+units and r = max(m', s_h log2(e)) (no overflow either way), O scaled by 2^(m' - r) / l', LSE =
+(r + log2 l') ln 2. A row that saw no key (m' = -inf) gets O = 0 and LSE = s_h.
+
 O leaves through shared memory (Q's buffer where Dv <= Dqk, which every product has read by
 then) by a TMA store; the LSE rows [B, H, lse_rows] are written by the threads that own them,
 +inf past the sequence (torch's padded rows).
@@ -81,7 +86,8 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
     sequence's lengths are its used ones, for the masks too; rows past them are padding. A tile
     straddling the end still loads it (TMA takes whole tiles): padding keys are masked, padding
     values get weight 0 (so they must be finite), padding query rows get O := 0 before the store;
-    a query block wholly past the used rows does nothing (the host zeroes O and fills the LSE)."""
+    a query block wholly past the used rows does nothing (the host zeroes O and fills the LSE).
+    ``sink``: a learnable sink per query head (fp32 [H], module notes) joins every row's sum."""
 
     def __init__(
         self,
@@ -94,6 +100,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         dropout: bool = False,
         softcap: bool = False,
         seqused: bool = False,
+        sink: bool = False,
     ):
         if has_window and mask_type == 0:
             raise ValueError("a sliding window needs a causal mask (mask_type 1 or 2)")
@@ -114,6 +121,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         self.dropout = dropout
         self.softcap = softcap
         self.seqused = seqused
+        self.sink = sink
         self.mask = AttentionMask(tiles.tile_m, tiles.tile_n, mask_type, has_window, varlen)
         self.scheduler = GridTileScheduler(lpt=mask_type != 0)
         self.pingpong = pingpong(tiles)
@@ -141,6 +149,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         softcap: Float32,  # the cap c (softcap; unused without)
         mSeqUsedQ: Optional[cute.Tensor],  # seqused: int32 [sequences], each one's used query rows (else None)
         mSeqUsedK: Optional[cute.Tensor],  # ... used key rows
+        mSink: Optional[cute.Tensor],  # fp32 [H], natural-log units (sink), or None
         stream: cuda.CUstream,
     ):
         t = self.tiles
@@ -210,6 +219,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
             mSeqUsedQ,
             mSeqUsedK,
             mBias,
+            mSink,
             rng,
             tma_Q,
             tma_K,
@@ -246,6 +256,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         mSeqUsedQ: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
         mBias: Optional[cute.Tensor],
+        mSink: Optional[cute.Tensor],
         rng: Optional[PhiloxArgs],
         tma_Q: cute.CopyAtom,
         tma_K: cute.CopyAtom,
@@ -290,6 +301,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
                 mO,
                 mLSE,
                 mBias,
+                mSink,
                 rng,
                 tma_Q,
                 tma_K,
@@ -324,6 +336,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         mO,
         mLSE,
         mBias,
+        mSink,
         rng,
         tma_Q,
         tma_K,
@@ -412,7 +425,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
                 )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS[t.consumer_wgs])
-            feat = self.features(mBias, sKeep, rng, batch, head, mLSE.shape[1])
+            feat = self.features(mBias, sKeep, rng, batch, head, mLSE.shape[1], mSink)
             acc_O, row_sum = self.mma(
                 sQ,
                 sK,
@@ -581,7 +594,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
             warpgroup.wait_group(0)
             pipe_v.consumer_release(state)
         o_scale = feat.philox.scale if const_expr(self.dropout) else None
-        lse = self.finalize(acc_O, row_max, row_sum, sm_scale, o_scale)
+        lse = self.finalize(acc_O, row_max, row_sum, sm_scale, o_scale, feat.sink)
         if const_expr(self.seqused):  # a straddling block's padding rows leave by the TMA store too
             self.zero_rows_past(acc_O, cS, q0, seqlen_q)
         return acc_O, lse
@@ -646,20 +659,32 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
                     A[r, c] = A[r, c] * row_scale[r]
 
     @cute.jit
-    def finalize(self, acc_O, row_max, row_sum, scale_log2, o_scale=None):
+    def finalize(self, acc_O, row_max, row_sum, scale_log2, o_scale=None, sink_log2=None):
         """O / l in place and the rows' LSE (natural log; 0 where the row saw no key). ``o_scale``:
-        dropout's 1 / (1 - p) on O (None without)."""
+        dropout's 1 / (1 - p) on O (None without). ``sink_log2``: the head's sink in log2 units,
+        joining every row's sum (module notes; None without)."""
         scale = cute.make_rmem_tensor(cute.size(row_sum), Float32)
         lse = cute.make_rmem_tensor(cute.size(row_sum), Float32)
         for r in cutlass.range_constexpr(cute.size(row_sum)):
             total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
+            m = row_max[r] * scale_log2  # the unit of O and total (-inf: no key seen)
+            o_unit = Float32(1.0)
+            if const_expr(sink_log2 is not None):
+                ref = cute.arch.fmax(m, sink_log2)
+                if ref == -Float32.inf:  # no key and a sink of -inf: nothing at all (LSE 0, O 0)
+                    ref = Float32(0.0)
+                o_unit = cute.math.exp2(m - ref, fastmath=True)
+                total = total * o_unit + cute.math.exp2(sink_log2 - ref, fastmath=True)
+                m = ref
             scale[r] = Float32(0.0)
             lse[r] = Float32(0.0)
             if total > 0.0:
                 scale[r] = cute.arch.rcp_approx(total)
+                if const_expr(sink_log2 is not None):
+                    scale[r] = scale[r] * o_unit
                 if const_expr(o_scale is not None):
                     scale[r] = scale[r] * o_scale
-                lse[r] = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
+                lse[r] = (m + cute.math.log2(total, fastmath=True)) * LN_2
         self.rescale_rows(acc_O, scale)
         return lse
 

@@ -1,4 +1,4 @@
-"""Bias and dropout of the Hopper attention forward's consumers (``AttentionForwardSm90``'s
+"""Bias, dropout and the sink of the Hopper attention forward's consumers (``AttentionForwardSm90``'s
 configuration): the bias added to a block's scores, and the dropout keep flags of torch's
 memory-efficient forward, drawn per block into shared memory and applied to P. The device code
 they share with the sm90 backward: the bias fragment (``cute_kernels/attention/bias.py``) and
@@ -22,26 +22,29 @@ from .wgmma import acc_mn_layout
 
 @dataclass(frozen=True)
 class ForwardFeatures:
-    """What the consumers need of bias and dropout, per CTA (None where unused): the CTA's bias
-    (Sq, Sk) of its (batch, head), the keep-flag buffers in shared memory (bytes), the batch's
-    ``PhiloxStream`` and the CTA's query head (its place in the stream)."""
+    """What the consumers need of bias, dropout and the sink, per CTA (None where unused): the
+    CTA's bias (Sq, Sk) of its (batch, head), the keep-flag buffers in shared memory (bytes), the
+    batch's ``PhiloxStream``, the CTA's query head (its place in the stream) and the head's sink
+    in log2 units (Float32)."""
 
     bias: Any
     keep: Any
     philox: Any
     head: Any
+    sink: Any = None
 
 
 class ForwardFeaturesMixin:
-    """Bias and dropout per CTA and per key block (``AttentionForwardSm90``'s ``has_bias``,
-    ``dropout`` and tiles)."""
+    """Bias and dropout per CTA and per key block, the sink per CTA (``AttentionForwardSm90``'s
+    ``has_bias``, ``dropout``, ``sink`` and tiles)."""
 
     @cute.jit
-    def features(self, mBias, sKeep, rng, batch, head, heads) -> ForwardFeatures:
+    def features(self, mBias, sKeep, rng, batch, head, heads, mSink=None) -> ForwardFeatures:
         """The ``ForwardFeatures`` of the CTA's (batch, head) of ``heads`` query heads."""
         bias = mBias[batch, head, None, None] if const_expr(self.has_bias) else None
         philox = philox_stream(rng, batch, heads) if const_expr(self.dropout) else None
-        return ForwardFeatures(bias, sKeep, philox, head)
+        sink = mSink[head] * LOG2_E if const_expr(self.sink) else None
+        return ForwardFeatures(bias, sKeep, philox, head, sink)
 
     @cute.jit
     def add_bias(self, acc_S, S, feat, cS, q0, key0, seqlen_q, seqlen_k, scale_log2):
