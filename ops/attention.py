@@ -122,16 +122,14 @@ def _mea_impl(
     reason = forward_unsupported(
         query, key, value, custom_mask_type, attn_bias, dropout_p, backend, sink=sink is not None
     )
-    features = (
-        ("softcap", softcap > 0.0),
-        ("seqused_q / seqused_k", seqused_q is not None),
-        ("sink", sink is not None),
+    features = (  # (asked for, what it is called, what torch's forward lacks)
+        (softcap > 0.0, "softcap needs", "softcap"),
+        (seqused_q is not None, "seqused_q / seqused_k need", "used lengths"),
+        (sink is not None, "sink needs", "sink"),
     )
-    for name, on in features:
+    for on, name, what in features:
         if on and reason is not None:
-            raise NotImplementedError(
-                f"{name} needs our forward (torch's has no {name}), which does not apply: {reason}"
-            )
+            raise NotImplementedError(f"{name} our forward (torch's has no {what}), which does not apply: {reason}")
     if log.isEnabledFor(logging.DEBUG):
         log.debug("attention forward: %s", "sm90" if reason is None else f"torch's ({reason})")
     if reason is None:

@@ -236,7 +236,7 @@ def test_sink_needs_our_forward():
     sink = torch.zeros(2, device="meta")
     for backend in ("auto", "mem_eff"):
         with pytest.raises(NotImplementedError, match="sink needs our forward.*sm_90a"):
-            A._mea_impl(q, k, v, None, None, 128, 128, 0, 0, None, None, 0.0, backend, False, 0.0, sink)
+            A._mea_impl(q, k, v, None, None, 128, 128, 0, 0, None, None, 0.0, backend, False, 0.0, sink=sink)
     assert A.forward_unsupported(q, k, v, 0, None, 0.0, "mem_eff", arch="sm_90a", sink=True) is None
     assert A.forward_unsupported(q, k, v, 0, None, 0.0, "mem_eff", arch="sm_90a") == "backend='mem_eff'"
 
