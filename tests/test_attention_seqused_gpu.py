@@ -122,7 +122,7 @@ def _check_outputs(label, out, lse, case, ref_kw, q, k, v, pad_q):
     rows = torch.arange(lse.shape[-1], device=DEV).view(1, 1, -1)
     past = (rows >= used).expand(lse.shape)
     if lengths is not None:  # (past a sequence's next multiple of 32: the padding's own rows)
-        past &= rows < torch.tensor(lengths[0], device=DEV).view(-1, 1, 1)
+        past = past & (rows < torch.tensor(lengths[0], device=DEV).view(-1, 1, 1))
     assert (lse[past] == float("inf")).all(), f"{label}: LSE is not +inf on the padding rows"
 
 

@@ -98,6 +98,17 @@ class AttentionMask:
         need = need | (self.causal & (q0 + offset - key0 < n - 1))
         return need | (self.windowed(window_size) & (q0 + offset - key0 - window_size + m - 1 >= 0))
 
+    def crosses_diagonal(self, q0, key0, offset, window_size):
+        """Whether a block inside the sequences (compile-time mask) has an element past the
+        diagonal or the window's far side: the forward's interior key blocks, whose keys all
+        lie before the sequence end and whose rows past the query end are never stored. False
+        at compile time without a causal mask or a window (the check and the apply fold away)."""
+        m, n = self.tile_m, self.tile_n
+        need = key0 + n - 1 > q0 + offset if self.causal else False
+        if self.has_window:
+            need = cutlass.or_(need, key0 <= q0 + m - 1 + offset - window_size)
+        return need
+
     @cute.jit
     def m_block_range(self, n_block, seqlen_q, seqlen_k, window_size):
         """Query blocks [m_min, m_max) that see key block ``n_block`` (the backward's walk;

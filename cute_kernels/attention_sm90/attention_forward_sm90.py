@@ -580,8 +580,10 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
                     cap_scores(acc_S, tanh_scale)
                 if const_expr(self.has_bias):
                     self.add_bias(acc_S, S, feat, cS, q0, key0, seqlen_q, seqlen_k, scale_log2)
-                if self.mask.needs_masking(q0, key0, seqlen_q, seqlen_k, offset, window_size):
-                    self.mask.apply(S, cS, t0S, q0, key0, seqlen_k, offset, window_size)
+                # the keys of every block after the first lie before the sequence end
+                if const_expr(self.mask.causal or self.mask.has_window):
+                    if self.mask.crosses_diagonal(q0, key0, offset, window_size):
+                        self.mask.apply(S, cS, t0S, q0, key0, seqlen_k, offset, window_size)
                 self.online_softmax(S, row_max, row_sum, sm_scale, row_scale)
                 warpgroup.wait_group(0)  # P V has read P
                 pipe_v.consumer_release(state_v)
