@@ -219,9 +219,9 @@ def backward(dy, dr_in, r, weight, bias, mean, rstd, mask, p, is_rms, x_dtype, r
         plan = _bwd_plans.put(key, _BwdPlan(dys, drs, rs, weight, bias, x_bias, dxs, dress, is_rms, dropout))
     part = lambda on: torch.empty((plan.ctas_per_col, n), dtype=torch.float32, device=dev) if on else None  # noqa: E731
     part_g, part_b, part_xb = part(weight is not None), part(bias is not None), part(xb_dtype is not None)
-    mu = None if is_rms else norm_bwd._stat_view("mean", mean, rows)
+    mu = None if is_rms else norm_bwd.stat_view("mean", mean, rows)
     plan.fn(
-        rs, dys, weight, mu, norm_bwd._stat_view("rstd", rstd, rows), dxs, part_g, part_b, plan.ctas_per_col,
+        rs, dys, weight, mu, norm_bwd.stat_view("rstd", rstd, rows), dxs, part_g, part_b, plan.ctas_per_col,
         drs, mask.view(rows, -1) if dropout else None, dress, part_xb, 1.0 / (1.0 - p),
     )  # fmt: skip
     if plan.finalize is not None:

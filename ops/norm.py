@@ -100,7 +100,7 @@ compiled = cc.CompileCache("ln_bwd", _build)
 compiled_finalize = cc.CompileCache("ln_bwd_finalize", _build_finalize)
 
 
-def _stat_view(name: str, s: Tensor, rows: int) -> Tensor:
+def stat_view(name: str, s: Tensor, rows: int) -> Tensor:
     """mean / rstd as a contiguous fp32 [rows] vector (aten keeps a trailing 1)."""
     if s.numel() != rows:
         raise ValueError(f"{name} must have one value per row ({rows}), got shape {tuple(s.shape)}")
@@ -133,7 +133,7 @@ def _validate(grad_out, x, weight, mean, rstd, bias):
         check_same_device(name, s, x)
         if s.dtype != torch.float32:
             raise TypeError(f"{name} must be float32 (the forward's statistics), got {s.dtype}")
-        _stat_view(name, s, rows)
+        stat_view(name, s, rows)
     for name, t in (("x", x), ("grad_out", grad_out)):
         rows_view(name, t)
 
@@ -212,8 +212,8 @@ def launch(grad_out, x, weight, mean, rstd, bias, is_rms, dx, dweight, dbias) ->
     plan = _plan(grad_out, x, weight, bias, is_rms, dx)
     rows, n = plan.rows, plan.n
     xs, dzs, dxs = rows_view("x", x), rows_view("grad_out", grad_out), rows_view("grad_in", dx)
-    rs = _stat_view("rstd", rstd, rows)
-    mu = None if is_rms else _stat_view("mean", mean, rows)
+    rs = stat_view("rstd", rstd, rows)
+    mu = None if is_rms else stat_view("mean", mean, rows)
     part_g = part_b = None
     if weight is not None:
         part_g = torch.empty((plan.ctas_per_col, n), dtype=torch.float32, device=x.device)
