@@ -206,7 +206,7 @@ def backward(dy, dr_in, r, weight, bias, mean, rstd, mask, p, is_rms, x_dtype, r
         _meta(rs),
         _meta(dys),
         _meta(drs),
-        _meta(weight),
+        _meta(weight, 31),  # 8 fp32 weights are 32 bytes: the address's low 5 bits matter
         _dtype(bias),
         x_dtype,
         res_dtype,
