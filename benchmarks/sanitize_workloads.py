@@ -157,12 +157,28 @@ def _norm_forward(rows, n, dtype, w_dtype, b_dtype=None, rms=False, view=None):
             ops.layer_norm(x, n, w, b, 1e-5)
 
 
+def _dropout_add_norm(rows, n, dtype, res_dtype, w_dtype, xb_dtype=None, rms=False, p=0.1, prenorm=True):
+    """The fused dropout + add + norm, forward and backward, through the public op (the autograd
+    engine wants a device: not under fake tensors)."""
+    import ops
+
+    x = _randn(rows, n, dtype=dtype).requires_grad_()
+    res = None if res_dtype is None else _randn(rows, n, dtype=res_dtype).requires_grad_()
+    w = _randn(n, dtype=w_dtype).requires_grad_()
+    b = None if rms else _randn(n, dtype=w_dtype).requires_grad_()
+    xb = None if xb_dtype is None else _randn(n, dtype=xb_dtype).requires_grad_()
+    fn = ops.dropout_add_rms_norm if rms else ops.dropout_add_layer_norm
+    out = fn(x, res, w, b, p, 1e-5, x_bias=xb, prenorm=prenorm)
+    y, r = out if prenorm else (out, None)
+    (y.float().sum() + (r.float().sum() if prenorm else 0)).backward()
+
+
 def _norm_configs():
     g = "norm"
     c = []
 
-    def add(variant, fn):
-        c.append(Config(f"norm/{variant}", g, fn))
+    def add(variant, fn, **kw):
+        c.append(Config(f"norm/{variant}", g, fn, **kw))
 
     add("ln-bf16-301x7", lambda: _norm(301, 7, BF16, F32))
     add("ln-fp32-301x1000", lambda: _norm(301, 1000, F32, F32))
@@ -184,6 +200,17 @@ def _norm_configs():
     add("fwd-ln-bf16-5x65536-cluster8", lambda: _norm_forward(5, 65536, BF16, F32, F32))
     add("fwd-rms-fp32-3x131072-cluster8", lambda: _norm_forward(3, 131072, F32, F32, rms=True))
     add("fwd-ln-bf16-64x1024-misaligned-view", lambda: _norm_forward(64, 1030, BF16, F32, F32, view=(3, 1024)))
+    add("dan-ln-bf16-301x1000-xbias", lambda: _dropout_add_norm(301, 1000, BF16, BF16, F32, BF16), gpu_only=True)
+    add(
+        "dan-rms-fp32-37x777-no-residual",
+        lambda: _dropout_add_norm(37, 777, F32, None, F32, F32, rms=True),
+        gpu_only=True,
+    )
+    add(
+        "dan-ln-bf16-37x16384-cluster2",
+        lambda: _dropout_add_norm(37, 16384, BF16, F32, BF16, prenorm=False),
+        gpu_only=True,
+    )
     return c
 
 

@@ -10,11 +10,14 @@ from .attention_bwd_prepost import (
     attention_bwd_convert_dq,
     attention_bwd_preprocess,
 )
+from .dropout_add_norm import DropoutAddLayerNorm, DropoutAddRMSNorm, dropout_add_layer_norm, dropout_add_rms_norm
 from .dropout_bias import BiasDropout, bias_dropout, dropout_bias_backward, dropout_bias_forward
 from .norm import LayerNorm, RMSNorm, layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
 
 __all__ = [
     "BiasDropout",
+    "DropoutAddLayerNorm",
+    "DropoutAddRMSNorm",
     "LayerNorm",
     "RMSNorm",
     "attention_bwd_clear_dkv_accum",
@@ -24,6 +27,8 @@ __all__ = [
     "attention_bwd_preprocess",
     "bias_dropout",
     "context_parallel_attention",
+    "dropout_add_layer_norm",
+    "dropout_add_rms_norm",
     "dropout_bias_backward",
     "dropout_bias_forward",
     "efficient_attention_backward",

@@ -31,7 +31,9 @@ _MAX_VECTOR_BITS = tiling.MAX_VECTOR_BITS
 log = logging.getLogger("cute_kernels.norm")  # which forward each call runs (DEBUG)
 
 
-def _build(in_dtype, out_dtype, w_dtype, tiles, is_rms, has_gamma, has_dbeta, arch):
+def _build(in_dtype, out_dtype, w_dtype, tiles, is_rms, has_gamma, has_dbeta, arch, fuse=None):
+    """The backward row kernel; ``fuse`` (a ``DropoutAdd``) adds the dropout + residual add's
+    gradients (``ops.dropout_add_norm``)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -40,23 +42,38 @@ def _build(in_dtype, out_dtype, w_dtype, tiles, is_rms, has_gamma, has_dbeta, ar
     vec = tiles.vec
     rows, n, ctas = cute.sym_int(), cute.sym_int(), cute.sym_int()
     f32 = cutlass.Float32
+    rows_n = lambda dt: cc.fake_tensor(dt, (rows, n), vec)  # noqa: E731
+    dr_in = mask = dres = dxb = None
+    dx_dtype = in_dtype
+    if fuse is not None:
+        dx_dtype = fuse.x_dtype
+        dr_in = None if fuse.dr_dtype is None else rows_n(fuse.dr_dtype)
+        mask = cc.fake_tensor(cutlass.Uint8, (rows, cute.sym_int()), 1) if fuse.dropout else None
+        dres = None if fuse.res_dtype is None else rows_n(fuse.res_dtype)
+        dxb = None if fuse.xb_dtype is None else cc.fake_tensor(f32, (ctas, n), vec)
     return cc.compile_kernel(
-        LnBwd(in_dtype, out_dtype, w_dtype, tiles, is_rms, has_gamma, has_dbeta),
-        cc.fake_tensor(in_dtype, (rows, n), vec),  # x
-        cc.fake_tensor(out_dtype, (rows, n), vec),  # dz
+        LnBwd(in_dtype, out_dtype, w_dtype, tiles, is_rms, has_gamma, has_dbeta, fuse),
+        rows_n(in_dtype),  # x
+        rows_n(out_dtype),  # dz
         cc.fake_tensor(w_dtype, (n,), vec) if has_gamma else None,  # gamma
         None if is_rms else cc.fake_tensor(f32, (rows,), 1),  # mean
         cc.fake_tensor(f32, (rows,), 1),  # rstd
-        cc.fake_tensor(in_dtype, (rows, n), vec),  # dx
+        rows_n(dx_dtype),  # dx
         cc.fake_tensor(f32, (ctas, n), vec) if has_gamma else None,  # dgamma partials
         cc.fake_tensor(f32, (ctas, n), vec) if has_dbeta else None,  # dbeta partials
         cutlass.Int32(1),
+        dr_in,
+        mask,
+        dres,
+        dxb,  # dx_bias partials
+        f32(1.0),  # 1 / (1 - p)
         cc.fake_stream(),
         arch=arch,
     )
 
 
-def _build_finalize(w_dtype, b_dtype, ftiles, has_gamma, has_beta, arch):
+def _build_finalize(w_dtype, b_dtype, ftiles, has_gamma, has_beta, arch, xb_dtype=None):
+    """The fold of the column partials; ``xb_dtype``: also dx_bias's, into that dtype."""
     import cutlass
     import cutlass.cute as cute
 
@@ -65,12 +82,15 @@ def _build_finalize(w_dtype, b_dtype, ftiles, has_gamma, has_beta, arch):
     ctas, n = cute.sym_int(), cute.sym_int()
     vec = ftiles.vec
     f32 = cutlass.Float32
+    has_xbias = xb_dtype is not None
     return cc.compile_kernel(
-        LnBwdFinalize(ftiles, has_gamma, has_beta),
+        LnBwdFinalize(ftiles, has_gamma, has_beta, has_xbias),
         cc.fake_tensor(f32, (ctas, n), vec) if has_gamma else None,
         cc.fake_tensor(f32, (ctas, n), vec) if has_beta else None,
         cc.fake_tensor(w_dtype, (n,), 1) if has_gamma else None,
         cc.fake_tensor(b_dtype, (n,), 1) if has_beta else None,
+        cc.fake_tensor(f32, (ctas, n), vec) if has_xbias else None,
+        cc.fake_tensor(xb_dtype, (n,), 1) if has_xbias else None,
         cc.fake_stream(),
         arch=arch,
     )
@@ -80,7 +100,7 @@ compiled = cc.CompileCache("ln_bwd", _build)
 compiled_finalize = cc.CompileCache("ln_bwd_finalize", _build_finalize)
 
 
-def _stat_view(name: str, s: Tensor, rows: int) -> Tensor:
+def stat_view(name: str, s: Tensor, rows: int) -> Tensor:
     """mean / rstd as a contiguous fp32 [rows] vector (aten keeps a trailing 1)."""
     if s.numel() != rows:
         raise ValueError(f"{name} must have one value per row ({rows}), got shape {tuple(s.shape)}")
@@ -113,7 +133,7 @@ def _validate(grad_out, x, weight, mean, rstd, bias):
         check_same_device(name, s, x)
         if s.dtype != torch.float32:
             raise TypeError(f"{name} must be float32 (the forward's statistics), got {s.dtype}")
-        _stat_view(name, s, rows)
+        stat_view(name, s, rows)
     for name, t in (("x", x), ("grad_out", grad_out)):
         rows_view(name, t)
 
@@ -192,16 +212,16 @@ def launch(grad_out, x, weight, mean, rstd, bias, is_rms, dx, dweight, dbias) ->
     plan = _plan(grad_out, x, weight, bias, is_rms, dx)
     rows, n = plan.rows, plan.n
     xs, dzs, dxs = rows_view("x", x), rows_view("grad_out", grad_out), rows_view("grad_in", dx)
-    rs = _stat_view("rstd", rstd, rows)
-    mu = None if is_rms else _stat_view("mean", mean, rows)
+    rs = stat_view("rstd", rstd, rows)
+    mu = None if is_rms else stat_view("mean", mean, rows)
     part_g = part_b = None
     if weight is not None:
         part_g = torch.empty((plan.ctas_per_col, n), dtype=torch.float32, device=x.device)
     if bias is not None:
         part_b = torch.empty((plan.ctas_per_col, n), dtype=torch.float32, device=x.device)
-    plan.fn(xs, dzs, weight, mu, rs, dxs, part_g, part_b, plan.ctas_per_col)
+    plan.fn(xs, dzs, weight, mu, rs, dxs, part_g, part_b, plan.ctas_per_col, None, None, None, None, 1.0)
     if plan.finalize is not None:
-        plan.finalize(part_g, part_b, dweight, dbias)
+        plan.finalize(part_g, part_b, dweight, dbias, None, None)
 
 
 def _outputs(grad_out, x, weight, bias):

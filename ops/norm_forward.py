@@ -25,7 +25,9 @@ from ._validate import rows_view
 SUPPORTED_ARCH_MAJORS = (8, 9)  # built and tested for sm_80 (no clusters) and sm_90a
 
 
-def _build(dtype, w_dtype, b_dtype, tiles, is_rms, arch):
+def _build(dtype, w_dtype, b_dtype, tiles, is_rms, arch, fuse=None, rng_on_device=False):
+    """The forward kernel; ``fuse`` (a ``DropoutAdd``) adds the dropout + residual add in front
+    (``ops.dropout_add_norm``), its Philox seed and offset on the device with ``rng_on_device``."""
     import cutlass
     import cutlass.cute as cute
 
@@ -34,16 +36,33 @@ def _build(dtype, w_dtype, b_dtype, tiles, is_rms, arch):
     vec = tiles.vec
     rows, n = cute.sym_int(), cute.sym_int()
     f32 = cutlass.Float32
+    rows_n = lambda dt: cc.fake_tensor(dt, (rows, n), vec)  # noqa: E731
+    res = r = xb = mask = seed = offset = None
+    if fuse is not None:
+        res = None if fuse.res_dtype is None else rows_n(fuse.res_dtype)
+        xb = None if fuse.xb_dtype is None else cc.fake_tensor(fuse.xb_dtype, (n,), vec)
+        r = rows_n(fuse.r_dtype)
+        if fuse.dropout:
+            mask = cc.fake_tensor(cutlass.Uint8, (rows, cute.sym_int()), 1)
+            seed, offset, _, _, _ = cc.fake_rng_args(rng_on_device)
     return cc.compile_kernel(
-        LnFwd(dtype, w_dtype, b_dtype, tiles, is_rms),
-        cc.fake_tensor(dtype, (rows, n), vec),  # x
+        LnFwd(dtype, w_dtype, b_dtype, tiles, is_rms, fuse),
+        rows_n(dtype),  # x
         cc.fake_tensor(w_dtype, (n,), vec) if w_dtype is not None else None,  # gamma
         cc.fake_tensor(b_dtype, (n,), vec) if b_dtype is not None else None,  # beta
-        cc.fake_tensor(dtype, (rows, n), vec),  # y
+        rows_n(dtype),  # y
         None if is_rms else cc.fake_tensor(f32, (rows,), 1),  # mean
         cc.fake_tensor(f32, (rows,), 1),  # rstd
         f32(1e-5),  # eps
         cutlass.Int32(1),  # ctas_per_col
+        res,
+        xb,
+        r,
+        mask,
+        seed,
+        offset,
+        cutlass.Int32(0),  # threshold
+        f32(1.0),  # 1 / (1 - p)
         cc.fake_stream(),
         arch=arch,
     )
@@ -155,7 +174,10 @@ def launch(x: Tensor, weight, bias, eps: float, is_rms: bool, y: Tensor, mean: O
     rows, n = xs.shape
     plan = _plan(xs, weight, bias, is_rms)
     mu = None if mean is None else mean.view(rows)
-    plan.fn(xs, weight, bias, y.view(rows, n), mu, rstd.view(rows), eps, plan.ctas_per_col)
+    plan.fn(
+        xs, weight, bias, y.view(rows, n), mu, rstd.view(rows), eps, plan.ctas_per_col,
+        None, None, None, None, None, None, 0, 1.0,
+    )  # fmt: skip
 
 
 def forward(

@@ -13,6 +13,7 @@ import ops
 import ops.attention as A
 import ops.attention_bwd_prepost as P
 import ops.context_parallel as CPA
+import ops.dropout_add_norm as DAN
 import ops.dropout_bias as D
 import ops.norm as N
 import ops.norm_forward as NF
@@ -220,6 +221,24 @@ def rms_norm_module(x=None, **kw):
     return lambda: ops.RMSNorm(8, **kw)(fc(4, 8) if x is None else x)
 
 
+dan = _call(
+    ops.dropout_add_layer_norm,
+    x=lambda: fc(4, 8),
+    residual=lambda: fc(4, 8),
+    weight=lambda: f32(8),
+    bias=lambda: f32(8),
+    p=0.1,
+    eps=1e-5,
+)
+darn = _call(
+    ops.dropout_add_rms_norm, x=lambda: fc(4, 8), residual=lambda: fc(4, 8), weight=lambda: fc(8), bias=None, p=0.1
+)
+
+
+def dropout_add_norm_module(cls, x=None, residual=None, **kw):
+    return lambda: cls(8, device="cuda", dtype=BF16, **kw)(fc(4, 8) if x is None else x, residual)
+
+
 def bias_dropout_p_changed():
     m = ops.BiasDropout(8, device="cuda", dtype=BF16)
     m.p = 1.0
@@ -267,6 +286,10 @@ _ENTRIES = {
     "rms_norm": [(N, "_norm_forward"), (N, "_norm_forward_impl")],
     "LayerNorm": [(N, "_norm_forward"), (N, "_norm_forward_impl")],
     "RMSNorm": [(N, "_norm_forward"), (N, "_norm_forward_impl")],
+    "dropout_add_layer_norm": [(DAN, "_cuda_call"), (DAN, "_torch_call")],
+    "dropout_add_rms_norm": [(DAN, "_cuda_call"), (DAN, "_torch_call")],
+    "DropoutAddLayerNorm": [(DAN, "_cuda_call"), (DAN, "_torch_call")],
+    "DropoutAddRMSNorm": [(DAN, "_cuda_call"), (DAN, "_torch_call")],
     "attention_bwd_preprocess": [(P, "_preprocess_impl"), (P, "_preprocess_op")],
     "attention_bwd_compute_delta": [(P, "compute_delta"), (P, "_compute_delta_op")],
     "attention_bwd_convert_dq": [(P, "convert_dq"), (P, "_convert_dq_op")],

@@ -75,7 +75,15 @@ from .test_bad_inputs_dropout_bias_cpu import (
     DROPOUT_BIAS_BACKWARD,
     DROPOUT_BIAS_FORWARD,
 )
-from .test_bad_inputs_norm_cpu import LAYER_NORM, LAYER_NORM_BACKWARD, NORM_MODULES, RMS_NORM, RMS_NORM_BACKWARD
+from .test_bad_inputs_norm_cpu import (
+    DROPOUT_ADD_NORM,
+    DROPOUT_ADD_NORM_MODULES,
+    LAYER_NORM,
+    LAYER_NORM_BACKWARD,
+    NORM_MODULES,
+    RMS_NORM,
+    RMS_NORM_BACKWARD,
+)
 from .test_bad_inputs_prepost_cpu import CLEAR_DKV_ACCUM, COMPUTE_DELTA, CONVERT_DKV, CONVERT_DQ, PREPROCESS
 
 TABLES = {
@@ -88,6 +96,8 @@ TABLES = {
     "layer_norm": LAYER_NORM,
     "rms_norm": RMS_NORM,
     "norm modules": NORM_MODULES,
+    "dropout_add_norm": DROPOUT_ADD_NORM,
+    "dropout_add_norm modules": DROPOUT_ADD_NORM_MODULES,
     "attention_bwd_preprocess": PREPROCESS,
     "attention_bwd_compute_delta": COMPUTE_DELTA,
     "attention_bwd_convert_dq": CONVERT_DQ,

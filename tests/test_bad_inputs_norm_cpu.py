@@ -3,6 +3,9 @@
 (tests/test_bad_inputs_cpu.py describes the tables and the guard)."""
 
 import pytest
+import torch
+
+import ops
 
 from .bad_inputs_common import (
     F16,
@@ -14,6 +17,9 @@ from .bad_inputs_common import (
     Case,
     check_refused,
     cpu,
+    dan,
+    darn,
+    dropout_add_norm_module,
     f32,
     fc,
     layer_norm_module,
@@ -173,7 +179,113 @@ NORM_MODULES = [
     C("RMSNorm", "eps-str", lambda: rms_norm_module(eps="1e-6"), TypeError, "eps", "finite float"),
 ]
 
-BAD = LAYER_NORM_BACKWARD + RMS_NORM_BACKWARD + LAYER_NORM + RMS_NORM + NORM_MODULES
+DAN, DARN = "dropout_add_layer_norm", "dropout_add_rms_norm"
+DROPOUT_ADD_NORM = [
+    C(DAN, "x-int", lambda: dan(x=fc(4, 8, dtype=I32)), TypeError, "x", "dtype"),
+    C(DAN, "x-0d", lambda: dan(x=fc(), residual=None), ValueError, "x", "N >= 1"),
+    C(
+        DAN,
+        "x-on-meta",
+        lambda: dan(x=torch.empty(4, 8, device="meta"), residual=None, weight=None, bias=None),
+        ValueError,
+        "x",
+        "CUDA or CPU",
+    ),
+    C(DAN, "residual-shape", lambda: dan(residual=fc(4, 9)), ValueError, "residual", "shape"),
+    C(DAN, "residual-float64", lambda: dan(residual=fc(4, 8, dtype=F64)), TypeError, "residual", "dtype"),
+    C(DAN, "residual-on-cpu", lambda: dan(residual=cpu(4, 8)), ValueError, "residual", "cpu"),
+    C(DAN, "weight-shape", lambda: dan(weight=f32(9)), ValueError, "weight", "shape"),
+    C(DAN, "bias-int", lambda: dan(bias=fc(8, dtype=I32)), TypeError, "bias", "dtype"),
+    C(DAN, "x_bias-shape", lambda: dan(x_bias=fc(4, 8)), ValueError, "x_bias", "shape"),
+    C(DAN, "x_bias-on-cpu", lambda: dan(x_bias=cpu(8)), ValueError, "x_bias", "cpu"),
+    C(DAN, "p-one", lambda: dan(p=1.0), ValueError, "p", "[0, 1)"),
+    C(DAN, "p-negative", lambda: dan(p=-0.1), ValueError, "p", "[0, 1)"),
+    C(DAN, "p-str", lambda: dan(p="0.1"), TypeError, "p", "float"),
+    C(DAN, "eps-nan", lambda: dan(eps=float("nan")), TypeError, "eps", "finite float"),
+    C(DAN, "rowscale", lambda: dan(rowscale=f32(4)), NotImplementedError, "rowscale", "not supported"),
+    C(DARN, "x-int", lambda: darn(x=fc(4, 8, dtype=I64)), TypeError, "x", "dtype"),
+    C(DARN, "bias-given", lambda: darn(bias=fc(8)), NotImplementedError, "bias", "no bias"),
+    C(DARN, "residual-shape", lambda: darn(residual=fc(2, 8)), ValueError, "residual", "shape"),
+    C(DARN, "weight-on-cpu", lambda: darn(weight=cpu(8)), ValueError, "weight", "cpu"),
+    C(DARN, "p-one", lambda: darn(p=1.0), ValueError, "p", "[0, 1)"),
+]
+
+DROPOUT_ADD_NORM_MODULES = [
+    C(
+        "DropoutAddLayerNorm",
+        "p-one",
+        lambda: dropout_add_norm_module(ops.DropoutAddLayerNorm, p=1.0),
+        ValueError,
+        "p",
+        "[0, 1)",
+    ),
+    C(
+        "DropoutAddLayerNorm",
+        "x-last-dim",
+        lambda: dropout_add_norm_module(ops.DropoutAddLayerNorm, x=fc(4, 9)),
+        ValueError,
+        "weight",
+        "shape",
+    ),
+    C(
+        "DropoutAddLayerNorm",
+        "residual-shape",
+        lambda: dropout_add_norm_module(ops.DropoutAddLayerNorm, residual=fc(4, 4)),
+        ValueError,
+        "residual",
+        "shape",
+    ),
+    C(
+        "DropoutAddLayerNorm",
+        "x-int",
+        lambda: dropout_add_norm_module(ops.DropoutAddLayerNorm, x=fc(4, 8, dtype=I32)),
+        TypeError,
+        "x",
+        "dtype",
+    ),
+    C(
+        "DropoutAddRMSNorm",
+        "p-negative",
+        lambda: dropout_add_norm_module(ops.DropoutAddRMSNorm, p=-0.5),
+        ValueError,
+        "p",
+        "[0, 1)",
+    ),
+    C(
+        "DropoutAddRMSNorm",
+        "x-last-dim",
+        lambda: dropout_add_norm_module(ops.DropoutAddRMSNorm, x=fc(4, 16)),
+        ValueError,
+        "weight",
+        "shape",
+    ),
+    C(
+        "DropoutAddRMSNorm",
+        "residual-float64",
+        lambda: dropout_add_norm_module(ops.DropoutAddRMSNorm, residual=fc(4, 8, dtype=F64)),
+        TypeError,
+        "residual",
+        "dtype",
+    ),
+    C(
+        "DropoutAddRMSNorm",
+        "residual-on-cpu",
+        lambda: dropout_add_norm_module(ops.DropoutAddRMSNorm, residual=cpu(4, 8)),
+        ValueError,
+        "residual",
+        "cpu",
+    ),
+]
+
+BAD = (
+    LAYER_NORM_BACKWARD
+    + RMS_NORM_BACKWARD
+    + LAYER_NORM
+    + RMS_NORM
+    + NORM_MODULES
+    + DROPOUT_ADD_NORM
+    + DROPOUT_ADD_NORM_MODULES
+)
 
 
 @pytest.mark.parametrize("case", BAD)

@@ -209,7 +209,8 @@ def test_forward_arguments(stand_in):
     ((key, args),) = stand_in
     dtype, w_dt, b_dt, tiles, is_rms, arch = key
     assert (w_dt, b_dt, tiles.vec, is_rms, arch) == (cc.cute_dtype(torch.float32), None, 8, False, "sm_90a")
-    xs, wa, ba, ys, mu, rs, eps, ctas = args
+    xs, wa, ba, ys, mu, rs, eps, ctas = args[:8]
+    assert args[8:] == (None,) * 6 + (0, 1.0)  # the plain norm: no dropout + add
     assert xs.shape == ys.shape == (6, 64) and xs.data_ptr() == x.data_ptr()  # a view, no copy
     assert wa is w and ba is None and mu.shape == rs.shape == (6,) and eps == 1e-5 and ctas >= 1
     y, mean, rstd = NF.forward(x, w, None, 1e-6, True)

@@ -178,7 +178,8 @@ def test_cluster_exchanges_agree():
                 poison(torch.empty(rows, device="cuda")),
                 poison(torch.empty(rows, device="cuda")),
             )
-            fn(x, w, None if is_rms else b, y, None if is_rms else mean, rstd, 1e-5, ctas)
+            plain = (None,) * 6 + (0, 1.0)  # no dropout + add
+            fn(x, w, None if is_rms else b, y, None if is_rms else mean, rstd, 1e-5, ctas, *plain)
             assert rel_err(y, _reference(x, w, None if is_rms else b, 1e-5, is_rms)[0]) < TOL[torch.bfloat16]
             outs.append((mode, is_rms, y, rstd if is_rms else torch.cat([mean, rstd])))
     for mode, is_rms, y, stats in outs[2:]:

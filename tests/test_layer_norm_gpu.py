@@ -143,7 +143,7 @@ def test_cluster_exchanges_agree(n):
         fn = N.compiled(bf16, bf16, f32, t, False, True, True, arch)
         dx = poison(torch.empty_like(x))
         pg, pb = (poison(torch.empty(ctas, n, device="cuda")) for _ in range(2))
-        fn(x, dz, w, mean, rstd, dx, pg, pb, ctas)
+        fn(x, dz, w, mean, rstd, dx, pg, pb, ctas, None, None, None, None, 1.0)  # no dropout + add
         out = (dx, pg, pb)
         assert rel_err(dx, rdx) < TOL[torch.bfloat16]
         assert rel_err(pg.sum(0), rdw) < TOL[torch.bfloat16] and rel_err(pb.sum(0), rdb) < TOL[torch.bfloat16]

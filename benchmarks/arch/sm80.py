@@ -9,6 +9,7 @@ from .sm90 import (
     ATTENTION_TRAIN,
     ATTN_BWD_POSTPROCESS,
     ATTN_BWD_PREPROCESS,
+    DROPOUT_ADD_LAYER_NORM,
     DROPOUT_BIAS_BWD,
     DROPOUT_BIAS_FWD,
     LAYER_NORM_BWD,
@@ -35,3 +36,4 @@ LAYER_NORM_BWD = {k: [c for c in v if _runs_here(c)] for k, v in LAYER_NORM_BWD.
 # the forward splits rows as the backward does: the same rows need clusters
 LAYER_NORM_FWD = {k: [c for c in v if _runs_here(c)] for k, v in LAYER_NORM_FWD.items()}  # noqa: F811
 NORM_TRAIN = {k: [c for c in v if _runs_here(c)] for k, v in NORM_TRAIN.items()}  # noqa: F811
+DROPOUT_ADD_LAYER_NORM = {k: [c for c in v if _runs_here(c)] for k, v in DROPOUT_ADD_LAYER_NORM.items()}  # noqa: F811

@@ -62,6 +62,19 @@ LAYER_NORM_FWD = {
 
 NORM_TRAIN = LAYER_NORM_FWD  # the same cases, forward + backward
 
+DROPOUT_ADD_LAYER_NORM = {
+    # (rows, N), dtype name of x and the residual, "layer" (fp32 weight and bias) or "rms" (fp32 weight)
+    "full": [
+        ((16384, 4096), "bfloat16", "layer"),
+        ((32768, 1024), "bfloat16", "layer"),
+        ((8192, 8192), "bfloat16", "layer"),
+        ((16384, 4096), "bfloat16", "rms"),
+    ],
+    "quick": [
+        ((16384, 4096), "bfloat16", "layer"),
+    ],
+}
+
 ATTN_BWD_PREPROCESS = {
     # (batch, heads, seqlen, head_dim), dtype name; O and dO [B, S, H, D] contiguous
     "full": [

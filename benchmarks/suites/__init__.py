@@ -7,6 +7,7 @@ SUITES = (
     "layer_norm_fwd",
     "layer_norm_bwd",
     "norm_train",
+    "dropout_add_layer_norm",
     "attn_bwd_preprocess",
     "attn_bwd_postprocess",
     "attention_bwd",

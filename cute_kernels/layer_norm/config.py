@@ -153,13 +153,15 @@ def ln_bwd_tiles(
     vec: int,
     arch: str = "sm_90a",
     num_partials: int = 2,
+    extra_bits: int = 0,
     **overrides,
 ) -> LnBwdTiles:
     """The tiles for a row of ``n`` elements (x/dx ``in_bits``, dz ``out_bits``, weight ``w_bits``).
 
     ``vec`` is the widest legal vector the host found; ``num_partials`` is how many
-    fp32 column sums the kernel keeps (dgamma and/or dbeta). ``overrides`` replace
-    fields (measurement sweeps).
+    fp32 column sums the kernel keeps (dgamma, dbeta and / or the fused dx_bias);
+    ``extra_bits`` the element widths of further ring inputs (the fused gradient of r),
+    added. ``overrides`` replace fields (measurement sweeps).
     """
     _check_row(n, vec, max(in_bits, out_bits))
     ldgs, tpr, cpr = _row_split(n, vec, arch)
@@ -167,6 +169,7 @@ def ln_bwd_tiles(
     rows_per_cta = num_threads // tpr
     t = LnBwdTiles(vec, ldgs, tpr, cpr, rows_per_cta, 2, 1)
     t = replace(t, **{k: v for k, v in overrides.items() if k not in ("ctas_per_sm", "stages")})
+    out_bits += extra_bits  # the ring and the registers hold the extra inputs beside dz
     ctas_per_sm = overrides.get(
         "ctas_per_sm", _ctas_per_sm(t, register_estimate(t, in_bits, out_bits, w_bits, num_partials))
     )
@@ -194,11 +197,16 @@ def _ctas_per_sm(t: RowTiles, regs: int) -> int:
     return ctas
 
 
-def ln_fwd_tiles(n: int, in_bits: int, param_bits: int, vec: int, arch: str = "sm_90a", **overrides) -> LnFwdTiles:
+def ln_fwd_tiles(
+    n: int, in_bits: int, param_bits: int, vec: int, arch: str = "sm_90a", extra_bits: int = 0, **overrides
+) -> LnFwdTiles:
     """The forward's tiles for a row of ``n`` elements (x and y ``in_bits``; ``param_bits``:
-    the widths of gamma and beta added, 0 without either). ``vec`` is the widest legal vector
-    the host found; ``overrides`` replace fields (measurement sweeps)."""
-    _check_row(n, vec, in_bits)
+    the widths of gamma and beta (and the fused x_bias) added, 0 without any). ``extra_bits``:
+    the widths of further ring inputs (the fused residual) added, or, where wider, of r held
+    in registers. ``vec`` is the widest legal vector the host found; ``overrides`` replace
+    fields (measurement sweeps)."""
+    _check_row(n, vec, max(in_bits, extra_bits))
+    in_bits += extra_bits
     ldgs, tpr, cpr = _row_split(n, vec, arch)
     rows_per_cta = max(tpr, MIN_THREADS_PER_CTA) // tpr
     t = LnFwdTiles(vec, ldgs, tpr, cpr, rows_per_cta, 2, 1)

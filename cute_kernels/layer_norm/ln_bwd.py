@@ -15,6 +15,11 @@ bit and the results are deterministic. Across a cluster the sums travel by ``st.
 and each CTA waits on a transaction-count mbarrier of its own
 (``tiles.cluster_exchange == "mbarrier"``), or by plain remote stores followed by a full
 cluster barrier per row (``"barrier"``).
+
+With ``fuse`` (a ``DropoutAdd``) x is r = dropout(x0 + x_bias) + residual and the kernel goes
+on from the norm's input gradient (``dropout_add.py``): the incoming gradient of r (prenorm)
+joins the ring and is added, dresidual = dr is stored, dx0 = dr * keep / (1 - p) from the
+forward's bit mask, and dx_bias's column partials are kept beside dgamma's and dbeta's.
 """
 
 import cuda.bindings.driver as cuda
@@ -25,13 +30,27 @@ from cutlass import Float32, Int32, const_expr
 from cute_kernels.common.column_partials import ColumnPartials
 from layouts.layer_norm import LnBwdTiles
 
+from . import dropout_add as D
 from . import rows as R
 
 
 class LnBwd:
-    """Configuration: dtypes of x/dx, dz, gamma; RMSNorm or LayerNorm; which grads; tiles."""
+    """Configuration: dtypes of x/dx, dz, gamma; RMSNorm or LayerNorm; which grads; tiles; the
+    fused dropout + residual add (None: plain norm; x is then r and dx is x0's, ``fuse.x_dtype``)."""
 
-    def __init__(self, in_dtype, out_dtype, w_dtype, tiles: LnBwdTiles, is_rms: bool, has_gamma: bool, has_dbeta: bool):
+    def __init__(
+        self,
+        in_dtype,
+        out_dtype,
+        w_dtype,
+        tiles: LnBwdTiles,
+        is_rms: bool,
+        has_gamma: bool,
+        has_dbeta: bool,
+        fuse: D.DropoutAdd = None,
+    ):
+        self.fuse = fuse
+        self.dx_dtype = in_dtype if fuse is None else fuse.x_dtype
         self.in_dtype = in_dtype
         self.out_dtype = out_dtype
         self.w_dtype = w_dtype
@@ -52,15 +71,28 @@ class LnBwd:
         mDGammaPart: cute.Tensor,  # [ctas_per_col, N] fp32 (None without weight)
         mDBetaPart: cute.Tensor,  # [ctas_per_col, N] fp32 (None without bias)
         ctas_per_col: Int32,
+        mDRIn: cute.Tensor,  # [rows, N] incoming gradient of r (fused, prenorm; else None)
+        mMask: cute.Tensor,  # [rows, ceil(N / 8)] uint8 keep bits (fused dropout; else None)
+        mDRes: cute.Tensor,  # [rows, N] dresidual (fused with a residual; else None)
+        mDXBiasPart: cute.Tensor,  # [ctas_per_col, N] fp32 (fused with x_bias; else None)
+        scale: Float32,  # 1 / (1 - p)
         stream: cuda.CUstream,
     ):
         t = self.tiles
         copy_x = t.gmem_copy(self.in_dtype.width, load=True).build(self.in_dtype)
         copy_dz = t.gmem_copy(self.out_dtype.width, load=True).build(self.out_dtype)
-        copy_dx = t.gmem_copy(self.in_dtype.width, load=False).build(self.in_dtype)
+        copy_dx = t.gmem_copy(self.dx_dtype.width, load=False).build(self.dx_dtype)
+        copy_drin = copy_dres = None
+        if const_expr(self.fuse is not None):
+            f = self.fuse
+            if const_expr(f.dr_dtype is not None):
+                copy_drin = t.gmem_copy(f.dr_dtype.width, load=True).build(f.dr_dtype)
+            if const_expr(f.res_dtype is not None):
+                copy_dres = t.gmem_copy(f.res_dtype.width, load=False).build(f.res_dtype)
         kernel = self.kernel(
-            mX, mDZ, mGamma, mMu, mRs, mDX, mDGammaPart, mDBetaPart, ctas_per_col, copy_x, copy_dz, copy_dx
-        )
+            mX, mDZ, mGamma, mMu, mRs, mDX, mDGammaPart, mDBetaPart, ctas_per_col, copy_x, copy_dz, copy_dx,
+            mDRIn, mMask, mDRes, mDXBiasPart, scale, copy_drin, copy_dres,
+        )  # fmt: skip
         R.launch(kernel, t, ctas_per_col, stream)
 
     @cute.kernel
@@ -78,6 +110,13 @@ class LnBwd:
         copy_x: cute.TiledCopy,
         copy_dz: cute.TiledCopy,
         copy_dx: cute.TiledCopy,
+        mDRIn: cute.Tensor,
+        mMask: cute.Tensor,
+        mDRes: cute.Tensor,
+        mDXBiasPart: cute.Tensor,
+        scale: Float32,
+        copy_drin: cute.TiledCopy,
+        copy_dres: cute.TiledCopy,
     ):
         t = self.tiles
         tpr, vec, ldgs = t.threads_per_row, t.vec, t.ldgs
@@ -100,10 +139,24 @@ class LnBwd:
         for it in cutlass.range_constexpr(ldgs):
             acc_dzy[it].fill(0.0)
             acc_dz[it].fill(0.0)
+        fused = None
+        if const_expr(self.fuse is not None):
+            # (incoming dr's view, dresidual's view, dx_bias's column sums)
+            fused = [
+                None if mDRIn is None else R.partition_rows(copy_drin, mDRIn, t, tidx, load=True),
+                None if mDRes is None else R.partition_rows(copy_dres, mDRes, t, tidx, load=False),
+                None,
+            ]
+            if const_expr(mDXBiasPart is not None):
+                fused[2] = D.registers_of(tXg[None, 0, 0, 0, 0], Float32, ldgs)
+                for it in cutlass.range_constexpr(ldgs):
+                    fused[2][it].fill(0.0)
 
         smem = cutlass.memory.SmemAllocator()
         red = R.RowSums.allocate(t, smem, th, num_sums=2)  # (sum dy, sum dy*y)
         inputs = [(self.in_dtype, copy_x, tXg), (self.out_dtype, copy_dz, tDZg)]
+        if const_expr(mDRIn is not None):
+            inputs.append((self.fuse.dr_dtype, copy_drin, fused[0]))
         ring = R.RowRing.allocate(t, smem, th, rows, ctas_per_col, col_tile, col_ok, inputs)
         ring.start()
         parity = Int32(0)
@@ -113,7 +166,15 @@ class LnBwd:
         for k in cutlass.range(ring.my_blocks, unroll=1):
             ring.load(k + stages - 1)
             mu_next, rs_next = self.row_stats(mMu, mRs, (bidm + (k + 1) * ctas_per_col) * rpc + row_in_cta, rows)
-            rb, _row, row_ok, (rX, rDZ) = ring.read(k)
+            rb, row, row_ok, regs = ring.read(k)
+            rX, rDZ = regs[0], regs[1]
+            keep = None
+            if const_expr(self.fuse is not None and self.fuse.dropout):
+                # issued before the row's reductions, which hide their latency
+                keep = [
+                    D.read_bits(mMask, row, D.vector_column(t, th, col_tile, it), row_ok and col_ok[it])
+                    for it in range(ldgs)
+                ]
 
             # this thread's share of sum(dy) and sum(dy * y); the column partials
             s_dy = Float32(0.0)
@@ -139,8 +200,12 @@ class LnBwd:
                     dx = (dy - y * mdyy) * rs
                 else:
                     dx = (dy - (y * mdyy + mdy)) * rs
-                rDX = cute.make_rmem_tensor_like(rX[it])
-                rDX.store(dx.to(self.in_dtype))
+                if const_expr(self.fuse is not None):
+                    dx = self.dropout_add_grads(
+                        dx, it, regs, keep, fused, scale, copy_dres, rb, row_ok, col_ok, col_tile
+                    )
+                rDX = cute.make_rmem_tensor_like(rX[it], self.dx_dtype)
+                rDX.store(dx.to(self.dx_dtype))
                 if row_ok and col_ok[it]:
                     cute.copy(copy_dx, rDX, tDXg[None, 0, 0, rb, col_tile[it]])
             mu = mu_next
@@ -153,6 +218,8 @@ class LnBwd:
             outs.append((acc_dzy, mDGammaPart))
         if const_expr(self.has_dbeta):
             outs.append((acc_dz, mDBetaPart))
+        if const_expr(mDXBiasPart is not None):
+            outs.append((fused[2], mDXBiasPart))
         if const_expr(rpc == 1):
             for acc, mPart in outs:
                 for it in cutlass.range_constexpr(ldgs):
@@ -173,6 +240,30 @@ class LnBwd:
                     cute.autovec_copy(acc[it], cute.make_tensor(dst.iterator, acc[it].layout))
                 cute.arch.sync_threads()
                 fold.store(sAcc, mPart, bidm, Int32(0), tidx)  # one CTA covers the row: column tile 0
+
+    @cute.jit
+    def dropout_add_grads(
+        self, dx, it: cutlass.Constexpr, regs, keep, fused, scale, copy_dres, rb, row_ok, col_ok, col_tile
+    ):
+        """From the norm's input gradient ``dx`` (fp32, vector ``it``): dr = dx + dr_in, stored as
+        dresidual; dx0 = dr * keep / (1 - p) returned and added to dx_bias's column sums."""
+        f = self.fuse
+        tDRIng, tDResg, acc_dxb = fused
+        dr = dx
+        if const_expr(tDRIng is not None):
+            dr = dr + regs[2][it].load().to(Float32)
+        if const_expr(tDResg is not None):
+            rDRes = cute.make_rmem_tensor_like(regs[0][it], f.res_dtype)
+            rDRes.store(dr.to(f.res_dtype))
+            if row_ok and col_ok[it]:
+                cute.copy(copy_dres, rDRes, tDResg[None, 0, 0, rb, col_tile[it]])
+        dx0 = dr
+        if const_expr(f.dropout):
+            dx0 = D.apply_keep(dr, keep[it], scale, regs[0][it])
+        if const_expr(acc_dxb is not None):
+            if row_ok and col_ok[it]:  # past N the norm's dx is not zero
+                acc_dxb[it].store(acc_dxb[it].load() + dx0)
+        return dx0
 
     @cute.jit
     def row_stats(self, mMu, mRs, row, rows):

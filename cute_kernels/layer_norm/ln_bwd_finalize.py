@@ -17,12 +17,14 @@ from layouts.layer_norm import LnBwdFinalizeTiles
 
 
 class LnBwdFinalize:
-    """Configuration: tiles, which of dgamma / dbeta; outputs take their tensors' dtypes."""
+    """Configuration: tiles, which of dgamma / dbeta / dx_bias (the fused dropout + add's);
+    outputs take their tensors' dtypes."""
 
-    def __init__(self, tiles: LnBwdFinalizeTiles, has_gamma: bool, has_beta: bool):
+    def __init__(self, tiles: LnBwdFinalizeTiles, has_gamma: bool, has_beta: bool, has_xbias: bool = False):
         self.tiles = tiles
         self.has_gamma = has_gamma
         self.has_beta = has_beta
+        self.has_xbias = has_xbias
 
     @cute.jit
     def __call__(
@@ -31,34 +33,43 @@ class LnBwdFinalize:
         mDBetaPart: cute.Tensor,  # [ctas_per_col, N] fp32 (None without bias)
         mDGamma: cute.Tensor,  # [N]
         mDBeta: cute.Tensor,  # [N]
+        mDXBiasPart: cute.Tensor,  # [ctas_per_col, N] fp32 (None without x_bias)
+        mDXBias: cute.Tensor,  # [N]
         stream: cuda.CUstream,
     ):
-        mRef = mDGammaPart if const_expr(self.has_gamma) else mDBetaPart
-        self.kernel(mDGammaPart, mDBetaPart, mDGamma, mDBeta).launch(
-            grid=[cute.ceil_div(mRef.shape[1], self.tiles.tile_n), 1, 1],
+        parts = [p for p in (mDGammaPart, mDBetaPart, mDXBiasPart) if p is not None]
+        self.kernel(mDGammaPart, mDBetaPart, mDGamma, mDBeta, mDXBiasPart, mDXBias).launch(
+            grid=[cute.ceil_div(parts[0].shape[1], self.tiles.tile_n), 1, 1],
             block=[self.tiles.num_threads, 1, 1],
             stream=stream,
         )
 
     @cute.kernel
-    def kernel(self, mDGammaPart: cute.Tensor, mDBetaPart: cute.Tensor, mDGamma: cute.Tensor, mDBeta: cute.Tensor):
+    def kernel(
+        self,
+        mDGammaPart: cute.Tensor,
+        mDBetaPart: cute.Tensor,
+        mDGamma: cute.Tensor,
+        mDBeta: cute.Tensor,
+        mDXBiasPart: cute.Tensor,
+        mDXBias: cute.Tensor,
+    ):
         t = self.tiles
         tidx, _, _ = cute.arch.thread_idx()
         col_tile, _, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
         sAcc = smem.allocate_tensor(Float32, t.fold_layout(), byte_alignment=16)
-        for mPart, mOut in partial_pairs(mDGammaPart, mDBetaPart, mDGamma, mDBeta):
+        for mPart, mOut in partial_pairs(mDGammaPart, mDBetaPart, mDGamma, mDBeta, mDXBiasPart, mDXBias):
             fold_column_tile(t, mPart, mOut, sAcc, col_tile, tidx)
             cute.arch.sync_threads()  # sAcc is reused
 
 
-def partial_pairs(mDGammaPart, mDBetaPart, mDGamma, mDBeta) -> list:
-    """(partials, output) of dgamma and / or dbeta, whichever exist."""
+def partial_pairs(mDGammaPart, mDBetaPart, mDGamma, mDBeta, mDXBiasPart=None, mDXBias=None) -> list:
+    """(partials, output) of dgamma, dbeta and / or dx_bias, whichever exist."""
     pairs = []
-    if const_expr(mDGammaPart is not None):
-        pairs.append((mDGammaPart, mDGamma))
-    if const_expr(mDBetaPart is not None):
-        pairs.append((mDBetaPart, mDBeta))
+    for mPart, mOut in ((mDGammaPart, mDGamma), (mDBetaPart, mDBeta), (mDXBiasPart, mDXBias)):
+        if const_expr(mPart is not None):
+            pairs.append((mPart, mOut))
     return pairs
 
 

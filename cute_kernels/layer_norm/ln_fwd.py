@@ -20,6 +20,10 @@ all-reduce runs through warp shuffles, then shared memory across the warps of a 
 distributed shared memory across the CTAs of a cluster; every participant adds the same
 values in the same order, so all agree bit for bit. Two exchange buffers alternate: all-
 reduce r uses buffer r % 2 (LayerNorm: the sum buffer 0, the squares buffer 1).
+
+With ``fuse`` (a ``DropoutAdd``) the row normalised is r = dropout(x + x_bias) + residual
+(``dropout_add.py``): the residual joins x in the ring, x_bias is held like gamma, the keep
+bits are drawn and stored as a bit mask, and r is stored in its dtype.
 """
 
 import cuda.bindings.driver as cuda
@@ -29,21 +33,25 @@ from cutlass import Float32, Int32, const_expr
 
 from layouts.layer_norm import LnFwdTiles
 
+from . import dropout_add as D
 from . import rows as R
 
 
 class LnFwd:
     """Configuration: dtype of x and y; gamma's and beta's dtypes (None: absent); RMSNorm or
-    LayerNorm; tiles."""
+    LayerNorm; tiles; the fused dropout + residual add (None: plain norm of x)."""
 
-    def __init__(self, dtype, w_dtype, b_dtype, tiles: LnFwdTiles, is_rms: bool):
+    def __init__(self, dtype, w_dtype, b_dtype, tiles: LnFwdTiles, is_rms: bool, fuse: D.DropoutAdd = None):
         if is_rms and b_dtype is not None:
             raise ValueError("RMSNorm has no bias")
+        if fuse is not None and fuse.x_dtype is not dtype:
+            raise ValueError(f"y is in x's dtype {fuse.x_dtype}, got {dtype}")
         self.dtype = dtype
         self.w_dtype = w_dtype
         self.b_dtype = b_dtype
         self.tiles = tiles
         self.is_rms = is_rms
+        self.fuse = fuse
 
     @cute.jit
     def __call__(
@@ -56,12 +64,29 @@ class LnFwd:
         mRs: cute.Tensor,  # [rows] fp32 rstd
         eps: Float32,
         ctas_per_col: Int32,
+        mRes: cute.Tensor,  # [rows, N] residual (None: none, or no fusion)
+        mXBias: cute.Tensor,  # [N] x_bias (None: none)
+        mR: cute.Tensor,  # [rows, N] r out (None without fusion)
+        mMask: cute.Tensor,  # [rows, ceil(N / 8)] uint8 keep bits (None without dropout)
+        seed,  # Int64, or Int64 [1] on the device (None without dropout)
+        offset,  # likewise
+        threshold: Int32,  # keep where a 16-bit half >= threshold
+        scale: Float32,  # 1 / (1 - p)
         stream: cuda.CUstream,
     ):
         t = self.tiles
         copy_x = t.gmem_copy(self.dtype.width, load=True).build(self.dtype)
         copy_y = t.gmem_copy(self.dtype.width, load=False).build(self.dtype)
-        kernel = self.kernel(mX, mGamma, mBeta, mY, mMu, mRs, eps, ctas_per_col, copy_x, copy_y)
+        copy_res = copy_r = None
+        if const_expr(self.fuse is not None):
+            f = self.fuse
+            copy_r = t.gmem_copy(f.r_dtype.width, load=False).build(f.r_dtype)
+            if const_expr(f.res_dtype is not None):
+                copy_res = t.gmem_copy(f.res_dtype.width, load=True).build(f.res_dtype)
+        kernel = self.kernel(
+            mX, mGamma, mBeta, mY, mMu, mRs, eps, ctas_per_col, copy_x, copy_y,
+            mRes, mXBias, mR, mMask, seed, offset, threshold, scale, copy_res, copy_r,
+        )  # fmt: skip
         R.launch(kernel, t, ctas_per_col, stream)
 
     @cute.kernel
@@ -77,6 +102,16 @@ class LnFwd:
         ctas_per_col: Int32,
         copy_x: cute.TiledCopy,
         copy_y: cute.TiledCopy,
+        mRes: cute.Tensor,
+        mXBias: cute.Tensor,
+        mR: cute.Tensor,
+        mMask: cute.Tensor,
+        seed,
+        offset,
+        threshold: Int32,
+        scale: Float32,
+        copy_res: cute.TiledCopy,
+        copy_r: cute.TiledCopy,
     ):
         t = self.tiles
         ldgs, stages = t.ldgs, t.stages
@@ -92,12 +127,27 @@ class LnFwd:
 
         smem = cutlass.memory.SmemAllocator()
         red = R.RowSums.allocate(t, smem, th, num_sums=1)
-        ring = R.RowRing.allocate(t, smem, th, rows, ctas_per_col, col_tile, col_ok, [(self.dtype, copy_x, tXg)])
+        inputs = [(self.dtype, copy_x, tXg)]
+        fused = None
+        if const_expr(self.fuse is not None):
+            f = self.fuse
+            fused = [
+                None if mRes is None else R.partition_rows(copy_res, mRes, t, tidx, load=True),
+                R.load_param(mXBias, f.xb_dtype, t, copy_x, tXg, tidx, n, col_tile, col_ok),
+                R.partition_rows(copy_r, mR, t, tidx, load=False),
+                D.rng_state(seed, offset, threshold) if f.dropout else None,
+            ]
+            if const_expr(mRes is not None):
+                inputs.append((f.res_dtype, copy_res, fused[0]))
+        ring = R.RowRing.allocate(t, smem, th, rows, ctas_per_col, col_tile, col_ok, inputs)
         ring.start()
         parity = Int32(0)  # RMSNorm: one all-reduce a row, so the buffers alternate by row
         for k in cutlass.range(ring.my_blocks, unroll=1):
             ring.load(k + stages - 1)
-            rb, row, row_ok, (rX,) = ring.read(k)
+            rb, row, row_ok, regs = ring.read(k)
+            rX = regs[0]
+            if const_expr(self.fuse is not None):
+                rX = self.dropout_add(regs, fused, mMask, scale, copy_r, th, col_tile, col_ok, rb, row, row_ok, n)
 
             mu = Float32(0.0)
             if const_expr(self.is_rms):
@@ -131,8 +181,31 @@ class LnFwd:
                     y = y * rGamma[it].load().to(Float32)
                 if const_expr(rBeta is not None):
                     y = y + rBeta[it].load().to(Float32)
-                rY = cute.make_rmem_tensor_like(rX[it])
+                rY = cute.make_rmem_tensor_like(rX[it], self.dtype)
                 rY.store(y.to(self.dtype))
                 if row_ok and col_ok[it]:
                     cute.copy(copy_y, rY, tYg[None, 0, 0, rb, col_tile[it]])
         R.finish(t)
+
+    @cute.jit
+    def dropout_add(self, regs, fused, mMask, scale, copy_r, th, col_tile, col_ok, rb, row, row_ok, n) -> list:
+        """r = dropout(x + x_bias) + residual of this thread's vectors, in r's dtype (zeros past
+        N: the ring and x_bias give zeros there), stored with the keep bits; the norm reads it."""
+        f, t = self.fuse, self.tiles
+        tResg, rXB, tRg, rng = fused
+        rR = D.registers_of(regs[0][0], f.r_dtype, t.ldgs)
+        for it in cutlass.range_constexpr(t.ldgs):
+            v = regs[0][it].load().to(Float32)
+            if const_expr(rXB is not None):
+                v = v + rXB[it].load().to(Float32)
+            if const_expr(f.dropout):
+                c0 = D.vector_column(t, th, col_tile, it)
+                bits, writes = D.draw_bits(mMask, rng, row, c0, n)
+                v = D.apply_keep(v, bits >> cutlass.Uint32(c0 % 8), scale, regs[0][it])
+                D.store_bits(mMask, row, c0, bits, row_ok and col_ok[it] and writes)
+            if const_expr(tResg is not None):
+                v = v + regs[1][it].load().to(Float32)
+            rR[it].store(v.to(f.r_dtype))
+            if row_ok and col_ok[it]:
+                cute.copy(copy_r, rR[it], tRg[None, 0, 0, rb, col_tile[it]])
+        return rR
