@@ -287,7 +287,9 @@ def _empty_lse(
 def benchmark_configurations(cases, arch: str) -> list:
     """The ``compiled`` keys of a suite's cases ((B, H, S, D), dtype name, causal[, features]):
     features ``kv<N>`` (grouped-query heads: compiled alike), ``dv<N>``, ``window<N>``,
-    ``varlen``, joined by ':'; none off sm_90a or for head dims the forward does not compile."""
+    ``varlen``, ``softcap<N>`` (the cap a runtime argument), ``sink``, ``dlse`` (the forward
+    writes the LSE either way), joined by ':'; none off sm_90a or for head dims the forward
+    does not compile."""
     if arch != "sm_90a":
         return []
     keys = set()
@@ -298,5 +300,7 @@ def benchmark_configurations(cases, arch: str) -> list:
             continue
         window = any(t.startswith("window") for t in tokens)
         varlen = "varlen" in tokens
-        keys.add(ForwardConfig(cc.cute_dtype(getattr(torch, dtype)), d, dv, 1 if causal else 0, window, varlen, arch))
+        softcap, sink = any(t.startswith("softcap") for t in tokens), "sink" in tokens
+        dt = cc.cute_dtype(getattr(torch, dtype))
+        keys.add(ForwardConfig(dt, d, dv, 1 if causal else 0, window, varlen, arch, softcap=softcap, sink=sink))
     return sorted(keys, key=repr)

@@ -310,41 +310,65 @@ def _plan(
 
 
 def benchmark_configurations(cases, arch: str) -> list:
-    """The compile keys of ``compiled`` the ``attention_bwd`` suite's ours_sm90 rows run, each
-    once: ((B, H, S, D), dtype, causal[, feature]) with feature None, "bias", "bias_grad" or
-    "dropout", head dims of the path; none for an arch other than sm_90a (the path does not run
-    there)."""
+    """The compile keys of ``compiled`` the benchmark suites' sm90 backward runs, each once:
+    ((B, H, S, D), dtype, causal[, features]), features ':'-joined: ``attention_bwd``'s "bias",
+    "bias_grad", "dropout"; the attention suites' ``kv<N>`` (the group), ``dv<N>``,
+    ``window<N>``, ``softcap<N>``, and ``sink`` / ``dlse`` (keyed alike: the sink only changes
+    the LSE, dLSE enters the preprocess). Head dims of the path; none for varlen cases (the plan
+    takes the longest sequence, which the case does not name) or an arch other than sm_90a (the
+    path does not run there)."""
     if arch != "sm_90a":
         return []
     # the persistent grid of the GPU the suite runs on (without one, the H100's)
     ctas = PERSISTENT_CTAS or (cc.num_sms(torch.cuda.current_device()) if torch.cuda.is_available() else H100_SMS)
     keys = set()
-    for (_, _, s, d), dtype_name, causal, *feature in cases:
-        if d not in bwd_config.HEAD_DIMS:
+    for (_, h, s, d), dtype_name, causal, *feature in cases:
+        f = _case_features(feature[0] if feature else None, h, d)
+        if f is None or bwd_config.head_dims_unsupported(d, f["dv"]) is not None:
             continue
-        feature = feature[0] if feature else None
-        # as attention_backward_sm90 calls it: causal is top-left, no window / determinism /
-        # varlen, a query head per key head
+        # as attention_backward_sm90 calls it: causal is top-left, no determinism
         keys.add(
             _plan(
                 cc.cute_dtype(getattr(torch, dtype_name)),
                 d,
-                d,
+                f["dv"],
                 1 if causal else 0,
                 arch,
-                window=False,
+                window=f["window"],
                 deterministic=False,
                 varlen=False,
-                bias=feature in ("bias", "bias_grad"),
-                grad_bias=feature == "bias_grad",
-                dropout=feature == "dropout",
+                bias=f["bias"],
+                grad_bias=f["grad_bias"],
+                dropout=f["dropout"],
                 rows_q=s,
-                group=1,
+                group=f["group"],
                 rows_k=s,
                 ctas=ctas,
+                softcap=f["softcap"],
             )[2]
         )
     return sorted(keys, key=str)
+
+
+def _case_features(feature: Optional[str], heads: int, head_dim: int) -> Optional[dict]:
+    """What a benchmark case's features (``benchmark_configurations``) set in the plan; None
+    for a varlen case."""
+    tokens = feature.split(":") if feature else []
+    if "varlen" in tokens:
+        return None
+    f = dict(dv=head_dim, group=1, window=False, softcap=False, bias=False, grad_bias=False, dropout=False)
+    for t in tokens:
+        kind = t.rstrip("0123456789")
+        number = t[len(kind) :]
+        if t in ("bias", "bias_grad", "dropout"):
+            f.update(bias=t != "dropout", grad_bias=t == "bias_grad", dropout=t == "dropout")
+        elif kind in ("dv", "kv") and number:
+            f.update({"dv": int(number)} if kind == "dv" else {"group": heads // int(number)})
+        elif kind in ("window", "softcap") and number:
+            f[kind] = True
+        elif t not in ("sink", "dlse"):
+            raise ValueError(f"unknown benchmark case feature {t!r}")
+    return f
 
 
 def compile_for_benchmark_cases(cases, arch: str) -> int:
