@@ -16,11 +16,13 @@ def test_suite_compile_only_covers_ours_sm90(monkeypatch):
     """``python -m benchmarks`` without a GPU compiles the sm90 configurations of the
     suite's cases too, features included (sm_90a only), besides the memory-efficient ones."""
     from benchmarks.suites import attention_bwd
+    from ops import attention_fwd_sm90 as F
 
-    seen = {"mem_eff": [], "sm90": []}
+    seen = {"mem_eff": [], "sm90": [], "fwd": []}
     monkeypatch.setattr(M, "compiled", lambda config: seen["mem_eff"].append(config))
     monkeypatch.setattr(S, "compiled", lambda config: seen["sm90"].append(config))
-    assert attention_bwd.compile_only("sm_90a") == len(seen["mem_eff"]) + len(seen["sm90"])
+    monkeypatch.setattr(F, "compiled", lambda config: seen["fwd"].append(config))
+    assert attention_bwd.compile_only("sm_90a") == sum(map(len, seen.values()))
     bf16 = cutlass.BFloat16
     # the one d64 case without a mask (8x16x1024x64) has 8 steps a tile: it carries dQ where 8
     # steps do; d64's persistent CTAs zero the accumulator themselves (without a mask: 8 key blocks
@@ -45,10 +47,39 @@ def test_suite_compile_only_covers_ours_sm90(monkeypatch):
         S.Sm90Config(bf16, 128, 128, 0, "sm_90a", bias=bias, grad_bias=grad_bias, dropout=dropout, dq_ready=True)
         for bias, grad_bias, dropout in ((True, False, False), (True, True, False), (False, False, True))
     }
-    assert set(seen["sm90"]) == plain | features
+    # the autograd cases: the softcap, and gpt-oss's d64 with 8 query heads a key head and a window
+    # (its sink keys alike; the twins and dLSE are plain cases' keys)
+    autograd = {
+        S.Sm90Config(bf16, 128, 128, 1, "sm_90a", store_first=first, tail_m=tail(4096), softcap=True),
+        S.Sm90Config(bf16, 64, 64, 1, "sm_90a", window=True),
+    }
+    assert set(seen["sm90"]) == plain | features | autograd
+    assert {(k.head_dim, k.softcap, k.sink) for k in seen["fwd"]} >= {(128, True, False), (64, False, True)}
     seen["sm90"].clear()
     attention_bwd.compile_only("sm_80")
     assert seen["sm90"] == []
+
+
+def test_autograd_cases():
+    """``autograd[:features]`` cases: the attention_cases spec after the token; other features
+    are attention_bwd's own (the softcap alone is not one of them)."""
+    from benchmarks.arch import sm90
+    from benchmarks.suites import attention_bwd as suite
+
+    assert suite.autograd_spec(((2, 4, 64, 64), "bfloat16", True, "autograd")) == ((2, 4, 64, 64), "bfloat16", True)
+    spec = ((2, 4, 64, 64), "bfloat16", True, "autograd:kv2:sink")
+    assert suite.autograd_spec(spec) == ((2, 4, 64, 64), "bfloat16", True, "kv2:sink")
+    assert suite.autograd_spec(((2, 4, 64, 64), "bfloat16", True, "dropout")) is None
+    with pytest.raises(ValueError, match="autograd"):
+        suite._unpack(((2, 4, 64, 64), "bfloat16", True, "softcap30"))
+    with pytest.raises(ValueError, match="unknown benchmark case feature"):
+        S.benchmark_configurations([((2, 4, 64, 64), "bfloat16", True, "softcap")], "sm_90a")
+    # each feature case beside its twin, both timed through autograd
+    features = [spec[3] for spec in sm90.ATTENTION_BWD["full"] if len(spec) > 3 and "autograd" in spec[3]]
+    assert features == ["autograd", "autograd:softcap30", "autograd:kv8:window128", "autograd:kv8:window128:sink"] + [
+        "autograd",
+        "autograd:dlse",
+    ]
 
 
 def test_suite_ratios():

@@ -4,6 +4,7 @@ implementations, and the configurations compiled without a GPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import types
@@ -45,6 +46,9 @@ def test_suites_are_listed_and_selectable():
         ("1x16x32768x128:bf16:causal:varlen", ((1, 16, 32768, 128), "bfloat16", True, "varlen")),
         ("4x16x4096x128:bf16:causal:window512", ((4, 16, 4096, 128), "bfloat16", True, "window512")),
         ("1x8x512x64:fp16:causal:kv2:window64:varlen", ((1, 8, 512, 64), "float16", True, "kv2:window64:varlen")),
+        ("2x16x4096x128:bf16:causal:softcap30", ((2, 16, 4096, 128), "bfloat16", True, "softcap30")),
+        ("2x64x4096x64:bf16:causal:kv8:window128:sink", ((2, 64, 4096, 64), "bfloat16", True, "kv8:window128:sink")),
+        ("4x32x2048x128:bf16:dlse", ((4, 32, 2048, 128), "bfloat16", False, "dlse")),
     ],
 )
 def test_case_names_parse(name, spec):
@@ -52,16 +56,29 @@ def test_case_names_parse(name, spec):
 
 
 def test_every_table_case_round_trips():
-    for table in (sm90.ATTENTION_FWD, sm90.ATTENTION_TRAIN):
+    for table, n in ((sm90.ATTENTION_FWD, 12), (sm90.ATTENTION_TRAIN, 17)):
         specs = C.suite_cases(table, quick=False)
-        assert set(table["quick"]) <= set(specs) and len(specs) == 12
+        assert set(table["quick"]) <= set(specs) and len(specs) == n
         for spec in specs:
             assert C.parse_case(C.case_name(spec)) == spec
+    assert sm80.ATTENTION_TRAIN == sm90.ATTENTION_FWD  # the feature cases compare Hopper kernels
+
+
+def test_every_feature_case_has_its_twin():
+    """The issue's pairs: a feature case and the same case without it, both in the table."""
+    specs = C.suite_cases(sm90.ATTENTION_TRAIN, quick=False)
+    for spec in specs:
+        case = C.Case.from_spec(spec)
+        if case.softcap or case.sink or case.dlse:
+            twin = dataclasses.replace(case, softcap=0, sink=False, dlse=False)
+            assert twin.spec in specs, case.name
 
 
 def test_case_features():
     case = C.Case.from_spec(((2, 16, 4096, 192), "bfloat16", True, "kv4:dv128:window256"))
     assert (case.hk, case.dv, case.window, case.varlen) == (4, 128, 256, False)
+    case = C.Case.from_spec(((2, 16, 64, 64), "bfloat16", True, "dlse:sink:softcap30:kv4"))
+    assert (case.softcap, case.sink, case.dlse, case.features) == (30, True, True, "kv4:softcap30:sink:dlse")
     plain = C.Case.from_spec(((2, 16, 4096, 64), "bfloat16", False))
     assert (plain.hk, plain.dv, plain.features, plain.lengths()) == (16, 64, "", (4096, 4096))
 
@@ -74,6 +91,7 @@ def test_case_features():
         (((2, 16, 64, 64), "bfloat16", True, "varlen"), "batch 1"),
         (((2, 16, 64, 64), "bfloat16", True, "bias"), "unknown feature"),
         (((2, 16, 64, 64), "bfloat16", True, "kv0"), "unknown feature"),
+        (((2, 16, 64, 64), "bfloat16", True, "softcap"), "unknown feature"),
     ],
 )
 def test_bad_cases_raise(spec, message):
@@ -171,6 +189,51 @@ def test_reference_matches_sdpa_math(spec, monkeypatch):
     assert C.reference(case, x)[0].equal(ref[0])
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ((2, 4, 64, 32), "bfloat16", True, "kv2:window20:softcap5:sink:dlse"),
+        ((1, 4, 400, 16), "bfloat16", False, "varlen:softcap5:sink:dlse"),
+    ],
+)
+def test_reference_features_match_ops_reference(spec, monkeypatch):
+    """The softcap, the sink and a loss on the LSE: O, the LSE, dQ, dK, dV and d sink against
+    ops.reference.attention_forward_ref (fp64, autograd) on the same inputs."""
+    from ops.reference import attention_forward_ref
+
+    monkeypatch.setattr(C, "varlen_lengths", lambda total: (150, 130, 120))
+    case = C.Case.from_spec(spec)
+    x = C.make_inputs(case, device="cpu")
+    leaves = [t.double().requires_grad_() for t in x.leaves()]
+    cu = dict(cu_seqlens_q=x.cu_seqlens, cu_seqlens_k=x.cu_seqlens) if case.varlen else {}
+    kw = dict(custom_mask_type=int(case.causal), window_size=case.window, softcap=case.softcap, **cu)
+    out, lse = attention_forward_ref(*leaves[:3], sink=leaves[3], **kw)
+    lse = C.lse_rows(lse, case)
+    torch.autograd.backward((out, lse), (x.dout.double(), x.dlse.double()))
+    want = (out, lse, *(t.grad for t in leaves))
+    got = C.reference(case, x, grads=True)
+    assert C.checked(case, True) == ("out", "lse", "dq", "dk", "dv", "dsink") and len(got) == 6
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w.detach().float(), atol=1e-4, rtol=1e-4)
+    assert C.reference(case, x)[1].equal(got[1])  # the forward alone: O and the LSE
+
+
+def test_lse_rows_give_every_layout_as_b_h_s(monkeypatch):
+    """Ours' padded rows cut off, ours' per-sequence varlen rows packed, FA4's varlen [H, total]
+    batched; an LSE already [B, H, S] comes back as itself (no op in the backward)."""
+    monkeypatch.setattr(C, "varlen_lengths", lambda total: (40, 24))
+    dense = C.Case.from_spec(((2, 3, 40, 16), "bfloat16", True, "dlse"))
+    padded = torch.randn(2, 3, 64)
+    assert C.lse_rows(padded, dense).equal(padded[..., :40])
+    cut = padded[..., :40]
+    assert C.lse_rows(cut, dense) is cut
+    packed = C.Case.from_spec(((1, 3, 64, 16), "bfloat16", True, "varlen:dlse"))
+    ours = torch.randn(2, 3, 64)  # [sequences, H, >= longest]
+    assert C.lse_rows(ours, packed).equal(torch.cat([ours[0, :, :40], ours[1, :, :24]], 1)[None])
+    fa4 = torch.randn(3, 64)  # [H, total]
+    assert C.lse_rows(fa4, packed).equal(fa4[None])
+
+
 # --------------------------------------------------------------------- a case's rows
 
 
@@ -198,7 +261,7 @@ def cpu_case(monkeypatch):
     monkeypatch.setattr(C, "make_inputs", lambda case: make(case, device="cpu"))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
 
-    def forward(impl, case, cu_seqlens, fa4=None):
+    def forward(impl, case, cu_seqlens, fa4=None, backend="auto"):
         if impl == "sdpa_flash":
             raise NotImplementedError("not this one")
         if impl == "sdpa_cudnn":
@@ -251,6 +314,57 @@ def test_varlen_rows_list_the_lengths(cpu_case, monkeypatch):
     assert rows["ours"]["status"] == "ok" and rows["ours"]["seqlens"] == [40, 24]
 
 
+def _reference_impl(case, cu_seqlens):
+    """A CPU implementation with every feature: ops.reference's fp64 forward (autograd), O in
+    the inputs' dtype, the LSE fp32 in its own layout (varlen: per sequence) through lse_rows."""
+    from ops.reference import attention_forward_ref
+
+    def fwd(q, k, v, sink=None):
+        cu = dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens) if case.varlen else {}
+        kw = dict(custom_mask_type=int(case.causal), window_size=case.window, softcap=case.softcap, **cu)
+        out, lse = attention_forward_ref(q, k, v, sink=sink, **kw)
+        return (out.to(q.dtype), C.lse_rows(lse.float(), case)) if case.dlse else out.to(q.dtype)
+
+    return fwd
+
+
+FEATURES = ((2, 4, 64, 32), "bfloat16", True, "kv2:window20:softcap5:sink:dlse")
+
+
+@pytest.mark.parametrize("suite", [attention_train, attention_bwd])
+def test_feature_rows(cpu_case, monkeypatch, suite):
+    """A training step (and attention_bwd's backward through autograd) with the softcap, the sink
+    and a loss on the LSE: every result checked, the sink's gradient too; SDPA unavailable; the
+    backward alone pins ours' backends, its rows named as its cases."""
+    backends = {}
+
+    def forward(impl, case, cu_seqlens, fa4=None, backend="auto"):
+        if impl.startswith("sdpa"):
+            return C._forward_sdpa(case, impl)
+        backends[impl] = backend
+        return _reference_impl(case, cu_seqlens), {"op": impl}
+
+    monkeypatch.setattr(C, "forward", forward)
+    if suite is attention_train:
+        rows = cpu_case(attention_train, FEATURES)
+        name, impls = C.case_name(FEATURES), ["ours"]
+    else:
+        spec = FEATURES[:3] + ("autograd:" + FEATURES[3],)
+        rows = {r["impl"]: r for r in attention_bwd._run_case(spec, (0, 1, 2, 3), "no fa4", (100.0, 1.0))}
+        name, impls = "2x4x64x32:bf16:causal:autograd:kv2:window20:softcap5:sink:dlse", ["ours", "ours_sm90"]
+    assert list(rows) == impls + ["sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "fa4", "matmul"]
+    for impl in impls + ["fa4"]:
+        check = rows[impl]["check"]
+        assert rows[impl]["status"] == "ok" and check["ok"] and rows[impl]["case"] == name
+        assert set(check["max_rel_err"]) == {"out", "lse", "dq", "dk", "dv", "dsink"}
+    assert {rows[impl]["status"] for impl in ("sdpa_efficient", "sdpa_flash", "sdpa_cudnn")} == {"unavailable"}
+    scale = 3.5 if suite is attention_train else 2.5
+    assert rows["ours"]["tflops"] == scale * C.forward_flops(C.Case.from_spec(FEATURES)) / 2.0 / 1e9
+    assert backends == (
+        {"ours": "auto", "fa4": "auto"} if suite is attention_train else {**attention_bwd.OURS_AUTOGRAD, "fa4": "auto"}
+    )
+
+
 def test_sdpa_refusal_is_unavailable_with_torchs_reasons():
     def refuse():
         import warnings
@@ -265,10 +379,10 @@ def test_sdpa_refusal_is_unavailable_with_torchs_reasons():
 
 
 @pytest.mark.parametrize("impl", ["sdpa_efficient", "sdpa_flash", "sdpa_cudnn"])
-@pytest.mark.parametrize("feature", ["varlen", "window64"])
-def test_sdpa_lacks_varlen_and_windows(impl, feature):
+@pytest.mark.parametrize("feature", ["varlen", "window64", "softcap30", "sink", "dlse"])
+def test_sdpa_lacks_varlen_windows_softcap_sinks_and_the_lse(impl, feature):
     case = C.Case.from_spec(((1, 4, 256, 64), "bfloat16", True, feature))
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(NotImplementedError, match="F.scaled_dot_product_attention"):
         C.forward(impl, case, None)
 
 
@@ -296,6 +410,33 @@ def test_fa4_and_ours_get_the_features(monkeypatch):
     )
     C.forward("ours", case, x.cu_seqlens)[0](x.q, x.k, x.v)
     assert seen["window_size"] == 64 and seen["causal"] is True and seen["max_seqlen_q"] == 200
+
+
+def test_fa4_and_ours_get_softcap_sink_and_lse(monkeypatch):
+    """FA4: softcap=, learnable_sink=, return_lse=; ours: softcap=, sink=, return_lse= and the
+    backend where one is pinned; both return (O, the LSE as [B, H, S])."""
+    case = C.Case.from_spec(((2, 4, 40, 16), "bfloat16", True, "kv2:softcap30:sink:dlse"))
+    x = C.make_inputs(case, device="cpu")
+    calls = []
+
+    def fa4(q, k, v, **kw):
+        calls.append(kw)
+        return q * 0, torch.zeros(2, 4, 40)
+
+    fwd, _ = C.forward("fa4", case, None, (fa4, None))
+    out, lse = fwd(*x.leaves())
+    assert out.shape == x.q.shape and lse.shape == (2, 4, 40)
+    assert calls == [dict(causal=True, softcap=30.0, return_lse=True, learnable_sink=x.sink)]
+
+    def ours(q, k, v, **kw):
+        calls.append(kw)
+        return q * 0, torch.zeros(2, 4, 64)  # the LSE's rows padded to 32
+
+    monkeypatch.setitem(sys.modules, "ops", types.SimpleNamespace(memory_efficient_attention=ours))
+    fwd, info = C.forward("ours_sm90", case, None, None, "sm90")
+    assert fwd(*x.leaves())[1].shape == (2, 4, 40) and info["op"] == 'ops.memory_efficient_attention(backend="sm90")'
+    kw = calls[-1]
+    assert (kw["softcap"], kw["sink"] is x.sink, kw["return_lse"], kw["backend"]) == (30, True, True, "sm90")
 
 
 # ------------------------------------------------- configurations compiled without a GPU
@@ -340,6 +481,14 @@ def test_plain_specs_keep_what_each_op_keys():
 
 
 def test_train_configs_list_forward_and_backwards():
+    """Both backwards and the forward; on sm_90a the feature cases' own keys: the forward with
+    the softcap and with the sink (d64, window), the sm90 backward with the softcap and at d64
+    with the window (the sink and dLSE key alike)."""
+    keys = [c.key[0] for c in attention_train.compile_configs("sm_90a", False) if "mem_eff" not in c.cache]
+    feats = {(type(k).__name__, k.head_dim, k.window, k.softcap, getattr(k, "sink", None)) for k in keys}
+    want = {("ForwardConfig", 128, False, True, False), ("ForwardConfig", 64, True, False, True)}
+    want |= {("ForwardConfig", 64, True, False, False), ("Sm90Config", 128, False, True, None)}
+    assert want | {("Sm90Config", 64, True, False, None)} <= feats
     for arch in CC.ARCHES:
         full = _caches(attention_train.compile_configs(arch, False))
         want = {"mem_eff_attention"} | ({"attention_fwd_sm90", "attention_sm90"} if arch == "sm_90a" else set())

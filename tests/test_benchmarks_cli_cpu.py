@@ -162,7 +162,9 @@ def test_quick_selection(configs):
         assert keys("attn_bwd_preprocess", arch) == pre  # compute_dot_do_o without, with the clear; compute_delta
         assert keys("attn_bwd_postprocess", arch) == [(bf16, 128, 8, False, arch)] * 2  # convert_dq, convert_dkv
         assert len(keys("attention_bwd", arch, "mem_eff_attention:compiled")) == 6  # 3 cases x computes_delta
-        assert len(keys("attention_bwd", arch, "attention_sm90:compiled")) == (3 if arch == "sm_90a" else 0)
+        # the sm90 backward's: 3 cases, and the softcap's through autograd (its forward too)
+        assert len(keys("attention_bwd", arch, "attention_sm90:compiled")) == (4 if arch == "sm_90a" else 0)
+        assert len(keys("attention_bwd", arch, "attention_fwd_sm90:compiled")) == (arch == "sm_90a")
 
 
 def test_full_covers_both_arches(configs):

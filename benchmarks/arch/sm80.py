@@ -6,9 +6,9 @@ PEERS = ("torch", "torch.compile", "quack", "sdpa_efficient", "sdpa_flash", "sdp
 from .sm90 import (
     ATTENTION_BWD,
     ATTENTION_FWD,
-    ATTENTION_TRAIN,
     ATTN_BWD_POSTPROCESS,
     ATTN_BWD_PREPROCESS,
+    AUTOGRAD_CASES,
     DROPOUT_ADD_LAYER_NORM,
     DROPOUT_BIAS_BWD,
     DROPOUT_BIAS_FWD,
@@ -36,4 +36,8 @@ LAYER_NORM_BWD = {k: [c for c in v if _runs_here(c)] for k, v in LAYER_NORM_BWD.
 # the forward splits rows as the backward does: the same rows need clusters
 LAYER_NORM_FWD = {k: [c for c in v if _runs_here(c)] for k, v in LAYER_NORM_FWD.items()}  # noqa: F811
 NORM_TRAIN = {k: [c for c in v if _runs_here(c)] for k, v in NORM_TRAIN.items()}  # noqa: F811
+# the attention feature cases compare Hopper kernels (our forward takes the softcap and the sink on
+# sm_90a only; FA4's kernels): the forward's cases alone, attention_bwd's without its autograd ones
+ATTENTION_TRAIN = ATTENTION_FWD
+ATTENTION_BWD = {k: [c for c in v if c not in AUTOGRAD_CASES] for k, v in ATTENTION_BWD.items()}
 DROPOUT_ADD_LAYER_NORM = {k: [c for c in v if _runs_here(c)] for k, v in DROPOUT_ADD_LAYER_NORM.items()}  # noqa: F811

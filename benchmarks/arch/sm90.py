@@ -147,4 +147,28 @@ ATTENTION_FWD = {
     ],
 }
 
-ATTENTION_TRAIN = ATTENTION_FWD  # the same cases, forward + backward
+# the attention features of a training step, each case beside its twin without the feature
+# (features of benchmarks/suites/attention_cases.py: softcap<N> the logits capped at N tanh(s / N),
+# sink a learnable sink per query head, dlse a loss on the returned logsumexp too)
+FEATURE_CASES = [
+    ((2, 16, 4096, 128), "bfloat16", True, "softcap30"),  # twin: 2x16x4096x128 causal, above
+    ((2, 64, 4096, 64), "bfloat16", True, "kv8:window128"),  # gpt-oss: 8 key heads, a 128-key window
+    ((2, 64, 4096, 64), "bfloat16", True, "kv8:window128:sink"),  # and its learnable sinks
+    ((4, 32, 2048, 128), "bfloat16", False),
+    ((4, 32, 2048, 128), "bfloat16", False, "dlse"),
+]
+ATTENTION_TRAIN = {  # the forward's cases and the feature cases, forward + backward
+    "full": ATTENTION_FWD["full"] + FEATURE_CASES,
+    "quick": ATTENTION_FWD["quick"] + [((2, 64, 4096, 64), "bfloat16", True, "kv8:window128:sink")],
+}
+
+# the same feature cases in attention_bwd, the backward timed alone through autograd ("autograd":
+# the backward ops' arguments have no softcap, sink or dLSE), with their twins timed the same way
+AUTOGRAD_CASES = [
+    (shape, dtype, causal, ":".join(["autograd", *features]))
+    for shape, dtype, causal, *features in [((2, 16, 4096, 128), "bfloat16", True)] + FEATURE_CASES
+]
+ATTENTION_BWD = {
+    "full": ATTENTION_BWD["full"] + AUTOGRAD_CASES,
+    "quick": ATTENTION_BWD["quick"] + [((2, 16, 4096, 128), "bfloat16", True, "autograd:softcap30")],
+}

@@ -2,7 +2,8 @@
 
 Cases ``BxHxSxD:bf16[:causal][:feature]``: Q, K, V, dO [B, S, H, D] contiguous, seqlen_q =
 seqlen_k; feature none, ``bias`` (a [B, H, S, S] attention bias), ``bias_grad``
-(the same, its gradient computed too) or ``dropout`` (p = DROPOUT_P). Each implementation's
+(the same, its gradient computed too) or ``dropout`` (p = DROPOUT_P); or ``autograd[:features]``
+(below). Each implementation's
 backward is timed alone, on the outputs of its own forward (computed once, outside the
 timing); with a feature, only the peers that support it run (flash: dropout; cuDNN: bias
 without its gradient, dropout; FA4: neither), the others keep a row with status
@@ -41,6 +42,21 @@ Each timed row also gets the board's mean power (``power_w``) and SM clock
 (``sm_clock_mhz``) over its timings, ``energy_mj`` (power x ms) and ``power_field`` (the
 nvidia-smi field: the instantaneous draw where the driver has it), where nvidia-smi runs
 (``benchmarks.board``): at a power cap the ratios follow energy per call, not cycles.
+Cases ``BxHxSxD:bf16[:causal]:autograd[:features]`` time the backward through each
+implementation's public autograd entry instead, for the features ``efficient_attention_backward``
+(aten's arguments) has no room for: the softcap, the sink and a loss on the LSE, with the
+features of ``attention_cases`` (``kv<N>``, ``window<N>``, ``softcap<N>``, ``sink``, ``dlse``, ...;
+its inputs, fp32 reference and checks). Each implementation's forward runs once, outside the
+timing, on leaves that require gradients; the timed call is ``torch.autograd.grad`` of its
+outputs (O with dO; with ``dlse`` the LSE with dLSE too) for Q, K, V (and the sink) with
+``retain_graph=True``: the backward its training step runs, autograd's own host work included.
+``ours``: ``ops.memory_efficient_attention(..., backend="mem_eff")``, ``ours_sm90``: the same with
+``backend="sm90"`` (NotImplementedError where the kernel does not take the case: unavailable);
+``fa4``: ``flash_attn.cute.flash_attn_func`` (its autograd Function, ``_flash_attn_bwd``);
+``sdpa_*``: ``F.scaled_dot_product_attention`` under that backend. ``autograd`` alone times a
+case without features the same way: the twin a feature's cost is read against (the rows above
+call the backward ops directly).
+
 Rows: ms, ms_rounds, tflops, ``check`` (max |grad - ref| / max |ref| of dQ, dK, dV against
 sdpa_efficient; ours and ours_sm90 are timed only when all are below TOL),
 ``ours_over_peer`` (ours' TFLOP/s over the row's) on every other row, ``sm90_over_peer``
@@ -60,6 +76,9 @@ from .attention_common import NAN, matmul_row, run_cases, time_in_rounds
 from .attention_common import err as _err
 
 NAME = "attention_bwd"
+FLOPS_SCALE = 2.5  # a backward's FLOPs over the forward's (autograd cases)
+AUTOGRAD = "autograd"  # the first feature token of a case timed through autograd
+OURS_AUTOGRAD = {"ours": "mem_eff", "ours_sm90": "sm90"}  # their rows: name -> the backward's backend
 
 TOL = 2e-2  # max |grad - ref| / max |ref| (bf16 gradients)
 DROPOUT_P = 0.1
@@ -82,8 +101,18 @@ def _unpack(spec):
     shape, dtype_name, causal, *rest = spec
     feature = rest[0] if rest else None
     if feature not in FEATURES:
-        raise ValueError(f"unknown feature {feature!r} (one of {FEATURES})")
+        raise ValueError(f"unknown feature {feature!r} (one of {FEATURES}, or {AUTOGRAD}[:features])")
     return shape, dtype_name, causal, feature
+
+
+def autograd_spec(spec):
+    """The ``attention_cases`` spec of an autograd case (its features after ``autograd``), None
+    for the others."""
+    feature = spec[3] if len(spec) > 3 else None
+    tokens = feature.split(":") if feature else []
+    if not tokens or tokens[0] != AUTOGRAD:
+        return None
+    return tuple(spec[:3]) + ((":".join(tokens[1:]),) if tokens[1:] else ())
 
 
 def attention_bwd_flops(b, h, s, d, causal):
@@ -233,9 +262,11 @@ def _setup_cudnn_fwd_bwd(q, k, v, dout, causal, feature=None, bias=None):
 
 
 def _import_fa4():
+    """FA4's forward and backward (the rows above), then its autograd entries (autograd cases)."""
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
     from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
 
-    return _flash_attn_fwd, _flash_attn_bwd
+    return _flash_attn_fwd, _flash_attn_bwd, flash_attn_func, flash_attn_varlen_func
 
 
 def _setup_fa4(q, k, v, dout, causal, fa4):
@@ -244,7 +275,7 @@ def _setup_fa4(q, k, v, dout, causal, fa4):
     _flash_attn_bwd runs FA4's whole backward: preprocess (dO.O), the main kernel and
     the dQ (and dK/dV) postprocess, each call allocating its accumulators.
     """
-    fwd, bwd = fa4
+    fwd, bwd = fa4[:2]
     res = fwd(q, k, v, causal=causal, return_lse=True)
     out, lse = res[0], res[1]
 
@@ -264,6 +295,8 @@ def run(settings, quick: bool):
 def _run_case(spec, fa4, fa4_missing, matmul, board=None):
     """The rows of one case; ``matmul`` is (TFLOP/s, ms) or the error of measuring it;
     ``board``: a ``BoardSampler`` (the rows then get the board's power and clock), or None."""
+    if autograd_spec(spec) is not None:
+        return _run_autograd_case(spec, fa4, fa4_missing, matmul, board)
     shape, dtype_name, causal, feature = _unpack(spec)
     b, h, s, d = shape
     dtype = getattr(torch, dtype_name)
@@ -368,6 +401,37 @@ def _run_case(spec, fa4, fa4_missing, matmul, board=None):
     return rows
 
 
+def _autograd_step(fwd, x):
+    """The forward once (outside the timing), then the timed call: the backward of its outputs
+    through ``torch.autograd.grad`` (the graph retained); the results (O[, LSE], dQ, dK, dV[,
+    d sink]) of one such call."""
+    from .attention_cases import as_tuple, first_call
+
+    leaves = [t.detach().requires_grad_() for t in x.leaves()]
+    outs = as_tuple(first_call(lambda: fwd(*leaves)))
+    grads = x.output_grads()
+
+    def fn():
+        return torch.autograd.grad(outs, leaves, grads, retain_graph=True)
+
+    return fn, (*(t.detach() for t in outs), *first_call(fn))
+
+
+def _run_autograd_case(spec, fa4, fa4_missing, matmul, board=None):
+    """An autograd case's rows (``attention_cases.run_case`` with ``_autograd_step``), named as
+    the case is here."""
+    from .attention_cases import Case, run_case
+
+    inner = autograd_spec(spec)
+    case = Case.from_spec(inner)
+    feature = ":".join([AUTOGRAD] + [case.features] * bool(case.features))
+    fa4 = None if fa4 is None else fa4[2:]
+    rows = run_case(NAME, _autograd_step, True, FLOPS_SCALE, inner, fa4, fa4_missing, matmul, board, OURS_AUTOGRAD)
+    for r in rows:
+        r.update(case=_case_name(case.spec[0], case.dtype, case.causal, feature), feature=feature)
+    return rows
+
+
 def _add_ratios(rows):
     """``ours_over_peer`` on every row but ours, ``sm90_over_peer`` on the peers' rows
     (TFLOP/s over TFLOP/s: NaN where either side was not timed)."""
@@ -383,18 +447,22 @@ def _add_ratios(rows):
 def compile_configs(arch: str, quick: bool):
     """The kernel configurations of the suite's cases (the quick ones with ``quick``) for
     ``arch``: ``benchmark_configurations(cases, arch)`` of ``ops.mem_eff_attention`` (ours)
-    and of ``ops.attention_sm90`` (ours_sm90: sm_90a only)."""
+    and of ``ops.attention_sm90`` (ours_sm90: sm_90a only); for the autograd cases those of
+    ``attention_cases.KEYED`` (our forward's too: it runs there)."""
     from ops import attention_sm90, mem_eff_attention
 
     from ..arch import settings
     from ..compile_check import Config
+    from .attention_cases import KEYED, keyed_configs, suite_cases
 
-    tables = settings(arch).ATTENTION_BWD
-    cases = tables["quick"] if quick else list(dict.fromkeys(tables["full"] + tables["quick"]))
+    cases = suite_cases(settings(arch).ATTENTION_BWD, quick)
+    direct = [spec for spec in cases if autograd_spec(spec) is None]
     mods = (mem_eff_attention, attention_sm90)
-    return [
-        Config(f"{mod.__name__}:compiled", (key,)) for mod in mods for key in mod.benchmark_configurations(cases, arch)
+    configs = [
+        Config(f"{mod.__name__}:compiled", (key,)) for mod in mods for key in mod.benchmark_configurations(direct, arch)
     ]
+    autograd = [autograd_spec(spec) for spec in cases if autograd_spec(spec) is not None]
+    return list(dict.fromkeys(configs + keyed_configs(autograd, KEYED, arch)))
 
 
 def compile_only(arch: str, quick: bool = False):

@@ -1,7 +1,7 @@
 """Suite attention_fwd: the attention forward alone, through each implementation's public entry.
 
 Cases (``ATTENTION_FWD`` in ``benchmarks/arch/*.py``; syntax, features and peers in
-``attention_cases``): ``BxHxSxD:bf16[:causal][:kv<N>|dv<N>|window<N>|varlen]``.
+``attention_cases``): ``BxHxSxD:bf16[:causal][:features]``.
 
 - ``ours``: ``ops.memory_efficient_attention(q, k, v, causal=..., window_size=..., cu_seqlens_*=...)``
   under ``torch.no_grad()``: the public op, whatever forward it runs (the Hopper kernel of
@@ -26,7 +26,7 @@ import functools
 
 import torch
 
-from .attention_cases import first_call, import_fa4, keyed_configs, run_case, suite_cases
+from .attention_cases import as_tuple, first_call, import_fa4, keyed_configs, run_case, suite_cases
 from .attention_common import run_cases
 
 NAME = "attention_fwd"
@@ -36,13 +36,13 @@ KEYED = {"attention_fwd_sm90": "all"}
 
 
 def _step(fwd, x):
-    """The timed call (the forward under no_grad) and its output, run once."""
+    """The timed call (the forward under no_grad) and its outputs (O[, LSE]), run once."""
 
     def fn():
         with torch.no_grad():
-            return fwd(x.q, x.k, x.v)
+            return fwd(*x.leaves())
 
-    return fn, (first_call(fn),)
+    return fn, as_tuple(first_call(fn))
 
 
 def run(settings, quick: bool):

@@ -2,9 +2,10 @@
 each implementation's public autograd entry.
 
 Cases (``ATTENTION_TRAIN`` in ``benchmarks/arch/*.py``; syntax, features and peers in
-``attention_cases``): ``BxHxSxD:bf16[:causal][:kv<N>|dv<N>|window<N>|varlen]``. A timed call
-sets the leaves' ``.grad`` to None (``zero_grad(set_to_none=True)``), runs the forward on
-Q, K, V that require gradients and ``out.backward(dO)``:
+``attention_cases``): ``BxHxSxD:bf16[:causal][:features]``. A timed call sets the leaves'
+``.grad`` to None (``zero_grad(set_to_none=True)``), runs the forward on Q, K, V (and the sink)
+that require gradients and ``torch.autograd.backward`` of its outputs: O with dO, and with
+``dlse`` the LSE with dLSE too (one backward call, as a loss on both gives it):
 
 - ``ours``: ``ops.memory_efficient_attention`` (its forward where it applies, our backward:
   ``backend="auto"``, the Hopper kernel where it applies);
@@ -14,40 +15,41 @@ Q, K, V that require gradients and ``out.backward(dO)``:
   that ``sdpa_kernel`` backend, on [B, H, S, D] views of the [B, S, H, D] leaves;
 - ``matmul``: the bf16 matmul ceiling at the case's FLOPs (as in attention_bwd).
 
-Checked first against an fp32 reference: O, dQ, dK, dV each within TOL (max |x - ref| / max
-|ref|; ours timed only when right). FLOPs: 3.5 x the forward's (forward 1 + backward 2.5; the
-forward's as in attention_fwd). Timing and rows as attention_bwd's.
+Checked first against an fp32 reference: O, dQ, dK, dV (the LSE with ``dlse``, d sink with
+``sink``) each within TOL (max |x - ref| / max |ref|; ours timed only when right). FLOPs: 3.5 x
+the forward's (forward 1 + backward 2.5; the forward's as in attention_fwd). Timing and rows as
+attention_bwd's. Each feature case (softcap, sink, dlse) has its twin without the feature in the
+table: a feature's cost is the ratio of the two.
 """
 
 from __future__ import annotations
 
 import functools
 
-from .attention_cases import first_call, import_fa4, keyed_configs, run_case, suite_cases
+import torch
+
+from .attention_cases import KEYED, as_tuple, first_call, import_fa4, keyed_configs, run_case, suite_cases
 from .attention_common import run_cases
 
 NAME = "attention_train"
 FLOPS_SCALE = 3.5  # forward 1 + backward 2.5 (five S x S x D products against the forward's two)
-# the case features each op's benchmark_configurations keys faithfully: the forward's keys hold
-# no head count; the memory-efficient backward's neither a head count nor the mask (grouped
-# heads are repeated, the window is a runtime argument), but Dv = D and no varlen; the sm90
-# backward's plan takes the group, window, Dv and varlen: plain cases only
-KEYED = {"attention_fwd_sm90": "all", "mem_eff_attention": ("kv", "window"), "attention_sm90": ()}
 
 
 def _step(fwd, x):
-    """The timed call (a training step's forward and backward) and its O, dQ, dK, dV, run once."""
-    leaves = [t.detach().requires_grad_() for t in (x.q, x.k, x.v)]
+    """The timed call (a training step's forward and backward) and its results (O[, LSE], dQ, dK,
+    dV[, d sink]), run once."""
+    leaves = [t.detach().requires_grad_() for t in x.leaves()]
+    grads = x.output_grads()
 
     def fn():
         for t in leaves:
             t.grad = None
-        out = fwd(*leaves)
-        out.backward(x.dout)
-        return out
+        outs = as_tuple(fwd(*leaves))
+        torch.autograd.backward(outs, grads)
+        return outs
 
-    out = first_call(fn).detach()
-    results = (out, *(t.grad for t in leaves))
+    outs = first_call(fn)
+    results = (*(t.detach() for t in outs), *(t.grad for t in leaves))
     for t in leaves:
         t.grad = None
     return fn, results
