@@ -22,6 +22,7 @@ from cutlass import Float32, Int32, Uint32, const_expr
 
 from cute_kernels.common.activation import ACTIVATIONS, activation_grad
 from cute_kernels.common.column_partials import ColumnPartials
+from cute_kernels.dropout_bias.bias_row import load_bias_row
 from layouts.dropout_bias import DropoutBiasBwdTiles
 
 
@@ -126,13 +127,7 @@ class DropoutBiasBwd:
         if const_expr(self.activation is not None):
             gX = cute.local_tile(mX, tile, (None, col_tile))
             tXg = thr.partition_S(gX)
-            # bias broadcast over rows: a [tile_m, tile_n] view with row stride 0
-            mBiasRows = cute.make_tensor(mBias.iterator, cute.make_layout((rows, n), stride=(0, 1)))
-            tBg = thr.partition_S(cute.local_tile(mBiasRows, tile, (0, col_tile)))
-            rBias = cute.make_rmem_tensor_like(tBg[None, 0, 0])
-            rBias.fill(0.0)
-            if col_ok:
-                cute.copy(copy, tBg[None, 0, 0], rBias)
+            rBias = load_bias_row(copy, thr, mBias, rows, n, tile, col_tile, col_ok)
 
         acc = cute.make_rmem_tensor_like(tDYg[None, 0, 0, 0], Float32)
         acc.fill(0.0)

@@ -22,6 +22,7 @@ from cutlass import Float32, Int32, Uint8, Uint32, Uint64, const_expr
 
 from cute_kernels.common.activation import ACTIVATIONS, activation
 from cute_kernels.common.philox import keep_byte, philox_scalar
+from cute_kernels.dropout_bias.bias_row import load_bias_row
 from layouts.dropout_bias import DropoutBiasBwdTiles
 
 
@@ -91,13 +92,7 @@ class DropoutBiasFwd:
         row0, col = thr.partition_S(cRC)[0, 0, 0, 0]
         col_ok = col < n  # the vector divides N: the whole vector is in or out
 
-        # bias broadcast over rows: a [tile_m, tile_n] view with row stride 0
-        mBiasRows = cute.make_tensor(mBias.iterator, cute.make_layout((rows, n), stride=(0, 1)))
-        tBg = thr.partition_S(cute.local_tile(mBiasRows, tile, (0, col_tile)))
-        rBias = cute.make_rmem_tensor_like(tBg[None, 0, 0])
-        rBias.fill(0.0)
-        if col_ok:
-            cute.copy(copy, tBg[None, 0, 0], rBias)
+        rBias = load_bias_row(copy, thr, mBias, rows, n, tile, col_tile, col_ok)
 
         s = philox_scalar(seed)
         rng = (Uint32(s), Uint32(s >> cutlass.Int64(32)), Uint64(philox_scalar(offset)) >> Uint64(2), Uint32(threshold))
