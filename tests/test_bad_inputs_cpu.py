@@ -62,8 +62,8 @@ from .bad_inputs_common import (
     rnb,
     sdpa_enter,
 )
+from .test_bad_inputs_attention_backward_cpu import EFFICIENT_ATTENTION_BACKWARD
 from .test_bad_inputs_attention_cpu import (
-    EFFICIENT_ATTENTION_BACKWARD,
     EFFICIENT_ATTENTION_FORWARD,
     MEMORY_EFFICIENT_ATTENTION,
     USE_FOR_SDPA,
