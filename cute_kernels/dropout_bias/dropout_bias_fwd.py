@@ -22,7 +22,7 @@ from cutlass import Float32, Int32, Uint8, Uint32, Uint64, const_expr
 
 from cute_kernels.common.activation import ACTIVATIONS, activation
 from cute_kernels.common.philox import keep_byte, philox_scalar
-from cute_kernels.dropout_bias.bias_row import load_bias_row
+from cute_kernels.dropout_bias.column_walk import load_bias_row, row_block_range
 from layouts.dropout_bias import DropoutBiasBwdTiles
 
 
@@ -103,11 +103,7 @@ class DropoutBiasFwd:
         valid = (Uint32(1) << Uint32(in_row)) - Uint32(1)
         writes_byte = col % 8 == 0
 
-        num_blocks = cute.ceil_div(rows, tile[0])
-        full_blocks = rows // tile[0]
-        rb_begin = chunk * blocks_per_chunk
-        rb_end = cutlass.min(rb_begin + blocks_per_chunk, num_blocks)
-        batched_end = rb_begin + (cutlass.max(cutlass.min(rb_end, full_blocks) - rb_begin, 0) // in_flight) * in_flight
+        rb_begin, batched_end, rb_end = row_block_range(rows, tile[0], chunk, blocks_per_chunk, in_flight)
 
         if col_ok:
             for rb in cutlass.range(rb_begin, batched_end, in_flight):
