@@ -110,6 +110,13 @@ def keep_threshold(p: float) -> int:
     return min(round(p * (1 << KEEP_THRESHOLD_BITS)), (1 << KEEP_THRESHOLD_BITS) - 1)
 
 
+def keep_byte_key(seed, offset, threshold) -> tuple:
+    """(k0, k1, counter, threshold) of ``keep_byte`` from torch's seed and offset (Int64 values,
+    or Int64 [1] device tensors under CUDA-graph capture: ``philox_scalar``)."""
+    s = philox_scalar(seed)
+    return Uint32(s), Uint32(s >> cutlass.Int64(32)), Uint64(philox_scalar(offset)) >> Uint64(2), Uint32(threshold)
+
+
 def keep_byte(k0, k1, counter, byte_index, threshold):
     """The 8 keep bits (bit j: element j, 1 = kept) of mask byte ``byte_index`` (Uint64) for
     Philox key (``k0``, ``k1``) and ``counter`` (Uint64, the offset / 4), as a Uint32 whose

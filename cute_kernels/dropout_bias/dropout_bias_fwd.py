@@ -21,7 +21,7 @@ import cuda.bindings.driver as cuda
 from cutlass import Float32, Int32, Uint8, Uint32, Uint64, const_expr
 
 from cute_kernels.common.activation import ACTIVATIONS, activation
-from cute_kernels.common.philox import keep_byte, philox_scalar
+from cute_kernels.common.philox import keep_byte, keep_byte_key
 from cute_kernels.dropout_bias.column_walk import load_bias_row, row_block_range
 from layouts.dropout_bias import DropoutBiasBwdTiles
 
@@ -94,8 +94,7 @@ class DropoutBiasFwd:
 
         rBias = load_bias_row(copy, thr, mBias, rows, n, tile, col_tile, col_ok)
 
-        s = philox_scalar(seed)
-        rng = (Uint32(s), Uint32(s >> cutlass.Int64(32)), Uint64(philox_scalar(offset)) >> Uint64(2), Uint32(threshold))
+        rng = keep_byte_key(seed, offset, threshold)
         byte = col // 8
         # this thread's bits within its byte, and the byte's columns inside the row
         shift = Uint32(col % 8)

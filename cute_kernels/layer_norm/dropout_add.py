@@ -26,7 +26,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint8, Uint32, Uint64
 
-from cute_kernels.common.philox import keep_byte, philox_scalar
+from cute_kernels.common.philox import keep_byte
 
 
 @dataclass(frozen=True)
@@ -41,12 +41,6 @@ class DropoutAdd:
     xb_dtype: Optional[type]
     dropout: bool
     dr_dtype: Optional[type] = None
-
-
-def rng_state(seed, offset, threshold) -> tuple:
-    """(k0, k1, counter, threshold) of the Philox draw from torch's seed and offset."""
-    s = philox_scalar(seed)
-    return Uint32(s), Uint32(s >> cutlass.Int64(32)), Uint64(philox_scalar(offset)) >> Uint64(2), Uint32(threshold)
 
 
 def vector_column(tiles, th, col_tile, it: int) -> Int32:

@@ -31,6 +31,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from cute_kernels.common.philox import keep_byte_key
 from layouts.layer_norm import LnFwdTiles
 
 from . import dropout_add as D
@@ -135,7 +136,7 @@ class LnFwd:
                 None if mRes is None else R.partition_rows(copy_res, mRes, t, tidx, load=True),
                 R.load_param(mXBias, f.xb_dtype, t, copy_x, tXg, tidx, n, col_tile, col_ok),
                 R.partition_rows(copy_r, mR, t, tidx, load=False),
-                D.rng_state(seed, offset, threshold) if f.dropout else None,
+                keep_byte_key(seed, offset, threshold) if f.dropout else None,
             ]
             if const_expr(mRes is not None):
                 inputs.append((f.res_dtype, copy_res, fused[0]))
