@@ -62,7 +62,7 @@ from .forward_config import CONSUMER_REGS, PRODUCER_REGS, pingpong
 from .forward_features import ForwardFeaturesMixin
 from .wgmma import acc_as_operand_a, acc_mn_layout, wgmma
 
-PARTIALS = 4  # independent max / sum chains of a softmax row
+PARTIALS = 4  # independent max chains of a softmax row
 
 
 class AttentionForwardSm90(ForwardFeaturesMixin):
@@ -622,8 +622,9 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         """S <- exp2(S * scale_log2 - m * scale_log2) per row with the running max m (over the
         four threads of a row), the running sum kept per thread (summed over them at the end).
         ``row_scale``: where O must be rescaled by exp2((m_old - m) * scale_log2) (None: the
-        first block, nothing to rescale). Maxima and sums run as PARTIALS independent chains
-        (one chain of 32 dependent instructions a row would leave the pipes idle)."""
+        first block, nothing to rescale). The maxima run as PARTIALS independent chains; the sum
+        is one chain (l * scale + p_0 + p_1 + ...), whose adds, each waiting on its exp2, space
+        the exp2s out (ptxas bunched them two or three at a time behind four partial sums)."""
         cols = cute.size(S, mode=[1])
         for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
             part = [S[r, i] for i in range(PARTIALS)]
@@ -640,16 +641,14 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
             m_scaled = m_safe * scale_log2
             for c in cutlass.range_constexpr(cols):
                 S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - m_scaled, fastmath=True)
-            part = [S[r, i] for i in range(PARTIALS)]
-            for c in cutlass.range_constexpr(PARTIALS, cols):
-                part[c % PARTIALS] = part[c % PARTIALS] + S[r, c]
-            total = (part[0] + part[1]) + (part[2] + part[3])
-            if const_expr(row_scale is None):
-                row_sum[r] = total
-            else:
+            total = S[r, 0]
+            if const_expr(row_scale is not None):
                 scale = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
                 row_scale[r] = scale
-                row_sum[r] = row_sum[r] * scale + total
+                total = row_sum[r] * scale + total
+            for c in cutlass.range_constexpr(1, cols):
+                total = total + S[r, c]
+            row_sum[r] = total
 
     @cute.jit
     def rescale_rows(self, acc, row_scale):
