@@ -115,7 +115,7 @@ def rows_view(name: str, t: Tensor) -> Tensor:
     """
     n = t.shape[-1]
     if n > 0 and t.is_contiguous():  # the common case, cheap on the per-call path
-        return t.view(-1, n)
+        return t if t.dim() == 2 else t.view(-1, n)
     try:
         v = t.view(-1, n)
     except RuntimeError as e:

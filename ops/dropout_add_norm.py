@@ -88,11 +88,17 @@ def _setup(ctx, inputs, output):
     ctx.xb_dtype = None if x_bias is None else x_bias.dtype
     ctx.has_weight, ctx.has_bias = weight is not None, bias is not None
     ctx.save_for_backward(r, weight, bias, mean, rstd, mask)
+    ctx.mark_non_differentiable(mask, mean, rstd)
+    ctx.set_materialize_grads(False)  # no zero fills for the outputs that reach no loss
 
 
 def _backward(ctx, grad_y, grad_r, grad_mask, grad_mean, grad_rstd):
     del grad_mask, grad_mean, grad_rstd
+    if grad_y is None and grad_r is None:
+        return (None,) * 9
     r, weight, bias, mean, rstd, mask = ctx.saved_tensors
+    if grad_y is None:  # a loss on the residual alone (y is x's dtype)
+        grad_y = torch.zeros(r.shape, dtype=ctx.x_dtype, device=r.device)
     # autograd hands gradients in any layout (``.sum()``'s expanded one included)
     grad_y = grad_y.contiguous()
     grad_r = None if grad_r is None else grad_r.contiguous()

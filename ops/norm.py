@@ -104,7 +104,7 @@ def stat_view(name: str, s: Tensor, rows: int) -> Tensor:
     """mean / rstd as a contiguous fp32 [rows] vector (aten keeps a trailing 1)."""
     if s.numel() != rows:
         raise ValueError(f"{name} must have one value per row ({rows}), got shape {tuple(s.shape)}")
-    v = s.reshape(rows)
+    v = s if s.dim() == 1 else s.reshape(rows)
     return v if v.stride(0) == 1 or rows <= 1 else v.contiguous()
 
 
@@ -402,10 +402,15 @@ def _norm_setup(ctx, inputs, output):
     ctx.has_weight = weight is not None
     ctx.has_bias = bias is not None
     ctx.save_for_backward(x, weight, bias, mean, rstd)
+    # the statistics take no gradient: without materialised zeros for them (two fills a step)
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.set_materialize_grads(False)
 
 
 def _norm_autograd_backward(ctx, grad_y, grad_mean, grad_rstd):
     del grad_mean, grad_rstd
+    if grad_y is None:  # (set_materialize_grads(False): y did not reach the loss)
+        return None, None, None, None, None
     x, weight, bias, mean, rstd = ctx.saved_tensors
     # dz from autograd may be any view and the forward takes x in any layout: the kernel wants rows it can flatten
     grad_y, x = grad_y.contiguous(), x.contiguous()
@@ -423,7 +428,9 @@ _NormEager = cc.eager_autograd(
 
 
 def _flatten_normalized(x: Tensor, normalized_shape: Sequence[int], weight, bias):
-    """x [..., *normalized_shape] -> [..., prod]; weight / bias flattened alike."""
+    """x [..., *normalized_shape] -> [..., prod]; weight / bias flattened alike. One normalized
+    dim (the usual call) reshapes nothing: each reshape would add a view and its backward node
+    to a training step's graph."""
     k = len(normalized_shape)
     if tuple(x.shape[x.dim() - k :]) != tuple(normalized_shape) or x.dim() < k:
         raise ValueError(f"x of shape {tuple(x.shape)} does not end with normalized_shape {tuple(normalized_shape)}")
@@ -431,6 +438,8 @@ def _flatten_normalized(x: Tensor, normalized_shape: Sequence[int], weight, bias
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and tuple(t.shape) != tuple(normalized_shape):
             raise ValueError(f"{name} must have shape {tuple(normalized_shape)}, got {tuple(t.shape)}")
+    if k == 1:
+        return x, weight, bias
     flat = lambda t: None if t is None else t.reshape(n)  # noqa: E731
     return x.reshape(*x.shape[: x.dim() - k], n), flat(weight), flat(bias)
 
@@ -474,7 +483,8 @@ def layer_norm(
     normalized_shape = _normalized_shape(x, normalized_shape)
     shape = x.shape
     xf, wf, bf = _flatten_normalized(x, normalized_shape, weight, bias)
-    return _norm_forward_call(xf, wf, bf, float(eps), False).reshape(shape)
+    y = _norm_forward_call(xf, wf, bf, float(eps), False)
+    return y if xf is x else y.reshape(shape)
 
 
 def rms_norm(
@@ -493,7 +503,8 @@ def rms_norm(
     normalized_shape = _normalized_shape(x, normalized_shape)
     shape = x.shape
     xf, wf, _ = _flatten_normalized(x, normalized_shape, weight, None)
-    return _norm_forward_call(xf, wf, None, float(eps), True).reshape(shape)
+    y = _norm_forward_call(xf, wf, None, float(eps), True)
+    return y if xf is x else y.reshape(shape)
 
 
 class LayerNorm(torch.nn.LayerNorm):

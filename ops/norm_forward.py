@@ -164,6 +164,11 @@ def _plan(xs, weight, bias, is_rms) -> _Plan:
     return plan
 
 
+def _shaped(t: Tensor, shape) -> Tensor:
+    """``t`` viewed as ``shape``, itself where it has it (a view costs microseconds a call)."""
+    return t if t.shape == shape else t.view(shape)
+
+
 def launch(x: Tensor, weight, bias, eps: float, is_rms: bool, y: Tensor, mean: Optional[Tensor], rstd: Tensor) -> None:
     """Run the kernel into preallocated y (x's shape and dtype, contiguous), mean (None for
     RMSNorm) and rstd (fp32, x.shape[:-1], contiguous)."""
@@ -173,9 +178,9 @@ def launch(x: Tensor, weight, bias, eps: float, is_rms: bool, y: Tensor, mean: O
     xs = _rows(x)
     rows, n = xs.shape
     plan = _plan(xs, weight, bias, is_rms)
-    mu = None if mean is None else mean.view(rows)
+    mu = None if mean is None else _shaped(mean, (rows,))
     plan.fn(
-        xs, weight, bias, y.view(rows, n), mu, rstd.view(rows), eps, plan.ctas_per_col,
+        xs, weight, bias, _shaped(y, (rows, n)), mu, _shaped(rstd, (rows,)), eps, plan.ctas_per_col,
         None, None, None, None, None, None, 0, 1.0,
     )  # fmt: skip
 

@@ -123,6 +123,12 @@ class _Ctx:
     def save_for_backward(self, *tensors):
         self.saved_tensors = tensors
 
+    def mark_non_differentiable(self, *tensors):
+        self.non_differentiable = tensors
+
+    def set_materialize_grads(self, value):
+        self.materialize_grads = value
+
 
 @pytest.mark.parametrize("is_rms", [False, True])
 def test_graph_face_shapes_and_gradients(is_rms):
@@ -149,6 +155,11 @@ def test_graph_face_shapes_and_gradients(is_rms):
         DAN._setup(ctx, inputs, DAN._forward_op(*inputs))
         dx, dres, dw, db, dxb = DAN._backward(ctx, torch.empty_like(y[0]), None, None, None, None)[:5]
         assert dx.shape == x.shape and dres is None and dw is None and db is None and dxb is None
+        assert ctx.materialize_grads is False and len(ctx.non_differentiable) == 3  # mask, mean, rstd
+        # outputs that reached no loss come as None: a loss on r alone still has its gradients
+        dx, dres = DAN._backward(ctx, None, torch.empty_like(y[1]), None, None, None)[:2]
+        assert dx.shape == x.shape and dres is None
+        assert DAN._backward(ctx, None, None, None, None, None) == (None,) * 9
 
 
 def _reference(x, res, w, b, xb, keep, p, eps, is_rms):

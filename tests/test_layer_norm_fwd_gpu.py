@@ -286,3 +286,21 @@ def test_unsupported_rows_run_torchs_forward(caplog):
         y = ops.layer_norm(x)
     assert "torch's (N=262144 is longer than the largest supported row" in caplog.text
     torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (262144,)))
+
+
+@pytest.mark.parametrize("is_rms", [False, True])
+def test_two_normalized_dims_with_gradients(is_rms):
+    """normalized_shape of two dims: x, weight and bias flattened into one row and back, their
+    gradients in their own shapes (one dim reshapes nothing; this is the other path)."""
+    x, w, b = (torch.randn(s, device="cuda", dtype=torch.float32) for s in ((5, 8, 64), (8, 64), (8, 64)))
+    grads = []
+    for ours in (True, False):
+        leaves = [t.clone().requires_grad_() for t in ((x, w) if is_rms else (x, w, b))]
+        if is_rms:
+            y = (ops.rms_norm if ours else torch.nn.functional.rms_norm)(leaves[0], (8, 64), leaves[1], 1e-5)
+        else:
+            y = (ops.layer_norm if ours else torch.nn.functional.layer_norm)(leaves[0], (8, 64), *leaves[1:], 1e-5)
+        (y * torch.linspace(-1, 1, 64, device="cuda")).sum().backward()
+        grads.append([y.detach()] + [t.grad for t in leaves])
+    for i, (got, want) in enumerate(zip(*grads)):
+        assert got.shape == want.shape and rel_err(got, want) < 1e-4, i
