@@ -114,25 +114,29 @@ def test_tiles_cover_the_row_and_fit(n, bits, param_bits):
     assert 2 <= t.stages <= ln_config.MAX_STAGES
     assert t.ctas_per_sm * t.smem_bytes(bits) <= ln_config.SMEM_PER_SM
     assert t.ctas_per_sm * t.num_threads <= tiling.MAX_THREADS_PER_SM
-    # the row is split as the backward splits it (one table documents both)
+    # the row is split as the backward splits it (one table documents both); rows of more
+    # than a warp in one CTA stack up to FWD_MIN_THREADS_PER_CTA threads, the others as the backward's
     b = ln_config.ln_bwd_tiles(n, bits, bits, 32, vec)
-    assert (t.ldgs, t.threads_per_row, t.ctas_per_row, t.rows_per_cta) == (
-        b.ldgs,
-        b.threads_per_row,
-        b.ctas_per_row,
-        b.rows_per_cta,
-    )
+    assert (t.ldgs, t.threads_per_row, t.ctas_per_row) == (b.ldgs, b.threads_per_row, b.ctas_per_row)
+    if t.threads_per_row >= ln_config.FWD_STACK_MIN_THREADS_PER_ROW and t.ctas_per_row == 1:
+        assert t.num_threads == max(t.threads_per_row, ln_config.FWD_MIN_THREADS_PER_CTA)
+    else:
+        assert t.rows_per_cta == b.rows_per_cta
 
 
 def test_register_estimate_sets_ctas_per_sm():
     """ptxas (sm_90a) gave these tiles 80-94 registers without spills: the estimate keeps the
     launch bound's register cap (65536 / (CTAs x threads)) above what they use."""
     t = ln_config.ln_fwd_tiles(4096, 16, 64, 8)
-    assert (t.threads_per_row, t.ctas_per_sm) == (256, 2)
+    assert (t.threads_per_row, t.rows_per_cta, t.ctas_per_sm) == (256, 2, 1)
     assert ln_config.fwd_register_estimate(t, 16, 64) <= tiling.REG_FILE // (t.ctas_per_sm * t.num_threads)
-    t = ln_config.ln_fwd_tiles(1024, 16, 32, 8)
-    assert (t.rows_per_cta, t.ctas_per_sm) == (2, 6)
-    assert ln_config.ln_fwd_tiles(16384, 16, 64, 8).ctas_per_sm == 1  # clusters: one CTA per SM
+    t = ln_config.ln_fwd_tiles(1024, 16, 32, 8)  # shorter rows: the backward's small CTAs, many a SM
+    assert (t.rows_per_cta, t.num_threads, t.ctas_per_sm) == (2, 128, 6)
+    # clusters of 4 or 8 CTAs of 256 threads: two CTAs per SM (the estimate alone gives one); else one
+    assert ln_config.ln_fwd_tiles(65536, 16, 64, 8).ctas_per_sm == 2
+    assert ln_config.ln_fwd_tiles(32768, 16, 64, 8).ctas_per_sm == 2
+    assert ln_config.ln_fwd_tiles(16384, 16, 64, 8).ctas_per_sm == 1
+    assert ln_config.ln_fwd_tiles(131072, 16, 64, 8).ctas_per_sm == 1
 
 
 def test_tiles_beyond_the_largest_row_and_on_sm80():
