@@ -86,7 +86,7 @@ def unsupported(x: Tensor, residual, weight, bias, x_bias, residual_in_fp32: boo
 
 
 class _FwdPlan:
-    __slots__ = ("fn_key", "ctas_per_col")
+    __slots__ = ("fn_key", "ctas_per_col", "fns")
 
     def __init__(self, xs, res, weight, bias, x_bias, ys, rs, is_rms, dropout):
         rows, n = xs.shape
@@ -99,6 +99,13 @@ class _FwdPlan:
         self.ctas_per_col = ln_config.ctas_per_col(rows, t, cc.num_sms(dev))
         fuse = _fuse(xs.dtype, None if res is None else res.dtype, rs.dtype, _dtype(x_bias), dropout)
         self.fn_key = (cc.cute_dtype(xs.dtype), _cute(weight), _cute(bias), t, is_rms, arch, fuse)
+        self.fns = {}  # the compiled kernel by rng_on_device: looked up once, not every call
+
+    def fn(self, on_device: bool):
+        fn = self.fns.get(on_device)
+        if fn is None:
+            fn = self.fns[on_device] = norm_forward.compiled(*self.fn_key, on_device)
+        return fn
 
 
 def _dtype(t: Optional[Tensor]):
@@ -139,7 +146,7 @@ def forward(x, residual, weight, bias, x_bias, p: float, eps: float, is_rms: boo
         plan = _fwd_plans.put(key, _FwdPlan(xs, res, weight, bias, x_bias, ys, rs, is_rms, dropout))
     seed = offset = None
     on_device = dropout and cc.capturing()
-    fn = norm_forward.compiled(*plan.fn_key, on_device)  # before the draw: a failed compile leaves the generator
+    fn = plan.fn(on_device)  # before the draw: a failed compile leaves the generator
     if dropout:
         seed, offset = philox_state_captured(dev) if on_device else philox_seed_offset(dev, PHILOX_WORDS)
     fn(
