@@ -60,10 +60,7 @@ def _bench_events(fn, warmup_ms, rep_ms):
 
 def copy_ms(nbytes: int) -> float:
     """Median time of a device-to-device copy moving ``nbytes`` in all (half read, half written)."""
-    n = max(1, nbytes // 2)
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    return bench_ms(lambda: dst.copy_(src))
+    return bench_ms(_copy_fn(nbytes))
 
 
 def copy_ceiling_gbps(nbytes: int = 2 << 30) -> float:
@@ -71,17 +68,35 @@ def copy_ceiling_gbps(nbytes: int = 2 << 30) -> float:
     return nbytes / copy_ms(nbytes) / 1e6
 
 
-def time_case(suite: str, case: str, impls: dict, copy_bytes: int) -> list:
-    """Result rows for one case: each impl timed, then a device copy of ``copy_bytes``.
+ROUNDS = 5  # interleaved rounds a case (time_case)
+
+
+def time_case(suite: str, case: str, impls: dict, copy_bytes: int, rounds: int = ROUNDS, bench=bench_ms) -> list:
+    """Result rows for one case: the impls and a device copy of ``copy_bytes``, timed in
+    ``rounds`` interleaved rounds (``bench_rounds``: every one once a round, the order rotated),
+    so that a burst of host or board noise falls on all of them, not on one peer's whole timing.
+    A row's ``ms`` is its median round; ``ms_rounds`` keeps them all.
 
     ``impls`` maps impl name -> ``fn`` or ``(fn, bytes)`` (bytes default ``copy_bytes``);
-    GB/s is bytes moved per second.
+    GB/s is bytes moved per second. An impl that raises while timed raises here.
     """
+    specs = {impl: spec if isinstance(spec, tuple) else (spec, copy_bytes) for impl, spec in impls.items()}
+    specs["copy"] = (_copy_fn(copy_bytes), copy_bytes)
+    timed = bench_rounds([(fn, None) for fn, _ in specs.values()], rounds, bench)
     rows = []
-    for impl, spec in impls.items():
-        fn, nbytes = spec if isinstance(spec, tuple) else (spec, copy_bytes)
-        ms = bench_ms(fn)
-        rows.append({"suite": suite, "case": case, "impl": impl, "ms": ms, "gbps": nbytes / ms / 1e6})
-    ms = copy_ms(copy_bytes)
-    rows.append({"suite": suite, "case": case, "impl": "copy", "ms": ms, "gbps": copy_bytes / ms / 1e6})
+    for (impl, (_, nbytes)), (times, error) in zip(specs.items(), timed):
+        if error is not None:
+            raise RuntimeError(f"{suite} {case}: {impl} failed while timed") from error
+        ms = sorted(times)[len(times) // 2]
+        rows.append(
+            {"suite": suite, "case": case, "impl": impl, "ms": ms, "gbps": nbytes / ms / 1e6, "ms_rounds": times}
+        )
     return rows
+
+
+def _copy_fn(nbytes: int):
+    """A device-to-device copy moving ``nbytes`` in all (half read, half written)."""
+    n = max(1, nbytes // 2)
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
