@@ -58,6 +58,7 @@ from layouts.attention_fwd_sm90 import (
     AttentionFwdSm90Tiles,
 )
 
+from .forward_arguments import Atoms, Globals, QueryBlock, Scalars, Smem
 from .forward_config import CONSUMER_REGS, PRODUCER_REGS, pingpong
 from .forward_features import ForwardFeaturesMixin
 from .wgmma import acc_as_operand_a, acc_mn_layout, wgmma
@@ -294,80 +295,65 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         offset_q, offset_k, seqlen_q, seqlen_k = seq.offset_q, seq.offset_k, seq.seqlen_q, seq.seqlen_k
         if m_block * t.tile_m < seqlen_q:  # (varlen: a block past its sequence does nothing)
             self.tile(
-                gQ_tma,
-                gK_tma,
-                gV_tma,
-                gO_tma,
-                mO,
-                mLSE,
-                mBias,
-                mSink,
-                rng,
-                tma_Q,
-                tma_K,
-                tma_V,
-                tma_O,
-                sQ_layout,
-                sK_layout,
-                sV_layout,
-                sO_layout,
-                tiled_mma_qk,
-                tiled_mma_pv,
-                m_block,
-                head,
-                batch,
-                Rows(offset_q, offset_k),
-                seqlen_q,
-                seqlen_k,
-                group,
-                scale_log2,
-                tanh_scale,
-                window_size,
+                Globals(gQ_tma, gK_tma, gV_tma, gO_tma, mO, mLSE, mBias, mSink, rng),
+                Atoms(
+                    tma_Q, tma_K, tma_V, tma_O, sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv
+                ),
+                QueryBlock(m_block, head, batch, Rows(offset_q, offset_k), seqlen_q, seqlen_k),
+                Scalars(group, scale_log2, tanh_scale, window_size),
                 SharedStorage,
             )
 
     @cute.jit
-    def tile(
-        self,
-        gQ_tma,
-        gK_tma,
-        gV_tma,
-        gO_tma,
-        mO,
-        mLSE,
-        mBias,
-        mSink,
-        rng,
-        tma_Q,
-        tma_K,
-        tma_V,
-        tma_O,
-        sQ_layout,
-        sK_layout,
-        sV_layout,
-        sO_layout,
-        tiled_mma_qk,
-        tiled_mma_pv,
-        m_block,
-        head,
-        batch,
-        rows,
-        seqlen_q,
-        seqlen_k,
-        group,
-        scale_log2,
-        tanh_scale,
-        window_size,
-        SharedStorage: cutlass.Constexpr,
-    ):
+    def tile(self, g: Globals, atoms: Atoms, block: QueryBlock, scalars: Scalars, SharedStorage: cutlass.Constexpr):
         """One query block: the shared memory, the pipelines, then the producer and consumer roles."""
         t = self.tiles
-        offset_q, offset_k = rows.offset_q, rows.offset_k
+        m_block, head, batch = block.m_block, block.head, block.batch
+        offset_q, offset_k = block.rows.offset_q, block.rows.offset_k
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
-            for atom in (tma_Q, tma_K, tma_V, tma_O):
+            for atom in (atoms.tma_Q, atoms.tma_K, atoms.tma_V, atoms.tma_O):
                 cpasync.prefetch_descriptor(atom)
+        smem = self.shared(atoms, warp_idx, SharedStorage)
 
+        n_min, n_max = self.mask.n_block_range(m_block, block.seqlen_q, block.seqlen_k, scalars.window_size)
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS[t.consumer_wgs])
+            if warp_idx == 0:
+                q_tile = cute.local_tile(
+                    self.seq_view(g.gQ_tma, head, batch, offset_q), (t.tile_m, t.head_dim), (m_block, 0)
+                )
+                kv_head = head // scalars.group
+                self.load(
+                    q_tile,
+                    self.seq_view(g.gK_tma, kv_head, batch, offset_k),
+                    self.seq_view(g.gV_tma, kv_head, batch, offset_k),
+                    smem,
+                    atoms,
+                    n_min,
+                    n_max,
+                )
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS[t.consumer_wgs])
+            feat = self.features(g.mBias, smem.sKeep, g.rng, batch, head, g.mLSE.shape[1], g.mSink)
+            acc_O, row_sum = self.mma(smem, atoms, block, scalars, n_min, n_max, feat)
+            self.stage_o(acc_O, smem.sO, atoms.tiled_mma_pv)
+            if const_expr(self.varlen):
+                o_rows = cute.local_tile(
+                    self.seq_view(g.mO, head, batch, offset_q), (t.tile_m, t.head_dim_v), (m_block, 0)
+                )
+                self.store_o_rows(smem.sO, o_rows, m_block, block.seqlen_q)
+            else:
+                o_tile = cute.local_tile(g.gO_tma[None, None, head, batch], (t.tile_m, t.head_dim_v), (m_block, 0))
+                self.store_o_tma(smem.sO, o_tile, atoms.tma_O)
+            self.store_lse(row_sum, g.mLSE, atoms.tiled_mma_qk, m_block, head, batch, block.seqlen_q)
+
+    @cute.jit
+    def shared(self, atoms: Atoms, warp_idx, SharedStorage: cutlass.Constexpr) -> Smem:
+        """The CTA's shared memory as tensors, Q's mbarrier and the K / V pipelines, initialised
+        (a barrier before any role uses them)."""
+        t = self.tiles
+        sQ_layout, sK_layout, sV_layout, sO_layout = atoms.sQ_layout, atoms.sK_layout, atoms.sV_layout, atoms.sO_layout
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -398,63 +384,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         )
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-
-        n_min, n_max = self.mask.n_block_range(m_block, seqlen_q, seqlen_k, window_size)
-        if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS[t.consumer_wgs])
-            if warp_idx == 0:
-                q_tile = cute.local_tile(
-                    self.seq_view(gQ_tma, head, batch, offset_q), (t.tile_m, t.head_dim), (m_block, 0)
-                )
-                kv_head = head // group
-                self.load(
-                    q_tile,
-                    self.seq_view(gK_tma, kv_head, batch, offset_k),
-                    self.seq_view(gV_tma, kv_head, batch, offset_k),
-                    sQ,
-                    sK,
-                    sV,
-                    tma_Q,
-                    tma_K,
-                    tma_V,
-                    mbar_q,
-                    pipe_k,
-                    pipe_v,
-                    n_min,
-                    n_max,
-                )
-        else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGS[t.consumer_wgs])
-            feat = self.features(mBias, sKeep, rng, batch, head, mLSE.shape[1], mSink)
-            acc_O, row_sum = self.mma(
-                sQ,
-                sK,
-                sV,
-                mbar_q,
-                pipe_k,
-                pipe_v,
-                tiled_mma_qk,
-                tiled_mma_pv,
-                m_block,
-                n_min,
-                n_max,
-                seqlen_q,
-                seqlen_k,
-                scale_log2,
-                tanh_scale,
-                window_size,
-                feat,
-            )
-            self.stage_o(acc_O, sO, tiled_mma_pv)
-            if const_expr(self.varlen):
-                o_rows = cute.local_tile(
-                    self.seq_view(mO, head, batch, offset_q), (t.tile_m, t.head_dim_v), (m_block, 0)
-                )
-                self.store_o_rows(sO, o_rows, m_block, seqlen_q)
-            else:
-                o_tile = cute.local_tile(gO_tma[None, None, head, batch], (t.tile_m, t.head_dim_v), (m_block, 0))
-                self.store_o_tma(sO, o_tile, tma_O)
-            self.store_lse(row_sum, mLSE, tiled_mma_qk, m_block, head, batch, seqlen_q)
+        return Smem(sQ, sK, sV, sO, sKeep, mbar_q, pipe_k, pipe_v)
 
     @cute.jit
     def seq_view(self, g, head, batch, row0):
@@ -465,9 +395,11 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         return g[None, None, head, batch]
 
     @cute.jit
-    def load(self, q_tile, gK, gV, sQ, sK, sV, tma_Q, tma_K, tma_V, mbar_q, pipe_k, pipe_v, n_min, n_max):
+    def load(self, q_tile, gK, gV, smem: Smem, atoms: Atoms, n_min, n_max):
         """Q, then the key / value blocks n_max - 1 down to n_min through the rings."""
         t = self.tiles
+        sQ, sK, sV, mbar_q, pipe_k, pipe_v = smem.sQ, smem.sK, smem.sV, smem.mbar_q, smem.pipe_k, smem.pipe_v
+        tma_Q, tma_K, tma_V = atoms.tma_Q, atoms.tma_K, atoms.tma_V
         one = cute.make_layout(1)
         tQs, tQg = cpasync.tma_partition(tma_Q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(q_tile, 0, 2))
         gK_blocks = cute.local_tile(gK, (t.tile_n, t.head_dim), (None, 0))  # (tile_n, d, blocks)
@@ -488,30 +420,15 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
 
     # -------------------------------------------------------------------------- consumers
     @cute.jit
-    def mma(
-        self,
-        sQ,
-        sK,
-        sV,
-        mbar_q,
-        pipe_k,
-        pipe_v,
-        tiled_mma_qk,
-        tiled_mma_pv,
-        m_block,
-        n_min,
-        n_max,
-        seqlen_q,
-        seqlen_k,
-        scale_log2,
-        tanh_scale,
-        window_size,
-        feat,
-    ):
+    def mma(self, smem: Smem, atoms: Atoms, block: QueryBlock, scalars: Scalars, n_min, n_max, feat):
         """The warpgroup's O (normalised) and its rows' LSE, over the key blocks the query block sees
         (``feat``: the CTA's ``ForwardFeatures``; ``tanh_scale``: scale / c with a softcap, whose
         ``scale_log2`` is then c log2(e))."""
         t = self.tiles
+        sQ, sK, sV, mbar_q, pipe_k, pipe_v = smem.sQ, smem.sK, smem.sV, smem.mbar_q, smem.pipe_k, smem.pipe_v
+        tiled_mma_qk, tiled_mma_pv = atoms.tiled_mma_qk, atoms.tiled_mma_pv
+        m_block, seqlen_q, seqlen_k = block.m_block, block.seqlen_q, block.seqlen_k
+        scale_log2, tanh_scale, window_size = scalars.scale_log2, scalars.tanh_scale, scalars.window_size
         tidx = cute.arch.thread_idx()[0] - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
         wg_qk = tiled_mma_qk.get_slice(wg * 128)
