@@ -422,13 +422,12 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
     @cute.jit
     def mma(self, smem: Smem, atoms: Atoms, block: QueryBlock, scalars: Scalars, n_min, n_max, feat):
         """The warpgroup's O (normalised) and its rows' LSE, over the key blocks the query block sees
-        (``feat``: the CTA's ``ForwardFeatures``; ``tanh_scale``: scale / c with a softcap, whose
-        ``scale_log2`` is then c log2(e))."""
+        (``feat``: the CTA's ``ForwardFeatures``; ``scalars.tanh_scale``: scale / c with a softcap,
+        whose ``scalars.scale_log2`` is then c log2(e))."""
         t = self.tiles
         sQ, sK, sV, mbar_q, pipe_k, pipe_v = smem.sQ, smem.sK, smem.sV, smem.mbar_q, smem.pipe_k, smem.pipe_v
         tiled_mma_qk, tiled_mma_pv = atoms.tiled_mma_qk, atoms.tiled_mma_pv
         m_block, seqlen_q, seqlen_k = block.m_block, block.seqlen_q, block.seqlen_k
-        scale_log2, tanh_scale, window_size = scalars.scale_log2, scalars.tanh_scale, scalars.window_size
         tidx = cute.arch.thread_idx()[0] - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
         wg_qk = tiled_mma_qk.get_slice(wg * 128)
@@ -456,7 +455,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         q0 = m_block * t.tile_m
         offset = self.mask.causal_offset(seqlen_q, seqlen_k)
         # with a bias the scores enter the softmax already in log2 units
-        sm_scale = 1.0 if const_expr(self.has_bias) else scale_log2
+        sm_scale = 1.0 if const_expr(self.has_bias) else scalars.scale_log2
 
         self.take_turn_init(wg)
         cute.arch.mbarrier_wait(mbar_q, 0)
@@ -470,11 +469,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
                 self.draw_keep_flags(feat, 0, q0, key0, seqlen_k, tidx)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(state)
-            if const_expr(self.softcap):
-                cap_scores(acc_S, tanh_scale)
-            if const_expr(self.has_bias):
-                self.add_bias(acc_S, S, feat, cS, q0, key0, seqlen_q, seqlen_k, scale_log2)
-            self.mask.apply(S, cS, t0S, q0, key0, seqlen_k, offset, window_size)
+            self.scores(acc_S, S, cS, t0S, feat, q0, key0, offset, block, scalars, first=True)
             self.online_softmax(S, row_max, row_sum, sm_scale, None)
             if const_expr(self.dropout):
                 self.keep_probs(S, feat, 0, cS, t0S, wg)
@@ -493,14 +488,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
                 self.pass_turn(wg)
                 warpgroup.wait_group(1)  # S done, P V may still run
                 pipe_k.consumer_release(state)
-                if const_expr(self.softcap):
-                    cap_scores(acc_S, tanh_scale)
-                if const_expr(self.has_bias):
-                    self.add_bias(acc_S, S, feat, cS, q0, key0, seqlen_q, seqlen_k, scale_log2)
-                # the keys of every block after the first lie before the sequence end
-                if const_expr(self.mask.causal or self.mask.has_window):
-                    if self.mask.crosses_diagonal(q0, key0, offset, window_size):
-                        self.mask.apply(S, cS, t0S, q0, key0, seqlen_k, offset, window_size)
+                self.scores(acc_S, S, cS, t0S, feat, q0, key0, offset, block, scalars, first=False)
                 self.online_softmax(S, row_max, row_sum, sm_scale, row_scale)
                 warpgroup.wait_group(0)  # P V has read P
                 pipe_v.consumer_release(state_v)
@@ -517,6 +505,23 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         if const_expr(self.seqused):  # a straddling block's padding rows leave by the TMA store too
             self.zero_rows_past(acc_O, cS, q0, seqlen_q)
         return acc_O, lse
+
+    @cute.jit
+    def scores(self, acc_S, S, cS, t0S, feat, q0, key0, offset, block, scalars, first: cutlass.Constexpr):
+        """The key block's scores after S = Q K^T: capped (softcap), with the bias, masked. The
+        first block the query block sees (the last key block) is always masked: it holds the
+        sequence's end and the diagonal; the keys of every later one lie before the end, so it
+        is masked only where it crosses the diagonal or the window's edge. ``S``: acc_S as rows x
+        columns; ``cS`` / ``t0S``: this thread's and thread 0's coordinates."""
+        if const_expr(self.softcap):
+            cap_scores(acc_S, scalars.tanh_scale)
+        if const_expr(self.has_bias):
+            self.add_bias(acc_S, S, feat, cS, q0, key0, block.seqlen_q, block.seqlen_k, scalars.scale_log2)
+        if const_expr(first):
+            self.mask.apply(S, cS, t0S, q0, key0, block.seqlen_k, offset, scalars.window_size)
+        elif const_expr(self.mask.causal or self.mask.has_window):
+            if self.mask.crosses_diagonal(q0, key0, offset, scalars.window_size):
+                self.mask.apply(S, cS, t0S, q0, key0, block.seqlen_k, offset, scalars.window_size)
 
     @cute.jit
     def zero_rows_past(self, acc_O, cS, q0, seqlen_q):
