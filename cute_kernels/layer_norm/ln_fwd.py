@@ -115,7 +115,7 @@ class LnFwd:
         copy_r: cute.TiledCopy,
     ):
         t = self.tiles
-        ldgs, stages = t.ldgs, t.stages
+        stages = t.stages
         th = R.row_thread(t)
         tidx, bidn, tid_r = th.tidx, th.bidn, th.tid_r
         rows, n = mX.shape
@@ -150,43 +150,62 @@ class LnFwd:
             if const_expr(self.fuse is not None):
                 rX = self.dropout_add(regs, fused, mMask, scale, copy_r, th, col_tile, col_ok, rb, row, row_ok, n)
 
-            mu = Float32(0.0)
             if const_expr(self.is_rms):
-                s = Float32(0.0)
-                for it in cutlass.range_constexpr(ldgs):
-                    x = rX[it].load().to(Float32)
-                    s = s + (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                # the u-th use of a buffer completes its mbarrier's phase u: row k is use k // 2
-                var = red.allreduce([s], parity, (k >> 1) & 1)[0] / n_f
+                mu = Float32(0.0)
+                var = self.mean_square(rX, red, parity, k, n_f)
                 parity = parity ^ 1
             else:
-                s = Float32(0.0)
-                for it in cutlass.range_constexpr(ldgs):
-                    s = s + rX[it].load().to(Float32).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                mu = red.allreduce([s], Int32(0), k & 1)[0] / n_f
-                s = Float32(0.0)
-                for it in cutlass.range_constexpr(ldgs):
-                    d = rX[it].load().to(Float32) - mu
-                    part = (d * d).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                    s = s + Float32(cutlass.select_(col_ok[it], part, Float32(0.0)))  # zeros past N are not x
-                var = red.allreduce([s], Int32(1), k & 1)[0] / n_f
+                mu, var = self.mean_variance(rX, red, k, n_f, col_ok)
             rs = cute.math.rsqrt(var + eps)
 
             if row_ok and tid_r == 0 and bidn == 0:
                 mRs[row] = rs
                 if const_expr(not self.is_rms):
                     mMu[row] = mu
-            for it in cutlass.range_constexpr(ldgs):
-                y = (rX[it].load().to(Float32) - mu) * rs
-                if const_expr(rGamma is not None):
-                    y = y * rGamma[it].load().to(Float32)
-                if const_expr(rBeta is not None):
-                    y = y + rBeta[it].load().to(Float32)
-                rY = cute.make_rmem_tensor_like(rX[it], self.dtype)
-                rY.store(y.to(self.dtype))
-                if row_ok and col_ok[it]:
-                    cute.copy(copy_y, rY, tYg[None, 0, 0, rb, col_tile[it]])
+            self.store_y(rX, mu, rs, rGamma, rBeta, copy_y, tYg, rb, row_ok, col_tile, col_ok)
         R.finish(t)
+
+    @cute.jit
+    def mean_square(self, rX, red, parity, k, n_f) -> Float32:
+        """RMSNorm's mean of x^2 over the row: one all-reduce, through buffer ``parity`` (the
+        buffers alternate by row)."""
+        s = Float32(0.0)
+        for it in cutlass.range_constexpr(self.tiles.ldgs):
+            x = rX[it].load().to(Float32)
+            s = s + (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        # the u-th use of a buffer completes its mbarrier's phase u: row k is use k // 2
+        return red.allreduce([s], parity, (k >> 1) & 1)[0] / n_f
+
+    @cute.jit
+    def mean_variance(self, rX, red, k, n_f, col_ok):
+        """LayerNorm's (mean, biased variance) of the row: the sum, then a second pass over the
+        registers for the centred squares (no E[x^2] - mean^2 cancellation); two all-reduces,
+        through buffers 0 and 1."""
+        ldgs = self.tiles.ldgs
+        s = Float32(0.0)
+        for it in cutlass.range_constexpr(ldgs):
+            s = s + rX[it].load().to(Float32).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        mu = red.allreduce([s], Int32(0), k & 1)[0] / n_f
+        s = Float32(0.0)
+        for it in cutlass.range_constexpr(ldgs):
+            d = rX[it].load().to(Float32) - mu
+            part = (d * d).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            s = s + Float32(cutlass.select_(col_ok[it], part, Float32(0.0)))  # zeros past N are not x
+        return mu, red.allreduce([s], Int32(1), k & 1)[0] / n_f
+
+    @cute.jit
+    def store_y(self, rX, mu, rs, rGamma, rBeta, copy_y, tYg, rb, row_ok, col_tile, col_ok):
+        """y = (x - mu) * rstd * gamma + beta of this thread's vectors, stored in x's dtype."""
+        for it in cutlass.range_constexpr(self.tiles.ldgs):
+            y = (rX[it].load().to(Float32) - mu) * rs
+            if const_expr(rGamma is not None):
+                y = y * rGamma[it].load().to(Float32)
+            if const_expr(rBeta is not None):
+                y = y + rBeta[it].load().to(Float32)
+            rY = cute.make_rmem_tensor_like(rX[it], self.dtype)
+            rY.store(y.to(self.dtype))
+            if row_ok and col_ok[it]:
+                cute.copy(copy_y, rY, tYg[None, 0, 0, rb, col_tile[it]])
 
     @cute.jit
     def dropout_add(self, regs, fused, mMask, scale, copy_r, th, col_tile, col_ok, rb, row, row_ok, n) -> list:
