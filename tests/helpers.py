@@ -102,3 +102,14 @@ def tile_error(got: torch.Tensor, ref: torch.Tensor, row_dim: int = 1, floor=Non
         return 0.0
     err = _tile_norms((got.double() - ref).nan_to_num(float("inf")), row_dim)
     return (err / norms.clamp_min(0.5 * typical)).max().item()
+
+
+def named_call(name: str):
+    """A callable tagged ``.name`` for fake timers (the benchmark timing tests); ``"bad"`` raises."""
+
+    def run():
+        if name == "bad":
+            raise RuntimeError("boom")
+
+    run.name = name
+    return run

@@ -114,16 +114,10 @@ def test_suite_times_in_interleaved_rounds():
     round; fwd's time is subtracted; a failing one drops out with its error, the rest go on."""
     from benchmarks.timing import bench_rounds
 
+    from .helpers import named_call as fn
+
     calls = []
     clock = {"a": [3.0, 1.0, 2.0], "b": [5.0, 5.0, 6.0], "fwd": [1.0, 1.0, 1.0]}
-
-    def fn(name):
-        def run():
-            if name == "bad":
-                raise RuntimeError("boom")
-
-        run.name = name
-        return run
 
     def bench(f):
         calls.append(f.name)

@@ -6,14 +6,7 @@ import pytest
 
 from benchmarks import timing
 
-
-def _fn(name):
-    def run():
-        if name == "bad":
-            raise RuntimeError("boom")
-
-    run.name = name
-    return run
+from .helpers import named_call as _fn
 
 
 def _bench(calls, clock):
