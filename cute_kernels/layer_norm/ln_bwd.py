@@ -119,10 +119,9 @@ class LnBwd:
         copy_dres: cute.TiledCopy,
     ):
         t = self.tiles
-        tpr, vec, ldgs = t.threads_per_row, t.vec, t.ldgs
-        rpc, stages = t.rows_per_cta, t.stages
+        ldgs, rpc, stages = t.ldgs, t.rows_per_cta, t.stages
         th = R.row_thread(t)
-        tidx, bidm, row_in_cta, tid_r = th.tidx, th.bidm, th.row_in_cta, th.tid_r
+        tidx, bidm, row_in_cta = th.tidx, th.bidm, th.row_in_cta
         rows, n = mX.shape
         inv_n = Float32(1.0) / Float32(n)
         tXg = R.partition_rows(copy_x, mX, t, tidx, load=True)
@@ -176,43 +175,65 @@ class LnBwd:
                     for it in range(ldgs)
                 ]
 
-            # this thread's share of sum(dy) and sum(dy * y); the column partials
-            s_dy = Float32(0.0)
-            s_dyy = Float32(0.0)
-            for it in cutlass.range_constexpr(ldgs):
-                y, dz, dy = self.normalized(rX[it], rDZ[it], rGamma, it, mu, rs)
-                s_dyy = s_dyy + (dy * y).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                acc_dzy[it].store(acc_dzy[it].load() + dz * y)
-                if const_expr(not self.is_rms):
-                    s_dy = s_dy + dy.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                if const_expr(self.has_dbeta):
-                    acc_dz[it].store(acc_dz[it].load() + dz)
+            s_dy, s_dyy = self.row_part_sums(rX, rDZ, rGamma, mu, rs, acc_dzy, acc_dz)
             # buffer ``parity`` is reused every second row; its mbarrier phase flips then
             sums = red.allreduce([s_dy, s_dyy], parity, (k >> 1) & 1)
             if const_expr(red.exchange):
                 parity = parity ^ 1  # the other buffer next time: one barrier per row
-
-            mdy = sums[0] * inv_n
-            mdyy = sums[1] * inv_n
-            for it in cutlass.range_constexpr(ldgs):
-                y, dz, dy = self.normalized(rX[it], rDZ[it], rGamma, it, mu, rs)
-                if const_expr(self.is_rms):
-                    dx = (dy - y * mdyy) * rs
-                else:
-                    dx = (dy - (y * mdyy + mdy)) * rs
-                if const_expr(self.fuse is not None):
-                    dx = self.dropout_add_grads(
-                        dx, it, regs, keep, fused, scale, copy_dres, rb, row_ok, col_ok, col_tile
-                    )
-                rDX = cute.make_rmem_tensor_like(rX[it], self.dx_dtype)
-                rDX.store(dx.to(self.dx_dtype))
-                if row_ok and col_ok[it]:
-                    cute.copy(copy_dx, rDX, tDXg[None, 0, 0, rb, col_tile[it]])
+            self.store_dx(
+                rX, rDZ, rGamma, mu, rs, sums[0] * inv_n, sums[1] * inv_n, copy_dx, tDXg,
+                (regs, keep, fused, scale, copy_dres), rb, row_ok, col_ok, col_tile,
+            )  # fmt: skip
             mu = mu_next
             rs = rs_next
         R.finish(t)
+        self.store_column_partials(
+            acc_dzy, acc_dz, fused, mDGammaPart, mDBetaPart, mDXBiasPart, smem, th, col_tile, col_ok
+        )
 
-        # This CTA's column sums -> row ``bidm`` of the partials (Apex's WARPS_M fold).
+    @cute.jit
+    def row_part_sums(self, rX, rDZ, rGamma, mu, rs, acc_dzy, acc_dz) -> tuple:
+        """This thread's share of sum(dy) and sum(dy * y) of the row; its column sums of dz * y
+        (dgamma) and dz (dbeta) advanced by the row."""
+        s_dy = Float32(0.0)
+        s_dyy = Float32(0.0)
+        for it in cutlass.range_constexpr(self.tiles.ldgs):
+            y, dz, dy = self.normalized(rX[it], rDZ[it], rGamma, it, mu, rs)
+            s_dyy = s_dyy + (dy * y).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            acc_dzy[it].store(acc_dzy[it].load() + dz * y)
+            if const_expr(not self.is_rms):
+                s_dy = s_dy + dy.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            if const_expr(self.has_dbeta):
+                acc_dz[it].store(acc_dz[it].load() + dz)
+        return s_dy, s_dyy
+
+    @cute.jit
+    def store_dx(self, rX, rDZ, rGamma, mu, rs, mdy, mdyy, copy_dx, tDXg, fuse_args, rb, row_ok, col_ok, col_tile):
+        """dx = (dy - (y * mean(dy y) + mean(dy))) * rstd of this thread's vectors (RMSNorm: no
+        mean(dy) term), through the fused dropout + add's gradients (``fuse_args``: the ring's
+        registers, the keep bits, the fused views, 1 / (1 - p), dresidual's copy), stored."""
+        for it in cutlass.range_constexpr(self.tiles.ldgs):
+            y, dz, dy = self.normalized(rX[it], rDZ[it], rGamma, it, mu, rs)
+            if const_expr(self.is_rms):
+                dx = (dy - y * mdyy) * rs
+            else:
+                dx = (dy - (y * mdyy + mdy)) * rs
+            if const_expr(self.fuse is not None):
+                regs, keep, fused, scale, copy_dres = fuse_args
+                dx = self.dropout_add_grads(dx, it, regs, keep, fused, scale, copy_dres, rb, row_ok, col_ok, col_tile)
+            rDX = cute.make_rmem_tensor_like(rX[it], self.dx_dtype)
+            rDX.store(dx.to(self.dx_dtype))
+            if row_ok and col_ok[it]:
+                cute.copy(copy_dx, rDX, tDXg[None, 0, 0, rb, col_tile[it]])
+
+    @cute.jit
+    def store_column_partials(
+        self, acc_dzy, acc_dz, fused, mDGammaPart, mDBetaPart, mDXBiasPart, smem, th, col_tile, col_ok
+    ):
+        """This CTA's column sums -> row ``bidm`` of the partials (Apex's WARPS_M fold)."""
+        t = self.tiles
+        tpr, vec, ldgs, rpc = t.threads_per_row, t.vec, t.ldgs, t.rows_per_cta
+        tidx, bidm, row_in_cta, tid_r = th.tidx, th.bidm, th.row_in_cta, th.tid_r
         outs = []
         if const_expr(self.has_gamma):
             outs.append((acc_dzy, mDGammaPart))
