@@ -269,3 +269,21 @@ def test_backward_without_a_gradient_for_y_returns_none():
     from ops import norm as N
 
     assert N._norm_autograd_backward(None, None, None, None) == (None,) * 5
+
+
+def test_the_usual_call_makes_no_views():
+    """A training step's host time counts its views (each a few microseconds, and in a graph a
+    ViewBackward node): one normalized dim passes x, weight and bias through as they are, rows
+    already [rows, N] and 1-D statistics are used as given; two dims still flatten."""
+    from ops._validate import rows_view
+
+    x, w, b = torch.randn(6, 32), torch.randn(32), torch.randn(32)
+    xf, wf, bf = N._flatten_normalized(x, (32,), w, b)
+    assert xf is x and wf is w and bf is b
+    assert rows_view("x", x) is x
+    stats = torch.randn(6)
+    assert N.stat_view("rstd", stats, 6) is stats
+    x3 = torch.randn(2, 3, 4, 8)
+    xf, wf, _ = N._flatten_normalized(x3, (4, 8), torch.randn(4, 8), None)
+    assert xf.shape == (2, 3, 32) and wf.shape == (32,)
+    assert rows_view("x", x3.reshape(2, 3, 32)).shape == (6, 32)
