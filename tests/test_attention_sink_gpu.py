@@ -118,6 +118,16 @@ def check_sink_grad(label, got, want, terms):
     assert err < tol, f"{label}: max |d sink - ref| / sum |terms| = {err:.3g} >= {tol}"
 
 
+def _check_against_reference(label, q, k, v, do, sink, glse, kw, out, lse, grads, dtype, lengths):
+    """O and the LSE, then dQ, dK, dV and d sink against the fp64 reference of the same call."""
+    ref_kw = _reference(q, k, v, kw, lengths, sink=sink)
+    ref_out, ref_lse = attention_forward_ref(q, k, v, **ref_kw)
+    check_forward(label, out, lse, ref_out, ref_lse, dtype, lengths)
+    *ref, ref_sink = attention_backward_ref(q, k, v, do, out=out, grad_lse=glse, **ref_kw)
+    _check_grads(label, q, k, v, do, out, grads[:3], ref, dtype)
+    check_sink_grad(label, grads[3], ref_sink, _sink_terms(sink, out, do, ref_lse, glse, lengths))
+
+
 @pytest.mark.parametrize("loss", ["out", "both"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_against_fp64_reference(case, loss, caplog):
@@ -130,14 +140,8 @@ def test_against_fp64_reference(case, loss, caplog):
         out, lse, grads = _train(q, k, v, do, sink, glse, kw)
     logged = [r.getMessage() for r in caplog.records]
     assert "attention forward: sm90" in logged and any(m.startswith("attention backward: sm90") for m in logged)
-    ref_kw = _reference(q, k, v, kw, lengths, sink=sink)
-    ref_out, ref_lse = attention_forward_ref(q, k, v, **ref_kw)
-    label = f"{name} {loss}"
-    check_forward(label, out, lse, ref_out, ref_lse, dtype, lengths)
-    *ref, ref_sink = attention_backward_ref(q, k, v, do, out=out, grad_lse=glse, **ref_kw)
-    _check_grads(label, q, k, v, do, out, grads[:3], ref, dtype)
+    _check_against_reference(f"{name} {loss}", q, k, v, do, sink, glse, kw, out, lse, grads, dtype, lengths)
     assert grads[3].dtype == sink.dtype
-    check_sink_grad(label, grads[3], ref_sink, _sink_terms(sink, out, do, ref_lse, glse, lengths))
 
 
 def test_blind_rows_take_the_sink():
@@ -204,12 +208,7 @@ def test_sink_on_the_memory_efficient_backward(caplog):
         out, lse, grads = _train(q, k, v, do, sink, glse, kw)
     logged = [r.getMessage() for r in caplog.records]
     assert "attention forward: sm90" in logged and any(m.startswith("attention backward: mem_eff") for m in logged)
-    ref_kw = _reference(q, k, v, kw, None, sink=sink)
-    ref_out, ref_lse = attention_forward_ref(q, k, v, **ref_kw)
-    check_forward("mem_eff", out, lse, ref_out, ref_lse, BF16)
-    *ref, ref_sink = attention_backward_ref(q, k, v, do, out=out, grad_lse=glse, **ref_kw)
-    _check_grads("mem_eff", q, k, v, do, out, grads[:3], ref, BF16)
-    check_sink_grad("mem_eff", grads[3], ref_sink, _sink_terms(sink, out, do, ref_lse, glse, None))
+    _check_against_reference("mem_eff", q, k, v, do, sink, glse, kw, out, lse, grads, BF16, None)
 
 
 def test_torch_compile_keeps_the_sink():
