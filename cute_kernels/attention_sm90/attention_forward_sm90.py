@@ -59,7 +59,7 @@ from layouts.attention_fwd_sm90 import (
 )
 
 from .forward_arguments import Atoms, Globals, QueryBlock, Scalars, Smem
-from .forward_config import CONSUMER_REGS, PRODUCER_REGS, pingpong
+from .forward_config import CONSUMER_REGS, PRODUCER_REGS, pingpong, sum_chains
 from .forward_features import ForwardFeaturesMixin
 from .wgmma import acc_as_operand_a, acc_mn_layout, wgmma
 
@@ -126,6 +126,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         self.mask = AttentionMask(tiles.tile_m, tiles.tile_n, mask_type, has_window, varlen)
         self.scheduler = GridTileScheduler(lpt=mask_type != 0)
         self.pingpong = pingpong(tiles)
+        self.sum_chains = sum_chains(tiles)
 
     # ---------------------------------------------------------------------------- launch
     @cute.jit
@@ -544,9 +545,9 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         """S <- exp2(S * scale_log2 - m * scale_log2) per row with the running max m (over the
         four threads of a row), the running sum kept per thread (summed over them at the end).
         ``row_scale``: where O must be rescaled by exp2((m_old - m) * scale_log2) (None: the
-        first block, nothing to rescale). The maxima run as PARTIALS independent chains; the sum
-        is one chain (l * scale + p_0 + p_1 + ...), whose adds, each waiting on its exp2, space
-        the exp2s out (ptxas bunched them two or three at a time behind four partial sums)."""
+        first block, nothing to rescale). The maxima run as PARTIALS independent chains, the sum
+        as ``sum_chains`` (forward_config): one chain (l * scale + p_0 + p_1 + ...) spaces the
+        exp2s out, each beside the add that waits on it."""
         cols = cute.size(S, mode=[1])
         for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
             part = [S[r, i] for i in range(PARTIALS)]
@@ -563,14 +564,28 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
             m_scaled = m_safe * scale_log2
             for c in cutlass.range_constexpr(cols):
                 S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - m_scaled, fastmath=True)
-            total = S[r, 0]
+            scale = None
             if const_expr(row_scale is not None):
                 scale = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
                 row_scale[r] = scale
-                total = row_sum[r] * scale + total
-            for c in cutlass.range_constexpr(1, cols):
-                total = total + S[r, c]
-            row_sum[r] = total
+            if const_expr(self.sum_chains == 1):
+                total = S[r, 0]
+                if const_expr(row_scale is not None):
+                    total = row_sum[r] * scale + total
+                for c in cutlass.range_constexpr(1, cols):
+                    total = total + S[r, c]
+                row_sum[r] = total
+            else:
+                n = self.sum_chains
+                part = [S[r, i] for i in range(n)]
+                for c in cutlass.range_constexpr(n, cols):
+                    part[c % n] = part[c % n] + S[r, c]
+                total = part[0] + part[1]
+                if const_expr(n == 4):
+                    total = total + (part[2] + part[3])
+                if const_expr(row_scale is not None):
+                    total = row_sum[r] * scale + total
+                row_sum[r] = total
 
     @cute.jit
     def rescale_rows(self, acc, row_scale):

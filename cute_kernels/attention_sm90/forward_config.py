@@ -68,3 +68,15 @@ def pingpong(tiles: AttentionFwdSm90Tiles) -> bool:
     """Whether the consumer warpgroups take turns issuing their products (named barriers), so
     one's softmax runs while the other's wgmmas do: with two or more of them."""
     return tiles.consumer_wgs >= 2
+
+
+def sum_chains(tiles: AttentionFwdSm90Tiles) -> int:
+    """Independent chains of a softmax row's sum (1, 2 or 4). One chain (FA4's form) makes ptxas
+    space the exp2s out, each beside the add that waits on it: the faster form with d64's three
+    consumer warpgroups. With two (d96-d256) two chains run faster. H200 ms, kernel alone, 1 / 2 /
+    4 chains, two interleaved rounds: 16x16x2048x64 0.563-0.564 / 0.570-0.588 / 0.599-0.612,
+    2x16x4096x64 causal 0.169-0.170 / 0.171-0.172 / 0.175; 2x16x4096x128 0.430-0.433 /
+    0.406-0.407 / 0.407-0.412, 1x16x8192x128 0.835-0.838 / 0.778-0.802 / 0.789-0.796,
+    2x16x4096x128 causal 0.260-0.261 / 0.254-0.258 / 0.254-0.255, 2x16x4096x192 causal
+    0.331-0.336 / 0.330-0.333 / 0.336-0.346."""
+    return 1 if tiles.consumer_wgs >= 3 else 2
