@@ -1,5 +1,5 @@
 """torchrun --nproc-per-node N -m benchmarks.context_parallel [--seqlen S] [--batch B] [--heads H]
-[--kv-heads Hk] [--head-dim D] [--no-causal] [--out DIR]
+[--kv-heads Hk] [--head-dim D] [--no-causal] [--out DIR] [--largest [--max-step-s T]]
 
 A training step's attention (forward + backward) over one sequence sharded across the N GPUs
 of one host, each implementation through its public entry:
@@ -19,8 +19,12 @@ fixed number of steps (every rank runs the same steps: collectives need it), a r
 the slowest rank's; the row's ``ms`` is the median round. TFLOP/s per GPU count 3.5 x the
 forward's 4 B H S^2 D (halved when causal) over N GPUs.
 
+``--largest``: ours alone, one step at each of --seqlen, 2x, 4x, ... until a rank runs out of
+memory or a step takes over --max-step-s; rows ``ours_largest_probe`` with the step's ms and the
+largest peak memory of a rank (``peak_gib``), the last row's status saying why it stopped.
+
 Rank 0 writes ``benchmarks/results/<arch>-<gpu>/context_parallel.json``, replacing the rows of
-the same case and N. NVLink multicast stays off (NCCL_NVLS_ENABLE=0,
+the same case, N and implementation. NVLink multicast stays off (NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1), as the shared machines need.
 """
 
@@ -63,10 +67,10 @@ def step_flops(a) -> float:
 
 
 def merge_rows(old: list, new: list) -> list:
-    """``old`` without the rows of ``new``'s (case, gpus), then ``new``: runs on 2 and 4 GPUs
-    share the file."""
-    done = {(r["case"], r["gpus"]) for r in new}
-    return [r for r in old if (r.get("case"), r.get("gpus")) not in done] + new
+    """``old`` without the rows of ``new``'s (case, gpus, impl), then ``new``: runs on 2 and 4
+    GPUs, and ``--largest``'s probes, share the file."""
+    done = {(r["case"], r["gpus"], r["impl"]) for r in new}
+    return [r for r in old if (r.get("case"), r.get("gpus"), r.get("impl")) not in done] + new
 
 
 def rel_err(x, ref) -> float:
@@ -90,6 +94,13 @@ def _parser():
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--no-causal", dest="causal", action="store_false")
     ap.add_argument("--out", default=RESULTS, help="results root (default: benchmarks/results)")
+    ap.add_argument(
+        "--largest",
+        action="store_true",
+        help="instead: the longest sequence ours trains, doubling from --seqlen until a step runs out "
+        "of memory or takes over --max-step-s (one step each, no peers, no check)",
+    )
+    ap.add_argument("--max-step-s", type=float, default=30.0, help="--largest stops after a step this long")
     return ap
 
 
@@ -306,18 +317,69 @@ def main(argv=None) -> int:
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     try:
         world = dist.get_world_size()
-        mesh = init_device_mesh("cuda", (world,))
-        done = _checked(_impls(_inputs(a), None, mesh), err)
-        rounds = _time(done)
+        if a.largest:
+            rows = _largest(a, world, None)
+        else:
+            mesh = init_device_mesh("cuda", (world,))
+            done = _checked(_impls(_inputs(a), None, mesh), err)
+            rows = _rows(a, world, done, _time(done))
         if dist.get_rank() == 0:
-            rows = _rows(a, world, done, rounds)
             for row in rows:
                 rate = f"{row['ms']:9.3f} ms {row['tflops']:6.1f} TFLOP/s per GPU" if row["status"] == "ok" else ""
-                print(f"{row['case']} {world} GPUs {row['impl']:24} {rate} {row.get('check', row.get('error'))}")
+                extra = row.get("check", row.get("error", row.get("peak_gib", row["status"])))
+                print(f"{row['case']} {world} GPUs {row['impl']:24} {rate} {extra}")
             print(f"wrote {_write(a, rows)}")
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def _largest(a, world: int, group) -> list:
+    """Rows of ``--largest``: ours, one forward + backward step at doubling sequence lengths
+    from the rank's own shards (no full tensors), until one runs out of memory on some rank or
+    takes over ``a.max_step_s``; each row has the step's ms and the largest peak memory of a rank."""
+    import torch
+    import torch.distributed as dist
+
+    import ops
+
+    rows, seqlen = [], a.seqlen
+    while True:
+        local = seqlen // world
+        ms, peak, status = float("nan"), float("nan"), "ok"
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            shape = (a.batch, local, a.heads, a.head_dim)
+            kv = (a.batch, local, a.kv_heads, a.head_dim)
+            q, k, v = (
+                torch.randn(s_, device="cuda", dtype=torch.bfloat16, requires_grad=True) for s_ in (shape, kv, kv)
+            )
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            ops.context_parallel_attention(q, k, v, group=group, causal=a.causal).backward(torch.randn_like(q))
+            end.record()
+            torch.cuda.synchronize()
+            ms, peak = start.elapsed_time(end), torch.cuda.max_memory_allocated() / 2**30
+        except torch.OutOfMemoryError:
+            status = "out of memory"
+        q = k = v = None
+        flags = torch.tensor([status != "ok", ms if ms == ms else 0.0, peak if peak == peak else 0.0], device="cuda")
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        status = "out of memory" if flags[0].item() else "ok"
+        b = argparse.Namespace(**{**vars(a), "seqlen": seqlen})
+        row = dict(
+            suite=SUITE, case=case_name(b), impl="ours_largest_probe", gpus=world, causal=a.causal, status=status
+        )
+        row.update(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), torch=torch.__version__)
+        if status == "ok":
+            row.update(
+                ms=flags[1].item(), tflops=step_flops(b) / world / flags[1].item() / 1e9, peak_gib=flags[2].item()
+            )
+        rows.append(row)
+        if status != "ok" or row["ms"] > a.max_step_s * 1e3:
+            return rows
+        seqlen *= 2
 
 
 def _time(done) -> dict:

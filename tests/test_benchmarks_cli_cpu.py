@@ -276,6 +276,8 @@ def test_context_parallel_arguments_and_case_name():
     assert CP.step_flops(a) == 3.5 * 4 * 16 * 32768**2 * 128 / 2
     with pytest.raises(SystemExit):
         CP.parse_args(["--seqlen", "1002"], world=4)
+    probe = CP.parse_args(["--largest", "--max-step-s", "5"], world=2)
+    assert (probe.largest, probe.max_step_s, a.largest) == (True, 5.0, False)
 
 
 def test_context_parallel_rows_of_other_gpu_counts_stay(monkeypatch):
@@ -284,6 +286,8 @@ def test_context_parallel_rows_of_other_gpu_counts_stay(monkeypatch):
     old = [{"case": "c", "gpus": 2, "impl": "ours"}, {"case": "c", "gpus": 4, "impl": "ours"}]
     new = [{"case": "c", "gpus": 4, "impl": "ours", "ms": 1.0}]
     assert CP.merge_rows(old, new) == [old[0], new[0]]
+    probe = [{"case": "c", "gpus": 2, "impl": "ours_largest_probe", "ms": 2.0}]
+    assert CP.merge_rows(old, probe) == old + probe  # a probe of the same case keeps the benchmark's rows
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
     monkeypatch.delenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", raising=False)  # restored after the test
     with pytest.raises(SystemExit):  # --help before any GPU or process group
