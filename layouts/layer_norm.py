@@ -114,13 +114,17 @@ class RowTiles:
 
 @dataclass(frozen=True)
 class LnFwdTiles(RowTiles):
-    """The forward: a ring of x; the row's sum (then, LayerNorm, its centred sum of squares)
-    exchanged one fp32 per warp at a time."""
+    """The forward: a ring of x and the row's exchange: each warp's sum (RMSNorm: of x^2), then
+    LayerNorm's centred sum of squares in a second exchange, or with ``one_exchange`` beside the
+    sum, about the warp's own mean."""
+
+    one_exchange: bool = False
 
     @property
     def red_bytes(self) -> int:
-        """Bytes of one buffer of the row-sum exchange (every CTA's, every warp's fp32 sum)."""
-        return self.ctas_per_row * self.rows_per_cta * self.warps_n * 4
+        """Bytes of one buffer of the row exchange (every CTA's, every warp's fp32 values: two
+        with ``one_exchange``, of which RMSNorm sends one)."""
+        return self.ctas_per_row * self.rows_per_cta * self.warps_n * (2 if self.one_exchange else 1) * 4
 
     def stage_bytes(self, in_bits: int) -> int:
         return self.rows_per_cta * self.cols_per_cta * in_bits // 8

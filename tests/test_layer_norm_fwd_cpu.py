@@ -153,7 +153,12 @@ def test_tiles_beyond_the_largest_row_and_on_sm80():
 
 def test_exchange_bytes_and_smem():
     t = ln_config.ln_fwd_tiles(65536, 16, 64, 8)
-    assert (t.ctas_per_row, t.warps_n, t.red_bytes) == (8, 8, 8 * 8 * 4)  # one fp32 per warp of the cluster
+    # one exchange: two fp32 per warp of the cluster, its sum and its centred squares (RMSNorm
+    # sends the first)
+    assert (t.ctas_per_row, t.warps_n, t.one_exchange, t.red_bytes) == (8, 8, True, 8 * 8 * 2 * 4)
+    # fewer CTAs: the sum, then the squares, one fp32 per warp each
+    four = ln_config.ln_fwd_tiles(32768, 16, 64, 8)
+    assert (four.ctas_per_row, four.warps_n, four.one_exchange, four.red_bytes) == (4, 8, False, 4 * 8 * 4)
     assert t.smem_bytes(16) == t.stages * t.stage_bytes(16) + 2 * t.red_bytes + 16  # two mbarriers
     barrier = ln_config.ln_fwd_tiles(65536, 16, 64, 8, cluster_exchange="barrier", stages=t.stages)
     assert barrier.smem_bytes(16) == t.smem_bytes(16) - 16

@@ -88,6 +88,11 @@ FWD_MIN_THREADS_PER_CTA = 512
 # 4096x16384 ran slower, 108 against 83)
 FWD_CLUSTER_CTAS_PER_SM = 2
 FWD_CLUSTER_SHARED_MIN_CTAS = 4
+# LayerNorm rows over 8 CTAs or more exchange once a row (each warp's sum and its centred squares
+# about its own mean, merged as Chan's parallel variance), fewer twice (the sum, then the squares
+# about the row's mean). bf16, H200, one / two exchanges (us): 1024x65536 112 / 167, 512x131072
+# 161 / 266; 2048x32768 (4 CTAs) 118 / 115, 4096x16384 86 / 83, 16384x4096 82 / 72.
+FWD_ONE_EXCHANGE_MIN_CTAS = 8
 BYTES_IN_FLIGHT = (
     64 * 1024
 )  # per SM: x and dz bytes the cp.async ring keeps loading (96 KiB: 3 stages at N=4096 bf16, 9% slower)
@@ -221,7 +226,7 @@ def ln_fwd_tiles(
     ldgs, tpr, cpr = _row_split(n, vec, arch)
     min_threads = FWD_MIN_THREADS_PER_CTA if tpr >= FWD_STACK_MIN_THREADS_PER_ROW and cpr == 1 else MIN_THREADS_PER_CTA
     rows_per_cta = max(tpr, min_threads) // tpr
-    t = LnFwdTiles(vec, ldgs, tpr, cpr, rows_per_cta, 2, 1)
+    t = LnFwdTiles(vec, ldgs, tpr, cpr, rows_per_cta, 2, 1, one_exchange=cpr >= FWD_ONE_EXCHANGE_MIN_CTAS)
     t = replace(t, **{k: v for k, v in overrides.items() if k not in ("ctas_per_sm", "stages")})
     ctas_per_sm = _ctas_per_sm(t, fwd_register_estimate(t, in_bits, param_bits))
     if (

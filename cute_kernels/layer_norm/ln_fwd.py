@@ -32,6 +32,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from cute_kernels.common.philox import keep_byte_key
+from cute_kernels.common.row_reduce import row_allreduce_sum
 from layouts.layer_norm import LnFwdTiles
 
 from . import dropout_add as D
@@ -127,7 +128,19 @@ class LnFwd:
         rBeta = R.load_param(mBeta, self.b_dtype, t, copy_x, tXg, tidx, n, col_tile, col_ok)
 
         smem = cutlass.memory.SmemAllocator()
-        red = R.RowSums.allocate(t, smem, th, num_sums=1)
+        merged = not self.is_rms and t.one_exchange
+        red = R.RowSums.allocate(t, smem, th, num_sums=2 if merged else 1)
+        # one exchange: the warps' element counts, for Chan's merge (loop invariants)
+        counts = inv_n_w = None
+        if const_expr(merged and red.exchange):
+            inv_n_w = self.inverse(self.warp_count(n, bidn, th.warp_n))
+            counts = []
+            for i in cutlass.range_constexpr(-(-red.entries // 32)):
+                e = th.lane + 32 * i
+                n_e = Float32(0.0)
+                if e < red.entries:
+                    n_e = self.warp_count(n, e // t.warps_n, e % t.warps_n)
+                counts.append((n_e, self.inverse(n_e)))
         inputs = [(self.dtype, copy_x, tXg)]
         fused = None
         if const_expr(self.fuse is not None):
@@ -142,7 +155,7 @@ class LnFwd:
                 inputs.append((f.res_dtype, copy_res, fused[0]))
         ring = R.RowRing.allocate(t, smem, th, rows, ctas_per_col, col_tile, col_ok, inputs)
         ring.start()
-        parity = Int32(0)  # RMSNorm: one all-reduce a row, so the buffers alternate by row
+        parity = Int32(0)  # one exchange a row (RMSNorm, one_exchange): the buffers alternate by row
         for k in cutlass.range(ring.my_blocks, unroll=1):
             ring.load(k + stages - 1)
             rb, row, row_ok, regs = ring.read(k)
@@ -153,9 +166,11 @@ class LnFwd:
             if const_expr(self.is_rms):
                 mu = Float32(0.0)
                 var = self.mean_square(rX, red, parity, k, n_f)
-                parity = parity ^ 1
+            elif const_expr(merged and red.exchange):
+                mu, var = self.mean_variance_merged(rX, red, parity, k, n_f, col_ok, inv_n_w, counts)
             else:
                 mu, var = self.mean_variance(rX, red, k, n_f, col_ok)
+            parity = parity ^ 1
             rs = cute.math.rsqrt(var + eps)
 
             if row_ok and tid_r == 0 and bidn == 0:
@@ -180,18 +195,58 @@ class LnFwd:
     def mean_variance(self, rX, red, k, n_f, col_ok):
         """LayerNorm's (mean, biased variance) of the row: the sum, then a second pass over the
         registers for the centred squares (no E[x^2] - mean^2 cancellation); two all-reduces,
-        through buffers 0 and 1."""
-        ldgs = self.tiles.ldgs
+        through buffers 0 and 1 (shuffles alone within one warp)."""
+        mu = red.allreduce([self.row_part_sum(rX)], Int32(0), k & 1)[0] / n_f
+        return mu, red.allreduce([self.squares_about(rX, mu, col_ok)], Int32(1), k & 1)[0] / n_f
+
+    @cute.jit
+    def mean_variance_merged(self, rX, red, parity, k, n_f, col_ok, inv_n_w, counts):
+        """LayerNorm's (mean, biased variance) of a row spread over warps, in one exchange: each
+        warp's sum and its centred squares about its own mean (two passes over the registers,
+        shuffles), sent together through buffer ``parity``, then Chan's merge
+        (``RowSums.moments``). ``inv_n_w``: 1 / the warp's element count of the row."""
+        s_w = row_allreduce_sum(self.row_part_sum(rX), 32)
+        q = self.squares_about(rX, s_w * inv_n_w, col_ok)
+        # the u-th use of a buffer completes its mbarrier's phase u: row k is use k // 2
+        red.send([s_w, row_allreduce_sum(q, 32)], parity, (k >> 1) & 1)
+        mu, m2 = red.moments(parity, n_f, counts)
+        return mu, m2 / n_f
+
+    @cute.jit
+    def row_part_sum(self, rX) -> Float32:
+        """The sum of this thread's elements of the row (zeros past N)."""
         s = Float32(0.0)
-        for it in cutlass.range_constexpr(ldgs):
+        for it in cutlass.range_constexpr(self.tiles.ldgs):
             s = s + rX[it].load().to(Float32).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-        mu = red.allreduce([s], Int32(0), k & 1)[0] / n_f
+        return s
+
+    @cute.jit
+    def squares_about(self, rX, m, col_ok) -> Float32:
+        """sum((x - m)^2) over this thread's elements inside the row (zeros past N are not x)."""
         s = Float32(0.0)
-        for it in cutlass.range_constexpr(ldgs):
-            d = rX[it].load().to(Float32) - mu
+        for it in cutlass.range_constexpr(self.tiles.ldgs):
+            d = rX[it].load().to(Float32) - m
             part = (d * d).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-            s = s + Float32(cutlass.select_(col_ok[it], part, Float32(0.0)))  # zeros past N are not x
-        return mu, red.allreduce([s], Int32(1), k & 1)[0] / n_f
+            s = s + Float32(cutlass.select_(col_ok[it], part, Float32(0.0)))
+        return s
+
+    @cute.jit
+    def warp_count(self, n, c, w) -> Float32:
+        """Elements of the row that warp ``w`` of CTA ``c`` holds: its lanes' vectors that start
+        before N (vector ``it`` of thread l of CTA c at ((it * CTAs + c) * threads + l) * vec)."""
+        t = self.tiles
+        vectors = n // t.vec
+        total = Int32(0)
+        for it in cutlass.range_constexpr(t.ldgs):
+            left = vectors - ((it * t.ctas_per_row + c) * t.threads_per_row + 32 * w)
+            left = cutlass.select_(left < 0, Int32(0), left)
+            total = total + cutlass.select_(left > 32, Int32(32), left)
+        return Float32(total * t.vec)
+
+    @staticmethod
+    def inverse(x):
+        """1 / x, 0 for x = 0 (a warp with no element of the row)."""
+        return cutlass.select_(x > Float32(0.0), Float32(1.0) / x, Float32(0.0))
 
     @cute.jit
     def store_y(self, rX, mu, rs, rGamma, rBeta, copy_y, tYg, rb, row_ok, col_tile, col_ok):

@@ -231,19 +231,26 @@ class RowSums:
         t = self.tiles
         sums = [row_allreduce_sum(s, t.lanes_per_row) for s in sums]
         if const_expr(self.exchange):
-            if const_expr(t.exchange_mbarriers):
-                self.send_async(sums, buf, phase)
-            else:
-                self.send_with_barrier(sums, buf)
+            self.send(sums, buf, phase)
             sums = [self.total(buf, j) for j in range(self.num_sums)]
         return sums
+
+    @cute.jit
+    def send(self, values: list, buf, phase):
+        """Each warp's ``values`` (one per sum, alike in all its lanes) to every CTA of the row,
+        through buffer ``buf``; returns once all warps' have arrived here (``allreduce``'s
+        reuse rules)."""
+        if const_expr(self.tiles.exchange_mbarriers):
+            self.send_async(values, buf, phase)
+        else:
+            self.send_with_barrier(values, buf)
 
     @cute.jit
     def send_async(self, sums: list, buf, phase):
         """Each warp's sums to every CTA by st.async; wait until all have arrived here."""
         th, sRed, mbar = self.th, self.sRed, self.mbar
         if th.tidx == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(mbar + buf, self.tiles.red_bytes)
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar + buf, self.exchange_bytes)
         cute.arch.sync_warp()
         if th.lane == 0:
             coord = (buf, th.bidn, th.row_in_cta, th.warp_n) + self._sum_mode(0)
@@ -270,6 +277,47 @@ class RowSums:
             cute.arch.cluster_wait()
         else:
             cute.arch.sync_threads()
+
+    @property
+    def exchange_bytes(self) -> int:
+        """Bytes one exchange brings to a CTA: every CTA's, every warp's values for its rows."""
+        t = self.tiles
+        return t.ctas_per_row * t.rows_per_cta * t.warps_n * self.num_sums * 4
+
+    @property
+    def entries(self) -> int:
+        """A row's entries in an exchange buffer: one per warp of each CTA of the cluster."""
+        return self.tiles.ctas_per_row * self.tiles.warps_n
+
+    @cute.jit
+    def entry(self, buf, e, j) -> Float32:
+        """Value ``j`` of entry ``e`` (CTA e // warps_n, warp e % warps_n) of this thread's row."""
+        w = self.tiles.warps_n
+        return self.sRed[(buf, e // w, self.th.row_in_cta, e % w) + self._sum_mode(j)]
+
+    @cute.jit
+    def moments(self, buf, n_f, counts) -> tuple:
+        """(mean, M2) of this thread's row from every warp's exchanged (sum s_e, sum of squares
+        q_e about its own mean): Chan's parallel merge, M2 = sum_e q_e + (s_e - n_e mean)^2 / n_e,
+        exact to rounding (no E[x^2] - mean^2 cancellation). Lane l takes entries l, l + 32,
+        ... (``counts``: their (n_e, 1 / n_e), zeros for none) and the warp adds them by
+        shuffles: every warp of the row computes the same, so all agree bit for bit."""
+        parts = []
+        s_sum = Float32(0.0)
+        for i in cutlass.range_constexpr(len(counts)):
+            e = self.th.lane + 32 * i
+            s_e, q_e = Float32(0.0), Float32(0.0)
+            if e < self.entries:
+                s_e, q_e = self.entry(buf, e, 0), self.entry(buf, e, 1)
+            parts.append((s_e, q_e))
+            s_sum = s_sum + s_e
+        mean = row_allreduce_sum(s_sum, 32) / n_f
+        m2 = Float32(0.0)
+        for i in cutlass.range_constexpr(len(counts)):
+            (s_e, q_e), (n_e, inv_n_e) = parts[i], counts[i]
+            d = s_e - n_e * mean
+            m2 = m2 + (q_e + d * d * inv_n_e)
+        return mean, row_allreduce_sum(m2, 32)
 
     @cute.jit
     def total(self, buf, j) -> Float32:
