@@ -19,8 +19,8 @@ fixed number of steps (every rank runs the same steps: collectives need it), a r
 the slowest rank's; the row's ``ms`` is the median round. TFLOP/s per GPU count 3.5 x the
 forward's 4 B H S^2 D (halved when causal) over N GPUs.
 
-``--largest``: ours alone, one step at each of --seqlen, 2x, 4x, ... until a rank runs out of
-memory or a step takes over --max-step-s; rows ``ours_largest_probe`` with the step's ms and the
+``--largest``: ours alone, one timed step at each of --seqlen, 2x, 4x, ... (after an untimed one
+at --seqlen, which compiles) until a rank runs out of memory or a step takes over --max-step-s; rows ``ours_largest_probe`` with the step's ms and the
 largest peak memory of a rank (``peak_gib``), the last row's status saying why it stopped.
 
 Rank 0 writes ``benchmarks/results/<arch>-<gpu>/context_parallel.json``, replacing the rows of
@@ -355,9 +355,15 @@ def _largest(a, world: int, group) -> list:
             q, k, v = (
                 torch.randn(s_, device="cuda", dtype=torch.bfloat16, requires_grad=True) for s_ in (shape, kv, kv)
             )
+
+            def step():
+                ops.context_parallel_attention(q, k, v, group=group, causal=a.causal).backward(torch.randn_like(q))
+
+            if not rows:  # the first length compiles the kernels: a step before the timed one
+                step()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            ops.context_parallel_attention(q, k, v, group=group, causal=a.causal).backward(torch.randn_like(q))
+            step()
             end.record()
             torch.cuda.synchronize()
             ms, peak = start.elapsed_time(end), torch.cuda.max_memory_allocated() / 2**30
