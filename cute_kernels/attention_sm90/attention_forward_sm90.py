@@ -66,6 +66,13 @@ from .wgmma import acc_as_operand_a, acc_mn_layout, wgmma
 PARTIALS = 4  # independent max chains of a softmax row
 
 
+def pairwise_sum(values: list):
+    """values[0] + values[1] + ... as a tree of adds (traced: the list's length is static)."""
+    while len(values) > 1:
+        values = [values[i] + values[i + 1] if i + 1 < len(values) else values[i] for i in range(0, len(values), 2)]
+    return values[0]
+
+
 class AttentionForwardSm90(ForwardFeaturesMixin):
     """Configuration: element type, tiles, mask (0 none, 1 causal from the top-left, 2 from the
     bottom-right: key k sees query q when k <= q + offset, offset = Sk - Sq for 2) and, with a
@@ -564,28 +571,21 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
             m_scaled = m_safe * scale_log2
             for c in cutlass.range_constexpr(cols):
                 S[r, c] = cute.math.exp2(S[r, c] * scale_log2 - m_scaled, fastmath=True)
-            scale = None
+            # the rescaled running sum opens the one chain (l * scale + p_0 + ...), or joins the
+            # chains' total (the forms timed in forward_config.sum_chains)
+            n = self.sum_chains
+            part = [S[r, i] for i in range(n)]
             if const_expr(row_scale is not None):
                 scale = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
                 row_scale[r] = scale
-            if const_expr(self.sum_chains == 1):
-                total = S[r, 0]
-                if const_expr(row_scale is not None):
-                    total = row_sum[r] * scale + total
-                for c in cutlass.range_constexpr(1, cols):
-                    total = total + S[r, c]
-                row_sum[r] = total
-            else:
-                n = self.sum_chains
-                part = [S[r, i] for i in range(n)]
-                for c in cutlass.range_constexpr(n, cols):
-                    part[c % n] = part[c % n] + S[r, c]
-                total = part[0] + part[1]
-                if const_expr(n == 4):
-                    total = total + (part[2] + part[3])
-                if const_expr(row_scale is not None):
-                    total = row_sum[r] * scale + total
-                row_sum[r] = total
+                if const_expr(n == 1):
+                    part[0] = row_sum[r] * scale + part[0]
+            for c in cutlass.range_constexpr(n, cols):
+                part[c % n] = part[c % n] + S[r, c]
+            total = pairwise_sum(part)
+            if const_expr(row_scale is not None and n > 1):
+                total = row_sum[r] * scale + total
+            row_sum[r] = total
 
     @cute.jit
     def rescale_rows(self, acc, row_scale):
