@@ -19,9 +19,10 @@ fixed number of steps (every rank runs the same steps: collectives need it), a r
 the slowest rank's; the row's ``ms`` is the median round. TFLOP/s per GPU count 3.5 x the
 forward's 4 B H S^2 D (halved when causal) over N GPUs.
 
-``--largest``: ours alone, one timed step at each of --seqlen, 2x, 4x, ... (after an untimed one
-at --seqlen, which compiles) until a rank runs out of memory or a step takes over --max-step-s; rows ``ours_largest_probe`` with the step's ms and the
-largest peak memory of a rank (``peak_gib``), the last row's status saying why it stopped.
+``--largest``: ours alone, one timed step at each of --seqlen, 2x, 4x, ... (after an untimed
+one at --seqlen, which compiles) until a rank runs out of memory or a step takes over
+--max-step-s; rows ``ours_largest_probe`` with the step's ms and the largest peak memory of a
+rank (``peak_gib``), the last row's status saying why it stopped.
 
 Rank 0 writes ``benchmarks/results/<arch>-<gpu>/context_parallel.json``, replacing the rows of
 the same case, N and implementation. NVLink multicast stays off (NCCL_NVLS_ENABLE=0,
@@ -346,7 +347,7 @@ def _largest(a, world: int, group) -> list:
     rows, seqlen = [], a.seqlen
     while True:
         local = seqlen // world
-        ms, peak, status = float("nan"), float("nan"), "ok"
+        ms, peak, oom = 0.0, 0.0, False
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         try:
@@ -368,9 +369,9 @@ def _largest(a, world: int, group) -> list:
             torch.cuda.synchronize()
             ms, peak = start.elapsed_time(end), torch.cuda.max_memory_allocated() / 2**30
         except torch.OutOfMemoryError:
-            status = "out of memory"
+            oom = True
         q = k = v = None
-        flags = torch.tensor([status != "ok", ms if ms == ms else 0.0, peak if peak == peak else 0.0], device="cuda")
+        flags = torch.tensor([float(oom), ms, peak], device="cuda")  # the slowest, fullest rank's
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         status = "out of memory" if flags[0].item() else "ok"
         b = argparse.Namespace(**{**vars(a), "seqlen": seqlen})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 
 
@@ -87,7 +89,7 @@ def time_case(suite: str, case: str, impls: dict, copy_bytes: int, rounds: int =
     for (impl, (_, nbytes)), (times, error) in zip(specs.items(), timed):
         if error is not None:
             raise RuntimeError(f"{suite} {case}: {impl} failed while timed") from error
-        ms = sorted(times)[len(times) // 2]
+        ms = statistics.median(times)
         rows.append(
             {"suite": suite, "case": case, "impl": impl, "ms": ms, "gbps": nbytes / ms / 1e6, "ms_rounds": times}
         )
