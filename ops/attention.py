@@ -295,14 +295,15 @@ def _mea_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
     # (set_materialize_grads(False): an output's gradient is None unless it reached the loss)
     if grad_out is None and grad_lse is None:
         return (None,) * 18
+    if grad_out is not None:
+        grad_out = kernel_ready(grad_out, TMA_ALIGN_BYTES // grad_out.element_size())
     dsink = None
     if sink is not None and ctx.needs_input_grad[17]:
-        dsink = sink_grad(sink, out, grad_out, lse, grad_lse, cu_q)
+        dsink = sink_grad(sink, out, grad_out, lse, grad_lse, cu_q, ctx.max_seqlens[0])
     if not any(ctx.needs_input_grad[i] for i in (0, 1, 2, 10)):  # the sink's alone
         return (None,) * 17 + (dsink,)
     if grad_out is None:  # a loss on the logsumexp alone: dO = 0, so dV = 0 and dS = P dLSE
-        grad_out = torch.zeros_like(out)
-    grad_out = kernel_ready(grad_out, TMA_ALIGN_BYTES // grad_out.element_size())
+        grad_out = torch.zeros_like(out)  # (out's layout, which the kernels read)
     bias_grad = attn_bias is not None and ctx.needs_input_grad[10]
     args = AttentionBackwardArgs(
         grad_out=grad_out,

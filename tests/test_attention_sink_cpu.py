@@ -14,7 +14,7 @@ from ops import attention as A
 from ops import attention_checks as AC
 from ops import attention_fwd_sm90 as F
 from ops._disk_cache import stable_key
-from ops.attention_sink import sink_grad
+from ops.attention_sink import delta_rows, sink_grad
 from ops.reference import attention_backward_ref, attention_forward_ref, mem_eff_dropout_keep_mask
 
 from .mem_eff_attention_cpu_common import cu as _cu
@@ -257,3 +257,21 @@ def test_sink_checks(sink, exc, match):
     with pytest.raises(exc, match=match):
         AC.check_sink(sink, q)
     AC.check_sink(torch.zeros(2, dtype=torch.bfloat16), q)
+
+
+def test_delta_rows_in_the_lse_layout():
+    """Δ = rowsum(dO ∘ O) per packed sequence's rows, zeros past each sequence (the rows the
+    backwards' Δ kernel leaves at zero)."""
+    gen = torch.Generator().manual_seed(6)
+    lens = [3, 0, 5, 1]
+    out, do = (torch.randn(1, 11, 2, 4, generator=gen) for _ in range(2))
+    got = delta_rows(out, do, _cu(lens), 6)
+    assert got.shape == (4, 2, 6)
+    start = 0
+    for i, n in enumerate(lens):
+        want = (out[0, start : start + n] * do[0, start : start + n]).sum(-1).T
+        torch.testing.assert_close(got[i, :, :n], want)
+        assert (got[i, :, n:] == 0).all()
+        start += n
+    dense = delta_rows(out, do, None, 11)
+    torch.testing.assert_close(dense, (out * do).sum(-1).transpose(1, 2))
