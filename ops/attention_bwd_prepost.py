@@ -564,6 +564,11 @@ def attention_bwd_compute_delta(
         ("delta", out, grad_out, cu_seqlens_q, max_seqlen_q),
         lambda: _check_seq_pair("out", out, "grad_out", grad_out, cu_seqlens_q, max_seqlen_q),
     )
+    return delta_unchecked(out, grad_out, cu_seqlens_q, max_seqlen_q)
+
+
+def delta_unchecked(out, grad_out, cu_seqlens_q, max_seqlen_q):
+    """``compute_delta``, through its custom op where a graph is traced (torch.compile, fake tensors)."""
     if cc.eager(out):
         return compute_delta(out, grad_out, cu_seqlens_q, max_seqlen_q)
     return _compute_delta_op(out, grad_out, cu_seqlens_q, max_seqlen_q)

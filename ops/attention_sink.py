@@ -5,7 +5,7 @@ the LSE it saves includes the sink; both backwards take P from that LSE and need
 for dQ / dK / dV. The sink's own gradient is d s_h = sum over the rows of head h of
 P_sink (dLSE - Δ), with P_sink = e^(s_h - LSE) the sink's probability and Δ = rowsum(dO ∘ O)
 (O as returned, dropout included). Δ comes in the LSE's layout ([B or sequences, H, rows]):
-on CUDA from the backwards' Δ kernel (``attention_bwd_prepost.compute_delta``: one pass over
+on CUDA from the backwards' Δ kernel (``attention_bwd_prepost.delta_unchecked``: one pass over
 O and dO), elsewhere from torch ops in fp32; the rest is a few ops on [*, H, rows] fp32.
 """
 
@@ -56,8 +56,8 @@ def delta_rows(out: Tensor, grad_out: Tensor, cu_seqlens_q: Optional[Tensor], ro
     with ``cu_seqlens_q`` (0 past each sequence's rows)."""
     varlen = cu_seqlens_q is not None
     if out.is_cuda:
-        o, do = (out[0], grad_out[0]) if varlen else (out, grad_out)
-        return P.compute_delta(o, do, cu_seqlens_q, rows if varlen else None)
+        o, do = (out.squeeze(0), grad_out.squeeze(0)) if varlen else (out, grad_out)  # ([1, total, H, D])
+        return P.delta_unchecked(o, do, cu_seqlens_q, rows if varlen else None)
     per_token = (grad_out.float() * out.float()).sum(-1)  # [B, Mq, H]
     if not varlen:
         return per_token.transpose(1, 2)

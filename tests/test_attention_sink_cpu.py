@@ -8,6 +8,7 @@ import dataclasses
 import cutlass
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import ops
 from ops import attention as A
@@ -275,3 +276,14 @@ def test_delta_rows_in_the_lse_layout():
         start += n
     dense = delta_rows(out, do, None, 11)
     torch.testing.assert_close(dense, (out * do).sum(-1).transpose(1, 2))
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_delta_rows_traced_through_the_op(varlen):
+    """Where a graph is traced (fake CUDA tensors, as torch.compile's backward sees them) Δ goes
+    through the Δ kernel's custom op, which reads no data pointer: the fake result's shape."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        out, do = (torch.empty(1, 40 if varlen else 30, 3, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        cu = torch.tensor([0, 10, 40], dtype=torch.int32, device="cuda") if varlen else None
+        got = delta_rows(out, do, cu, 30)
+    assert tuple(got.shape) == ((2, 3, 30) if varlen else (1, 3, 30)) and got.dtype == torch.float32
