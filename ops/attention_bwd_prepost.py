@@ -66,7 +66,9 @@ def _fake_cu(varlen):
     return cc.fake_tensor(cutlass.Int32, (cute.sym_int(),), 1) if varlen else None
 
 
-def _build_preprocess(dtype, head_dim_tile, vec, varlen, clear_dq_accum, arch, lse_log2=False, grad_lse=False):
+def _build_preprocess(
+    dtype, head_dim_tile, vec, varlen, clear_dq_accum, arch, lse_log2=False, grad_lse=False, sink=False
+):
     import cutlass
     import cutlass.cute as cute
 
@@ -84,8 +86,11 @@ def _build_preprocess(dtype, head_dim_tile, vec, varlen, clear_dq_accum, arch, l
         acc = cc.fake_tensor(cutlass.Float32, acc_shape, 4)
     # the LSE's gradient: any strides (autograd hands over expanded ones)
     dlse = cc.fake_tensor(cutlass.Float32, (s(), s(), s()), 1, leading_dim=None) if grad_lse else None
+    sink_args = (None, None)
+    if sink:  # the [H] logits and the row terms, shaped as Δ
+        sink_args = (cc.fake_tensor(cutlass.Float32, (s(),), 1), cc.fake_tensor(cutlass.Float32, (s(), s(), s()), 1))
     return cc.compile_kernel(
-        ComputeDotDoO(dtype, t, varlen, clear_dq_accum, lse_log2, grad_lse),
+        ComputeDotDoO(dtype, t, varlen, clear_dq_accum, lse_log2, grad_lse, sink),
         _fake_seq(dtype, varlen, None, vec),
         _fake_seq(dtype, varlen, None, vec),
         cc.fake_tensor(cutlass.Float32, (s(), s(), s()), 1),
@@ -93,6 +98,7 @@ def _build_preprocess(dtype, head_dim_tile, vec, varlen, clear_dq_accum, arch, l
         _fake_cu(varlen),
         *((cc.fake_tensor(cutlass.Float32, (s(), s(), s()), 1) for _ in range(2)) if lse_log2 else (None, None)),
         dlse,
+        *sink_args,
         cutlass.Float32(1.0),
         cutlass.Int32(1),
         cc.fake_stream(),
@@ -327,11 +333,23 @@ def _cached_plan(key, make):
 
 
 def launch_preprocess(
-    out, grad_out, delta, dq_accum, scale, cu_seqlens_q, max_seqlen_q, lse=None, lse_log2=None, grad_lse=None
+    out,
+    grad_out,
+    delta,
+    dq_accum,
+    scale,
+    cu_seqlens_q,
+    max_seqlen_q,
+    lse=None,
+    lse_log2=None,
+    grad_lse=None,
+    sink=None,
+    sink_terms=None,
 ):
     """compute_dot_do_o into preallocated Δ (and dQ accumulator to clear, or None; and the
     forward's LSE ``lse`` in log2 units into ``lse_log2``, shaped as Δ, or None; with the LSE's
-    gradient ``grad_lse``, shaped as ``lse``, Δ - grad_lse on each sequence's rows)."""
+    gradient ``grad_lse``, shaped as ``lse``, Δ - grad_lse on each sequence's rows; with a
+    learnable sink, fp32 [H] ``sink``, its gradient's row terms into ``sink_terms``, shaped as Δ)."""
     key = (
         "pre",
         _meta(out),
@@ -343,24 +361,27 @@ def launch_preprocess(
         _meta(lse),
         _meta(lse_log2),
         _meta(grad_lse),
+        _meta(sink),
+        _meta(sink_terms),
     )
+    flags = (lse is not None, grad_lse is not None, sink is not None)
     plan = _cached_plan(
-        key,
-        lambda: _plan_preprocess(
-            out, grad_out, delta, dq_accum, cu_seqlens_q, max_seqlen_q, lse is not None, grad_lse is not None
-        ),
+        key, lambda: _plan_preprocess(out, grad_out, delta, dq_accum, cu_seqlens_q, max_seqlen_q, *flags)
     )
     if plan is None:
-        for t in (delta, lse_log2):
+        for t in (delta, lse_log2, sink_terms):
             if t is not None and t.numel():
                 t.zero_()
         return
     fn, num_m_blocks = plan
     if num_m_blocks:
-        fn(out, grad_out, delta, dq_accum, cu_seqlens_q, lse, lse_log2, grad_lse, float(scale), num_m_blocks)
+        tensors = (out, grad_out, delta, dq_accum, cu_seqlens_q, lse, lse_log2, grad_lse, sink, sink_terms)
+        fn(*tensors, float(scale), num_m_blocks)
 
 
-def _plan_preprocess(out, grad_out, delta, dq_accum, cu_seqlens_q, max_seqlen_q, lse_log2=False, grad_lse=False):
+def _plan_preprocess(
+    out, grad_out, delta, dq_accum, cu_seqlens_q, max_seqlen_q, lse_log2=False, grad_lse=False, sink=False
+):
     if dq_accum is not None:
         _check_aligned("dq_accum", dq_accum)
     if out.numel() == 0 and dq_accum is None:
@@ -378,7 +399,7 @@ def _plan_preprocess(out, grad_out, delta, dq_accum, cu_seqlens_q, max_seqlen_q,
     if delta.shape[0] == 0 or delta.shape[1] == 0:
         num_m_blocks = 0
     clear = dq_accum is not None
-    fn = compiled_preprocess(cc.cute_dtype(out.dtype), t.head_dim, vec, varlen, clear, arch, lse_log2, grad_lse)
+    fn = compiled_preprocess(cc.cute_dtype(out.dtype), t.head_dim, vec, varlen, clear, arch, lse_log2, grad_lse, sink)
     return fn, num_m_blocks
 
 
@@ -564,11 +585,6 @@ def attention_bwd_compute_delta(
         ("delta", out, grad_out, cu_seqlens_q, max_seqlen_q),
         lambda: _check_seq_pair("out", out, "grad_out", grad_out, cu_seqlens_q, max_seqlen_q),
     )
-    return delta_unchecked(out, grad_out, cu_seqlens_q, max_seqlen_q)
-
-
-def delta_unchecked(out, grad_out, cu_seqlens_q, max_seqlen_q):
-    """``compute_delta``, through its custom op where a graph is traced (torch.compile, fake tensors)."""
     if cc.eager(out):
         return compute_delta(out, grad_out, cu_seqlens_q, max_seqlen_q)
     return _compute_delta_op(out, grad_out, cu_seqlens_q, max_seqlen_q)

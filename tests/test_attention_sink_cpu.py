@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import ops
 from ops import attention as A
 from ops import attention_checks as AC
+from ops import attention_bwd_prepost as P
 from ops import attention_fwd_sm90 as F
 from ops._disk_cache import stable_key
 from ops.attention_sink import delta_rows, sink_grad
@@ -279,11 +280,28 @@ def test_delta_rows_in_the_lse_layout():
 
 
 @pytest.mark.parametrize("varlen", [False, True])
-def test_delta_rows_traced_through_the_op(varlen):
-    """Where a graph is traced (fake CUDA tensors, as torch.compile's backward sees them) Δ goes
-    through the Δ kernel's custom op, which reads no data pointer: the fake result's shape."""
+def test_sink_grad_traced_through_its_op(varlen):
+    """Where a graph is traced (fake CUDA tensors, as torch.compile's backward sees them) d sink
+    goes through its custom op, which reads no data pointer: a fake [H] in the sink's dtype."""
     with FakeTensorMode(allow_non_fake_inputs=True):
         out, do = (torch.empty(1, 40 if varlen else 30, 3, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         cu = torch.tensor([0, 10, 40], dtype=torch.int32, device="cuda") if varlen else None
-        got = delta_rows(out, do, cu, 30)
-    assert tuple(got.shape) == ((2, 3, 30) if varlen else (1, 3, 30)) and got.dtype == torch.float32
+        lse = torch.empty(2 if varlen else 1, 3, 32, device="cuda")
+        sink = torch.empty(3, device="cuda", dtype=torch.bfloat16)
+        got = sink_grad(sink, out, do, lse, lse.clone(), cu, 30 if varlen else None)
+    assert tuple(got.shape) == (3,) and got.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_preprocess_with_sink_terms_compiles(varlen):
+    """The preprocess variant that writes the sink's row terms (sm_90a, with and without dLSE)."""
+    for grad_lse in (False, True):
+        assert callable(P._build_preprocess(cutlass.BFloat16, 64, 8, varlen, False, "sm_90a", True, grad_lse, True))
+
+
+def test_sink_terms_need_the_lse():
+    from cute_kernels.attention_bwd_prepost import ComputeDotDoO
+    from layouts.attention_bwd_prepost import preprocess_tiles
+
+    with pytest.raises(ValueError, match="need lse_log2"):
+        ComputeDotDoO(cutlass.BFloat16, preprocess_tiles(16, 64, 8, "sm_90a"), False, False, sink=True)

@@ -17,6 +17,9 @@ the sm90 kernel launch once its loads are done (that kernel waits for this one's
 before it reads them): the launch gaps and the sm90 kernel's prologue overlap this one.
 With ``grad_lse`` (a loss on the forward's LSE too; lse_log2 only) Δ becomes Δ - dLSE on each
 sequence's rows: dS = P (dP - Δ) + dLSE P, as d LSE_i / d S_ij = P_ij.
+With ``sink`` (lse_log2 only) it also writes each row's term of a learnable sink's gradient,
+P_sink (dLSE - Δ) with P_sink = exp(s_h - LSE) (0 past the sequence end), shaped as Δ: d s_h is
+their sum over batch and rows, without another pass over O and dO.
 """
 
 import cuda.bindings.driver as cuda
@@ -43,17 +46,21 @@ class ComputeDotDoO:
         clear_dq_accum: bool,
         lse_log2: bool = False,
         grad_lse: bool = False,
+        sink: bool = False,
     ):
         if dtype.width != tiles.elem_bits:
             raise ValueError(f"tiles are for {tiles.elem_bits}-bit elements, dtype is {dtype}")
         if grad_lse and not lse_log2:
             raise ValueError("grad_lse is read beside the forward's LSE: it needs lse_log2")
+        if sink and not lse_log2:
+            raise ValueError("the sink's terms take the forward's LSE: they need lse_log2")
         self.dtype = dtype
         self.tiles = tiles
         self.varlen = varlen
         self.clear_dq_accum = clear_dq_accum
         self.lse_log2 = lse_log2
         self.grad_lse = grad_lse
+        self.sink = sink
 
     @cute.jit
     def __call__(
@@ -66,13 +73,16 @@ class ComputeDotDoO:
         mLSE: cute.Tensor,  # the forward's [B, H, >= seqlen_q] fp32 (lse_log2) or None
         mLSElog2: cute.Tensor,  # [B, H, seqlen_q_rounded] fp32 (lse_log2) or None
         mdLSE: cute.Tensor,  # the LSE's gradient, shaped as mLSE, any strides (grad_lse) or None
+        mSink: cute.Tensor,  # [H] fp32, a sink logit per head (sink) or None
+        mSinkTerms: cute.Tensor,  # shaped as mDelta, the sink gradient's row terms (sink) or None
         scale: Float32,
         num_m_blocks: Int32,  # CTAs along the rows: ceil(rows / (kBlockM * tiles_per_cta))
         stream: cuda.CUstream,
     ):
         copy = self.tiles.gmem_tiled_copy_do(load=True).build(self.dtype)
         copy_acc = self.tiles.gmem_tiled_copy_dq_accum().build(Float32)
-        self.kernel(mO, mdO, mDelta, mdQaccum, mCuSeqlens, mLSE, mLSElog2, mdLSE, scale, copy, copy_acc).launch(
+        args = (mO, mdO, mDelta, mdQaccum, mCuSeqlens, mLSE, mLSElog2, mdLSE, mSink, mSinkTerms)
+        self.kernel(*args, scale, copy, copy_acc).launch(
             grid=self.tiles.grid(num_m_blocks, mDelta.shape[0], mDelta.shape[1]),
             block=[self.tiles.num_threads, 1, 1],
             stream=stream,
@@ -90,6 +100,8 @@ class ComputeDotDoO:
         mLSE: cute.Tensor,
         mLSElog2: cute.Tensor,
         mdLSE: cute.Tensor,
+        mSink: cute.Tensor,
+        mSinkTerms: cute.Tensor,
         scale: Float32,
         copy: cute.TiledCopy,
         copy_acc: cute.TiledCopy,
@@ -143,6 +155,12 @@ class ComputeDotDoO:
                                 if const_expr(self.grad_lse):  # (past the sequence: padding, left 0)
                                     delta = delta - mdLSE[bidb, bidh, r]
                             mLSElog2[bidb, bidh, r] = lse
+                            if const_expr(self.sink):  # P_sink (dLSE - Δ); delta is Δ - dLSE here
+                                term = Float32(0.0)
+                                if r < seqlen:
+                                    p_sink = cute.math.exp2(mSink[bidh] * LOG2_E - lse, fastmath=True)
+                                    term = -p_sink * delta
+                                mSinkTerms[bidb, bidh, r] = term
                         gDelta[r] = delta
 
         if const_expr(self.lse_log2):
