@@ -6,7 +6,7 @@ for dQ / dK / dV. The sink's own gradient is d s_h = sum over the rows of head h
 P_sink (dLSE - Δ), with P_sink = e^(s_h - LSE) the sink's probability and Δ = rowsum(dO ∘ O)
 (O as returned, dropout included). On sm_90 one launch of the backwards' preprocess kernel
 (``compute_dot_do_o`` with its sink terms: one pass over O and dO) writes each row's term, and
-a sum over batch and rows gives d s_h; elsewhere torch ops in fp32 compute the same.
+a sum over batch and rows gives d s_h; on CPU tensors torch ops in fp32 compute the same.
 """
 
 from __future__ import annotations
@@ -47,9 +47,8 @@ def sink_grad(
 
 
 def _sink_grad_cuda(sink, out, grad_out, lse, grad_lse, cu_seqlens_q, rows: int) -> Tensor:
-    """The row terms from the preprocess kernel (sm_90a: the variant that reads the LSE), summed."""
-    if cc.tensor_arch(out) != "sm_90a":
-        return _sink_grad_torch(sink, out, grad_out, lse, grad_lse, cu_seqlens_q, rows)
+    """The row terms from the preprocess kernel's variant that reads the LSE (sm_90a, as the
+    forward that takes a sink), summed."""
     varlen = cu_seqlens_q is not None
     o, do = (out.squeeze(0), grad_out.squeeze(0)) if varlen else (out, grad_out)  # ([1, total, H, D])
     batch = cu_seqlens_q.shape[0] - 1 if varlen else out.shape[0]
