@@ -15,7 +15,9 @@ STAGES = 2  # K / V ring depth
 # H200, against 128 x 128: 16x16x2048x64 0.605 / 0.670 ms, 4x16x8192x64 causal 1.173 / 1.292.
 # d128: 128 x 160, H200, against 144 / 128 / 176 keys (ms): 4x32x2048x128 with 8 kv heads
 # 0.447 / 0.463 / 0.447 / 0.456, 8x16x4096x128 1.617 / 1.732 / 1.719 / 1.642, causal 1x32x16384
-# 3.377 / 3.374 / 3.673 / 3.569 (FA4 within 1% across the runs). d96, d192, d256: FA4's sm90
+# 3.377 / 3.374 / 3.673 / 3.569 (FA4 within 1% across the runs). Again with the two-chain row
+# sum, 160 against 176 / 144 keys (ms, two rounds): 2x16x4096x128 0.413-0.412 / 0.420-0.422 /
+# 0.422-0.428, 1x16x8192x128 0.781-0.803 / 0.811-0.849 / 0.811-0.832. d96, d192, d256: FA4's sm90
 # tiles where its P V reads P from registers as ours does (its d96 is 192 x 144 with P from
 # shared memory), not measured here yet; d96 128 x 144 does not spill either (a candidate).
 # Shared memory bounds d192 and d256 (Q, two K / V stages, O in Q's buffer): 112 keys at Dv 192
