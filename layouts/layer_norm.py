@@ -94,6 +94,21 @@ class RowTiles:
     def max_n(self) -> int:
         return self.cols_per_cta * self.ctas_per_row
 
+    def col_tile(self, it, cta):
+        """The row's column tile (of ``tile``'s width) that CTA ``cta`` loads at ldg ``it``: the
+        row's CTAs take turns a ldg at a time (Apex's order). Python or DSL integers."""
+        return it * self.ctas_per_row + cta
+
+    def vector_index(self, col_tile, thread):
+        """Thread ``thread``'s vector (of ``vec`` elements, from column index x vec) in column tile
+        ``col_tile``: a tile's threads take consecutive vectors."""
+        return col_tile * self.threads_per_row + thread
+
+    def exchange_bytes(self, values: int) -> int:
+        """Bytes of one row exchange of ``values`` fp32 a warp: every CTA's, every warp's, for
+        the CTA's rows (a buffer's size; what one exchange brings to a CTA)."""
+        return self.ctas_per_row * self.rows_per_cta * self.warps_n * values * 4
+
     def gmem_copy(self, elem_bits: int, load: bool) -> TiledCopySpec:
         """Row loads (into the ring) and stores: one ``vec`` vector per thread."""
         bits = elem_bits * self.vec
@@ -124,7 +139,7 @@ class LnFwdTiles(RowTiles):
     def red_bytes(self) -> int:
         """Bytes of one buffer of the row exchange (every CTA's, every warp's fp32 values: two
         with ``one_exchange``, of which RMSNorm sends one)."""
-        return self.ctas_per_row * self.rows_per_cta * self.warps_n * (2 if self.one_exchange else 1) * 4
+        return self.exchange_bytes(2 if self.one_exchange else 1)
 
     def stage_bytes(self, in_bits: int) -> int:
         return self.rows_per_cta * self.cols_per_cta * in_bits // 8
@@ -143,7 +158,7 @@ class LnBwdTiles(RowTiles):
     @property
     def red_bytes(self) -> int:
         """Bytes of one buffer of the row-sum exchange (every CTA's, every warp's two fp32 sums)."""
-        return self.ctas_per_row * self.rows_per_cta * self.warps_n * 2 * 4
+        return self.exchange_bytes(2)
 
     def stage_bytes(self, in_bits: int, out_bits: int) -> int:
         return self.rows_per_cta * self.cols_per_cta * (in_bits + out_bits) // 8

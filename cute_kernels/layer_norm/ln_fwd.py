@@ -233,12 +233,12 @@ class LnFwd:
     @cute.jit
     def warp_count(self, n, c, w) -> Float32:
         """Elements of the row that warp ``w`` of CTA ``c`` holds: its lanes' vectors that start
-        before N (vector ``it`` of thread l of CTA c at ((it * CTAs + c) * threads + l) * vec)."""
+        before N (``LnFwdTiles.col_tile`` / ``vector_index``)."""
         t = self.tiles
         vectors = n // t.vec
         total = Int32(0)
         for it in cutlass.range_constexpr(t.ldgs):
-            left = vectors - ((it * t.ctas_per_row + c) * t.threads_per_row + 32 * w)
+            left = vectors - t.vector_index(t.col_tile(it, c), 32 * w)
             left = cutlass.select_(left < 0, Int32(0), left)
             total = total + cutlass.select_(left > 32, Int32(32), left)
         return Float32(total * t.vec)

@@ -63,8 +63,8 @@ def row_thread(tiles: RowTiles) -> RowThread:
 def vector_columns(tiles: RowTiles, th: RowThread, n) -> tuple:
     """(column tiles, whether inside the row) of this thread's vectors; the vector divides N,
     so a vector is wholly inside the row or wholly past it."""
-    col_tile = [it * tiles.ctas_per_row + th.bidn for it in range(tiles.ldgs)]
-    col_ok = [(col_tile[it] * tiles.threads_per_row + th.tid_r) * tiles.vec < n for it in range(tiles.ldgs)]
+    col_tile = [tiles.col_tile(it, th.bidn) for it in range(tiles.ldgs)]
+    col_ok = [tiles.vector_index(col_tile[it], th.tid_r) * tiles.vec < n for it in range(tiles.ldgs)]
     return col_tile, col_ok
 
 
@@ -281,8 +281,7 @@ class RowSums:
     @property
     def exchange_bytes(self) -> int:
         """Bytes one exchange brings to a CTA: every CTA's, every warp's values for its rows."""
-        t = self.tiles
-        return t.ctas_per_row * t.rows_per_cta * t.warps_n * self.num_sums * 4
+        return self.tiles.exchange_bytes(self.num_sums)
 
     @property
     def entries(self) -> int:
