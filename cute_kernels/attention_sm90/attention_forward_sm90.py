@@ -66,10 +66,11 @@ from .wgmma import acc_as_operand_a, acc_mn_layout, wgmma
 PARTIALS = 4  # independent max chains of a softmax row
 
 
-def pairwise_sum(values: list):
-    """values[0] + values[1] + ... as a tree of adds (traced: the list's length is static)."""
+def pairwise(values: list, combine=lambda a, b: a + b):
+    """values[0] combined with values[1], ... as a tree (neighbours first; traced: the list's
+    length is static): independent chains meet in log2(len) steps."""
     while len(values) > 1:
-        values = [values[i] + values[i + 1] if i + 1 < len(values) else values[i] for i in range(0, len(values), 2)]
+        values = [combine(*values[i : i + 2]) if i + 1 < len(values) else values[i] for i in range(0, len(values), 2)]
     return values[0]
 
 
@@ -560,7 +561,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
             part = [S[r, i] for i in range(PARTIALS)]
             for c in cutlass.range_constexpr(PARTIALS, cols):
                 part[c % PARTIALS] = cute.arch.fmax(part[c % PARTIALS], S[r, c])
-            m = cute.arch.fmax(cute.arch.fmax(part[0], part[1]), cute.arch.fmax(part[2], part[3]))
+            m = pairwise(part, cute.arch.fmax)
             m = cute.arch.fmax(m, row_max[r])
             m = cute.arch.warp_reduction_max(m, threads_in_group=4)
             m_old = row_max[r]
@@ -582,7 +583,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
                     part[0] = row_sum[r] * scale + part[0]
             for c in cutlass.range_constexpr(n, cols):
                 part[c % n] = part[c % n] + S[r, c]
-            total = pairwise_sum(part)
+            total = pairwise(part)
             if const_expr(row_scale is not None and n > 1):
                 total = row_sum[r] * scale + total
             row_sum[r] = total
