@@ -13,6 +13,7 @@ import ops
 from layouts import attention_bwd_prepost as tiling_prepost
 from ops import _compile as cc
 from ops import attention as A
+from ops import attention_bwd_prepost_build as PB
 from ops import attention_checks as AC
 from ops import attention_fwd_sm90 as F
 from ops import attention_bwd_prepost as P
@@ -126,7 +127,7 @@ def test_subtract_grad_lse_takes_each_sequences_rows():
 @pytest.mark.compile
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_preprocess_compiles_with_grad_lse(varlen):
-    assert callable(P._build_preprocess(cutlass.BFloat16, 128, 8, varlen, True, "sm_90a", True, True))
+    assert callable(PB._build_preprocess(cutlass.BFloat16, 128, 8, varlen, True, "sm_90a", True, True))
 
 
 def test_preprocess_refuses_grad_lse_without_the_lse():

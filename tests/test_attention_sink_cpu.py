@@ -12,8 +12,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import ops
 from ops import attention as A
+from ops import attention_bwd_prepost_build as PB
 from ops import attention_checks as AC
-from ops import attention_bwd_prepost as P
 from ops import attention_fwd_sm90 as F
 from ops._disk_cache import stable_key
 from ops.attention_sink import delta_rows, sink_grad
@@ -292,11 +292,12 @@ def test_sink_grad_traced_through_its_op(varlen):
     assert tuple(got.shape) == (3,) and got.dtype == torch.bfloat16
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("varlen", [False, True])
 def test_preprocess_with_sink_terms_compiles(varlen):
     """The preprocess variant that writes the sink's row terms (sm_90a, with and without dLSE)."""
     for grad_lse in (False, True):
-        assert callable(P._build_preprocess(cutlass.BFloat16, 64, 8, varlen, False, "sm_90a", True, grad_lse, True))
+        assert callable(PB._build_preprocess(cutlass.BFloat16, 64, 8, varlen, False, "sm_90a", True, grad_lse, True))
 
 
 def test_sink_terms_need_the_lse():
