@@ -297,10 +297,9 @@ def _mea_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
         return (None,) * 18
     if grad_out is not None:
         grad_out = kernel_ready(grad_out, TMA_ALIGN_BYTES // grad_out.element_size())
-    dsink = None
-    if sink is not None and ctx.needs_input_grad[17]:
-        dsink = sink_grad(sink, out, grad_out, lse, grad_lse, cu_q, ctx.max_seqlens[0])
+    sink_wanted = sink is not None and ctx.needs_input_grad[17]
     if not any(ctx.needs_input_grad[i] for i in (0, 1, 2, 10)):  # the sink's alone
+        dsink = sink_grad(sink, out, grad_out, lse, grad_lse, cu_q, ctx.max_seqlens[0]) if sink_wanted else None
         return (None,) * 17 + (dsink,)
     if grad_out is None:  # a loss on the logsumexp alone: dO = 0, so dV = 0 and dS = P dLSE
         grad_out = torch.zeros_like(out)  # (out's layout, which the kernels read)
@@ -330,8 +329,9 @@ def _mea_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
         softcap=ctx.softcap,
         seqused_q=used_q,
         seqused_k=used_k,
+        sink=sink if sink_wanted else None,
     )
-    dq, dk, dv, db = _backward(args)
+    dq, dk, dv, db, dsink = _backward(args)
     return (dq, dk, dv) + (None,) * 7 + (db,) + (None,) * 6 + (dsink,)
 
 
@@ -716,7 +716,9 @@ def _not_on_sm90(a: AttentionBackwardArgs, arch: Optional[str]) -> Optional[str]
 
 
 def run_backward(args: AttentionBackwardArgs):
-    """The backend choice (logged), then that backend's launches: (grad_q, grad_k, grad_v, grad_bias)."""
+    """The backend choice (logged), then that backend's launches: (grad_q, grad_k, grad_v, grad_bias,
+    grad_sink); grad_sink None without ``args.sink`` (the sm90 backward's preprocess writes its
+    terms, else ``attention_sink.sink_grad``)."""
     choice, why = choose_backend(args)
     if log.isEnabledFor(logging.DEBUG):  # (the arguments cost host time on every call)
         b, mq, h, d = args.query.shape
@@ -724,7 +726,11 @@ def run_backward(args: AttentionBackwardArgs):
         log.debug("attention backward: %s (%s; B=%d Mq=%d Mk=%d H=%d D=%d mask %d)", choice, why, b, mq, mk, h, d, mask)
     if choice == "sm90":
         return sm90.attention_backward_sm90(args)
-    return mem_eff.attention_backward_mem_eff(args)
+    grads = mem_eff.attention_backward_mem_eff(args)
+    if args.sink is None:
+        return (*grads, None)
+    a = args
+    return (*grads, sink_grad(a.sink, a.out, a.grad_out, a.logsumexp, a.grad_lse, a.cu_seqlens_q, a.max_seqlen_q))
 
 
 @torch.library.custom_op("cute_kernels::efficient_attention_backward", mutates_args=())
@@ -755,12 +761,14 @@ def _op(
     softcap: float = 0.0,
     seqused_q: Optional[Tensor] = None,
     seqused_k: Optional[Tensor] = None,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    sink: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     # the parameters are AttentionBackwardArgs' fields, in order (the op's schema is flat); the
     # backend is chosen here, at run time, on the real tensors (their device's arch)
-    gq, gk, gv, gb = run_backward(AttentionBackwardArgs(**locals()))
-    # an op returns tensors: no bias gradient is an empty one (the wrapper gives None)
-    return gq, gk, gv, query.new_empty((0,)) if gb is None else gb
+    gq, gk, gv, gb, gs = run_backward(AttentionBackwardArgs(**locals()))
+    # an op returns tensors: no bias or sink gradient is an empty one (the wrapper gives None)
+    empty = query.new_empty((0,))
+    return gq, gk, gv, empty if gb is None else gb, empty if gs is None else gs
 
 
 @_op.register_fake
@@ -771,8 +779,9 @@ def _(*flat, **named):
     if a.bias is not None and a.bias_requires_grad:
         b, mq, h, _ = query.shape
         gb = query.new_empty((b, h, mq, a.key.shape[1]))
+    gs = query.new_empty((0,)) if a.sink is None else a.sink.new_empty(a.sink.shape)
     # either backend: fresh contiguous [B, M, H, D] gradients, whatever the inputs' strides
-    return query.new_empty(query.shape), a.key.new_empty(a.key.shape), a.value.new_empty(a.value.shape), gb
+    return query.new_empty(query.shape), a.key.new_empty(a.key.shape), a.value.new_empty(a.value.shape), gb, gs
 
 
 def efficient_attention_backward(
@@ -838,25 +847,27 @@ def efficient_attention_backward(
         backend=backend,
         deterministic=deterministic,
     )
-    return _backward(given)
+    return _backward(given)[:4]
 
 
-def _backward(given: AttentionBackwardArgs) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+def _backward(given: AttentionBackwardArgs) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """``efficient_attention_backward``'s body on its arguments, checked here; also
     ``memory_efficient_attention``'s backward, with what aten's signature has no room for (the
-    logsumexp's gradient)."""
+    logsumexp's gradient, a learnable sink's). (grad_q, grad_k, grad_v, grad_bias, grad_sink)."""
     check_backward_args(given)
     query, bias, scale = given.query, given.bias, given.scale
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     check_float("scale", scale)
     args = given.normalized(scale)
-    grad_q, grad_k, grad_v, grad_bias = run_backward(args) if cc.eager(query) else _op(*args.op_args())
+    grad_q, grad_k, grad_v, grad_bias, grad_sink = run_backward(args) if cc.eager(query) else _op(*args.op_args())
+    if given.sink is None:
+        grad_sink = None
     if bias is None or not given.bias_requires_grad:
-        return grad_q, grad_k, grad_v, None
+        return grad_q, grad_k, grad_v, None, grad_sink
     if tuple(bias.shape) != tuple(grad_bias.shape):  # a broadcast bias: autograd's gradient
         grad_bias = grad_bias.sum_to_size(bias.shape)
-    return grad_q, grad_k, grad_v, grad_bias
+    return grad_q, grad_k, grad_v, grad_bias, grad_sink
 
 
 def _check_dropout(dropout_p, philox_seed, philox_offset) -> None:

@@ -75,7 +75,9 @@ class AttentionBackwardArgs:
     asked for and deterministic mode; beyond aten's, for ``memory_efficient_attention``'s own
     backward only, the gradient of the returned logsumexp (``grad_lse``, the LSE's shape; None:
     no loss on it), the forward's softcap (``softcap`` c > 0: the scores were c tanh(s / c);
-    0: none) and its used lengths (``seqused_q / _k``: int32 [sequences], both or neither). ``efficient_attention_backward`` builds it from what the caller passed,
+    0: none), its used lengths (``seqused_q / _k``: int32 [sequences], both or neither) and its
+    learnable sink (``sink``, [H]: its gradient is returned too; None: none).
+    ``efficient_attention_backward`` builds it from what the caller passed,
     checks it and normalises it (``normalized``). Tensors make an equality elementwise, so
     instances compare by identity (``eq=False``)."""
 
@@ -105,6 +107,7 @@ class AttentionBackwardArgs:
     softcap: float = 0.0
     seqused_q: Optional[Tensor] = None
     seqused_k: Optional[Tensor] = None
+    sink: Optional[Tensor] = None
 
     @classmethod
     def from_op(cls, *flat, **named) -> AttentionBackwardArgs:
@@ -147,6 +150,7 @@ class AttentionBackwardArgs:
             softcap=float(self.softcap),
             seqused_q=self.seqused_q,
             seqused_k=self.seqused_k,
+            sink=self.sink,
         )
 
     @property

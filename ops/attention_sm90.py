@@ -486,7 +486,7 @@ def _unzeroed_dq_accum(dq_accum: Tensor) -> Tensor:
 
 
 def attention_backward_sm90(args: AttentionBackwardArgs):
-    """(dq, dk, dv, grad_bias) of dropout(softmax(scale Q K^T [+ bias] [+ causal mask [+ window]])) V;
+    """(dq, dk, dv, grad_bias, grad_sink) of dropout(softmax(scale Q K^T [+ bias] [+ causal mask [+ window]])) V;
     tensors [B, S, H, D] (key / value / dk / dv [B, S, Hk, D] with grouped-query heads: H a
     multiple of Hk; value, out, grad_out and dv have the head dim Dv, which may differ from
     query's and key's).
@@ -508,7 +508,10 @@ def attention_backward_sm90(args: AttentionBackwardArgs):
     ``philox_seed / philox_offset`` (int64 scalar tensors), p = ``dropout_p``.
 
     ``seqused_q / _k`` (int32 [sequences], both or neither): each sequence's used lengths (not
-    with a bias or dropout); the padding rows get dQ / dK / dV 0."""
+    with a bias or dropout); the padding rows get dQ / dK / dV 0.
+
+    ``sink`` ([H]; the forward's learnable sink, in every row's LSE): grad_sink in its dtype,
+    the sum of the row terms that the preprocess writes beside Δ; else None."""
     a = args
     if a.bias is not None and a.varlen:
         raise NotImplementedError("attention bias with cu_seqlens is not supported (torch's forward refuses it too)")
@@ -531,7 +534,7 @@ def attention_backward_sm90(args: AttentionBackwardArgs):
     if plan.empty:
         if grad_bias is not None:
             grad_bias.zero_()
-        return torch.zeros_like(a.query), dk.zero_(), dv.zero_(), grad_bias
+        return torch.zeros_like(a.query), dk.zero_(), dv.zero_(), grad_bias, _zero_sink_grad(a.sink)
     fn = compiled(plan.config)
     # whatever touches the stream goes before the preprocess: the kernel is launched right
     # behind it (programmatic dependent launch)
@@ -544,7 +547,7 @@ def attention_backward_sm90(args: AttentionBackwardArgs):
         dq_accum = _unzeroed_dq_accum(dq_accum)
     elif not plan.scratch.fused_zeroing:  # the preprocess clears out's width (Dv): Dqk's apart
         dq_accum.zero_()
-    _preprocess(a, s.delta, dq_accum if plan.scratch.fused_zeroing else None, s.lse_log2)
+    sink_terms = _preprocess(a, s.delta, dq_accum if plan.scratch.fused_zeroing else None, s.lse_log2)
     fn(
         a.query,
         a.key,
@@ -576,23 +579,46 @@ def attention_backward_sm90(args: AttentionBackwardArgs):
     dq = P.convert_dq(
         dq_accum, float(a.scale), d, sq, a.cu_seqlens_q, a.max_seqlen_q, 0.0, a.query.dtype, ready=s.ready
     )
-    return (dq.unsqueeze(0) if a.varlen else dq), dk, dv, grad_bias
+    grad_sink = None if sink_terms is None else sink_terms.sum((0, 2)).to(a.sink.dtype)
+    return (dq.unsqueeze(0) if a.varlen else dq), dk, dv, grad_bias, grad_sink
 
 
-def _preprocess(a: AttentionBackwardArgs, delta: Tensor, dq_accum: Optional[Tensor], lse_log2: Tensor) -> None:
+def _zero_sink_grad(sink: Optional[Tensor]) -> Optional[Tensor]:
+    return None if sink is None else torch.zeros_like(sink)
+
+
+def _preprocess(
+    a: AttentionBackwardArgs, delta: Tensor, dq_accum: Optional[Tensor], lse_log2: Tensor
+) -> Optional[Tensor]:
     """Δ from out / dO (Dv wide; the pre / postprocess take packed sequences as [total, H, D]),
     ``dq_accum`` zeroed where given, the LSE in the kernel's log2 units, with a loss on the LSE
-    Δ - dLSE: one launch. Then Δ := 0 in the rows that see no key (O may be unwritten there;
-    their LSE is a constant 0, so dLSE gives them nothing)."""
+    Δ - dLSE, with a sink its gradient's row terms (returned, shaped as Δ; else None): one
+    launch. Then Δ := 0 in the rows that see no key (O may be unwritten there; their LSE is a
+    constant 0, so dLSE gives them nothing; the sink's terms are taken before, from the real Δ)."""
     out, grad_out = (a.out[0], a.grad_out[0]) if a.varlen else (a.out, a.grad_out)
+    sink = terms = None
+    if a.sink is not None:  # (before the launch: the kernel follows it by programmatic dependent launch)
+        sink, terms = a.sink.float().contiguous(), torch.empty_like(delta)
     P.launch_preprocess(
-        out, grad_out, delta, dq_accum, 1.0, a.cu_seqlens_q, a.max_seqlen_q, a.logsumexp, lse_log2, a.grad_lse
+        out,
+        grad_out,
+        delta,
+        dq_accum,
+        1.0,
+        a.cu_seqlens_q,
+        a.max_seqlen_q,
+        a.logsumexp,
+        lse_log2,
+        a.grad_lse,
+        sink,
+        terms,
     )
     mask, sq, sk = int(a.custom_mask_type), a.query.shape[1], a.key.shape[1]
     P.zero_blind_delta(delta, mask, a.window, sq, sk, a.cu_seqlens_q, a.cu_seqlens_k)
     if a.seqused:  # the padding rows' Δ (dO there is the caller's, dLSE the padding's)
         rows = torch.arange(delta.shape[-1], device=delta.device)
         delta.masked_fill_((rows.view(1, -1) >= a.seqused_q.view(-1, 1)).unsqueeze(1), 0.0)
+    return terms
 
 
 def _call_plan_of(a: AttentionBackwardArgs) -> _CallPlan:

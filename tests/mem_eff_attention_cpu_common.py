@@ -6,6 +6,7 @@ backward."""
 import torch
 
 from ops import attention as A
+from ops.attention_sink import sink_grad
 from ops.reference import attention_backward_ref, attention_forward_ref, mem_eff_dropout_keep_mask
 
 F64 = torch.float64
@@ -108,6 +109,16 @@ class BackwardStandIn:
         self.sink = None
 
     def on_args(self, a):
+        """``_backward``'s five results: with ``a.sink`` (the sink's gradient asked of the backward)
+        its d sink from the op's own ``sink_grad`` (torch ops on CPU tensors), the reference's
+        four before it."""
+        grads = self._on_args(a)
+        if a.sink is None:
+            return (*grads, None)
+        dsink = sink_grad(a.sink, a.out, a.grad_out, a.logsumexp, a.grad_lse, a.cu_seqlens_q, a.max_seqlen_q)
+        return (*grads, dsink)
+
+    def _on_args(self, a):
         return self(
             a.grad_out,
             a.query,

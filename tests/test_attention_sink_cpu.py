@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import ops
 from ops import attention as A
+from ops import attention_bwd_prepost as P
 from ops import attention_bwd_prepost_build as PB
 from ops import attention_checks as AC
 from ops import attention_fwd_sm90 as F
@@ -295,9 +296,10 @@ def test_sink_grad_traced_through_its_op(varlen):
 @pytest.mark.compile
 @pytest.mark.parametrize("varlen", [False, True])
 def test_preprocess_with_sink_terms_compiles(varlen):
-    """The preprocess variant that writes the sink's row terms (sm_90a, with and without dLSE)."""
-    for grad_lse in (False, True):
-        assert callable(PB._build_preprocess(cutlass.BFloat16, 64, 8, varlen, False, "sm_90a", True, grad_lse, True))
+    """The preprocess variant that writes the sink's row terms (sm_90a, with and without dLSE;
+    alone, and in the Hopper backward's launch that clears the dQ accumulator too)."""
+    for clear, grad_lse in ((False, False), (False, True), (True, False), (True, True)):
+        assert callable(PB._build_preprocess(cutlass.BFloat16, 64, 8, varlen, clear, "sm_90a", True, grad_lse, True))
 
 
 def test_sink_terms_need_the_lse():
@@ -306,3 +308,38 @@ def test_sink_terms_need_the_lse():
 
     with pytest.raises(ValueError, match="need lse_log2"):
         ComputeDotDoO(cutlass.BFloat16, preprocess_tiles(16, 64, 8, "sm_90a"), False, False, sink=True)
+
+
+def test_sm90_backward_sums_its_preprocess_sink_terms(monkeypatch):
+    """The Hopper backward hands its preprocess the sink in fp32 and a buffer for the row terms
+    shaped as Δ, and returns their sum over batch and rows in the sink's dtype; without a sink
+    it asks for none."""
+    from ops import _compile as cc
+    from ops import attention_common as C
+    from ops import attention_sm90 as S
+
+    seen = []
+
+    def launch(out, do, delta, acc, scale, cu, mq, lse, lse2, dlse, sink, terms):
+        seen.append((delta.shape, sink, terms))
+        if terms is not None:
+            terms.copy_(torch.arange(terms.numel(), dtype=torch.float32).view(terms.shape))
+
+    monkeypatch.setattr(cc, "device_arch", lambda index: "sm_90a")
+    monkeypatch.setattr(P, "launch_preprocess", launch)
+    monkeypatch.setattr(S, "compiled", lambda config: lambda *a: None)
+    monkeypatch.setattr(P, "convert_dq", lambda acc, scale, d, sq, *rest, ready=None: torch.zeros(2, sq, 3, d))
+    q, k, v, do, o = (torch.zeros(2, 100, 3, 64, dtype=torch.bfloat16) for _ in range(5))
+    sink = torch.randn(3, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    for given in (sink, None):
+        args = C.AttentionBackwardArgs(
+            grad_out=do, query=q, key=k, value=v, out=o, logsumexp=torch.zeros(2, 3, 128), scale=0.1, sink=given
+        )
+        *_, dsink = S.attention_backward_sm90(args)
+        shape, sink32, terms = seen[-1]
+        if given is None:
+            assert dsink is None and sink32 is None and terms is None
+            continue
+        assert sink32.dtype == torch.float32 and torch.equal(sink32, sink.float()) and terms.shape == shape
+        want = torch.arange(terms.numel(), dtype=torch.float32).view(terms.shape).sum((0, 2))
+        assert dsink.dtype == torch.bfloat16 and torch.equal(dsink, want.to(torch.bfloat16))

@@ -27,15 +27,18 @@ from .helpers import trace_custom_ops
 class Recorder:
     """Stands in for one backend: records the call, returns zero gradients (no launch)."""
 
-    def __init__(self, name, calls):
-        self.name, self.calls = name, calls
+    def __init__(self, name, calls, sink_grad=False):
+        self.name, self.calls, self.sink_grad = name, calls, sink_grad  # sink_grad: the sm90 backend's fifth result
 
     def __call__(self, args):
         self.calls.append((self.name, args))
         query, key = args.query, args.key
         zeros = (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(args.value))
         full = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])  # [B, H, Mq, Mk], as the kernel's
-        return zeros + (query.new_zeros(full) if args.bias is not None and args.bias_requires_grad else None,)
+        grads = zeros + (query.new_zeros(full) if args.bias is not None and args.bias_requires_grad else None,)
+        if not self.sink_grad:
+            return grads
+        return grads + (None if args.sink is None else torch.zeros_like(args.sink),)
 
 
 @pytest.fixture
@@ -45,7 +48,7 @@ def backends(monkeypatch):
     calls = []
     monkeypatch.setattr(C, "check_cuda", lambda *a: None)
     monkeypatch.setattr(cc, "tensor_arch", lambda t: "sm_90a")
-    monkeypatch.setattr(S, "attention_backward_sm90", Recorder("sm90", calls))
+    monkeypatch.setattr(S, "attention_backward_sm90", Recorder("sm90", calls, sink_grad=True))
     monkeypatch.setattr(M, "_backward", Recorder("mem_eff", calls))  # behind the deterministic and grouped-head steps
     return calls
 

@@ -70,13 +70,13 @@ def test_host_sizes_gradients_by_their_head_dims(monkeypatch, head_dim, head_dim
 
     monkeypatch.setattr(P, "convert_dq", convert)
     q, k, v, do, o = _problem(h=4, hk=2, d=head_dim, dv=head_dim_v)
-    dq, dk, dv, db = _sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 1)
+    dq, dk, dv, db, dsink = _sm90(do, q, k, v, o, torch.zeros(2, 4, 128), 0.1, 1)
     # (only d128's own tiles store each block's first dQ: none of these pairs; d64's persistent
     # causal CTAs zero the accumulator themselves)
     assert keys == [
         S.Sm90Config(cutlass.BFloat16, head_dim, head_dim_v, 1, "sm_90a", zero_ahead=head_dim == head_dim_v == 64)
     ]
-    assert db is None
+    assert db is None and dsink is None
     ((q_, k_, v_, do_, lse, delta, acc, dk_, dv_, *_),) = launches
     # the LSE in log2 units from the preprocess launch, shaped as Δ
     assert acc.shape == (2, 128, 4, head_dim) and delta.shape == lse.shape == (2, 4, 128)
@@ -150,7 +150,7 @@ def test_call_plans_follow_the_signature_and_the_settings(monkeypatch):
 
     def call(mask_type=0, sq=100):
         q, k, v, do, o = _problem(sq=sq, h=4, hk=2, d=128, dv=128)
-        dq, dk, dv, _ = _sm90(do, q, k, v, o, lse, 0.1, mask_type)
+        dq, dk, dv, _, _ = _sm90(do, q, k, v, o, lse, 0.1, mask_type)
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
 
     call()
@@ -180,7 +180,7 @@ def test_one_scratch_allocation_holds_the_launches_buffers(monkeypatch, determin
     monkeypatch.setattr(
         P,
         "launch_preprocess",
-        lambda out, do, delta, acc, scale, cu, mq, lse, lse2, dlse: pre.append((delta, acc, lse2)),
+        lambda out, do, delta, acc, scale, cu, mq, lse, lse2, dlse, sink, terms: pre.append((delta, acc, lse2)),
     )
     monkeypatch.setattr(S, "compiled", lambda config: keys.append(config) or (lambda *a: launches.append(a)))
     monkeypatch.setattr(
