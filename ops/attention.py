@@ -766,9 +766,10 @@ def _op(
     # the parameters are AttentionBackwardArgs' fields, in order (the op's schema is flat); the
     # backend is chosen here, at run time, on the real tensors (their device's arch)
     gq, gk, gv, gb, gs = run_backward(AttentionBackwardArgs(**locals()))
-    # an op returns tensors: no bias or sink gradient is an empty one (the wrapper gives None)
-    empty = query.new_empty((0,))
-    return gq, gk, gv, empty if gb is None else gb, empty if gs is None else gs
+    # an op returns tensors: no bias or sink gradient is an empty one (the wrapper gives None),
+    # one each: an op's outputs may not alias one another
+    gb = query.new_empty((0,)) if gb is None else gb
+    return gq, gk, gv, gb, query.new_empty((0,)) if gs is None else gs
 
 
 @_op.register_fake

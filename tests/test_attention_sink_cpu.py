@@ -343,3 +343,16 @@ def test_sm90_backward_sums_its_preprocess_sink_terms(monkeypatch):
         assert sink32.dtype == torch.float32 and torch.equal(sink32, sink.float()) and terms.shape == shape
         want = torch.arange(terms.numel(), dtype=torch.float32).view(terms.shape).sum((0, 2))
         assert dsink.dtype == torch.bfloat16 and torch.equal(dsink, want.to(torch.bfloat16))
+
+
+def test_backward_op_returns_unaliased_empties(monkeypatch):
+    """Without a bias or sink gradient the backward op returns an empty tensor for each, two
+    distinct ones: torch refuses an op whose outputs alias (as under torch.compile)."""
+    from ops import attention as A
+    from ops import attention_common as C
+
+    q, k, v, do, o = (torch.zeros(1, 8, 2, 16) for _ in range(5))
+    monkeypatch.setattr(A, "run_backward", lambda args: (q.clone(), k.clone(), v.clone(), None, None))
+    args = C.AttentionBackwardArgs(grad_out=do, query=q, key=k, value=v, out=o, logsumexp=torch.zeros(1, 2, 32))
+    *_, gb, gs = A._op(*args.normalized(0.25).op_args())
+    assert gb.shape == (0,) and gs.shape == (0,) and gb is not gs
