@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from cute_kernels.attention_sm90.attention_forward_sm90 import AttentionForwardSm90
-from cute_kernels.attention_sm90.forward_config import forward_tiles, forward_unsupported
+from cute_kernels.attention_sm90.forward_config import forward_tiles, forward_unsupported, lpt_heads_per_chunk
 from layouts.attention_fwd_sm90 import SMEM_LIMIT, tma_align_elems
 
 from . import _compile as cc
@@ -87,6 +87,7 @@ def _build(config: ForwardConfig):
         cutlass.Int32(0),
         cutlass.Float32(1.0),
         cutlass.Int32(0),
+        cutlass.Int32(1),
         bias,
         *rng,
         cutlass.Float32(1.0),
@@ -242,6 +243,10 @@ def attention_forward_sm90(
     if dropout:
         rows_k = int(max_seqlen_k) if varlen else key.shape[1]
         rng = cc.dropout_args(dropout_p, philox_seed, philox_offset, rows_q, rows_k)
+    chunk = 1
+    if mask_type != 0:  # (only the causal grid's heavy-first order reads it; packed keys bound a sequence's)
+        rows_k = int(max_seqlen_k) if varlen and max_seqlen_k is not None else key.shape[1]
+        chunk = lpt_heads_per_chunk(rows_k, d, value.shape[3], h // key.shape[2], query.element_size(), seqs * h)
     if sink is not None:  # the kernel reads fp32 (a no-op for a contiguous fp32 sink)
         sink = sink.to(torch.float32).contiguous()
     fn = compiled(config)
@@ -251,6 +256,7 @@ def attention_forward_sm90(
         rows_q,
         scale,
         int(window_size),
+        chunk,
         bias,
         *rng,
         softcap,

@@ -150,6 +150,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         max_seqlen_q: Int32,  # varlen: the longest sequence's queries (else unused)
         softmax_scale: Float32,
         window_size: Int32,
+        heads_per_chunk: Int32,  # causal: (batch, head) pairs a chunk of the heavy-first order (>= 1)
         mBias: Optional[cute.Tensor],  # [B, H, Sq, Sk] (has_bias), or None
         philox_seed,  # dropout (None without): Int64 seed and offset, p and 1 / (1 - p) (Float32),
         philox_offset,  # the stream words of one (batch, head): Mq * Mk (varlen: max_seqlen_q * max_seqlen_k)
@@ -206,10 +207,10 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         if const_expr(self.varlen):
             m_blocks = cute.ceil_div(max_seqlen_q, t.tile_m)
             batches = mCuSeqlensQ.shape[0] - 1
-        # causal: the longest query blocks (the last) of every head launch first (a 1-D grid in the
-        # scheduler's heavy-first order, one chunk of all heads); else a head's blocks are
-        # neighbours in launch order, so its K / V stay in L2 between them
-        sched = TileSchedulerParams(m_blocks, heads, batches, heads * batches)
+        # causal: a 1-D grid in the scheduler's heavy-first order, the longest query blocks (the
+        # last) first within each chunk of (batch, head) pairs whose K / V fit L2 together; else a
+        # head's blocks are neighbours in launch order, so its K / V stay in L2 between them
+        sched = TileSchedulerParams(m_blocks, heads, batches, heads_per_chunk)
         grid = (sched.total, 1, 1) if const_expr(self.scheduler.lpt) else (m_blocks, heads, batches)
         rng = None
         if const_expr(self.dropout):
