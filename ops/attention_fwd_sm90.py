@@ -22,7 +22,12 @@ import torch
 from torch import Tensor
 
 from cute_kernels.attention_sm90.attention_forward_sm90 import AttentionForwardSm90
-from cute_kernels.attention_sm90.forward_config import forward_tiles, forward_unsupported, lpt_heads_per_chunk
+from cute_kernels.attention_sm90.forward_config import (
+    forward_tiles,
+    forward_unsupported,
+    lpt_heads_per_chunk,
+    short_causal,
+)
 from layouts.attention_fwd_sm90 import SMEM_LIMIT, tma_align_elems
 
 from . import _compile as cc
@@ -39,7 +44,8 @@ class ForwardConfig:
     bottom-right), whether a sliding window applies, variable lengths, the DSL target, an
     additive bias, dropout, softcapped scores (the cap itself is a runtime argument), used
     lengths (``seqused_q / _k``, int32 per sequence), a learnable sink per query head (its values
-    are a runtime argument)."""
+    are a runtime argument), a causal mask over few keys (``forward_config.short_causal``: its own
+    tiles)."""
 
     dtype: type
     head_dim: int
@@ -53,11 +59,12 @@ class ForwardConfig:
     softcap: bool = False
     seqused: bool = False
     sink: bool = False
+    short_causal: bool = False
 
 
 def _build(config: ForwardConfig):
     c = config
-    tiles = forward_tiles(c.head_dim, c.head_dim_v, c.window, c.bias, c.dropout)
+    tiles = forward_tiles(c.head_dim, c.head_dim_v, c.window, c.bias, c.dropout, c.short_causal)
     kernel = AttentionForwardSm90(
         c.dtype, tiles, c.mask_type, c.window, c.varlen, c.bias, c.dropout, c.softcap, seqused=c.seqused, sink=c.sink
     )
@@ -222,10 +229,13 @@ def attention_forward_sm90(
     if out.numel() == 0 or key.shape[1] == 0 or seqs == 0:  # no launch: nothing to compute, or no key to see
         return out.zero_(), _empty_lse(lse, mq, cu_seqlens_q, seqused_q, sink)
     dropout = dropout_p > 0.0
+    # the longest sequence's keys (packed keys bound it where the caller gives no max_seqlen_k)
+    keys = int(max_seqlen_k) if varlen and max_seqlen_k is not None else key.shape[1]
+    dv, causal = value.shape[3], mask_type != 0
     config = ForwardConfig(
         cc.cute_dtype(query.dtype),
         d,
-        value.shape[3],
+        dv,
         int(mask_type),
         window_size > 0,
         varlen,
@@ -235,6 +245,7 @@ def attention_forward_sm90(
         softcap > 0.0,
         seqused,
         sink is not None,
+        short_causal(d, dv, causal, keys, window_size > 0, bias is not None, dropout),
     )
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
     if bias is not None:
@@ -243,10 +254,8 @@ def attention_forward_sm90(
     if dropout:
         rows_k = int(max_seqlen_k) if varlen else key.shape[1]
         rng = cc.dropout_args(dropout_p, philox_seed, philox_offset, rows_q, rows_k)
-    chunk = 1
-    if mask_type != 0:  # (only the causal grid's heavy-first order reads it; packed keys bound a sequence's)
-        rows_k = int(max_seqlen_k) if varlen and max_seqlen_k is not None else key.shape[1]
-        chunk = lpt_heads_per_chunk(rows_k, d, value.shape[3], h // key.shape[2], query.element_size(), seqs * h)
+    # (only the causal grid's heavy-first order reads the chunk)
+    chunk = lpt_heads_per_chunk(keys, d, dv, h // key.shape[2], query.element_size(), seqs * h) if causal else 1
     if sink is not None:  # the kernel reads fp32 (a no-op for a contiguous fp32 sink)
         sink = sink.to(torch.float32).contiguous()
     fn = compiled(config)
@@ -299,7 +308,7 @@ def benchmark_configurations(cases, arch: str) -> list:
     if arch != "sm_90a":
         return []
     keys = set()
-    for (_, _, _, d), dtype, causal, *features in cases:
+    for (_, _, s, d), dtype, causal, *features in cases:
         tokens = features[0].split(":") if features and features[0] else []
         dv = next((int(t[2:]) for t in tokens if t.startswith("dv")), d)
         if forward_unsupported(d, dv) is not None:
@@ -308,5 +317,8 @@ def benchmark_configurations(cases, arch: str) -> list:
         varlen = "varlen" in tokens
         softcap, sink = any(t.startswith("softcap") for t in tokens), "sink" in tokens
         dt = cc.cute_dtype(getattr(torch, dtype))
-        keys.add(ForwardConfig(dt, d, dv, 1 if causal else 0, window, varlen, arch, softcap=softcap, sink=sink))
+        # packed sequences: their longest is not in the case, so the tiles of either
+        for short in {short_causal(d, dv, causal, n, window, False, False) for n in ((s, 0) if varlen else (s,))}:
+            config = ForwardConfig(dt, d, dv, int(causal), window, varlen, arch, softcap=softcap, sink=sink)
+            keys.add(dataclasses.replace(config, short_causal=short))
     return sorted(keys, key=repr)

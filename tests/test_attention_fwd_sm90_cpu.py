@@ -53,12 +53,13 @@ FEATURE_CONFIGS = [
     A.ForwardConfig(F16, 64, 64, 1, False, True, "sm_90a", dropout=True),
     A.ForwardConfig(BF16, 256, 256, 1, False, False, "sm_90a", dropout=True),
     A.ForwardConfig(BF16, 192, 128, 2, True, False, "sm_90a", bias=True),
+    A.ForwardConfig(BF16, 128, 128, 1, False, True, "sm_90a", short_causal=True),
 ]
 
 
 def _config_id(c):
     dv = "" if c.head_dim_v == c.head_dim else f"v{c.head_dim_v}"
-    features = "-bias" * c.bias + "-dropout" * c.dropout
+    features = "-bias" * c.bias + "-dropout" * c.dropout + "-short" * c.short_causal
     return f"{c.dtype.__name__}-d{c.head_dim}{dv}-m{c.mask_type}-w{int(c.window)}-v{int(c.varlen)}{features}"
 
 
@@ -75,7 +76,7 @@ def test_every_head_dim_pair_compiles_in_a_test():
 
 @pytest.mark.parametrize(
     "features",
-    [(), ("window",), ("bias",), ("dropout",), ("window", "bias", "dropout")],
+    [(), ("window",), ("bias",), ("dropout",), ("short_causal",), ("window", "bias", "dropout", "short_causal")],
     ids=lambda f: "-".join(f) or "plain",
 )
 @pytest.mark.parametrize("dims", F.HEAD_DIMS, ids=lambda d: f"d{d[0]}v{d[1]}")
@@ -226,6 +227,47 @@ def test_benchmark_configurations_follow_the_cases():
         (192, 128, 1, True),
     }
     assert A.benchmark_configurations(cases, "sm_80") == []
+    # causal d128: its own tiles over few keys; packed sequences (longest unknown) get both
+    short = [((2, 16, 4096, 128), "bfloat16", True), ((1, 16, 16384, 128), "bfloat16", True)]
+    keys = A.benchmark_configurations(short + [((1, 16, 32768, 128), "bfloat16", True, "varlen")], "sm_90a")
+    assert {(k.varlen, k.short_causal) for k in keys} == {(False, True), (False, False), (True, True), (True, False)}
+
+
+def test_short_causal_tiles_only_where_they_differ():
+    assert F.short_causal(128, 128, True, 4096, False, False, False)
+    assert F.short_causal(128, 128, True, F.SHORT_CAUSAL_KEYS, False, False, False)
+    assert not F.short_causal(128, 128, True, F.SHORT_CAUSAL_KEYS + 1, False, False, False)
+    assert not F.short_causal(128, 128, False, 4096, False, False, False)  # no mask
+    assert not F.short_causal(128, 128, True, 4096, True, False, False)  # a window's tiles are these already
+    assert not F.short_causal(128, 128, True, 4096, False, True, False)  # and a bias's
+    assert not F.short_causal(64, 64, True, 4096, False, False, False)
+    short, long = (F.forward_tiles(128, 128, short_causal=x) for x in (True, False))
+    assert (short.tile_m, short.tile_n) == (128, 128) and (long.tile_m, long.tile_n) == F.TILES[(128, 128)]
+
+
+def test_lpt_chunk_keeps_the_chunks_keys_and_values_in_l2():
+    mib = 1 << 20
+    # 2 MiB of K / V a head at 4096 keys, d128 bf16: the power of two of heads that fit
+    fit = F.LPT_L2_BYTES // (2 * mib)
+    want = 1 << (fit.bit_length() - 1)
+    assert F.lpt_heads_per_chunk(4096, 128, 128, 1, 2, 1000) == want
+    assert F.lpt_heads_per_chunk(4096, 128, 128, 4, 2, 1000) == 4 * want  # four query heads a key head
+    assert F.lpt_heads_per_chunk(4096, 128, 128, 1, 2, 3) == 3  # no more than the pairs
+    assert F.lpt_heads_per_chunk(1 << 22, 256, 256, 2, 2, 64) == 2  # one key head's group, even past L2
+    assert F.lpt_heads_per_chunk(0, 128, 128, 1, 2, 7) == 7
+
+
+@pytest.mark.parametrize("mask_type,want", [(0, 1), (1, 2 * 16), (2, 2 * 16)])
+def test_forward_launch_passes_the_chunk(monkeypatch, mask_type, want):
+    """The causal grid's chunk is the model's (8 key heads of 8192 keys, d128 bf16, fit
+    40 MiB: 8, times the group of 4), capped by the pairs; without a mask 1."""
+    seen = {}
+    monkeypatch.setattr(A, "compiled", lambda config: lambda *a: seen.update(config=config, args=a))
+    monkeypatch.setattr(F, "LPT_L2_BYTES", 40 << 20)
+    q = torch.zeros(2, 8192, 16, 128, dtype=torch.bfloat16)
+    k, v = (torch.zeros(2, 8192, 4, 128, dtype=torch.bfloat16) for _ in range(2))
+    A.attention_forward_sm90(q, k, v, mask_type=mask_type)
+    assert seen["args"][10] == want and seen["config"].short_causal == (mask_type != 0)
 
 
 def test_the_op_takes_our_forward_where_it_applies():

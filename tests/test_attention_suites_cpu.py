@@ -512,7 +512,7 @@ def test_cpu_cli_run_compiles_the_quick_configurations(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.main(["--quick", "--suite", "attention_fwd", "--suite", "attention_train"]) == 0
     out = capsys.readouterr().out
-    assert "attention_fwd: compiling 4 configurations (sm_80 0, sm_90a 4)" in out
+    assert "attention_fwd: compiling 5 configurations (sm_80 0, sm_90a 5)" in out
     listed = [c for s in NEW for arch in CC.ARCHES for c in CC.suite_configs(s, True)[arch]]
     assert sorted(map(repr, seen)) == sorted(repr((c.cache.split(":")[0], c.key)) for c in listed)
     assert f"{len(listed)} configurations compiled" in out
@@ -522,5 +522,5 @@ def test_cpu_cli_run_compiles_the_quick_configurations(monkeypatch, capsys):
 def test_quick_forward_configurations_compile():
     """The forward kernel's quick configurations compile for sm_90a with fake tensors."""
     assert (
-        attention_fwd.compile_only("sm_90a", quick=True) == 4
-    )  # plain d128, d64 causal, the 512 window, the packed sequences
+        attention_fwd.compile_only("sm_90a", quick=True) == 5
+    )  # plain d128, d64 causal, the 512 window, the packed sequences (short- and long-causal tiles)

@@ -42,6 +42,14 @@ WINDOW_TILES = {(128, 128): (128, 128), (192, 192): (128, 96), (192, 128): (128,
 # 128 x 128; d96 / d192 keep theirs at 8 bytes. Dropout's keep flags (two buffers of
 # tile_m x tile_n / 8 bytes) do not fit beside d256's 128 x 80 tiles.
 BIAS_TILES = {(64, 64): (128, 128), (128, 128): (128, 128)}
+# Causal over at most SHORT_CAUSAL_KEYS keys: d128 takes FA4's 128 x 128 (less of each diagonal
+# block masked off); longer, 128 x 160's interior blocks win. H200, kernel alone, 160 / 128 keys a
+# block, two rounds (ms): 2x16x4096x128 0.243-0.243 / 0.238-0.238, 6x16x4096x128 0.770-0.782 /
+# 0.733-0.754, 4x32x2048x128 with 8 kv heads 0.295-0.310 / 0.290-0.293, packed sequences (32768
+# tokens, longest 5590) 0.904-0.909 / 0.878-0.886, 1x16x8192x128 0.473-0.473 / 0.473-0.476,
+# 1x32x16384x128 3.60-3.89 / 3.96-4.06.
+SHORT_CAUSAL_KEYS = 8192
+SHORT_CAUSAL_TILES = {(128, 128): (128, 128)}
 DROPOUT_TILES = {(256, 256): (128, 64)}
 
 PRODUCER_REGS = {2: 24, 3: 32}  # setmaxnreg of the producer warpgroup, by consumer warpgroups
@@ -49,17 +57,41 @@ CONSUMER_REGS = {2: 240, 3: 160}  # of each consumer warpgroup (within 64K regis
 
 
 def forward_tiles(
-    head_dim: int, head_dim_v: int, window: bool = False, bias: bool = False, dropout: bool = False
+    head_dim: int,
+    head_dim_v: int,
+    window: bool = False,
+    bias: bool = False,
+    dropout: bool = False,
+    short_causal: bool = False,
 ) -> AttentionFwdSm90Tiles:
     """The tiles the forward compiles with for Dqk / Dv and the features that bound them (a sliding
-    window, an attention bias, dropout; ``forward_unsupported`` first)."""
+    window, an attention bias, dropout, a causal mask over few keys; ``forward_unsupported``
+    first)."""
     dims = (head_dim, head_dim_v)
     bounds = [TILES[dims]]
-    for on, table in ((window, WINDOW_TILES), (bias, BIAS_TILES), (dropout, DROPOUT_TILES)):
+    features = (
+        (window, WINDOW_TILES),
+        (bias, BIAS_TILES),
+        (dropout, DROPOUT_TILES),
+        (short_causal, SHORT_CAUSAL_TILES),
+    )
+    for on, table in features:
         if on and dims in table:
             bounds.append(table[dims])
     tile_m, tile_n = min(bounds, key=lambda t: t[0] * t[1])
     return AttentionFwdSm90Tiles(head_dim, head_dim_v, tile_m, tile_n, STAGES)
+
+
+def short_causal(
+    head_dim: int, head_dim_v: int, causal: bool, rows_k: int, window: bool, bias: bool, dropout: bool
+) -> bool:
+    """Whether a causal mask over ``rows_k`` keys (the longest sequence's) takes
+    SHORT_CAUSAL_TILES: only where they differ from the tiles the other features give."""
+    if not causal or rows_k > SHORT_CAUSAL_KEYS or (head_dim, head_dim_v) not in SHORT_CAUSAL_TILES:
+        return False
+    return forward_tiles(head_dim, head_dim_v, window, bias, dropout, True) != forward_tiles(
+        head_dim, head_dim_v, window, bias, dropout
+    )
 
 
 def forward_unsupported(head_dim: int, head_dim_v: int):
