@@ -419,8 +419,10 @@ def memory_efficient_attention(
             backward (``backend="mem_eff"`` runs our forward and the memory-efficient backward).
 
     Returns:
-        out [B, Mq, H, Kv] in query's dtype (with ``return_lse``: (out, logsumexp)). Eager varlen calls read cu_seqlens back once to
-        check them (non-decreasing from 0, within M, within max_seqlen).
+        out [B, Mq, H, Kv] in query's dtype (with ``return_lse``: (out, logsumexp)). Eager varlen
+        calls read each cu_seqlens tensor back once to check it (non-decreasing from 0, within M,
+        within max_seqlen): a device synchronisation the first time a tensor is passed (and after
+        an in-place change), none when the same tensor comes again (the layers of a step).
     """
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")

@@ -10,6 +10,7 @@ import numbers
 from typing import Tuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _compile as cc
 from ._validate import check_cuda, check_float, check_int, check_same_device, check_tensor, validate_once
@@ -112,6 +113,24 @@ def check_cu_values(name, cu, total, max_seqlen, max_name):
     return longest, lengths
 
 
+_cu_checked = WeakIdKeyDictionary()  # a cu_seqlens tensor -> ((its version, total, max_seqlen), result)
+
+
+def cu_values_once(name, cu, total, max_seqlen, max_name):
+    """``check_cu_values``, read from the device once per tensor and version: the same tensor
+    passed again unchanged (the layers of one step share theirs, forward and backward) costs no
+    synchronisation; an in-place change bumps the version and is checked again."""
+    if cu.is_inference():  # (no version counter to tell a change)
+        return check_cu_values(name, cu, total, max_seqlen, max_name)
+    key = (cu._version, total, max_seqlen)
+    known = _cu_checked.get(cu)
+    if known is not None and known[0] == key:
+        return known[1]
+    result = check_cu_values(name, cu, total, max_seqlen, max_name)
+    _cu_checked[cu] = (key, result)
+    return result
+
+
 def validate_call(
     query, key, value, causal, window_size, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 ):
@@ -142,8 +161,8 @@ def validate_call(
     if max_seqlen_k is not None and max_seqlen_k > key.shape[1]:
         raise ValueError(f"max_seqlen_k ({max_seqlen_k}) is longer than key's packed length {key.shape[1]}")
     if cc.eager(cu_seqlens_q) and not cc.capturing():  # values may be read here
-        longest_q, lq = check_cu_values("cu_seqlens_q", cu_seqlens_q, query.shape[1], max_seqlen_q, "max_seqlen_q")
-        longest_k, lk = check_cu_values("cu_seqlens_k", cu_seqlens_k, key.shape[1], max_seqlen_k, "max_seqlen_k")
+        longest_q, lq = cu_values_once("cu_seqlens_q", cu_seqlens_q, query.shape[1], max_seqlen_q, "max_seqlen_q")
+        longest_k, lk = cu_values_once("cu_seqlens_k", cu_seqlens_k, key.shape[1], max_seqlen_k, "max_seqlen_k")
         if mask_type == 2 and any(a > b for a, b in zip(lq, lk)):
             raise NotImplementedError(BOTTOM_RIGHT_MSG.format(mq="a sequence's Mq", mk="its Mk"))
         max_seqlen_q = max(1, longest_q) if max_seqlen_q is None else int(max_seqlen_q)

@@ -200,6 +200,30 @@ def test_cu_seqlens_values_are_checked(values, total, max_seqlen, fragment):
     assert longest == 5 and lengths == [3, 0, 5]
 
 
+def test_cu_seqlens_values_are_read_once_per_tensor_and_version(monkeypatch):
+    """The same cu_seqlens tensor passed again unchanged is not read back (a device
+    synchronisation each time on a GPU); another tensor, another packed length or an in-place
+    change (its version) is checked again."""
+    reads = []
+    real = AC.check_cu_values
+    monkeypatch.setattr(AC, "check_cu_values", lambda *a: reads.append(a[1]) or real(*a))
+    t = torch.tensor([0, 3, 8], dtype=torch.int32)
+    assert AC.cu_values_once("cu_seqlens_q", t, 8, None, "max_seqlen_q") == (5, [3, 5])
+    assert AC.cu_values_once("cu_seqlens_q", t, 8, None, "max_seqlen_q") == (5, [3, 5])
+    assert len(reads) == 1
+    AC.cu_values_once("cu_seqlens_q", t, 9, None, "max_seqlen_q")  # another packed length
+    AC.cu_values_once("cu_seqlens_q", t.clone(), 8, None, "max_seqlen_q")  # another tensor
+    assert len(reads) == 3
+    t[2] = 11  # in place: past the packed length now
+    with pytest.raises(ValueError, match="ends at 11"):
+        AC.cu_values_once("cu_seqlens_q", t, 9, None, "max_seqlen_q")
+    with torch.inference_mode():  # no version counter: every call reads
+        u = torch.tensor([0, 2], dtype=torch.int32)
+    for _ in range(2):
+        AC.cu_values_once("cu_seqlens_q", u, 8, None, "max_seqlen_q")
+    assert len(reads) == 6
+
+
 def test_varlen_dropout_refuses_torchs_forward():
     """Where our forward does not apply, dropout with variable lengths raises instead of running
     torch's forward, whose keep mask no backward replays (meta tensors: no arch, so not ours)."""
