@@ -33,8 +33,8 @@ TILES = {
 }
 HEAD_DIMS = tuple(TILES)  # (Dqk, Dv) the forward compiles for; others run torch's forward
 # d128 with a 512-key window, H200 (ms; FA4's sm90 choice there is 128 x 128): 128 x 128 0.198 / 0.196,
-# 128 x 144 0.228 / 0.229, 128 x 160 0.230 / 0.232 (two rounds). Causal without a window: 128 x 128
-# within 2% of 128 x 160 at 4096 to 16384 tokens, not taken.
+# 128 x 144 0.228 / 0.229, 128 x 160 0.230 / 0.232 (two rounds). Causal without a window:
+# SHORT_CAUSAL_TILES below.
 WINDOW_TILES = {(128, 128): (128, 128), (192, 192): (128, 96), (192, 128): (128, 96), (256, 256): (128, 64)}
 # Features that hold more a thread or take shared memory bound the tile further (the smallest
 # bound that applies wins): a bias fragment (read before the softmax, beside S, P and O) spills
