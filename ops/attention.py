@@ -331,7 +331,7 @@ def _mea_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
         seqused_k=used_k,
         sink=sink if sink_wanted else None,
     )
-    dq, dk, dv, db, dsink = _backward(args)
+    dq, dk, dv, db, dsink = _backward(args, checked=True)
     return (dq, dk, dv) + (None,) * 7 + (db,) + (None,) * 6 + (dsink,)
 
 
@@ -853,11 +853,17 @@ def efficient_attention_backward(
     return _backward(given)[:4]
 
 
-def _backward(given: AttentionBackwardArgs) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
-    """``efficient_attention_backward``'s body on its arguments, checked here; also
-    ``memory_efficient_attention``'s backward, with what aten's signature has no room for (the
-    logsumexp's gradient, a learnable sink's). (grad_q, grad_k, grad_v, grad_bias, grad_sink)."""
-    check_backward_args(given)
+def _backward(
+    given: AttentionBackwardArgs, checked: bool = False
+) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """``efficient_attention_backward``'s body on its arguments, checked here unless ``checked``;
+    also ``memory_efficient_attention``'s backward, with what aten's signature has no room for
+    (the logsumexp's gradient, a learnable sink's). (grad_q, grad_k, grad_v, grad_bias,
+    grad_sink). ``checked``: the op's own backward, whose inputs its forward checked (and that
+    the backward runs on them) and whose gradients autograd gives out's and the LSE's shape,
+    dtype and device (``kernel_ready`` their strides)."""
+    if not checked:
+        check_backward_args(given)
     query, bias, scale = given.query, given.bias, given.scale
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])

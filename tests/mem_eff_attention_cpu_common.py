@@ -108,10 +108,11 @@ class BackwardStandIn:
         self.calls = []
         self.sink = None
 
-    def on_args(self, a):
+    def on_args(self, a, checked=False):
         """``_backward``'s five results: with ``a.sink`` (the sink's gradient asked of the backward)
         its d sink from the op's own ``sink_grad`` (torch ops on CPU tensors), the reference's
-        four before it."""
+        four before it. ``checked``: the op's backward says its forward checked the inputs."""
+        assert checked, "the op's backward passes checked=True (its forward checked the inputs)"
         grads = self._on_args(a)
         if a.sink is None:
             return (*grads, None)
