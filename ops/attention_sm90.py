@@ -547,7 +547,7 @@ def attention_backward_sm90(args: AttentionBackwardArgs):
         dq_accum = _unzeroed_dq_accum(dq_accum)
     elif not plan.scratch.fused_zeroing:  # the preprocess clears out's width (Dv): Dqk's apart
         dq_accum.zero_()
-    sink_terms = _preprocess(a, s.delta, dq_accum if plan.scratch.fused_zeroing else None, s.lse_log2)
+    _preprocess(a, s.delta, dq_accum if plan.scratch.fused_zeroing else None, s.lse_log2, s.sink_terms)
     fn(
         a.query,
         a.key,
@@ -579,7 +579,7 @@ def attention_backward_sm90(args: AttentionBackwardArgs):
     dq = P.convert_dq(
         dq_accum, float(a.scale), d, sq, a.cu_seqlens_q, a.max_seqlen_q, 0.0, a.query.dtype, ready=s.ready
     )
-    grad_sink = None if sink_terms is None else sink_terms.sum((0, 2)).to(a.sink.dtype)
+    grad_sink = None if a.sink is None else s.sink_terms.sum((0, 2)).to(a.sink.dtype)
     return (dq.unsqueeze(0) if a.varlen else dq), dk, dv, grad_bias, grad_sink
 
 
@@ -588,17 +588,21 @@ def _zero_sink_grad(sink: Optional[Tensor]) -> Optional[Tensor]:
 
 
 def _preprocess(
-    a: AttentionBackwardArgs, delta: Tensor, dq_accum: Optional[Tensor], lse_log2: Tensor
-) -> Optional[Tensor]:
+    a: AttentionBackwardArgs,
+    delta: Tensor,
+    dq_accum: Optional[Tensor],
+    lse_log2: Tensor,
+    sink_terms: Optional[Tensor] = None,
+) -> None:
     """Δ from out / dO (Dv wide; the pre / postprocess take packed sequences as [total, H, D]),
     ``dq_accum`` zeroed where given, the LSE in the kernel's log2 units, with a loss on the LSE
-    Δ - dLSE, with a sink its gradient's row terms (returned, shaped as Δ; else None): one
+    Δ - dLSE, with a sink its gradient's row terms into ``sink_terms`` (shaped as Δ): one
     launch. Then Δ := 0 in the rows that see no key (O may be unwritten there; their LSE is a
     constant 0, so dLSE gives them nothing; the sink's terms are taken before, from the real Δ)."""
     out, grad_out = (a.out[0], a.grad_out[0]) if a.varlen else (a.out, a.grad_out)
-    sink = terms = None
+    sink = None
     if a.sink is not None:  # (before the launch: the kernel follows it by programmatic dependent launch)
-        sink, terms = a.sink.float().contiguous(), torch.empty_like(delta)
+        sink = a.sink.float().contiguous()
     P.launch_preprocess(
         out,
         grad_out,
@@ -611,14 +615,13 @@ def _preprocess(
         lse_log2,
         a.grad_lse,
         sink,
-        terms,
+        sink_terms if sink is not None else None,
     )
     mask, sq, sk = int(a.custom_mask_type), a.query.shape[1], a.key.shape[1]
     P.zero_blind_delta(delta, mask, a.window, sq, sk, a.cu_seqlens_q, a.cu_seqlens_k)
     if a.seqused:  # the padding rows' Δ (dO there is the caller's, dLSE the padding's)
         rows = torch.arange(delta.shape[-1], device=delta.device)
         delta.masked_fill_((rows.view(1, -1) >= a.seqused_q.view(-1, 1)).unsqueeze(1), 0.0)
-    return terms
 
 
 def _call_plan_of(a: AttentionBackwardArgs) -> _CallPlan:
@@ -629,7 +632,7 @@ def _call_plan_of(a: AttentionBackwardArgs) -> _CallPlan:
     bias, grad_bias = a.bias is not None, a.bias is not None and bool(a.bias_requires_grad)
     varlen = (a.cu_seqlens_q.shape, int(a.max_seqlen_q), int(a.max_seqlen_k)) if a.varlen else None
     sig = (query.shape, key.shape, value.shape, query.dtype, query.device, mask, a.window, deterministic, varlen)
-    sig += (bias, grad_bias, a.dropout, rng_dev, a.softcap > 0.0, a.seqused, _knobs())
+    sig += (bias, grad_bias, a.dropout, rng_dev, a.softcap > 0.0, a.seqused, a.sink is not None, _knobs())
     plan = _call_plans.get(sig)
     if plan is None:
         plan = _call_plans.put(
@@ -650,6 +653,7 @@ def _call_plan_of(a: AttentionBackwardArgs) -> _CallPlan:
                 rng_dev,
                 a.softcap > 0.0,
                 a.seqused,
+                a.sink is not None,
             ),
         )
     return plan
@@ -665,6 +669,7 @@ class _Scratch(NamedTuple):
     counter: Optional[Tensor]
     ready: Optional[tuple]  # ConvertDQReady's (tile counter, counts, query heads per key head, complete count)
     first: Optional[Tensor]
+    sink_terms: Optional[Tensor]
 
 
 def _scratch(plan: _CallPlan, device) -> _Scratch:
@@ -678,8 +683,11 @@ def _scratch(plan: _CallPlan, device) -> _Scratch:
     delta = scratch.as_strided(sp.delta_shape, sp.delta_strides, 0)
     lse_log2 = scratch.as_strided(sp.delta_shape, sp.delta_strides, sp.lse_offset)
     dq_accum = scratch.as_strided(sp.dq_accum_shape, sp.dq_accum_strides, sp.dq_accum_offset)
+    sink_terms = None
+    if sp.sink_offset is not None:
+        sink_terms = scratch.as_strided(sp.delta_shape, sp.delta_strides, sp.sink_offset)
     if not sp.zeroed:
-        return _Scratch(delta, lse_log2, dq_accum, None, None, None, None)
+        return _Scratch(delta, lse_log2, dq_accum, None, None, None, None, sink_terms)
     ints = scratch.view(torch.int32)
     ints.as_strided((sp.zeroed,), (1,), sp.flags_offset).zero_()
     counter, tiles, counts, first, semaphore = (
@@ -687,7 +695,7 @@ def _scratch(plan: _CallPlan, device) -> _Scratch:
     )
     # a head is complete once every key block of the grid (ceil(rows_k / tile_n)) is counted
     ready = None if counts is None else (tiles, counts, *plan.ready_counts)
-    return _Scratch(delta, lse_log2, dq_accum, semaphore, counter, ready, first)
+    return _Scratch(delta, lse_log2, dq_accum, semaphore, counter, ready, first, sink_terms)
 
 
 class _CallPlan(NamedTuple):
@@ -706,14 +714,15 @@ class _CallPlan(NamedTuple):
 
 class _ScratchPlan(NamedTuple):
     """Where a call's fp32 scratch allocation holds its parts (offsets in 4-byte elements,
-    each part starting on ``SCRATCH_ALIGN_BYTES``): Δ and the LSE in log2 units [sequences, H,
-    rows rounded], the zeroed int32s (``int_parts``), the dQ accumulator
+    each part starting on ``SCRATCH_ALIGN_BYTES``): Δ, the LSE in log2 units and a sink's row
+    terms [sequences, H, rows rounded], the zeroed int32s (``int_parts``), the dQ accumulator
     (``attention_bwd_prepost.dq_accum_shape``)."""
 
     elems: int
     delta_shape: tuple
     delta_strides: tuple
     lse_offset: int
+    sink_offset: Optional[int]  # a learnable sink's row terms, shaped as Δ (None: no sink)
     flags_offset: int
     zeroed: int  # int32s to zero
     # (shape, strides, offset) of the int32 parts, None where absent: the tile counter(s),
@@ -735,14 +744,21 @@ def _contiguous_strides(shape) -> tuple:
 
 
 def _scratch_plan(
-    seqs: int, h: int, rows_q: int, dq_accum_shape: tuple, int_shapes: tuple, fused_zeroing: bool
+    seqs: int,
+    h: int,
+    rows_q: int,
+    dq_accum_shape: tuple,
+    int_shapes: tuple,
+    fused_zeroing: bool,
+    sink: bool = False,
 ) -> _ScratchPlan:
-    """``int_shapes``: the zeroed int32 parts' shapes in ``_ScratchPlan.int_parts``' order, None where absent."""
+    """``int_shapes``: the zeroed int32 parts' shapes in ``_ScratchPlan.int_parts``' order, None
+    where absent; ``sink``: a part shaped as Δ for a learnable sink's row terms."""
     align = bwd_config.SCRATCH_ALIGN_BYTES // 4  # fp32 / int32 elements
     up = lambda n: round_up(n, align)  # noqa: E731
     delta_shape = P.delta_shape(seqs, h, rows_q)
     n_delta = up(math.prod(delta_shape))
-    flags_offset = offset = 2 * n_delta
+    flags_offset = offset = (3 if sink else 2) * n_delta
     int_parts = []
     for shape in int_shapes:
         int_parts.append(None if shape is None else (shape, _contiguous_strides(shape), offset))
@@ -754,6 +770,7 @@ def _scratch_plan(
         delta_shape=delta_shape,
         delta_strides=_contiguous_strides(delta_shape),
         lse_offset=n_delta,
+        sink_offset=2 * n_delta if sink else None,
         flags_offset=flags_offset,
         zeroed=zeroed,
         int_parts=tuple(int_parts),
@@ -802,6 +819,7 @@ def _call_plan(
     rng_dev: bool = False,
     softcap: bool = False,
     seqused: bool = False,
+    sink: bool = False,
 ) -> _CallPlan:
     varlen = cu_seqlens_q is not None
     b, sq, h, d = query.shape
@@ -847,7 +865,7 @@ def _call_plan(
     # the accumulator as the preprocess would size it (packed sequences: their total rows)
     dq_accum_shape = P.dq_accum_shape(seqs, sq, h, d, varlen=varlen)
     fused_zeroing = not unzeroed and P.clears_dq_accum(d_v, d)
-    scratch = _scratch_plan(seqs, h, rows_q, dq_accum_shape, int_shapes, fused_zeroing)
+    scratch = _scratch_plan(seqs, h, rows_q, dq_accum_shape, int_shapes, fused_zeroing, sink)
     return _CallPlan(
         config=config,
         empty=False,

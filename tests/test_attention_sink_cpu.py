@@ -318,10 +318,11 @@ def test_sm90_backward_sums_its_preprocess_sink_terms(monkeypatch):
     from ops import attention_common as C
     from ops import attention_sm90 as S
 
-    seen = []
+    seen, delta_storage = [], []
 
     def launch(out, do, delta, acc, scale, cu, mq, lse, lse2, dlse, sink, terms):
         seen.append((delta.shape, sink, terms))
+        delta_storage.append(delta.untyped_storage().data_ptr())
         if terms is not None:
             terms.copy_(torch.arange(terms.numel(), dtype=torch.float32).view(terms.shape))
 
@@ -341,6 +342,7 @@ def test_sm90_backward_sums_its_preprocess_sink_terms(monkeypatch):
             assert dsink is None and sink32 is None and terms is None
             continue
         assert sink32.dtype == torch.float32 and torch.equal(sink32, sink.float()) and terms.shape == shape
+        assert terms.untyped_storage().data_ptr() == delta_storage[-1]  # the call's one scratch allocation
         want = torch.arange(terms.numel(), dtype=torch.float32).view(terms.shape).sum((0, 2))
         assert dsink.dtype == torch.bfloat16 and torch.equal(dsink, want.to(torch.bfloat16))
 
