@@ -18,6 +18,7 @@ from torch import Tensor
 
 from . import _compile as cc
 from . import attention_bwd_prepost as P
+from .reference import attention_delta_ref
 
 
 def sink_grad(
@@ -95,14 +96,8 @@ def _sink_grad_torch(sink, out, grad_out, lse, grad_lse, cu_seqlens_q, rows: int
 
 def delta_rows(out: Tensor, grad_out: Tensor, cu_seqlens_q: Optional[Tensor], rows: int) -> Tensor:
     """Δ = rowsum(dO ∘ O) in fp32 in the LSE's layout: [B, H, Mq], or [sequences, H, rows] with
-    ``cu_seqlens_q`` (0 past each sequence's rows)."""
-    per_token = (grad_out.float() * out.float()).sum(-1)  # [B, Mq, H]
+    ``cu_seqlens_q`` (0 past each sequence's rows): ``reference.attention_delta_ref`` (fp64, CPU
+    tensors here) in fp32."""
     if cu_seqlens_q is None:
-        return per_token.transpose(1, 2)
-    # packed rows: row t of sequence i = searchsorted(cu, t) - 1 is [i, :, t - cu[i]]
-    cu = cu_seqlens_q.long()
-    t = torch.arange(int(cu[-1]), device=out.device)
-    seq = torch.searchsorted(cu, t, right=True) - 1
-    delta = per_token.new_zeros((cu.shape[0] - 1, out.shape[2], rows))
-    delta[seq, :, t - cu[seq]] = per_token[0, : t.shape[0]]
-    return delta
+        return attention_delta_ref(out, grad_out, rounded=False).float()
+    return attention_delta_ref(out[0], grad_out[0], 1.0, cu_seqlens_q, rows, rounded=False).float()
