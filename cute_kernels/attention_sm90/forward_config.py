@@ -3,6 +3,8 @@ budgets, pipeline depth, the warpgroup ping-pong. Measured on H100 / H200 (docs/
 
 from __future__ import annotations
 
+import functools
+
 from layouts.attention_fwd_sm90 import AttentionFwdSm90Tiles
 
 STAGES = 2  # K / V ring depth
@@ -89,9 +91,14 @@ def short_causal(
     SHORT_CAUSAL_TILES: only where they differ from the tiles the other features give."""
     if not causal or rows_k > SHORT_CAUSAL_KEYS or (head_dim, head_dim_v) not in SHORT_CAUSAL_TILES:
         return False
-    return forward_tiles(head_dim, head_dim_v, window, bias, dropout, True) != forward_tiles(
-        head_dim, head_dim_v, window, bias, dropout
-    )
+    return _short_tiles_differ(head_dim, head_dim_v, window, bias, dropout)
+
+
+@functools.lru_cache(maxsize=None)
+def _short_tiles_differ(head_dim: int, head_dim_v: int, window: bool, bias: bool, dropout: bool) -> bool:
+    """(Asked on every causal call: the tiles are built once per feature set.)"""
+    short = forward_tiles(head_dim, head_dim_v, window, bias, dropout, True)
+    return short != forward_tiles(head_dim, head_dim_v, window, bias, dropout)
 
 
 def forward_unsupported(head_dim: int, head_dim_v: int):
