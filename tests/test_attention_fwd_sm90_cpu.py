@@ -295,3 +295,17 @@ def test_use_for_sdpa_registers_and_restores_the_forward():
     with ops.use_for_sdpa():
         assert "attention_sdpa.py" in kernel_line()
     assert kernel_line() == before
+
+
+def test_varlen_grid_covers_every_real_block():
+    """The packed-sequence grid, (rows + sequences (tile_m - 1)) // tile_m a head, is at least
+    the real query blocks, sum ceil(len / tile_m), for any lengths within the packed rows."""
+    from cute_kernels.attention.varlen_scheduler import varlen_grid_ctas
+
+    gen = torch.Generator().manual_seed(3)
+    for tile_m in (128, 192):
+        for _ in range(200):
+            lens = torch.randint(0, 700, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen).tolist()
+            rows = sum(lens) + int(torch.randint(0, 300, (1,), generator=gen))
+            blocks = sum(-(-n // tile_m) for n in lens)
+            assert blocks * 3 <= varlen_grid_ctas(rows, len(lens), 3, tile_m)

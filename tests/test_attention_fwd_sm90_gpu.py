@@ -119,6 +119,42 @@ def test_dense(case, dtype):
     assert lse.shape[-1] == math.ceil(sq / 32) * 32 and torch.isinf(lse[:, :, sq:]).all()
 
 
+@pytest.mark.parametrize("d,mask", [(64, 1), (128, 0), (128, 2)])
+def test_varlen_many_sequences_and_a_loose_max_seqlen(d, mask):
+    """More sequences than a warp has lanes (the CTAs' block decode walks them 32 at a time),
+    empty and one-token ones among them, and max_seqlen_q above the longest (an upper bound, as
+    torch's forward takes it): every sequence's rows against the reference."""
+    gen = torch.Generator().manual_seed(d + mask)
+    lens = [int(x) for x in torch.randint(0, 400, (45,), generator=gen)]
+    lens[3], lens[10], lens[40] = 0, 1, 1000
+    cu = torch.tensor([0, *lens], device="cuda").cumsum(0).int()
+    q, k, v = (torch.randn(1, sum(lens), 4, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out, lse = A.attention_forward_sm90(q, k, v, None, mask, 0, cu, cu, max(lens) + 300)
+    ref_out, ref_lse = attention_forward_ref(q, k, v, custom_mask_type=mask, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    for i, n in enumerate(lens):
+        if n:
+            rows = slice(cu[i], cu[i + 1])
+            _check(out[:, rows], lse[i, :, :n], ref_out[:, rows], ref_lse[i, :, :n], torch.bfloat16)
+
+
+def test_varlen_sections_of_heads():
+    """A sequence whose K / V for all 12 heads do not fit the L2 budget runs its heads in
+    sections (8, then a narrower 4 at d128 over 7000 keys), beside short and empty sequences and
+    packed rows past the last sequence: every sequence's rows against the reference."""
+    lens = [300, 7000, 0, 1200]
+    cu = torch.tensor([0, *lens], device="cuda").cumsum(0).int()
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (
+        torch.randn(1, sum(lens) + 50, 12, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3)
+    )
+    out, lse = A.attention_forward_sm90(q, k, v, None, 1, 0, cu, cu, max(lens), max(lens))
+    ref_out, ref_lse = attention_forward_ref(q, k, v, custom_mask_type=1, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    for i, n in enumerate(lens):
+        if n:
+            rows = slice(cu[i], cu[i + 1])
+            _check(out[:, rows], lse[i, :, :n], ref_out[:, rows], ref_lse[i, :, :n], torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
     "case", VARLEN, ids=lambda c: f"{len(c[0])}seqs-{_dims(c[4], c[7:])[2]}-h{c[2]}/{c[3]}-m{c[5]}-w{c[6]}"

@@ -47,6 +47,7 @@ from cute_kernels.attention.named_barrier import NamedBarrierFwd
 from cute_kernels.attention.seqlen_info import Rows, SeqlenInfo
 from cute_kernels.attention.softcap import cap_scores
 from cute_kernels.attention.tile_scheduler import GridTileScheduler, TileSchedulerParams
+from cute_kernels.attention.varlen_scheduler import VarlenTileParams, VarlenTileScheduler, varlen_grid_ctas
 from cute_kernels.common.convert import convert_packed
 from cute_kernels.common.log2_units import LN_2, LOG2_E
 from cute_kernels.common.views import select_modes, transpose_view
@@ -59,7 +60,7 @@ from layouts.attention_fwd_sm90 import (
 )
 
 from .forward_arguments import Atoms, Globals, QueryBlock, Scalars, Smem
-from .forward_config import CONSUMER_REGS, PRODUCER_REGS, pingpong, sum_chains
+from .forward_config import CONSUMER_REGS, LPT_L2_BYTES, PRODUCER_REGS, pingpong, sum_chains
 from .forward_features import ForwardFeaturesMixin
 from .wgmma import acc_as_operand_a, acc_mn_layout, wgmma
 
@@ -133,6 +134,8 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         self.sink = sink
         self.mask = AttentionMask(tiles.tile_m, tiles.tile_n, mask_type, has_window, varlen)
         self.scheduler = GridTileScheduler(lpt=mask_type != 0)
+        if varlen:  # a CTA a real query block, the sequences' heads in sections that fit L2
+            self.scheduler = VarlenTileScheduler(tiles.tile_m, lpt=mask_type != 0)
         self.pingpong = pingpong(tiles)
         self.sum_chains = sum_chains(tiles)
 
@@ -147,7 +150,7 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         mLSE: cute.Tensor,  # [B, H, lse_rows] fp32, lse_rows >= Sq (varlen: [sequences, H, lse_rows])
         mCuSeqlensQ: Optional[cute.Tensor],  # varlen: int32 [sequences + 1] (else None)
         mCuSeqlensK: Optional[cute.Tensor],
-        max_seqlen_q: Int32,  # varlen: the longest sequence's queries (else unused)
+        max_seqlen_q: Int32,  # varlen: the longest sequence's queries (unused: the grid comes from the lengths)
         softmax_scale: Float32,
         window_size: Int32,
         heads_per_chunk: Int32,  # causal: (batch, head) pairs a chunk of the heavy-first order (>= 1)
@@ -204,14 +207,16 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         heads, batches = mQ.shape[2], mQ.shape[3]
         m_blocks = cute.ceil_div(seqlen_q, t.tile_m)
-        if const_expr(self.varlen):
-            m_blocks = cute.ceil_div(max_seqlen_q, t.tile_m)
-            batches = mCuSeqlensQ.shape[0] - 1
         # causal: a 1-D grid in the scheduler's heavy-first order, the longest query blocks (the
         # last) first within each chunk of (batch, head) pairs whose K / V fit L2 together; else a
         # head's blocks are neighbours in launch order, so its K / V stay in L2 between them
         sched = TileSchedulerParams(m_blocks, heads, batches, heads_per_chunk)
         grid = (sched.total, 1, 1) if const_expr(self.scheduler.lpt) else (m_blocks, heads, batches)
+        if const_expr(self.varlen):  # a 1-D grid over the sequences' real blocks
+            batches = mCuSeqlensQ.shape[0] - 1
+            l2_rows = Int32(LPT_L2_BYTES // ((t.head_dim + t.head_dim_v) * elem)) * (heads // mK.shape[2])
+            sched = VarlenTileParams(batches, heads, l2_rows)
+            grid = (varlen_grid_ctas(seqlen_q, batches, heads, t.tile_m), 1, 1)
         rng = None
         if const_expr(self.dropout):
             rng = PhiloxArgs(philox_seed, philox_offset, dropout_p, dropout_scale, dropout_bh_elems)
@@ -282,16 +287,19 @@ class AttentionForwardSm90(ForwardFeaturesMixin):
         seqlen_q: Int32,
         seqlen_k: Int32,
         group: Int32,
-        sched: TileSchedulerParams,
+        sched,  # TileSchedulerParams; VarlenTileParams with packed sequences
         scale_log2: Float32,
         tanh_scale: Float32,
         window_size: Int32,
         SharedStorage: cutlass.Constexpr,
     ):
         t = self.tiles
-        m_block, head, batch = self.scheduler.cta_coords(sched)
-        if const_expr(self.scheduler.lpt):  # heavy-first: the last query blocks see the most keys
-            m_block = sched.n_blocks - 1 - m_block
+        if const_expr(self.varlen):
+            m_block, head, batch = self.scheduler.cta_coords(sched, mCuSeqlensQ, mCuSeqlensK)
+        else:
+            m_block, head, batch = self.scheduler.cta_coords(sched)
+            if const_expr(self.scheduler.lpt):  # heavy-first: the last query blocks see the most keys
+                m_block = sched.n_blocks - 1 - m_block
         # where the CTA's sequence starts in the packed rows (varlen) and its (used) lengths
         seq = SeqlenInfo.create(
             batch,
