@@ -304,6 +304,9 @@ def _mea_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
     if grad_out is None:  # a loss on the logsumexp alone: dO = 0, so dV = 0 and dS = P dLSE
         grad_out = torch.zeros_like(out)  # (out's layout, which the kernels read)
     bias_grad = attn_bias is not None and ctx.needs_input_grad[10]
+    # already as ``AttentionBackwardArgs.normalized`` makes them: the forward checked and
+    # converted each value (``_backward`` then skips that step)
+    scale = ctx.scale if ctx.scale is not None else 1.0 / math.sqrt(query.shape[-1])
     args = AttentionBackwardArgs(
         grad_out=grad_out,
         query=query,
@@ -316,12 +319,12 @@ def _mea_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
         max_seqlen_k=ctx.max_seqlens[1],
         logsumexp=lse,
         custom_mask_type=ctx.mask_type,
-        scale=ctx.scale,
+        scale=scale,
         window_size=ctx.window_size if ctx.window_size > 0 else None,
         bias=attn_bias,
         bias_requires_grad=bias_grad,
         dropout_p=ctx.dropout_p,
-        philox_seed=seed,
+        philox_seed=seed,  # (read only with dropout)
         philox_offset=offset,
         backend=ctx.backend,
         deterministic=ctx.deterministic,
@@ -862,13 +865,16 @@ def _backward(
     grad_sink). ``checked``: the op's own backward, whose inputs its forward checked (and that
     the backward runs on them) and whose gradients autograd gives out's and the LSE's shape,
     dtype and device (``kernel_ready`` their strides)."""
-    if not checked:
+    query, bias = given.query, given.bias
+    if checked:  # built normalized by the op's backward (``_mea_backward``)
+        args = given
+    else:
         check_backward_args(given)
-    query, bias, scale = given.query, given.bias, given.scale
-    if scale is None:
-        scale = 1.0 / math.sqrt(query.shape[-1])
-    check_float("scale", scale)
-    args = given.normalized(scale)
+        scale = given.scale
+        if scale is None:
+            scale = 1.0 / math.sqrt(query.shape[-1])
+        check_float("scale", scale)
+        args = given.normalized(scale)
     grad_q, grad_k, grad_v, grad_bias, grad_sink = run_backward(args) if cc.eager(query) else _op(*args.op_args())
     if given.sink is None:
         grad_sink = None

@@ -122,7 +122,9 @@ def test_autograd_wiring(cpu_attention, case):
     for got, ref in zip((q.grad, k.grad, v.grad), want):
         torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
     (call,) = cpu_attention.calls
-    assert call["mask"] == mask_type and call["window"] == window and call["scale"] == scale
+    # (the op's backward gets the scale resolved: the default is 1 / sqrt(Dqk))
+    assert call["mask"] == mask_type and call["window"] == window
+    assert call["scale"] == (scale if scale is not None else kd**-0.5)
     if lengths is None:
         assert call["max"] == (mq, mk)
     else:
