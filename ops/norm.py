@@ -224,21 +224,25 @@ def launch(grad_out, x, weight, mean, rstd, bias, is_rms, dx, dweight, dbias) ->
         plan.finalize(part_g, part_b, dweight, dbias, None, None)
 
 
-def _outputs(grad_out, x, weight, bias):
-    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
-    n = x.shape[-1]
-    # absent gradients are returned as empty tensors by the custom op (None outside it)
-    dweight = torch.empty(
-        n if weight is not None else 0, dtype=weight.dtype if weight is not None else x.dtype, device=x.device
-    )
-    dbias = torch.empty(
-        n if bias is not None else 0, dtype=bias.dtype if bias is not None else x.dtype, device=x.device
-    )
+def _outputs(grad_out, x, weight, bias, stub=True):
+    """dx, dweight, dbias: dx contiguous in x's shape and dtype, dweight / dbias as the (checked:
+    [N], on x's device) weight / bias. An absent gradient is an empty tensor with ``stub`` (the
+    custom op returns tensors), else None."""
+    contiguous = torch.contiguous_format
+    dx = torch.empty_like(x, memory_format=contiguous)
+    if weight is not None:
+        dweight = torch.empty_like(weight, memory_format=contiguous)
+    else:
+        dweight = x.new_empty((0,)) if stub else None
+    if bias is not None:
+        dbias = torch.empty_like(bias, memory_format=contiguous)
+    else:
+        dbias = x.new_empty((0,)) if stub else None
     return dx, dweight, dbias
 
 
-def _norm_backward_impl(grad_out, x, weight, mean, rstd, bias, is_rms):
-    dx, dweight, dbias = _outputs(grad_out, x, weight, bias)
+def _norm_backward_impl(grad_out, x, weight, mean, rstd, bias, is_rms, stub=True):
+    dx, dweight, dbias = _outputs(grad_out, x, weight, bias, stub)
     launch(
         grad_out,
         x,
@@ -273,10 +277,9 @@ def _(grad_out, x, weight, mean, rstd, bias, is_rms):
 
 
 def _norm_backward_call(grad_out, x, weight, mean, rstd, bias, is_rms):
-    if cc.eager(x):
-        dx, dw, db = _norm_backward_impl(grad_out, x, weight, mean, rstd, bias, is_rms)
-    else:
-        dx, dw, db = _norm_backward(grad_out, x, weight, mean, rstd, bias, is_rms)
+    if cc.eager(x):  # absent gradients come back as None
+        return _norm_backward_impl(grad_out, x, weight, mean, rstd, bias, is_rms, False)
+    dx, dw, db = _norm_backward(grad_out, x, weight, mean, rstd, bias, is_rms)
     return dx, dw if weight is not None else None, db if bias is not None else None
 
 
@@ -356,8 +359,10 @@ def forward_unsupported(x, weight, bias, arch=None) -> Optional[str]:
     return norm_forward.unsupported(x, weight, bias, arch)
 
 
-def _norm_forward_impl(x, weight, bias, eps, is_rms):
-    reason = forward_unsupported(x, weight, bias)
+def _norm_forward_impl(x, weight, bias, eps, is_rms, stub_mean=True):
+    """(y, mean, rstd); RMSNorm's mean (it has none) an empty tensor with ``stub_mean`` (the
+    custom op returns tensors), else None where our kernel runs (the eager paths)."""
+    reason = norm_forward.unsupported(x, weight, bias)  # (``forward_unsupported``)
     if log.isEnabledFor(logging.DEBUG):
         log.debug(
             "%s forward: %s",
@@ -365,7 +370,7 @@ def _norm_forward_impl(x, weight, bias, eps, is_rms):
             "ours" if reason is None else f"torch's ({reason})",
         )
     if reason is None:
-        return norm_forward.forward(x, weight, bias, eps, is_rms)
+        return norm_forward.forward(x, weight, bias, eps, is_rms, stub_mean)
     return _torch_forward(x, weight, bias, eps, is_rms)
 
 
@@ -389,10 +394,11 @@ def _norm_forward_call(x, weight, bias, eps, is_rms) -> Tensor:
     the body itself, or with a gradient wanted ``_NormEager``."""
     if not cc.eager(x):
         return _norm_forward(x, weight, bias, eps, is_rms)[0]
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    if not grad:
-        return _norm_forward_impl(x, weight, bias, eps, is_rms)[0]
-    return _NormEager.apply(x, weight, bias, eps, is_rms)[0]
+    if torch.is_grad_enabled() and (
+        x.requires_grad or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad)
+    ):
+        return _NormEager.apply(x, weight, bias, eps, is_rms)[0]
+    return _norm_forward_impl(x, weight, bias, eps, is_rms, False)[0]
 
 
 def _norm_setup(ctx, inputs, output):
@@ -402,8 +408,12 @@ def _norm_setup(ctx, inputs, output):
     ctx.has_weight = weight is not None
     ctx.has_bias = bias is not None
     ctx.save_for_backward(x, weight, bias, mean, rstd)
-    # the statistics take no gradient: without materialised zeros for them (two fills a step)
-    ctx.mark_non_differentiable(mean, rstd)
+    # the statistics take no gradient: without materialised zeros for them (two fills a step);
+    # the eager path's RMSNorm has no mean (None)
+    if mean is None:
+        ctx.mark_non_differentiable(rstd)
+    else:
+        ctx.mark_non_differentiable(mean, rstd)
     ctx.set_materialize_grads(False)
 
 
@@ -423,7 +433,7 @@ torch.library.register_autograd("cute_kernels::norm_forward", _norm_autograd_bac
 
 # the op's eager path with a gradient (the body looked up at call time, as the op's is)
 _NormEager = cc.eager_autograd(
-    "_NormEager", lambda *inputs: _norm_forward_impl(*inputs), _norm_setup, _norm_autograd_backward
+    "_NormEager", lambda *inputs: _norm_forward_impl(*inputs, False), _norm_setup, _norm_autograd_backward
 )
 
 

@@ -186,11 +186,15 @@ def launch(x: Tensor, weight, bias, eps: float, is_rms: bool, y: Tensor, mean: O
 
 
 def forward(
-    x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, is_rms: bool
+    x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, is_rms: bool, stub_mean: bool = True
 ) -> Tuple[Tensor, ...]:
-    """(y, mean, rstd) of x [..., N] over N (``unsupported`` first: None)."""
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    mean = x.new_empty((0,), dtype=torch.float32) if is_rms else torch.empty_like(rstd)
+    """(y, mean, rstd) of x [..., N] over N (``unsupported`` first: None); RMSNorm's mean an empty
+    tensor with ``stub_mean``, else None."""
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    rstd = x.new_empty(x.shape[:-1], dtype=torch.float32)
+    if is_rms:
+        mean = x.new_empty((0,), dtype=torch.float32) if stub_mean else None
+    else:
+        mean = torch.empty_like(rstd)
     launch(x, weight, bias, eps, is_rms, y, None if is_rms else mean, rstd)
     return y, mean, rstd
