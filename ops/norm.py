@@ -480,6 +480,54 @@ def _check_norm_inputs(x, weight, bias, eps):
             check_dtype(name, t, cc.FLOAT_DTYPES)
 
 
+_fronts = Memo()  # layer_norm / rms_norm calls' metadata whose checks passed: whether x is flattened
+
+
+def _meta(t):
+    return None if t is None else (type(t), t.device, t.dtype, t.shape)
+
+
+def _checked(x, normalized_shape, weight, bias, eps, is_rms):
+    """``_front``'s full checks, in the order of the errors they raise."""
+    if is_rms:
+        check_cuda("x", x)
+        check_dtype("x", x, cc.FLOAT_DTYPES)  # before finfo, which would reject an int dtype less clearly
+        if eps is None:
+            eps = torch.finfo(x.dtype).eps
+    _check_norm_inputs(x, weight, bias, eps)
+    xf, wf, bf = _flatten_normalized(x, _normalized_shape(x, normalized_shape), weight, bias)
+    return xf, wf, bf, float(eps)
+
+
+def _front(x, normalized_shape, weight, bias, eps, is_rms):
+    """(x, weight, bias, eps) of a layer_norm / rms_norm call as the forward takes them: [..., N],
+    [N] or None, a float (RMSNorm's None: x's dtype's eps, as torch).
+
+    The checks run in full once per metadata signature (x's, weight's and bias's type, device,
+    dtype and shape, and normalized_shape: host time matters), eps's on every call; a trace
+    (Dynamo cannot hash) and arguments that are not tensors or not hashable always take them in
+    full, which name what is wrong."""
+    key = flat = None
+    if not torch.compiler.is_compiling():
+        try:
+            key = (normalized_shape, _meta(x), _meta(weight), _meta(bias))
+            flat = _fronts.get(key)
+        except (AttributeError, TypeError):
+            key = None
+    if flat is None:
+        out = _checked(x, normalized_shape, weight, bias, eps, is_rms)
+        if key is not None:
+            _fronts.put(key, out[0] is not x)
+        return out
+    if eps is None and is_rms:
+        eps = torch.finfo(x.dtype).eps
+    if type(eps) is not float or eps - eps != 0.0:  # not a finite float: the check (ints pass) says
+        check_float("eps", eps)
+    if flat:
+        x, weight, bias = _flatten_normalized(x, _normalized_shape(x, normalized_shape), weight, bias)
+    return x, weight, bias, float(eps)
+
+
 def layer_norm(
     x: Tensor,
     normalized_shape: Union[int, Sequence[int], None] = None,
@@ -489,12 +537,9 @@ def layer_norm(
 ) -> Tensor:
     """``F.layer_norm`` through our forward and backward kernels (torch's forward where ours does
     not apply: ``forward_unsupported``); ``normalized_shape`` defaults to x's last dim."""
-    _check_norm_inputs(x, weight, bias, eps)
-    normalized_shape = _normalized_shape(x, normalized_shape)
-    shape = x.shape
-    xf, wf, bf = _flatten_normalized(x, normalized_shape, weight, bias)
-    y = _norm_forward_call(xf, wf, bf, float(eps), False)
-    return y if xf is x else y.reshape(shape)
+    xf, wf, bf, eps = _front(x, normalized_shape, weight, bias, eps, False)
+    y = _norm_forward_call(xf, wf, bf, eps, False)
+    return y if xf is x else y.reshape(x.shape)
 
 
 def rms_norm(
@@ -505,23 +550,16 @@ def rms_norm(
 ) -> Tensor:
     """``F.rms_norm`` through our forward and backward kernels (as ``layer_norm``); ``eps`` None
     means ``torch.finfo(x.dtype).eps`` as torch."""
-    check_cuda("x", x)
-    check_dtype("x", x, cc.FLOAT_DTYPES)  # before finfo, which would reject an int dtype less clearly
-    if eps is None:
-        eps = torch.finfo(x.dtype).eps
-    _check_norm_inputs(x, weight, None, eps)
-    normalized_shape = _normalized_shape(x, normalized_shape)
-    shape = x.shape
-    xf, wf, _ = _flatten_normalized(x, normalized_shape, weight, None)
-    y = _norm_forward_call(xf, wf, None, float(eps), True)
-    return y if xf is x else y.reshape(shape)
+    xf, wf, _, eps = _front(x, normalized_shape, weight, None, eps, True)
+    y = _norm_forward_call(xf, wf, None, eps, True)
+    return y if xf is x else y.reshape(x.shape)
 
 
 class LayerNorm(torch.nn.LayerNorm):
     """``torch.nn.LayerNorm`` whose forward and backward run our kernels on CUDA tensors."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.device.type != "cuda":
+        if not x.is_cuda:
             return super().forward(x)
         return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
@@ -530,7 +568,7 @@ class RMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` whose forward and backward run our kernels on CUDA tensors."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.device.type != "cuda":
+        if not x.is_cuda:
             return super().forward(x)
         return rms_norm(x, self.normalized_shape, self.weight, self.eps)
 
