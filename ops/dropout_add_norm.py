@@ -88,7 +88,10 @@ def _setup(ctx, inputs, output):
     ctx.xb_dtype = None if x_bias is None else x_bias.dtype
     ctx.has_weight, ctx.has_bias = weight is not None, bias is not None
     ctx.save_for_backward(r, weight, bias, mean, rstd, mask)
-    ctx.mark_non_differentiable(mask, mean, rstd)
+    if mean is None:  # the eager path's RMSNorm
+        ctx.mark_non_differentiable(mask, rstd)
+    else:
+        ctx.mark_non_differentiable(mask, mean, rstd)
     ctx.set_materialize_grads(False)  # no zero fills for the outputs that reach no loss
 
 
@@ -104,8 +107,8 @@ def _backward(ctx, grad_y, grad_r, grad_mask, grad_mean, grad_rstd):
     grad_r = None if grad_r is None else grad_r.contiguous()
     args = (grad_y, grad_r, r, weight, bias, None if ctx.is_rms else mean, rstd, mask, ctx.p, ctx.is_rms)
     args += (ctx.x_dtype, ctx.res_dtype, ctx.xb_dtype)
-    if cc.eager(grad_y):
-        dx, dres, dw, db, dxb = K.backward(*args)
+    if cc.eager(grad_y):  # absent gradients come back as None
+        dx, dres, dw, db, dxb = K.backward(*args, False)
     else:
         dx, dres, dw, db, dxb = _backward_op(*args)
     pick = lambda g, on: g if on else None  # noqa: E731
@@ -125,17 +128,27 @@ def _backward(ctx, grad_y, grad_r, grad_mask, grad_mean, grad_rstd):
 torch.library.register_autograd("cute_kernels::dropout_add_norm_forward", _backward, setup_context=_setup)
 
 # the op's eager path with a gradient (the body looked up at call time, as the op's is)
-_Eager = cc.eager_autograd("_DropoutAddNormEager", lambda *inputs: K.forward(*inputs), _setup, _backward)
+# (RMSNorm's mean None there: the eager paths need no stand-in tensor for it)
+_Eager = cc.eager_autograd("_DropoutAddNormEager", lambda *inputs: K.forward(*inputs, False), _setup, _backward)
+
+
+def _requires_grad(t) -> bool:
+    return t is not None and t.requires_grad
 
 
 def _cuda_call(x, residual, weight, bias, x_bias, p, eps, is_rms, residual_in_fp32):
     args = (x, residual, weight, bias, x_bias, float(p), float(eps), is_rms, residual_in_fp32)
     if not cc.eager(x):
         return _forward_op(*args)
-    tensors = (x, residual, weight, bias, x_bias)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+    if torch.is_grad_enabled() and (
+        x.requires_grad
+        or _requires_grad(residual)
+        or _requires_grad(weight)
+        or _requires_grad(bias)
+        or _requires_grad(x_bias)
+    ):
         return _Eager.apply(*args)
-    return K.forward(*args)
+    return K.forward(*args, False)
 
 
 def _torch_call(x, residual, weight, bias, x_bias, p, eps, is_rms, residual_in_fp32):

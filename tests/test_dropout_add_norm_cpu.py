@@ -113,6 +113,30 @@ def test_backward_arguments(recorder):
     assert args[9] is None and args[10] is None and args[11] is None and args[12] is None
 
 
+def test_eager_outputs_rows_as_allocated_and_absent_ones_none(recorder):
+    """Rows already [rows, N] hand the kernels y, r, the mask and the statistics as allocated (no
+    views); the eager path (``stub_mean`` / ``stub`` False) gets None for RMSNorm's mean and for
+    absent gradients, where the custom op needs empty tensors. Other ranks and p = 0 still view."""
+    x, res, w = torch.randn(6, 64, dtype=torch.bfloat16), torch.randn(6, 64), torch.randn(64)
+    y, r, mask, mean, rstd = K.forward(x, res, w, None, None, 0.1, 1e-5, True, False, False)
+    ((_, _, args),) = recorder
+    assert args[3] is y and args[10] is r and args[11] is mask and args[4] is None and args[5] is rstd
+    assert mean is None and y.is_contiguous() and r.dtype == torch.float32
+    y3, _, mask3, mean3, _ = K.forward(x.view(2, 3, 64), None, w, w, None, 0.0, 1e-5, False, False, False)
+    args = recorder[-1][2]
+    assert args[3].shape == (6, 64) and args[4].shape == (6,) and args[11] is None and mask3.numel() == 0
+    assert y3.shape == (2, 3, 64) and mean3.shape == (2, 3)
+    recorder.clear()
+    dy, rstd = torch.randn(2, 3, 64, dtype=torch.bfloat16), torch.rand(2, 3)
+    mask = torch.zeros(2, 3, 8, dtype=torch.uint8)
+    dx, dres, dw, db, dxb = K.backward(
+        dy, None, dy.float(), w, None, None, rstd, mask, 0.5, True, torch.bfloat16, None, None, False
+    )
+    assert dres is None and db is None and dxb is None and dw.shape == (64,) and dx.shape == (2, 3, 64)
+    args = recorder[0][2]
+    assert args[5].shape == (6, 64) and args[10].shape == (6, 8) and args[11] is None and args[12] is None
+
+
 def _fake_cuda(*shape, dtype=torch.bfloat16):
     return torch.empty(shape, device="cuda", dtype=dtype)
 
