@@ -19,6 +19,7 @@ from torch import Tensor
 
 from . import _compile as cc
 from . import dropout_add_norm_kernels as K
+from ._memo import Memo
 from ._validate import check_dtype, check_float, check_probability, check_same_device, check_shape, check_tensor
 
 
@@ -171,7 +172,39 @@ def _torch_call(x, residual, weight, bias, x_bias, p, eps, is_rms, residual_in_f
     return y.to(x.dtype), r, mask
 
 
+_checked = Memo()  # the tensors' metadata of calls whose checks passed
+
+
+def _meta(t):
+    return None if t is None else (type(t), t.device, t.dtype, t.shape)
+
+
 def _check(x, residual, weight, bias, x_bias, p, eps, rowscale, is_rms):
+    """The call's checks: the tensors' in full once per metadata signature (type, device, dtype
+    and shape of each; host time matters), the values' on every call. A trace (Dynamo cannot
+    hash) and arguments that are not tensors always take the full checks, which name them."""
+    key = None
+    if not torch.compiler.is_compiling():
+        try:
+            key = (_meta(x), _meta(residual), _meta(weight), _meta(bias), _meta(x_bias))
+            known = key in _checked
+        except (AttributeError, TypeError):
+            key = None
+    if key is None or not known:
+        _check_tensors(x, residual, weight, bias, x_bias)
+        if key is not None:
+            _checked.put(key, True)
+    if type(p) is not float or not 0.0 <= p < 1.0:  # the check names what is wrong (ints pass)
+        check_probability("p", p)
+    if type(eps) is not float or eps - eps != 0.0:  # not a finite float
+        check_float("eps", eps)
+    if rowscale is not None:
+        raise NotImplementedError("rowscale is not supported by the fused dropout + add + norm")
+    if is_rms and bias is not None:
+        raise NotImplementedError("dropout_add_rms_norm takes no bias (RMSNorm without a shift)")
+
+
+def _check_tensors(x, residual, weight, bias, x_bias):
     check_tensor("x", x)
     check_dtype("x", x, cc.FLOAT_DTYPES)
     if x.dim() < 1 or x.shape[-1] < 1:
@@ -188,18 +221,12 @@ def _check(x, residual, weight, bias, x_bias, p, eps, rowscale, is_rms):
             check_same_device(name, t, x)
             check_dtype(name, t, cc.FLOAT_DTYPES)
             check_shape(name, t, (n,))
-    check_probability("p", p)
-    check_float("eps", eps)
-    if rowscale is not None:
-        raise NotImplementedError("rowscale is not supported by the fused dropout + add + norm")
-    if is_rms and bias is not None:
-        raise NotImplementedError("dropout_add_rms_norm takes no bias (RMSNorm without a shift)")
 
 
 def _dropout_add_norm(x, residual, weight, bias, p, eps, x_bias, rowscale, prenorm, residual_in_fp32, ret_mask, is_rms):
     _check(x, residual, weight, bias, x_bias, p, eps, rowscale, is_rms)
     args = (x, residual, weight, bias, x_bias, p, eps, is_rms, bool(residual_in_fp32))
-    if x.device.type == "cuda":
+    if x.is_cuda:
         y, r, mask = _cuda_call(*args)[:3]
     else:
         y, r, mask = _torch_call(*args)

@@ -232,3 +232,30 @@ def test_modules_drop_only_in_training():
 def test_p_zero_mask_is_all_kept():
     _, bits = ops.dropout_add_layer_norm(torch.randn(3, 11), None, None, None, 0.0, return_dropout_mask=True)
     assert bits.shape == (3, 2) and unpack_mask(bits, 11).all() and (bits[:, 1] == 0b111).all()
+
+
+def test_checks_remembered_by_metadata_still_catch_new_metadata_and_values(monkeypatch):
+    """The tensors are checked in full once per metadata signature (CPU tensors take torch's
+    math, so a passing call is remembered here): new metadata is checked again, p, eps, rowscale
+    and RMSNorm's bias on every call."""
+    monkeypatch.setattr(DAN, "_checked", Memo())
+    x, res, w, b = torch.randn(4, 16), torch.randn(4, 16), torch.randn(16), torch.randn(16)
+    for _ in range(2):
+        ops.dropout_add_layer_norm(x, res, w, b, 0.1, 1e-5)
+    assert len(DAN._checked) == 1
+    bad = [
+        (lambda: ops.dropout_add_layer_norm(x, res, w, b, 1.0), ValueError, "p"),
+        (lambda: ops.dropout_add_layer_norm(x, res, w, b, float("nan")), ValueError, "p"),
+        (lambda: ops.dropout_add_layer_norm(x, res, w, b, True), TypeError, "p"),
+        (lambda: ops.dropout_add_layer_norm(x, res, w, b, 0.1, float("inf")), TypeError, "eps"),
+        (lambda: ops.dropout_add_layer_norm(x, res, w, b, 0.1, rowscale=x[:, 0]), NotImplementedError, "rowscale"),
+        (lambda: ops.dropout_add_rms_norm(x, res, w, b, 0.1), NotImplementedError, "bias"),
+        (lambda: ops.dropout_add_layer_norm(x, res[:, :8], w, b, 0.1), ValueError, "residual"),
+        (lambda: ops.dropout_add_layer_norm(x, res, w.int(), b, 0.1), TypeError, "weight"),
+        (lambda: ops.dropout_add_layer_norm(x, res, w, b.to("meta"), 0.1), ValueError, "bias"),
+        (lambda: ops.dropout_add_layer_norm(x.tolist(), res, w, b, 0.1), TypeError, "x"),
+    ]
+    for call, error, fragment in bad:
+        with pytest.raises(error, match=fragment):
+            call()
+    ops.dropout_add_layer_norm(x, res, w, b, 0, 1)  # int p and eps pass the full value checks
