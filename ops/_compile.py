@@ -172,6 +172,12 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def capturing_on(t: torch.Tensor) -> bool:
+    """``capturing()`` for a call on ``t``: a CUDA tensor implies a CUDA build and device, so only
+    the stream is asked (``torch.cuda.is_available`` reads the environment on every call)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def compile_kernel(fn: Callable, *args, arch: str):
     return cute.compile(fn, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
 

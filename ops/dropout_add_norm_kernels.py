@@ -173,7 +173,7 @@ def forward(
     if plan is None:
         plan = _fwd_plans.put(key, _FwdPlan(xs, res, weight, bias, x_bias, ys, rs, is_rms, dropout))
     seed = offset = None
-    on_device = dropout and cc.capturing()
+    on_device = dropout and cc.capturing_on(x)
     fn = plan.fn(on_device)  # before the draw: a failed compile leaves the generator
     if dropout:
         seed, offset = philox_state_captured(dev) if on_device else philox_seed_offset(dev, PHILOX_WORDS)
