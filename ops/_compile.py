@@ -17,8 +17,8 @@ import cutlass
 import cutlass.cute as cute
 import numpy as np
 import torch
+from torch._C import _len_torch_dispatch_stack
 from torch._subclasses.fake_tensor import is_fake
-from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from . import _disk_cache
 
@@ -63,7 +63,7 @@ def tensor_arch(t: torch.Tensor) -> Optional[str]:
 
     A FakeTensor (torch.compile tracing, FakeTensorMode) reports device "cuda" without
     there being one: asking the driver then fails on a CPU-only machine."""
-    if t.device.type != "cuda" or is_fake_tensor(t):
+    if not t.is_cuda or is_fake_tensor(t):
         return None
     return device_arch(t.device.index)
 
@@ -128,7 +128,7 @@ def eager(t: torch.Tensor) -> bool:
     (FakeTensorMode, make_fx, ...) take the direct path; everything else goes through
     the registered custom op, so graphs still see it.
     """
-    return type(t) is torch.Tensor and not torch.compiler.is_compiling() and _current_dispatch_mode() is None
+    return type(t) is torch.Tensor and not torch.compiler.is_compiling() and _len_torch_dispatch_stack() == 0
 
 
 def eager_autograd(name: str, forward, setup_context, backward) -> type:
@@ -138,21 +138,44 @@ def eager_autograd(name: str, forward, setup_context, backward) -> type:
     time than a short kernel takes. For calls that ``eager`` admits; graphs keep the op. Callers
     pass every input (no defaults are filled in): ``setup_context`` runs inside the Function's
     own ``forward``, since a Function that defines ``setup_context`` has ``apply`` bind its
-    arguments to the forward's signature on every call (``inspect.signature``: about 13 us)."""
+    arguments to the forward's signature on every call (``inspect.signature``: about 13 us).
+
+    Its ``apply`` does what ``Function.apply`` does for such a Function outside functorch
+    transforms (dead functorch wrappers unwrapped, then the C++ apply) without that method's
+    Python around it (about 2 us a call); under a transform it is ``Function.apply`` itself."""
 
     def _forward(ctx, *inputs):
         output = forward(*inputs)
         setup_context(ctx, inputs, output)
         return output
 
-    return type(
+    cls = type(
         name, (torch.autograd.Function,), {"forward": staticmethod(_forward), "backward": staticmethod(backward)}
     )
+    generic = cls.apply  # Function.apply bound to cls
+    c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, cls)  # what its super().apply calls
+    transforms_active = torch._C._are_functorch_transforms_active
+    unwrap = torch._C._functorch.unwrap_if_dead
+    tensor = torch.Tensor
+
+    def apply(*args):
+        if transforms_active():
+            return generic(*args)
+        return c_apply(*[unwrap(a) if isinstance(a, tensor) else a for a in args])
+
+    cls.apply = staticmethod(apply)
+    return cls
 
 
 def capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph (False on a CPU-only build)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def capturing_on(t: torch.Tensor) -> bool:
+    """``capturing()`` for a call on ``t``: a CUDA tensor implies a CUDA build and device, so only
+    the stream is asked (``torch.cuda.is_available`` reads the environment on every call)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def compile_kernel(fn: Callable, *args, arch: str):

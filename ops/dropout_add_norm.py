@@ -19,6 +19,7 @@ from torch import Tensor
 
 from . import _compile as cc
 from . import dropout_add_norm_kernels as K
+from ._memo import Memo
 from ._validate import check_dtype, check_float, check_probability, check_same_device, check_shape, check_tensor
 
 
@@ -88,7 +89,10 @@ def _setup(ctx, inputs, output):
     ctx.xb_dtype = None if x_bias is None else x_bias.dtype
     ctx.has_weight, ctx.has_bias = weight is not None, bias is not None
     ctx.save_for_backward(r, weight, bias, mean, rstd, mask)
-    ctx.mark_non_differentiable(mask, mean, rstd)
+    if mean is None:  # the eager path's RMSNorm
+        ctx.mark_non_differentiable(mask, rstd)
+    else:
+        ctx.mark_non_differentiable(mask, mean, rstd)
     ctx.set_materialize_grads(False)  # no zero fills for the outputs that reach no loss
 
 
@@ -104,8 +108,8 @@ def _backward(ctx, grad_y, grad_r, grad_mask, grad_mean, grad_rstd):
     grad_r = None if grad_r is None else grad_r.contiguous()
     args = (grad_y, grad_r, r, weight, bias, None if ctx.is_rms else mean, rstd, mask, ctx.p, ctx.is_rms)
     args += (ctx.x_dtype, ctx.res_dtype, ctx.xb_dtype)
-    if cc.eager(grad_y):
-        dx, dres, dw, db, dxb = K.backward(*args)
+    if cc.eager(grad_y):  # absent gradients come back as None
+        dx, dres, dw, db, dxb = K.backward(*args, False)
     else:
         dx, dres, dw, db, dxb = _backward_op(*args)
     pick = lambda g, on: g if on else None  # noqa: E731
@@ -125,17 +129,27 @@ def _backward(ctx, grad_y, grad_r, grad_mask, grad_mean, grad_rstd):
 torch.library.register_autograd("cute_kernels::dropout_add_norm_forward", _backward, setup_context=_setup)
 
 # the op's eager path with a gradient (the body looked up at call time, as the op's is)
-_Eager = cc.eager_autograd("_DropoutAddNormEager", lambda *inputs: K.forward(*inputs), _setup, _backward)
+# (RMSNorm's mean None there: the eager paths need no stand-in tensor for it)
+_Eager = cc.eager_autograd("_DropoutAddNormEager", lambda *inputs: K.forward(*inputs, False), _setup, _backward)
+
+
+def _requires_grad(t) -> bool:
+    return t is not None and t.requires_grad
 
 
 def _cuda_call(x, residual, weight, bias, x_bias, p, eps, is_rms, residual_in_fp32):
     args = (x, residual, weight, bias, x_bias, float(p), float(eps), is_rms, residual_in_fp32)
     if not cc.eager(x):
         return _forward_op(*args)
-    tensors = (x, residual, weight, bias, x_bias)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+    if torch.is_grad_enabled() and (
+        x.requires_grad
+        or _requires_grad(residual)
+        or _requires_grad(weight)
+        or _requires_grad(bias)
+        or _requires_grad(x_bias)
+    ):
         return _Eager.apply(*args)
-    return K.forward(*args)
+    return K.forward(*args, False)
 
 
 def _torch_call(x, residual, weight, bias, x_bias, p, eps, is_rms, residual_in_fp32):
@@ -158,7 +172,39 @@ def _torch_call(x, residual, weight, bias, x_bias, p, eps, is_rms, residual_in_f
     return y.to(x.dtype), r, mask
 
 
+_checked = Memo()  # the tensors' metadata of calls whose checks passed
+
+
+def _meta(t):
+    return None if t is None else (type(t), t.device, t.dtype, t.shape)
+
+
 def _check(x, residual, weight, bias, x_bias, p, eps, rowscale, is_rms):
+    """The call's checks: the tensors' in full once per metadata signature (type, device, dtype
+    and shape of each; host time matters), the values' on every call. A trace (Dynamo cannot
+    hash) and arguments that are not tensors always take the full checks, which name them."""
+    key = None
+    if not torch.compiler.is_compiling():
+        try:
+            key = (_meta(x), _meta(residual), _meta(weight), _meta(bias), _meta(x_bias))
+            known = key in _checked
+        except (AttributeError, TypeError):
+            key = None
+    if key is None or not known:
+        _check_tensors(x, residual, weight, bias, x_bias)
+        if key is not None:
+            _checked.put(key, True)
+    if type(p) is not float or not 0.0 <= p < 1.0:  # the check names what is wrong (ints pass)
+        check_probability("p", p)
+    if type(eps) is not float or eps - eps != 0.0:  # not a finite float
+        check_float("eps", eps)
+    if rowscale is not None:
+        raise NotImplementedError("rowscale is not supported by the fused dropout + add + norm")
+    if is_rms and bias is not None:
+        raise NotImplementedError("dropout_add_rms_norm takes no bias (RMSNorm without a shift)")
+
+
+def _check_tensors(x, residual, weight, bias, x_bias):
     check_tensor("x", x)
     check_dtype("x", x, cc.FLOAT_DTYPES)
     if x.dim() < 1 or x.shape[-1] < 1:
@@ -175,18 +221,12 @@ def _check(x, residual, weight, bias, x_bias, p, eps, rowscale, is_rms):
             check_same_device(name, t, x)
             check_dtype(name, t, cc.FLOAT_DTYPES)
             check_shape(name, t, (n,))
-    check_probability("p", p)
-    check_float("eps", eps)
-    if rowscale is not None:
-        raise NotImplementedError("rowscale is not supported by the fused dropout + add + norm")
-    if is_rms and bias is not None:
-        raise NotImplementedError("dropout_add_rms_norm takes no bias (RMSNorm without a shift)")
 
 
 def _dropout_add_norm(x, residual, weight, bias, p, eps, x_bias, rowscale, prenorm, residual_in_fp32, ret_mask, is_rms):
     _check(x, residual, weight, bias, x_bias, p, eps, rowscale, is_rms)
     args = (x, residual, weight, bias, x_bias, p, eps, is_rms, bool(residual_in_fp32))
-    if x.device.type == "cuda":
+    if x.is_cuda:
         y, r, mask = _cuda_call(*args)[:3]
     else:
         y, r, mask = _torch_call(*args)

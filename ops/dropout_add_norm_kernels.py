@@ -67,22 +67,29 @@ _verdicts = Memo()
 
 def unsupported(x: Tensor, residual, weight, bias, x_bias, residual_in_fp32: bool, arch=None) -> Optional[str]:
     """Why the fused kernels cannot take this call (None: they can): the plain forward's
-    reasons (arch, N), then the tiles of the fused configuration."""
+    reasons (arch, N), then the tiles of the fused configuration; remembered by arch, N and
+    dtypes (a tensor without an arch is answered afresh: the reason names its device)."""
+    arch = arch or cc.tensor_arch(x)
+    if arch is None:
+        return norm_forward.unsupported(x, weight, bias, arch)
+    key = (arch, x.dtype, x.shape[-1] if x.dim() else None, _dtype(residual), _dtype(weight), _dtype(bias))
+    key += (_dtype(x_bias),)
+    reason = _verdicts.get(key, False)
+    if reason is False:
+        reason = _verdicts.put(key, _unsupported(x, residual, weight, bias, x_bias, arch))
+    return reason
+
+
+def _unsupported(x, residual, weight, bias, x_bias, arch) -> Optional[str]:
     reason = norm_forward.unsupported(x, weight, bias, arch)
     if reason is not None:
         return reason
-    arch = arch or cc.tensor_arch(x)
-    key = (arch, x.dtype, x.shape[-1], *(None if t is None else t.dtype for t in (residual, weight, bias, x_bias)))
-    reason = _verdicts.get(key, False)
-    if reason is False:
-        try:
-            bits = _bits(residual) if residual is not None else 0
-            ln_config.ln_fwd_tiles(x.shape[-1], 8 * x.element_size(), _bits(weight, bias, x_bias), 1, arch, bits)
-            reason = None
-        except NotImplementedError as e:
-            reason = str(e)
-        _verdicts.put(key, reason)
-    return reason
+    try:
+        bits = _bits(residual) if residual is not None else 0
+        ln_config.ln_fwd_tiles(x.shape[-1], 8 * x.element_size(), _bits(weight, bias, x_bias), 1, arch, bits)
+    except NotImplementedError as e:
+        return str(e)
+    return None
 
 
 class _FwdPlan:
@@ -116,42 +123,63 @@ def _meta(t: Optional[Tensor], align: int = 15):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() & align)
 
 
+def _param_meta(t: Optional[Tensor]):
+    """What a plan reads of a contiguous [N] parameter: its dtype and its address's low 5 bits
+    (a vector of 8 fp32 parameters is 32 bytes)."""
+    return None if t is None else (t.dtype, t.data_ptr() & 31)
+
+
 _fwd_plans = Memo()
 
 
-def forward(x, residual, weight, bias, x_bias, p: float, eps: float, is_rms: bool, residual_in_fp32: bool):
-    """(y, r, mask, mean, rstd): y in x's dtype, r in ``r_dtype``, both x's shape; the keep
-    bits uint8 [..., ceil(N / 8)] (empty where p = 0: nothing is drawn); mean (LayerNorm; else
-    empty) and rstd fp32 of x.shape[:-1]."""
+def forward(
+    x, residual, weight, bias, x_bias, p: float, eps: float, is_rms: bool, residual_in_fp32: bool, stub_mean=True
+):
+    """(y, r, mask, mean, rstd): y in x's dtype, r in ``r_dtype``, both x's shape, contiguous;
+    the keep bits uint8 [..., ceil(N / 8)] (empty where p = 0: nothing is drawn); mean
+    (LayerNorm; else an empty tensor with ``stub_mean``, the custom op's output, or None) and
+    rstd fp32 of x.shape[:-1]."""
     reason = unsupported(x, residual, weight, bias, x_bias, residual_in_fp32)
     if reason is not None:  # torch's math would need the same mask: none to fall back on
         raise NotImplementedError(f"dropout_add_{'rms' if is_rms else 'layer'}_norm on this call: {reason}")
     n = x.shape[-1]
-    dev = x.device
-    y = torch.empty(x.shape, dtype=x.dtype, device=dev)
-    r = torch.empty(x.shape, dtype=r_dtype(x, residual, residual_in_fp32), device=dev)
+    contiguous = torch.contiguous_format
+    y = torch.empty_like(x, memory_format=contiguous)
+    r_dt = r_dtype(x, residual, residual_in_fp32)
+    r = torch.empty_like(x, dtype=r_dt, memory_format=contiguous)
     dropout = p > 0.0
-    mask = torch.empty((*x.shape[:-1], mask_bytes(n)) if dropout else (0,), dtype=torch.uint8, device=dev)
-    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=dev)
-    mean = x.new_empty((0,), dtype=torch.float32) if is_rms else torch.empty_like(rstd)
+    stats = x.shape[:-1]
+    mask = x.new_empty((*stats, mask_bytes(n)) if dropout else (0,), dtype=torch.uint8)
+    rstd = x.new_empty(stats, dtype=torch.float32)
+    if is_rms:
+        mean = x.new_empty((0,), dtype=torch.float32) if stub_mean else None
+    else:
+        mean = torch.empty_like(rstd)
     if x.numel() == 0:
         return y, r, mask, mean, rstd
-    weight, bias, x_bias = (_contiguous_param(t) for t in (weight, bias, x_bias))
+    weight, bias, x_bias = _contiguous_param(weight), _contiguous_param(bias), _contiguous_param(x_bias)
     xs, res = _rows("x", x), _rows("residual", residual)
     rows = xs.shape[0]
-    ys, rs = y.view(rows, n), r.view(rows, n)
-    key = (_meta(xs), _meta(res), _meta(weight, 31), _meta(bias, 31), _meta(x_bias, 31), dev, is_rms, rs.dtype, dropout)
+    if x.dim() == 2:  # y, r, mask [rows, ...] and the statistics [rows] already: no views
+        ys, rs, mr, rstds, means = y, r, mask, rstd, mean
+    else:
+        ys, rs, rstds = y.view(rows, n), r.view(rows, n), rstd.view(rows)
+        mr = mask.view(rows, -1) if dropout else None
+        means = None if is_rms else mean.view(rows)
+    dev = x.device
+    key = (_meta(xs), _meta(res), _param_meta(weight), _param_meta(bias), _param_meta(x_bias), dev, is_rms, r_dt)
+    key += (dropout,)
     plan = _fwd_plans.get(key)
     if plan is None:
         plan = _fwd_plans.put(key, _FwdPlan(xs, res, weight, bias, x_bias, ys, rs, is_rms, dropout))
     seed = offset = None
-    on_device = dropout and cc.capturing()
+    on_device = dropout and cc.capturing_on(x)
     fn = plan.fn(on_device)  # before the draw: a failed compile leaves the generator
     if dropout:
         seed, offset = philox_state_captured(dev) if on_device else philox_seed_offset(dev, PHILOX_WORDS)
     fn(
-        xs, weight, bias, ys, None if is_rms else mean.view(rows), rstd.view(rows), eps, plan.ctas_per_col,
-        res, x_bias, rs, mask.view(rows, -1) if dropout else None, seed, offset,
+        xs, weight, bias, ys, None if is_rms else means, rstds, eps, plan.ctas_per_col,
+        res, x_bias, rs, mr if dropout else None, seed, offset,
         keep_threshold(p), 1.0 / (1.0 - p),
     )  # fmt: skip
     return y, r, mask, mean, rstd
@@ -186,34 +214,40 @@ class _BwdPlan:
 _bwd_plans = Memo()
 
 
-def backward(dy, dr_in, r, weight, bias, mean, rstd, mask, p, is_rms, x_dtype, res_dtype, xb_dtype):
+def backward(dy, dr_in, r, weight, bias, mean, rstd, mask, p, is_rms, x_dtype, res_dtype, xb_dtype, stub=True):
     """(dx, dresidual, dweight, dbias, dx_bias); absent ones (no residual, weight, bias,
-    x_bias) as empty tensors. ``dy`` and ``dr_in`` (the gradient of r, or None) contiguous;
-    ``bias`` only tells dbias's presence and dtype."""
+    x_bias) as empty tensors with ``stub`` (the custom op's outputs), else None. ``dy`` and
+    ``dr_in`` (the gradient of r, or None) contiguous; ``bias`` only tells dbias's presence and
+    dtype."""
     n = r.shape[-1]
-    dev = r.device
-    dx = torch.empty(r.shape, dtype=x_dtype, device=dev)
-    dres = torch.empty(r.shape if res_dtype is not None else (0,), dtype=res_dtype or x_dtype, device=dev)
-    empty = lambda t, dt: torch.empty(n if t else 0, dtype=dt, device=dev)  # noqa: E731
-    dw = empty(weight is not None, weight.dtype if weight is not None else x_dtype)
-    db = empty(bias is not None, bias.dtype if bias is not None else x_dtype)
-    dxb = empty(xb_dtype is not None, xb_dtype or x_dtype)
+    contiguous = torch.contiguous_format
+    dx = torch.empty_like(r, dtype=x_dtype, memory_format=contiguous)
+    absent = (lambda dt: r.new_empty((0,), dtype=dt)) if stub else (lambda dt: None)  # noqa: E731
+    dres = absent(x_dtype) if res_dtype is None else torch.empty_like(r, dtype=res_dtype, memory_format=contiguous)
+    dw = absent(x_dtype) if weight is None else torch.empty_like(weight, memory_format=contiguous)
+    db = absent(x_dtype) if bias is None else torch.empty_like(bias, memory_format=contiguous)
+    dxb = absent(x_dtype) if xb_dtype is None else r.new_empty((n,), dtype=xb_dtype)
     if r.numel() == 0:
         for g in (dw, db, dxb):
-            g.zero_()
+            if g is not None:
+                g.zero_()
         return dx, dres, dw, db, dxb
     weight = _contiguous_param(weight)
     rs, dys, drs = rows_view("r", r), rows_view("grad_y", dy), None if dr_in is None else rows_view("grad_r", dr_in)
     rows = rs.shape[0]
-    dxs = dx.view(rows, n)
-    dress = dres.view(rows, n) if res_dtype is not None else None
-    x_bias = dxb if xb_dtype is not None else None  # its dtype and presence
     dropout = mask.numel() > 0
+    if r.dim() == 2:  # dx, dresidual and the mask [rows, ...] already: no views
+        dxs, dress, mr = dx, dres if res_dtype is not None else None, mask
+    else:
+        dxs = dx.view(rows, n)
+        dress = dres.view(rows, n) if res_dtype is not None else None
+        mr = mask.view(rows, -1) if dropout else None
+    x_bias = dxb if xb_dtype is not None else None  # its dtype and presence
     key = (
         _meta(rs),
         _meta(dys),
         _meta(drs),
-        _meta(weight, 31),  # 8 fp32 weights are 32 bytes: the address's low 5 bits matter
+        _param_meta(weight),
         _dtype(bias),
         x_dtype,
         res_dtype,
@@ -224,12 +258,12 @@ def backward(dy, dr_in, r, weight, bias, mean, rstd, mask, p, is_rms, x_dtype, r
     plan = _bwd_plans.get(key)
     if plan is None:
         plan = _bwd_plans.put(key, _BwdPlan(dys, drs, rs, weight, bias, x_bias, dxs, dress, is_rms, dropout))
-    part = lambda on: torch.empty((plan.ctas_per_col, n), dtype=torch.float32, device=dev) if on else None  # noqa: E731
+    part = lambda on: r.new_empty((plan.ctas_per_col, n), dtype=torch.float32) if on else None  # noqa: E731
     part_g, part_b, part_xb = part(weight is not None), part(bias is not None), part(xb_dtype is not None)
     mu = None if is_rms else norm_bwd.stat_view("mean", mean, rows)
     plan.fn(
         rs, dys, weight, mu, norm_bwd.stat_view("rstd", rstd, rows), dxs, part_g, part_b, plan.ctas_per_col,
-        drs, mask.view(rows, -1) if dropout else None, dress, part_xb, 1.0 / (1.0 - p),
+        drs, mr if dropout else None, dress, part_xb, 1.0 / (1.0 - p),
     )  # fmt: skip
     if plan.finalize is not None:
         plan.finalize(

@@ -224,21 +224,25 @@ def launch(grad_out, x, weight, mean, rstd, bias, is_rms, dx, dweight, dbias) ->
         plan.finalize(part_g, part_b, dweight, dbias, None, None)
 
 
-def _outputs(grad_out, x, weight, bias):
-    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
-    n = x.shape[-1]
-    # absent gradients are returned as empty tensors by the custom op (None outside it)
-    dweight = torch.empty(
-        n if weight is not None else 0, dtype=weight.dtype if weight is not None else x.dtype, device=x.device
-    )
-    dbias = torch.empty(
-        n if bias is not None else 0, dtype=bias.dtype if bias is not None else x.dtype, device=x.device
-    )
+def _outputs(grad_out, x, weight, bias, stub=True):
+    """dx, dweight, dbias: dx contiguous in x's shape and dtype, dweight / dbias as the (checked:
+    [N], on x's device) weight / bias. An absent gradient is an empty tensor with ``stub`` (the
+    custom op returns tensors), else None."""
+    contiguous = torch.contiguous_format
+    dx = torch.empty_like(x, memory_format=contiguous)
+    if weight is not None:
+        dweight = torch.empty_like(weight, memory_format=contiguous)
+    else:
+        dweight = x.new_empty((0,)) if stub else None
+    if bias is not None:
+        dbias = torch.empty_like(bias, memory_format=contiguous)
+    else:
+        dbias = x.new_empty((0,)) if stub else None
     return dx, dweight, dbias
 
 
-def _norm_backward_impl(grad_out, x, weight, mean, rstd, bias, is_rms):
-    dx, dweight, dbias = _outputs(grad_out, x, weight, bias)
+def _norm_backward_impl(grad_out, x, weight, mean, rstd, bias, is_rms, stub=True):
+    dx, dweight, dbias = _outputs(grad_out, x, weight, bias, stub)
     launch(
         grad_out,
         x,
@@ -273,10 +277,9 @@ def _(grad_out, x, weight, mean, rstd, bias, is_rms):
 
 
 def _norm_backward_call(grad_out, x, weight, mean, rstd, bias, is_rms):
-    if cc.eager(x):
-        dx, dw, db = _norm_backward_impl(grad_out, x, weight, mean, rstd, bias, is_rms)
-    else:
-        dx, dw, db = _norm_backward(grad_out, x, weight, mean, rstd, bias, is_rms)
+    if cc.eager(x):  # absent gradients come back as None
+        return _norm_backward_impl(grad_out, x, weight, mean, rstd, bias, is_rms, False)
+    dx, dw, db = _norm_backward(grad_out, x, weight, mean, rstd, bias, is_rms)
     return dx, dw if weight is not None else None, db if bias is not None else None
 
 
@@ -356,8 +359,10 @@ def forward_unsupported(x, weight, bias, arch=None) -> Optional[str]:
     return norm_forward.unsupported(x, weight, bias, arch)
 
 
-def _norm_forward_impl(x, weight, bias, eps, is_rms):
-    reason = forward_unsupported(x, weight, bias)
+def _norm_forward_impl(x, weight, bias, eps, is_rms, stub_mean=True):
+    """(y, mean, rstd); RMSNorm's mean (it has none) an empty tensor with ``stub_mean`` (the
+    custom op returns tensors), else None where our kernel runs (the eager paths)."""
+    reason = norm_forward.unsupported(x, weight, bias)  # (``forward_unsupported``)
     if log.isEnabledFor(logging.DEBUG):
         log.debug(
             "%s forward: %s",
@@ -365,7 +370,7 @@ def _norm_forward_impl(x, weight, bias, eps, is_rms):
             "ours" if reason is None else f"torch's ({reason})",
         )
     if reason is None:
-        return norm_forward.forward(x, weight, bias, eps, is_rms)
+        return norm_forward.forward(x, weight, bias, eps, is_rms, stub_mean)
     return _torch_forward(x, weight, bias, eps, is_rms)
 
 
@@ -389,10 +394,11 @@ def _norm_forward_call(x, weight, bias, eps, is_rms) -> Tensor:
     the body itself, or with a gradient wanted ``_NormEager``."""
     if not cc.eager(x):
         return _norm_forward(x, weight, bias, eps, is_rms)[0]
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    if not grad:
-        return _norm_forward_impl(x, weight, bias, eps, is_rms)[0]
-    return _NormEager.apply(x, weight, bias, eps, is_rms)[0]
+    if torch.is_grad_enabled() and (
+        x.requires_grad or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad)
+    ):
+        return _NormEager.apply(x, weight, bias, eps, is_rms)[0]
+    return _norm_forward_impl(x, weight, bias, eps, is_rms, False)[0]
 
 
 def _norm_setup(ctx, inputs, output):
@@ -402,8 +408,12 @@ def _norm_setup(ctx, inputs, output):
     ctx.has_weight = weight is not None
     ctx.has_bias = bias is not None
     ctx.save_for_backward(x, weight, bias, mean, rstd)
-    # the statistics take no gradient: without materialised zeros for them (two fills a step)
-    ctx.mark_non_differentiable(mean, rstd)
+    # the statistics take no gradient: without materialised zeros for them (two fills a step);
+    # the eager path's RMSNorm has no mean (None)
+    if mean is None:
+        ctx.mark_non_differentiable(rstd)
+    else:
+        ctx.mark_non_differentiable(mean, rstd)
     ctx.set_materialize_grads(False)
 
 
@@ -423,7 +433,7 @@ torch.library.register_autograd("cute_kernels::norm_forward", _norm_autograd_bac
 
 # the op's eager path with a gradient (the body looked up at call time, as the op's is)
 _NormEager = cc.eager_autograd(
-    "_NormEager", lambda *inputs: _norm_forward_impl(*inputs), _norm_setup, _norm_autograd_backward
+    "_NormEager", lambda *inputs: _norm_forward_impl(*inputs, False), _norm_setup, _norm_autograd_backward
 )
 
 
@@ -470,6 +480,54 @@ def _check_norm_inputs(x, weight, bias, eps):
             check_dtype(name, t, cc.FLOAT_DTYPES)
 
 
+_fronts = Memo()  # layer_norm / rms_norm calls' metadata whose checks passed: whether x is flattened
+
+
+def _meta(t):
+    return None if t is None else (type(t), t.device, t.dtype, t.shape)
+
+
+def _checked(x, normalized_shape, weight, bias, eps, is_rms):
+    """``_front``'s full checks, in the order of the errors they raise."""
+    if is_rms:
+        check_cuda("x", x)
+        check_dtype("x", x, cc.FLOAT_DTYPES)  # before finfo, which would reject an int dtype less clearly
+        if eps is None:
+            eps = torch.finfo(x.dtype).eps
+    _check_norm_inputs(x, weight, bias, eps)
+    xf, wf, bf = _flatten_normalized(x, _normalized_shape(x, normalized_shape), weight, bias)
+    return xf, wf, bf, float(eps)
+
+
+def _front(x, normalized_shape, weight, bias, eps, is_rms):
+    """(x, weight, bias, eps) of a layer_norm / rms_norm call as the forward takes them: [..., N],
+    [N] or None, a float (RMSNorm's None: x's dtype's eps, as torch).
+
+    The checks run in full once per metadata signature (x's, weight's and bias's type, device,
+    dtype and shape, and normalized_shape: host time matters), eps's on every call; a trace
+    (Dynamo cannot hash) and arguments that are not tensors or not hashable always take them in
+    full, which name what is wrong."""
+    key = flat = None
+    if not torch.compiler.is_compiling():
+        try:
+            key = (normalized_shape, _meta(x), _meta(weight), _meta(bias))
+            flat = _fronts.get(key)
+        except (AttributeError, TypeError):
+            key = None
+    if flat is None:
+        out = _checked(x, normalized_shape, weight, bias, eps, is_rms)
+        if key is not None:
+            _fronts.put(key, out[0] is not x)
+        return out
+    if eps is None and is_rms:
+        eps = torch.finfo(x.dtype).eps
+    if type(eps) is not float or eps - eps != 0.0:  # not a finite float: the check (ints pass) says
+        check_float("eps", eps)
+    if flat:
+        x, weight, bias = _flatten_normalized(x, _normalized_shape(x, normalized_shape), weight, bias)
+    return x, weight, bias, float(eps)
+
+
 def layer_norm(
     x: Tensor,
     normalized_shape: Union[int, Sequence[int], None] = None,
@@ -479,12 +537,9 @@ def layer_norm(
 ) -> Tensor:
     """``F.layer_norm`` through our forward and backward kernels (torch's forward where ours does
     not apply: ``forward_unsupported``); ``normalized_shape`` defaults to x's last dim."""
-    _check_norm_inputs(x, weight, bias, eps)
-    normalized_shape = _normalized_shape(x, normalized_shape)
-    shape = x.shape
-    xf, wf, bf = _flatten_normalized(x, normalized_shape, weight, bias)
-    y = _norm_forward_call(xf, wf, bf, float(eps), False)
-    return y if xf is x else y.reshape(shape)
+    xf, wf, bf, eps = _front(x, normalized_shape, weight, bias, eps, False)
+    y = _norm_forward_call(xf, wf, bf, eps, False)
+    return y if xf is x else y.reshape(x.shape)
 
 
 def rms_norm(
@@ -495,23 +550,16 @@ def rms_norm(
 ) -> Tensor:
     """``F.rms_norm`` through our forward and backward kernels (as ``layer_norm``); ``eps`` None
     means ``torch.finfo(x.dtype).eps`` as torch."""
-    check_cuda("x", x)
-    check_dtype("x", x, cc.FLOAT_DTYPES)  # before finfo, which would reject an int dtype less clearly
-    if eps is None:
-        eps = torch.finfo(x.dtype).eps
-    _check_norm_inputs(x, weight, None, eps)
-    normalized_shape = _normalized_shape(x, normalized_shape)
-    shape = x.shape
-    xf, wf, _ = _flatten_normalized(x, normalized_shape, weight, None)
-    y = _norm_forward_call(xf, wf, None, float(eps), True)
-    return y if xf is x else y.reshape(shape)
+    xf, wf, _, eps = _front(x, normalized_shape, weight, None, eps, True)
+    y = _norm_forward_call(xf, wf, None, eps, True)
+    return y if xf is x else y.reshape(x.shape)
 
 
 class LayerNorm(torch.nn.LayerNorm):
     """``torch.nn.LayerNorm`` whose forward and backward run our kernels on CUDA tensors."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.device.type != "cuda":
+        if not x.is_cuda:
             return super().forward(x)
         return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
@@ -520,7 +568,7 @@ class RMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` whose forward and backward run our kernels on CUDA tensors."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.device.type != "cuda":
+        if not x.is_cuda:
             return super().forward(x)
         return rms_norm(x, self.normalized_shape, self.weight, self.eps)
 

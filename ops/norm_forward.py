@@ -91,7 +91,13 @@ def unsupported(
     arch = arch or cc.tensor_arch(x)
     if arch is None:
         return f"x is on {x.device} (no CUDA arch known)"
-    key = (arch, x.dtype, x.shape[-1] if x.dim() else None, *(None if t is None else t.dtype for t in (weight, bias)))
+    key = (
+        arch,
+        x.dtype,
+        x.shape[-1] if x.dim() else None,
+        None if weight is None else weight.dtype,
+        None if bias is None else bias.dtype,
+    )
     reason = _verdicts.get(key, False)
     if reason is False:
         reason = _verdicts.put(key, _unsupported(x, weight, bias, arch))
@@ -174,7 +180,10 @@ def launch(x: Tensor, weight, bias, eps: float, is_rms: bool, y: Tensor, mean: O
     RMSNorm) and rstd (fp32, x.shape[:-1], contiguous)."""
     if x.numel() == 0:
         return
-    weight, bias = (t if t is None or t.stride(0) == 1 else t.contiguous() for t in (weight, bias))
+    if weight is not None and weight.stride(0) != 1:
+        weight = weight.contiguous()
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
     xs = _rows(x)
     rows, n = xs.shape
     plan = _plan(xs, weight, bias, is_rms)
@@ -186,11 +195,15 @@ def launch(x: Tensor, weight, bias, eps: float, is_rms: bool, y: Tensor, mean: O
 
 
 def forward(
-    x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, is_rms: bool
+    x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, is_rms: bool, stub_mean: bool = True
 ) -> Tuple[Tensor, ...]:
-    """(y, mean, rstd) of x [..., N] over N (``unsupported`` first: None)."""
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    mean = x.new_empty((0,), dtype=torch.float32) if is_rms else torch.empty_like(rstd)
+    """(y, mean, rstd) of x [..., N] over N (``unsupported`` first: None); RMSNorm's mean an empty
+    tensor with ``stub_mean``, else None."""
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    rstd = x.new_empty(x.shape[:-1], dtype=torch.float32)
+    if is_rms:
+        mean = x.new_empty((0,), dtype=torch.float32) if stub_mean else None
+    else:
+        mean = torch.empty_like(rstd)
     launch(x, weight, bias, eps, is_rms, y, None if is_rms else mean, rstd)
     return y, mean, rstd

@@ -113,6 +113,30 @@ def test_backward_arguments(recorder):
     assert args[9] is None and args[10] is None and args[11] is None and args[12] is None
 
 
+def test_eager_outputs_rows_as_allocated_and_absent_ones_none(recorder):
+    """Rows already [rows, N] hand the kernels y, r, the mask and the statistics as allocated (no
+    views); the eager path (``stub_mean`` / ``stub`` False) gets None for RMSNorm's mean and for
+    absent gradients, where the custom op needs empty tensors. Other ranks and p = 0 still view."""
+    x, res, w = torch.randn(6, 64, dtype=torch.bfloat16), torch.randn(6, 64), torch.randn(64)
+    y, r, mask, mean, rstd = K.forward(x, res, w, None, None, 0.1, 1e-5, True, False, False)
+    ((_, _, args),) = recorder
+    assert args[3] is y and args[10] is r and args[11] is mask and args[4] is None and args[5] is rstd
+    assert mean is None and y.is_contiguous() and r.dtype == torch.float32
+    y3, _, mask3, mean3, _ = K.forward(x.view(2, 3, 64), None, w, w, None, 0.0, 1e-5, False, False, False)
+    args = recorder[-1][2]
+    assert args[3].shape == (6, 64) and args[4].shape == (6,) and args[11] is None and mask3.numel() == 0
+    assert y3.shape == (2, 3, 64) and mean3.shape == (2, 3)
+    recorder.clear()
+    dy, rstd = torch.randn(2, 3, 64, dtype=torch.bfloat16), torch.rand(2, 3)
+    mask = torch.zeros(2, 3, 8, dtype=torch.uint8)
+    dx, dres, dw, db, dxb = K.backward(
+        dy, None, dy.float(), w, None, None, rstd, mask, 0.5, True, torch.bfloat16, None, None, False
+    )
+    assert dres is None and db is None and dxb is None and dw.shape == (64,) and dx.shape == (2, 3, 64)
+    args = recorder[0][2]
+    assert args[5].shape == (6, 64) and args[10].shape == (6, 8) and args[11] is None and args[12] is None
+
+
 def _fake_cuda(*shape, dtype=torch.bfloat16):
     return torch.empty(shape, device="cuda", dtype=dtype)
 
@@ -208,3 +232,30 @@ def test_modules_drop_only_in_training():
 def test_p_zero_mask_is_all_kept():
     _, bits = ops.dropout_add_layer_norm(torch.randn(3, 11), None, None, None, 0.0, return_dropout_mask=True)
     assert bits.shape == (3, 2) and unpack_mask(bits, 11).all() and (bits[:, 1] == 0b111).all()
+
+
+def test_checks_remembered_by_metadata_still_catch_new_metadata_and_values(monkeypatch):
+    """The tensors are checked in full once per metadata signature (CPU tensors take torch's
+    math, so a passing call is remembered here): new metadata is checked again, p, eps, rowscale
+    and RMSNorm's bias on every call."""
+    monkeypatch.setattr(DAN, "_checked", Memo())
+    x, res, w, b = torch.randn(4, 16), torch.randn(4, 16), torch.randn(16), torch.randn(16)
+    for _ in range(2):
+        ops.dropout_add_layer_norm(x, res, w, b, 0.1, 1e-5)
+    assert len(DAN._checked) == 1
+    bad = [
+        (lambda: ops.dropout_add_layer_norm(x, res, w, b, 1.0), ValueError, "p"),
+        (lambda: ops.dropout_add_layer_norm(x, res, w, b, float("nan")), ValueError, "p"),
+        (lambda: ops.dropout_add_layer_norm(x, res, w, b, True), TypeError, "p"),
+        (lambda: ops.dropout_add_layer_norm(x, res, w, b, 0.1, float("inf")), TypeError, "eps"),
+        (lambda: ops.dropout_add_layer_norm(x, res, w, b, 0.1, rowscale=x[:, 0]), NotImplementedError, "rowscale"),
+        (lambda: ops.dropout_add_rms_norm(x, res, w, b, 0.1), NotImplementedError, "bias"),
+        (lambda: ops.dropout_add_layer_norm(x, res[:, :8], w, b, 0.1), ValueError, "residual"),
+        (lambda: ops.dropout_add_layer_norm(x, res, w.int(), b, 0.1), TypeError, "weight"),
+        (lambda: ops.dropout_add_layer_norm(x, res, w, b.to("meta"), 0.1), ValueError, "bias"),
+        (lambda: ops.dropout_add_layer_norm(x.tolist(), res, w, b, 0.1), TypeError, "x"),
+    ]
+    for call, error, fragment in bad:
+        with pytest.raises(error, match=fragment):
+            call()
+    ops.dropout_add_layer_norm(x, res, w, b, 0, 1)  # int p and eps pass the full value checks

@@ -14,6 +14,7 @@ from ops import _compile as cc
 from ops import norm as N
 from ops import norm_forward as NF
 from ops._memo import Memo
+from ops._validate import check_tensor
 
 ROW_LENGTHS = (1, 7, 64, 1000, 4096, 8192, 16384, 131072)
 
@@ -292,3 +293,37 @@ def test_the_usual_call_makes_no_views():
     xf, wf, _ = N._flatten_normalized(x3, (4, 8), torch.randn(4, 8), None)
     assert xf.shape == (2, 3, 32) and wf.shape == (32,)
     assert rows_view("x", x3.reshape(2, 3, 32)).shape == (6, 32)
+
+
+def test_checks_remembered_by_metadata_still_catch_new_metadata_and_eps(monkeypatch):
+    """layer_norm / rms_norm check a call's tensors in full once per metadata signature: a call
+    whose x, weight, bias or normalized_shape differ is checked again, eps on every call."""
+    monkeypatch.setattr(N, "_fronts", Memo())
+    monkeypatch.setattr(N, "check_cuda", check_tensor)  # CPU tensors stand in for CUDA ones
+    x, w, b = torch.randn(4, 32), torch.randn(32), torch.randn(32)
+    want = torch.nn.functional.layer_norm(x, (32,), w, b, 1e-5)
+    for _ in range(2):  # checked, then remembered
+        torch.testing.assert_close(N.layer_norm(x, 32, w, b, 1e-5), want)
+    assert len(N._fronts) == 1
+    bad = [
+        (lambda: N.layer_norm(x, 32, w, b, float("nan")), TypeError, "eps"),
+        (lambda: N.layer_norm(x, 32, w, b, 0), None, None),  # an int eps is a float
+        (lambda: N.layer_norm(x, 32, w.to(torch.int32), b), TypeError, "weight"),
+        (lambda: N.layer_norm(x, 32, w, b.to("meta")), ValueError, "bias"),
+        (lambda: N.layer_norm(x, 32, w[:16], b), ValueError, "weight"),
+        (lambda: N.layer_norm(x, 16, w, b), ValueError, "normalized_shape"),
+        (lambda: N.layer_norm(x.int(), 32, w, b), TypeError, "x"),
+        (lambda: N.layer_norm(x.tolist(), 32, w, b), TypeError, "x"),
+        (lambda: N.layer_norm(x, [32], w, b), None, None),  # unhashable: checked every call
+        (lambda: N.rms_norm(x, 32, w, float("inf")), TypeError, "eps"),
+    ]
+    for call, error, fragment in bad:
+        if error is None:
+            call()
+        else:
+            with pytest.raises(error, match=fragment):
+                call()
+    x3, w2 = torch.randn(2, 3, 4, 8), torch.randn(4, 8)
+    for _ in range(2):  # two normalized dims: flattened on a remembered call too
+        got = N.rms_norm(x3, (4, 8), w2)
+        torch.testing.assert_close(got, torch.nn.functional.rms_norm(x3, (4, 8), w2))
