@@ -97,14 +97,22 @@ def kernel_ready(t: Tensor, vec: int = 1) -> Tensor:
     """
     if t.numel() == 0:
         return t
+    # the usual case first: dense, rows a multiple of vec (so every stride is), aligned
+    if (
+        t.is_contiguous()
+        and t.shape[-1] % vec == 0
+        and (type(t) is not Tensor or t.data_ptr() % (vec * t.element_size()) == 0)
+    ):
+        return t
     if t.shape[-1] > 1 and t.stride(-1) != 1:
         return t.contiguous()
     outer = [st for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1]
     if any(st == 0 or st % vec for st in outer):
         return t.contiguous()
-    # a traced (fake) tensor has no address: the launch checks it on the real one
+    # a traced (fake) tensor has no address: the launch checks it on the real one; a misaligned
+    # one may be contiguous already (``contiguous()`` would hand it back): a fresh copy then
     if type(t) is Tensor and t.data_ptr() % (vec * t.element_size()):
-        return t.contiguous()
+        return t.clone(memory_format=torch.contiguous_format)
     return t
 
 
