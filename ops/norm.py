@@ -499,6 +499,17 @@ def _checked(x, normalized_shape, weight, bias, eps, is_rms):
     return xf, wf, bf, float(eps)
 
 
+def _shape_key(normalized_shape):
+    """``normalized_shape`` in a memo key: ints only (a float or bool equal to an int would find
+    that int's entry and skip the checks that refuse it); anything else raises TypeError, so the
+    call takes the full checks."""
+    if type(normalized_shape) is int:
+        return normalized_shape
+    if type(normalized_shape) in (tuple, list, torch.Size) and all(type(n) is int for n in normalized_shape):
+        return tuple(normalized_shape)
+    raise TypeError("not a memo key")
+
+
 def _front(x, normalized_shape, weight, bias, eps, is_rms):
     """(x, weight, bias, eps) of a layer_norm / rms_norm call as the forward takes them: [..., N],
     [N] or None, a float (RMSNorm's None: x's dtype's eps, as torch).
@@ -510,7 +521,7 @@ def _front(x, normalized_shape, weight, bias, eps, is_rms):
     key = flat = None
     if not torch.compiler.is_compiling():
         try:
-            key = (normalized_shape, _meta(x), _meta(weight), _meta(bias))
+            key = (_shape_key(normalized_shape), _meta(x), _meta(weight), _meta(bias))
             flat = _fronts.get(key)
         except (AttributeError, TypeError):
             key = None

@@ -312,6 +312,10 @@ def test_checks_remembered_by_metadata_still_catch_new_metadata_and_eps(monkeypa
         (lambda: N.layer_norm(x, 32, w, b.to("meta")), ValueError, "bias"),
         (lambda: N.layer_norm(x, 32, w[:16], b), ValueError, "weight"),
         (lambda: N.layer_norm(x, 16, w, b), ValueError, "normalized_shape"),
+        # equal to the remembered 32, but no int: not the remembered entry, the full check refuses it
+        (lambda: N.layer_norm(x, 32.0, w, b), TypeError, "normalized_shape"),
+        (lambda: N.layer_norm(x, (32.0,), w, b), TypeError, "normalized_shape"),
+        (lambda: N.layer_norm(x, True, w, b), TypeError, "normalized_shape"),
         (lambda: N.layer_norm(x.int(), 32, w, b), TypeError, "x"),
         (lambda: N.layer_norm(x.tolist(), 32, w, b), TypeError, "x"),
         (lambda: N.layer_norm(x, [32], w, b), None, None),  # unhashable: checked every call
