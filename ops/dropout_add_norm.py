@@ -19,8 +19,15 @@ from torch import Tensor
 
 from . import _compile as cc
 from . import dropout_add_norm_kernels as K
-from ._memo import Memo
-from ._validate import check_dtype, check_float, check_probability, check_same_device, check_shape, check_tensor
+from ._validate import (
+    check_dtype,
+    check_float,
+    check_probability,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    validate_once,
+)
 
 
 @torch.library.custom_op("cute_kernels::dropout_add_norm_forward", mutates_args=(), device_types="cuda")
@@ -172,28 +179,13 @@ def _torch_call(x, residual, weight, bias, x_bias, p, eps, is_rms, residual_in_f
     return y.to(x.dtype), r, mask
 
 
-_checked = Memo()  # the tensors' metadata of calls whose checks passed
-
-
-def _meta(t):
-    return None if t is None else (type(t), t.device, t.dtype, t.shape)
-
-
 def _check(x, residual, weight, bias, x_bias, p, eps, rowscale, is_rms):
-    """The call's checks: the tensors' in full once per metadata signature (type, device, dtype
-    and shape of each; host time matters), the values' on every call. A trace (Dynamo cannot
-    hash) and arguments that are not tensors always take the full checks, which name them."""
-    key = None
-    if not torch.compiler.is_compiling():
-        try:
-            key = (_meta(x), _meta(residual), _meta(weight), _meta(bias), _meta(x_bias))
-            known = key in _checked
-        except (AttributeError, TypeError):
-            key = None
-    if key is None or not known:
-        _check_tensors(x, residual, weight, bias, x_bias)
-        if key is not None:
-            _checked.put(key, True)
+    """The call's checks: the tensors' in full once per metadata signature (``validate_once``:
+    host time matters), the values' on every call."""
+    validate_once(
+        ("dropout_add_norm", x, residual, weight, bias, x_bias),
+        lambda: _check_tensors(x, residual, weight, bias, x_bias),
+    )
     if type(p) is not float or not 0.0 <= p < 1.0:  # the check names what is wrong (ints pass)
         check_probability("p", p)
     if type(eps) is not float or eps - eps != 0.0:  # not a finite float

@@ -12,6 +12,7 @@ from cute_kernels.layer_norm import config as ln_config
 from cute_kernels.layer_norm.dropout_add import DropoutAdd
 from ops import _compile as cc
 from ops import dropout_add_norm as DAN
+from ops import _validate as V
 from ops import dropout_add_norm_kernels as K
 from ops import norm as N
 from ops import norm_forward as NF
@@ -238,11 +239,11 @@ def test_checks_remembered_by_metadata_still_catch_new_metadata_and_values(monke
     """The tensors are checked in full once per metadata signature (CPU tensors take torch's
     math, so a passing call is remembered here): new metadata is checked again, p, eps, rowscale
     and RMSNorm's bias on every call."""
-    monkeypatch.setattr(DAN, "_checked", Memo())
+    monkeypatch.setattr(V, "_validated", Memo())
     x, res, w, b = torch.randn(4, 16), torch.randn(4, 16), torch.randn(16), torch.randn(16)
     for _ in range(2):
         ops.dropout_add_layer_norm(x, res, w, b, 0.1, 1e-5)
-    assert len(DAN._checked) == 1
+    assert len(V._validated) == 1
     bad = [
         (lambda: ops.dropout_add_layer_norm(x, res, w, b, 1.0), ValueError, "p"),
         (lambda: ops.dropout_add_layer_norm(x, res, w, b, float("nan")), ValueError, "p"),

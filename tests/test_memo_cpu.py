@@ -7,7 +7,6 @@ import torch
 from ops import _validate as V
 from ops import attention_bwd_prepost as P
 from ops import attention_sm90 as S
-from ops import dropout_add_norm as DAN
 from ops import dropout_bias as D
 from ops import norm as N
 from ops._memo import Memo
@@ -25,7 +24,7 @@ def test_memo_starts_over_once_full():
 def test_the_ops_memos_are_bounded(monkeypatch):
     """Packed variable lengths give a new metadata key nearly every batch: the validation
     memo (here) and every launch-plan memo hold at most their limit."""
-    for memo in (V._validated, P._plans, N._plans, N._fronts, DAN._checked, D._plans, S._verdicts, S._call_plans):
+    for memo in (V._validated, P._plans, N._plans, N._fronts, D._plans, S._verdicts, S._call_plans):
         assert isinstance(memo, Memo) and memo.limit > 0
     monkeypatch.setattr(V, "_validated", Memo(limit=8))
     checks = []
