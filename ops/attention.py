@@ -63,7 +63,6 @@ Conventions (torch's, checked on torch 2.11 and 2.13):
 from __future__ import annotations
 
 import logging
-import math
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -85,6 +84,7 @@ from .attention_common import (
     check_bias,
     lse_rows,
     max_head_dim,
+    softmax_scale,
 )
 
 logger = logging.getLogger("cute_kernels")
@@ -306,7 +306,7 @@ def _mea_backward(ctx, grad_out, grad_lse, grad_seed, grad_offset):
     bias_grad = attn_bias is not None and ctx.needs_input_grad[10]
     # already as ``AttentionBackwardArgs.normalized`` makes them: the forward checked and
     # converted each value (``_backward`` then skips that step)
-    scale = ctx.scale if ctx.scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    scale = softmax_scale(ctx.scale, query.shape[-1])
     args = AttentionBackwardArgs(
         grad_out=grad_out,
         query=query,
@@ -870,11 +870,9 @@ def _backward(
         args = given
     else:
         check_backward_args(given)
-        scale = given.scale
-        if scale is None:
-            scale = 1.0 / math.sqrt(query.shape[-1])
-        check_float("scale", scale)
-        args = given.normalized(scale)
+        if given.scale is not None:
+            check_float("scale", given.scale)
+        args = given.normalized(softmax_scale(given.scale, query.shape[-1]))
     grad_q, grad_k, grad_v, grad_bias, grad_sink = run_backward(args) if cc.eager(query) else _op(*args.op_args())
     if given.sink is None:
         grad_sink = None

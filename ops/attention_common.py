@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from dataclasses import dataclass
 from typing import Optional
@@ -30,6 +31,11 @@ from ._validate import check_cuda, check_dtype, check_same_device, check_tensor,
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LSE_ALIGN = 32  # kAlignLSE of torch's forward: logsumexp rows are padded to a multiple of it
+
+
+def softmax_scale(scale, head_dim: int) -> float:
+    """The softmax scale a call asked for, as a float; None: 1 / sqrt(head_dim), torch's default."""
+    return float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
 
 
 def lse_rows(max_seqlen_q: int) -> int:

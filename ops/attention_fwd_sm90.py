@@ -33,7 +33,7 @@ from layouts.attention_fwd_sm90 import SMEM_LIMIT, tma_align_elems
 from . import _compile as cc
 from ._memo import Memo
 from .philox import philox_state  # noqa: F401 (the attention ops take it from here)
-from .attention_common import lse_rows, remembered_verdict, tma_misaligned
+from .attention_common import lse_rows, remembered_verdict, softmax_scale, tma_misaligned
 
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -247,7 +247,7 @@ def attention_forward_sm90(
         sink is not None,
         short_causal(d, dv, causal, keys, window_size > 0, bias is not None, dropout),
     )
-    scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
+    scale = softmax_scale(scale, d)
     if bias is not None:
         bias = bias.expand(b, h, mq, key.shape[1])  # a view: broadcast dims get stride 0
     rng = (None,) * 5

@@ -21,7 +21,6 @@ and the collectives, not the kernels).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple, Union
 
@@ -36,7 +35,7 @@ from . import reference
 from ._validate import check_dtype, check_float, check_tensor, kernel_ready
 from .attention import check_backend, efficient_attention_backward, memory_efficient_attention, resolve_deterministic
 from .attention_checks import mask_type_of, window_of
-from .attention_common import DTYPES
+from .attention_common import DTYPES, softmax_scale
 from .context_parallel_layout import shard, unshard
 
 _CAUSAL = {0: False, 2: "bottom_right"}
@@ -306,7 +305,7 @@ def context_parallel_attention(
         attention = op_attention(backend, deterministic) if query.is_cuda else REFERENCE_ATTENTION
     elif not isinstance(attention, ChunkAttention):
         raise TypeError(f"attention must be a ChunkAttention, got {type(attention).__name__}")
-    scale = float(scale) if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    scale = softmax_scale(scale, query.shape[-1])
     plan = _plan(group, query, mask_type, window, scale, attention)
     out, lse = _ContextParallelAttention.apply(query, key, value, plan)
     return (out, lse) if return_lse else out
