@@ -138,33 +138,16 @@ def eager_autograd(name: str, forward, setup_context, backward) -> type:
     time than a short kernel takes. For calls that ``eager`` admits; graphs keep the op. Callers
     pass every input (no defaults are filled in): ``setup_context`` runs inside the Function's
     own ``forward``, since a Function that defines ``setup_context`` has ``apply`` bind its
-    arguments to the forward's signature on every call (``inspect.signature``: about 13 us).
-
-    Its ``apply`` does what ``Function.apply`` does for such a Function outside functorch
-    transforms (dead functorch wrappers unwrapped, then the C++ apply) without that method's
-    Python around it (about 2 us a call); under a transform it is ``Function.apply`` itself."""
+    arguments to the forward's signature on every call (``inspect.signature``: about 13 us)."""
 
     def _forward(ctx, *inputs):
         output = forward(*inputs)
         setup_context(ctx, inputs, output)
         return output
 
-    cls = type(
+    return type(
         name, (torch.autograd.Function,), {"forward": staticmethod(_forward), "backward": staticmethod(backward)}
     )
-    generic = cls.apply  # Function.apply bound to cls
-    c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, cls)  # what its super().apply calls
-    transforms_active = torch._C._are_functorch_transforms_active
-    unwrap = torch._C._functorch.unwrap_if_dead
-    tensor = torch.Tensor
-
-    def apply(*args):
-        if transforms_active():
-            return generic(*args)
-        return c_apply(*[unwrap(a) if isinstance(a, tensor) else a for a in args])
-
-    cls.apply = staticmethod(apply)
-    return cls
 
 
 def capturing() -> bool:
