@@ -20,7 +20,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-WARP = 32
+WARP = cute.arch.WARP_SIZE  # lanes that each take one sequence a round of the prefix sum
 PAST_THE_END = 1 << 22  # the query block a CTA past the real ones gets (x tile_m stays in int32)
 
 
